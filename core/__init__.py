@@ -1,0 +1,111 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# Importable with torch absent; every value is a frozen dataclass validated on construction.
+"""zeroplan's pure planner.
+
+From parameter descriptions and a topology it computes, as immutable values,
+the partition plan, the gradient bucket layout, loss-scaler transitions,
+memory per rank, bytes moved per step and reshard plans. No GPU, no process
+group and no torch are needed::
+
+    >>> from zeroplan.core import Topology, memory_report, plan, specs_from_shapes
+    >>> zp = plan(specs_from_shapes([(4096, 4096)] * 4, dtype="bf16"),
+    ...           Topology(world_size=8), stage=2, optimizer="AdamW")
+    >>> report = memory_report(zp)
+    >>> report.ranks[0].optimizer_state_bytes == report.ranks[7].optimizer_state_bytes
+    True
+"""
+
+from zeroplan.core.buckets import Bucket, BucketLayout, GradCopy, Piece, plan_buckets
+from zeroplan.core.comm import Collective, send_elements
+from zeroplan.core.dtypes import canonical_dtype, itemsize, master_dtype
+from zeroplan.core.errors import (
+    ConfigError,
+    IncompatiblePlanError,
+    PlanInvariantError,
+    ZeroplanError,
+)
+from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
+from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
+from zeroplan.core.partition import Fragment, PartitionPlan, Space, plan_from_assignment
+from zeroplan.core.planner import (
+    DEFAULT_ALIGNMENT,
+    DEFAULT_BUCKET_BYTES,
+    InnerTensor,
+    Stage,
+    ZeroPlan,
+    auto_strategy,
+    plan,
+)
+from zeroplan.core.presets import preset_names, preset_specs
+from zeroplan.core.reshard import Copy, ReshardPlan, plan_reshard
+from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
+from zeroplan.core.span import Span
+from zeroplan.core.specs import ParamSpec, check_specs, specs_from_module, specs_from_shapes
+from zeroplan.core.strategies import (
+    PartitionStrategy,
+    flat_even,
+    get_strategy,
+    greedy_whole,
+    lpt_whole,
+    register_strategy,
+    strategy_names,
+)
+from zeroplan.core.topology import Topology
+
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "BucketLayout",
+    "Collective",
+    "Copy",
+    "CommCost",
+    "ConfigError",
+    "Fragment",
+    "GradCopy",
+    "IncompatiblePlanError",
+    "InnerTensor",
+    "MemoryReport",
+    "OptimizerSpec",
+    "ParamSpec",
+    "PartitionPlan",
+    "PartitionStrategy",
+    "Piece",
+    "PlanInvariantError",
+    "RankReport",
+    "ReshardPlan",
+    "ScalerConfig",
+    "ScalerState",
+    "Space",
+    "Span",
+    "Stage",
+    "Topology",
+    "ZeroPlan",
+    "ZeroplanError",
+    "auto_strategy",
+    "canonical_dtype",
+    "check_specs",
+    "communication",
+    "describe_optimizer",
+    "flat_even",
+    "get_strategy",
+    "greedy_whole",
+    "initial_state",
+    "itemsize",
+    "known_optimizers",
+    "lpt_whole",
+    "master_dtype",
+    "memory_report",
+    "plan",
+    "plan_buckets",
+    "plan_from_assignment",
+    "plan_reshard",
+    "preset_names",
+    "preset_specs",
+    "register_strategy",
+    "send_elements",
+    "specs_from_module",
+    "specs_from_shapes",
+    "strategy_names",
+    "update",
+]

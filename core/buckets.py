@@ -1,0 +1,248 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# Gradient buckets derived from a partition plan; ranks are shard ranks.
+"""``BucketLayout``: how gradients are grouped and reduced.
+
+[Note: buckets]
+Backward produces gradients in reverse parameter order, so a bucket is an
+interval of a space's *space coordinate*, taken from the end: the first bucket
+holds the last parameters. Buckets are capped in bytes and their boundaries fall
+on multiples of the alignment; a parameter larger than the cap is cut across
+several buckets.
+
+Each rank's share of a bucket is one contiguous window of its shard (shards are
+packed in parameter order), a *piece*. A bucket is reduced by one collective
+that delivers every rank exactly its piece: its gradients are copied into a
+staging buffer laid out as the pieces one after the other, in rank order, and
+
+* ``reduce_scatter`` when every rank has an equal piece,
+* ``reduce`` when a single rank owns the whole bucket,
+* ``reduce_scatter_v`` (uneven pieces, some empty) otherwise.
+
+Over all buckets, a rank's pieces tile its shard exactly once. Buckets launch
+in ``buckets`` order on every rank (the order collectives must match in), each
+once all its parameters' gradients are ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zeroplan.core.comm import Collective
+from zeroplan.core.errors import check_config, require
+from zeroplan.core.fingerprint import digest
+from zeroplan.core.partition import PartitionPlan
+from zeroplan.core.span import Span
+
+__all__ = ["Bucket", "BucketLayout", "GradCopy", "Piece", "plan_buckets"]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One rank's share of a bucket.
+
+    Attributes:
+        rank: shard rank.
+        shard_span: the window of that rank's shard the bucket reduces into.
+        staging_offset: where the piece starts in the bucket's staging buffer.
+    """
+
+    rank: int
+    shard_span: Span
+    staging_offset: int
+
+    @property
+    def staging_span(self) -> Span:
+        """The piece's range in the staging buffer."""
+        return self.shard_span.shift(self.staging_offset - self.shard_span.start)
+
+
+@dataclass(frozen=True, slots=True)
+class GradCopy:
+    """Copy ``param.grad.flatten()[param_span]`` to ``staging[staging_offset:]``."""
+
+    param: int
+    param_span: Span
+    staging_offset: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bucket:
+    """A group of gradient elements reduced by one collective.
+
+    Attributes:
+        index: position in launch order.
+        space: index of the dtype space.
+        span: the interval of the space coordinate it covers.
+        pieces: non-empty per-rank pieces, in rank order.
+        copies: how to fill the staging buffer from parameter gradients.
+        params: parameters whose gradients it needs, increasing.
+        collective: the collective that reduces it (see [Note: buckets]).
+    """
+
+    index: int
+    space: int
+    span: Span
+    pieces: tuple[Piece, ...]
+    copies: tuple[GradCopy, ...]
+    params: tuple[int, ...]
+    collective: Collective
+
+    @property
+    def numel(self) -> int:
+        """Elements in the bucket (and its staging buffer)."""
+        return self.span.numel
+
+    def piece_sizes(self, shard_size: int) -> tuple[int, ...]:
+        """Elements of the bucket each shard rank receives (0 for most ranks of a ``reduce``)."""
+        sizes = [0] * shard_size
+        for piece in self.pieces:
+            sizes[piece.rank] = piece.shard_span.numel
+        return tuple(sizes)
+
+    def piece_of(self, rank: int) -> Piece | None:
+        """Rank ``rank``'s piece, or ``None`` when it receives nothing from this bucket."""
+        return next((p for p in self.pieces if p.rank == rank), None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BucketLayout:
+    """All gradient buckets of a partition plan, in launch order.
+
+    Attributes:
+        bucket_bytes: byte cap of one bucket.
+        alignment: bucket boundaries are multiples of it (space coordinate).
+        buckets: the buckets, in the order every rank launches them.
+        param_buckets: per parameter index, the buckets holding part of it.
+    """
+
+    bucket_bytes: int
+    alignment: int
+    buckets: tuple[Bucket, ...]
+    param_buckets: tuple[tuple[int, ...], ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        nparams = 1 + max((p for b in self.buckets for p in b.params), default=-1)
+        table: list[list[int]] = [[] for _ in range(nparams)]
+        for position, bucket in enumerate(self.buckets):
+            require(bucket.index == position, f"bucket at position {position} has index {bucket.index}")
+            for p in bucket.params:
+                table[p].append(position)
+        object.__setattr__(self, "param_buckets", tuple(tuple(t) for t in table))
+
+    def buckets_of(self, param: int) -> tuple[int, ...]:
+        """Indices of the buckets that need parameter ``param``'s gradient."""
+        return self.param_buckets[param] if param < len(self.param_buckets) else ()
+
+    def fingerprint(self) -> str:
+        """Stable digest of the layout."""
+        return digest(
+            "buckets/v1",
+            [
+                self.bucket_bytes,
+                self.alignment,
+                *(
+                    (
+                        b.space,
+                        b.span.start,
+                        b.span.stop,
+                        b.collective.value,
+                        tuple((p.rank, p.shard_span.start, p.shard_span.stop) for p in b.pieces),
+                    )
+                    for b in self.buckets
+                ),
+            ],
+        )
+
+
+def plan_buckets(plan: PartitionPlan, bucket_bytes: int, alignment: int | None = None) -> BucketLayout:
+    """Group the plan's gradients into reduce buckets (see [Note: buckets]).
+
+    Args:
+        plan: the partition plan.
+        bucket_bytes: cap of one bucket, in bytes (at least one alignment unit
+            is always taken).
+        alignment: boundary multiple in elements; defaults to the plan's.
+
+    Example:
+        >>> from zeroplan.core.specs import specs_from_shapes
+        >>> from zeroplan.core.strategies import flat_even
+        >>> layout = plan_buckets(flat_even(specs_from_shapes([(8,), (8,)]), 2, 4), 32)
+        >>> [(b.span, b.collective.value) for b in layout.buckets]
+        [(Span(start=8, stop=16), 'reduce'), (Span(start=0, stop=8), 'reduce')]
+    """
+    check_config(
+        type(bucket_bytes) is int and bucket_bytes >= 1,
+        f"bucket size must be a positive number of bytes, got {bucket_bytes!r}",
+    )
+    alignment = plan.alignment if alignment is None else alignment
+    check_config(
+        type(alignment) is int and alignment >= 1,
+        f"alignment must be an int >= 1 (elements), got {alignment!r}",
+    )
+    drafts: list[tuple[int, int, Span, tuple[Piece, ...], tuple[GradCopy, ...], tuple[int, ...]]] = []
+    for space in plan.spaces:
+        itemsize = plan.specs[space.params[0]].itemsize
+        cap = max(alignment, bucket_bytes // itemsize // alignment * alignment)
+        offset_of = dict(zip(space.params, space.param_offsets, strict=True))
+        runs = [f for f in space.runs if f.param_span.numel]
+        run = len(runs) - 1
+        hi = space.numel
+        while hi > 0:
+            lo = max(0, -(-(hi - cap) // alignment) * alignment)
+            by_rank: dict[int, list[tuple[int, Span, Span]]] = {}
+            while run >= 0 and offset_of[runs[run].param] + runs[run].param_span.stop > lo:
+                frag = runs[run]
+                start = offset_of[frag.param] + frag.param_span.start
+                clip = Span(max(start, lo), min(start + frag.param_span.numel, hi))
+                param_span = clip.shift(frag.param_span.start - start)
+                shard_span = clip.shift(frag.shard_offset - start)
+                by_rank.setdefault(frag.rank, []).append((frag.param, param_span, shard_span))
+                if start >= lo:
+                    run -= 1
+                else:
+                    break
+            pieces: list[Piece] = []
+            copies: list[GradCopy] = []
+            staging = 0
+            for rank in sorted(by_rank):
+                parts = sorted(by_rank[rank], key=lambda part: part[2].start)
+                window = Span(parts[0][2].start, parts[-1][2].stop)
+                require(
+                    window.numel == sum(part[2].numel for part in parts),
+                    f"bucket [{lo}, {hi}) of space {space.index} is not contiguous in rank {rank}'s shard",
+                )
+                pieces.append(Piece(rank, window, staging))
+                for param, param_span, shard_span in parts:
+                    copies.append(GradCopy(param, param_span, staging + shard_span.start - window.start))
+                staging += window.numel
+            require(
+                staging == hi - lo, f"bucket [{lo}, {hi}) of space {space.index} covers {staging} elements"
+            )
+            params = tuple(sorted({c.param for c in copies}))
+            drafts.append((params[0], space.index, Span(lo, hi), tuple(pieces), tuple(copies), params))
+            hi = lo
+    # Launch order: a bucket is complete when its lowest-index parameter is ready, and
+    # backward readies parameters in decreasing index order.
+    drafts.sort(key=lambda d: (-d[0], d[1], -d[2].start))
+    buckets = tuple(
+        Bucket(
+            index=i,
+            space=space,
+            span=span,
+            pieces=pieces,
+            copies=copies,
+            params=params,
+            collective=_collective(pieces, plan.shard_size),
+        )
+        for i, (_, space, span, pieces, copies, params) in enumerate(drafts)
+    )
+    return BucketLayout(bucket_bytes=bucket_bytes, alignment=alignment, buckets=buckets)
+
+
+def _collective(pieces: tuple[Piece, ...], shard_size: int) -> Collective:
+    sizes = {p.shard_span.numel for p in pieces}
+    if len(pieces) == shard_size and len(sizes) == 1:
+        return Collective.REDUCE_SCATTER
+    if len(pieces) == 1:
+        return Collective.REDUCE
+    return Collective.REDUCE_SCATTER_V

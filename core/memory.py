@@ -1,0 +1,346 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# Exact memory and traffic per rank, read off a ZeroPlan (never a separate formula).
+"""Memory per rank and bytes sent per step, derived from a :class:`ZeroPlan`.
+
+[Note: what is counted]
+Every number is the size of a buffer the facade allocates (or, for stage 0,
+that ``DistributedDataParallel`` + a ``torch.optim`` optimizer allocate), so
+the facade's measured accounting can be compared with it exactly:
+
+* ``params`` — the full parameter buffers (stages 0-2) or the rank's parameter
+  shards (stage 3), plus frozen parameters, which every rank keeps whole.
+* ``grads`` — stage 0: every gradient; stage 1: the full gradient buffer plus
+  the rank's reduced gradient shard; stages 2-3: the reduced shard only.
+* ``master`` — fp32 copies of the parameters the rank steps (bf16/fp16 only).
+* ``optimizer_state`` — the inner optimizer's state for what the rank steps.
+* ``buffers`` — stage 0: DDP's flat bucket copy of all gradients. Otherwise the
+  peak of the gradient staging buffers (``max_inflight_buckets`` consecutive
+  buckets) or of the fp32 gradient scratch of the step (bf16/fp16), whichever
+  is larger (they are never alive together); stage 3 adds parameter gathers.
+
+Autograd's own transient gradient tensors before they are copied into staging
+are not counted (no framework can bound them), nor are activations.
+
+Traffic follows the cost model of :mod:`zeroplan.core.comm`, per collective and
+process group (``shard``, ``replica`` or, for stage 0, ``world``).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeroplan.core.buckets import Bucket
+from zeroplan.core.comm import Collective, all_reduce_send
+from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
+from zeroplan.core.planner import Stage, ZeroPlan
+
+__all__ = ["CommCost", "MemoryReport", "RankReport", "communication", "memory_report"]
+
+_FP32 = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommCost:
+    """Traffic of one kind of collective on one process group, per step.
+
+    Attributes:
+        group: ``"shard"``, ``"replica"`` or ``"world"``.
+        collective: the collective.
+        calls: how many calls per step.
+        bytes: bytes this rank sends in them (see [Note: cost model]).
+    """
+
+    group: str
+    collective: Collective
+    calls: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankReport:
+    """Memory and traffic of one world rank (see [Note: what is counted])."""
+
+    rank: int
+    shard_rank: int
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optimizer_state_bytes: int
+    buffer_bytes: int
+    comm: tuple[CommCost, ...]
+    total_bytes: int = field(init=False)
+    comm_bytes_per_step: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        parts = (
+            self.params_bytes,
+            self.grads_bytes,
+            self.master_bytes,
+            self.optimizer_state_bytes,
+            self.buffer_bytes,
+        )
+        if min(parts) < 0:
+            raise ValueError(f"negative byte count in report of rank {self.rank}: {parts}")
+        object.__setattr__(self, "total_bytes", sum(parts))
+        object.__setattr__(self, "comm_bytes_per_step", sum(c.bytes for c in self.comm))
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping (the CLI's ``--json`` per-rank record)."""
+        return {
+            "rank": self.rank,
+            "shard_rank": self.shard_rank,
+            "params_bytes": self.params_bytes,
+            "grads_bytes": self.grads_bytes,
+            "master_bytes": self.master_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "buffer_bytes": self.buffer_bytes,
+            "total_bytes": self.total_bytes,
+            "comm_bytes_per_step": self.comm_bytes_per_step,
+            "comm": [
+                {"group": c.group, "collective": c.collective.value, "calls": c.calls, "bytes": c.bytes}
+                for c in self.comm
+            ],
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryReport:
+    """Per-rank memory and traffic of a plan."""
+
+    fingerprint: str
+    world: int
+    shard_size: int
+    stage: int
+    strategy: str
+    total_params: int
+    ranks: tuple[RankReport, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping (the CLI's ``--json`` document)."""
+        return {
+            "fingerprint": self.fingerprint,
+            "world": self.world,
+            "shard_size": self.shard_size,
+            "stage": self.stage,
+            "strategy": self.strategy,
+            "total_params": self.total_params,
+            "ranks": [r.as_dict() for r in self.ranks],
+        }
+
+
+def _staging_peak(zp: ZeroPlan) -> int:
+    """Largest total bytes of ``max_inflight_buckets`` consecutive buckets."""
+    sizes = [b.numel * DTYPE_ITEMSIZE[zp.partition.spaces[b.space].dtype] for b in zp.buckets.buckets]
+    k = zp.max_inflight_buckets
+    return max((sum(sizes[i : i + k]) for i in range(len(sizes))), default=0)
+
+
+class _Tally:
+    """Per-rank totals of (group, collective) -> [calls, bytes], in first-use order."""
+
+    def __init__(self, ranks: int) -> None:
+        self.rows: list[dict[tuple[str, Collective], list[int]]] = [{} for _ in range(ranks)]
+
+    def add(self, rank: int, group: str, collective: Collective, nbytes: int, calls: int = 1) -> None:
+        entry = self.rows[rank].setdefault((group, collective), [0, 0])
+        entry[0] += calls
+        entry[1] += nbytes
+
+    def costs(self, rank: int) -> tuple[CommCost, ...]:
+        return tuple(
+            CommCost(group=grp, collective=coll, calls=calls, bytes=nbytes)
+            for (grp, coll), (calls, nbytes) in self.rows[rank].items()
+        )
+
+
+def _traffic(zp: ZeroPlan, clipping: bool) -> _Tally:
+    """Traffic of every world rank in one step.
+
+    Sums the per-call cost model of :func:`~zeroplan.core.comm.send_elements`
+    over all calls, using its linearity (a reducing call costs ``total - own``,
+    a gathering one ``total - successor's``), so thousands of ranks and buckets
+    cost ``O(ranks + pieces)``. A test checks it against per-call sums.
+    """
+    topo = zp.topology
+    n, r, world = topo.shard_size, topo.replica_size, topo.world_size
+    spaces = zp.partition.spaces
+    tally = _Tally(world)
+    buckets = zp.buckets.buckets
+    sized = [(b, DTYPE_ITEMSIZE[spaces[b.space].dtype]) for b in buckets]
+
+    if zp.stage is Stage.DDP:
+        if world > 1:
+            _ddp_traffic(tally, sized, world)
+    else:
+        # payload[(collective, factor)] = [bytes, calls]; minus[...][s] = what rank s does not send.
+        payload: dict[Collective, list[int]] = {}
+        minus: dict[Collective, list[int]] = {}
+
+        def account(collective: Collective, nbytes: int, calls: int, skip: list[tuple[int, int]]) -> None:
+            entry = payload.setdefault(collective, [0, 0])
+            entry[0] += nbytes
+            entry[1] += calls
+            row = minus.get(collective)
+            if row is None:
+                row = minus[collective] = [0] * n
+            for rank, bytes_ in skip:
+                row[rank] += bytes_
+
+        for b, isz in sized:
+            pieces = [(p.rank, p.shard_span.numel * isz) for p in b.pieces]
+            account(b.collective, b.numel * isz, 1, pieces)
+            if zp.stage is Stage.PARAMETERS:
+                # Gathered for forward and again for backward; a sender skips its successor's piece.
+                gather = (
+                    Collective.ALL_GATHER
+                    if b.collective is Collective.REDUCE_SCATTER
+                    else Collective.BROADCAST
+                )
+                calls = 1 if gather is Collective.ALL_GATHER else len(b.pieces)
+                account(gather, 2 * b.numel * isz, 2 * calls, [((q - 1) % n, 2 * nb) for q, nb in pieces])
+        if zp.stage is not Stage.PARAMETERS:
+            for space in spaces:
+                isz = DTYPE_ITEMSIZE[space.dtype]
+                calls = 1 if space.gather is Collective.ALL_GATHER else sum(1 for o in space.owned if o)
+                skip = [((q - 1) % n, o * isz) for q, o in enumerate(space.owned)]
+                account(space.gather, space.numel * isz, calls, skip)
+        # MiCS: each piece is then all-reduced over the replica group; count pieces by size.
+        piece_sizes: list[Counter[tuple[int, int]]] = [Counter() for _ in range(n)]
+        if r > 1:
+            for b, isz in sized:
+                for p in b.pieces:
+                    piece_sizes[p.rank][(p.shard_span.numel, isz)] += 1
+        for w in range(world):
+            s, g = topo.shard_rank(w), topo.replica_rank(w)
+            for collective, (nbytes, calls) in payload.items():
+                if n > 1 and calls:
+                    tally.add(w, "shard", collective, nbytes - minus[collective][s], calls)
+            for (numel, isz), count in piece_sizes[s].items():
+                nbytes = count * all_reduce_send(numel, r, g) * isz
+                tally.add(w, "replica", Collective.ALL_REDUCE, nbytes, count)
+    controls = int(zp.loss_scaling) + int(clipping)
+    if controls:
+        for w in range(world):
+            if zp.stage is Stage.DDP:
+                group, size, position = "world", world, w
+            else:
+                group, size, position = "shard", n, topo.shard_rank(w)
+            if size > 1:
+                nbytes = controls * all_reduce_send(1, size, position) * _FP32
+                tally.add(w, group, Collective.ALL_REDUCE, nbytes, controls)
+    return tally
+
+
+def _ddp_traffic(tally: _Tally, sized: list[tuple[Bucket, int]], world: int) -> None:
+    """Ring all-reduce of every bucket over the world.
+
+    Rank ``w`` sends ``2M - chunk(w) - chunk(w+1)`` per bucket of ``M``
+    elements, ``chunk(i) = M // W + (i < M % W)``; summed with one sort.
+    """
+    total = sum(2 * b.numel * isz for b, isz in sized)
+    base = sum(b.numel // world * isz for b, isz in sized)
+    extras = sorted((b.numel % world, isz) for b, isz in sized)
+    keys = [e for e, _ in extras]
+    suffix = [0] * (len(extras) + 1)  # suffix[i]: bytes of buckets i.. in remainder order
+    for i in range(len(extras) - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + extras[i][1]
+
+    def chunk_bytes(w: int) -> int:
+        return base + suffix[bisect_right(keys, w)]
+
+    for w in range(world):
+        nbytes = total - chunk_bytes(w) - chunk_bytes((w + 1) % world)
+        tally.add(w, "world", Collective.ALL_REDUCE, nbytes, len(sized))
+
+
+def communication(zp: ZeroPlan, rank: int, *, clipping: bool = False) -> tuple[CommCost, ...]:
+    """Bytes world rank ``rank`` sends in one step, per (group, collective).
+
+    Args:
+        zp: the plan.
+        rank: world rank.
+        clipping: include the all-reduce of ``ZeroOptimizer.clip_grad_norm_``.
+    """
+    return _traffic(zp, clipping).costs(rank)
+
+
+def _rank_memory(
+    zp: ZeroPlan, shard_rank: int, staging_peak: int, frozen: int
+) -> tuple[int, int, int, int, int]:
+    """(params, grads, master, optimizer state, buffers) bytes of a shard rank."""
+    stage, specs = zp.stage, zp.specs
+    params = grads = master = state = 0
+    scratch = 0
+    for space in zp.partition.spaces:
+        isz = DTYPE_ITEMSIZE[space.dtype]
+        low = space.dtype in LOW_PRECISION
+        full, shard = space.numel * isz, space.shard_numel[shard_rank] * isz
+        if stage is Stage.DDP:
+            params += full
+            grads += full
+            master += space.numel * _FP32 if low else 0
+            continue
+        params += shard if stage is Stage.PARAMETERS else full
+        grads += shard + (full if stage is Stage.OPTIMIZER else 0)
+        if low:
+            master += space.shard_numel[shard_rank] * _FP32
+            scratch += space.shard_numel[shard_rank] * _FP32
+    if stage is Stage.DDP:
+        for spec in specs:
+            if spec.trainable:
+                state += zp.optimizers[spec.group].state_bytes(
+                    spec.shape, DTYPE_ITEMSIZE[master_dtype(spec.dtype)]
+                )
+        buffers = sum(space.numel * DTYPE_ITEMSIZE[space.dtype] for space in zp.partition.spaces)
+        return params + frozen, grads, master, state, buffers
+    for tensor in zp.inner_tensors(shard_rank):
+        dtype = master_dtype(zp.partition.spaces[tensor.space].dtype)
+        state += zp.optimizers[tensor.group].state_bytes(tensor.shape, DTYPE_ITEMSIZE[dtype])
+    staging = staging_peak * (2 if stage is Stage.PARAMETERS else 1)
+    return params + frozen, grads, master, state, max(staging, scratch)
+
+
+def memory_report(zp: ZeroPlan, *, clipping: bool = False) -> MemoryReport:
+    """Memory per rank and traffic per step of every world rank of ``zp``.
+
+    Ranks in one replica group hold identical shards and are computed once.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(1024,)] * 4), Topology(world_size=2), alignment=128)
+        >>> [r.optimizer_state_bytes for r in memory_report(zp).ranks]   # 2 fp32 states + step
+        [16388, 16388]
+    """
+    topo = zp.topology
+    peak = _staging_peak(zp)
+    frozen = zp.frozen_bytes
+    per_shard = [_rank_memory(zp, s, peak, frozen) for s in range(topo.shard_size)]
+    traffic = _traffic(zp, clipping)
+    ranks = []
+    for rank in range(topo.world_size):
+        s = topo.shard_rank(rank)
+        params, grads, master, state, buffers = per_shard[s]
+        ranks.append(
+            RankReport(
+                rank=rank,
+                shard_rank=s,
+                params_bytes=params,
+                grads_bytes=grads,
+                master_bytes=master,
+                optimizer_state_bytes=state,
+                buffer_bytes=buffers,
+                comm=traffic.costs(rank),
+            )
+        )
+    return MemoryReport(
+        fingerprint=zp.fingerprint(),
+        world=topo.world_size,
+        shard_size=topo.shard_size,
+        stage=int(zp.stage),
+        strategy=zp.partition.strategy,
+        total_params=sum(s.numel for s in zp.specs),
+        ranks=tuple(ranks),
+    )

@@ -1,0 +1,344 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# Ranks are shard-group ranks 0..k-1 and enter only as values in the plan.
+"""``PartitionPlan``: which shard rank owns which elements of which parameter.
+
+[Note: layout]
+Trainable parameters of one dtype form a *space*. Two coordinates describe it:
+
+* the **space coordinate**: the parameters concatenated in index order. Backward
+  produces gradients in reverse index order, so buckets are intervals of it.
+* the **shard coordinate** of rank ``r``: rank ``r``'s fragments of the space,
+  sorted by parameter index and packed from 0 (``owned[r]`` elements, padded to
+  ``shard_numel[r]``, a multiple of the alignment, for allocation).
+
+The full parameter buffer of a space is **rank-major**: rank 0's region, then
+rank 1's, each exactly ``owned[r]`` elements. Every parameter must be one
+contiguous run of it (so ``param.data`` can be a view), which the plan checks:
+a split parameter's fragments lie at the end of one rank's shard and the start
+of the next ranks' shards, in order (``flat_even`` does exactly this). The
+updated shards are gathered into that buffer with one ``all_gather`` when every
+region has the same size and one ``broadcast`` per rank otherwise.
+
+Strategies only decide ownership: they return ``(param, span, rank)`` pieces
+and :func:`plan_from_assignment` derives every offset, so a strategy cannot
+produce an inconsistent layout by accident.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from zeroplan.core.comm import Collective
+from zeroplan.core.errors import check_config, require
+from zeroplan.core.fingerprint import digest
+from zeroplan.core.span import Span, round_up
+from zeroplan.core.specs import ParamSpec, check_specs
+
+__all__ = ["Fragment", "PartitionPlan", "Space", "plan_from_assignment"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """A contiguous element range of one flattened parameter in one rank's shard.
+
+    Attributes:
+        param: index of the parameter.
+        rank: shard rank that owns the range.
+        param_span: the range, in the flattened parameter's elements.
+        shard_offset: where the range starts in the owner's shard of the
+            parameter's dtype space.
+    """
+
+    param: int
+    rank: int
+    param_span: Span
+    shard_offset: int
+
+    @property
+    def shard_span(self) -> Span:
+        """The range in the owner's shard coordinate."""
+        return Span(self.shard_offset, self.shard_offset + self.param_span.numel)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Space:
+    """Layout of the trainable parameters of one dtype (see [Note: layout]).
+
+    Attributes:
+        index: position in ``PartitionPlan.spaces``.
+        dtype: the dtype of every parameter in the space.
+        params: indices of its parameters, increasing.
+        param_offsets: start of each parameter (same order as ``params``) in
+            the space coordinate.
+        numel: elements in the space.
+        owned: elements each shard rank owns.
+        shard_numel: each rank's shard allocation: ``owned`` rounded up to the
+            alignment.
+        region_offsets: start of each rank's region in the full buffer.
+        buffer_offsets: start of each parameter (same order as ``params``) in
+            the full buffer.
+        runs: every fragment of the space, sorted by space coordinate.
+        by_rank: per rank, its fragments in shard order.
+        gather: collective that rebuilds the full buffer from the shards.
+    """
+
+    index: int
+    dtype: str
+    params: tuple[int, ...]
+    param_offsets: tuple[int, ...]
+    numel: int
+    owned: tuple[int, ...]
+    shard_numel: tuple[int, ...]
+    region_offsets: tuple[int, ...]
+    buffer_offsets: tuple[int, ...]
+    runs: tuple[Fragment, ...]
+    by_rank: tuple[tuple[Fragment, ...], ...]
+    gather: Collective
+
+    def param_offset(self, param: int) -> int:
+        """Space-coordinate start of parameter ``param``."""
+        return self.param_offsets[self.params.index(param)]
+
+    def buffer_offset(self, param: int) -> int:
+        """Full-buffer start of parameter ``param``."""
+        return self.buffer_offsets[self.params.index(param)]
+
+    def region(self, rank: int) -> Span:
+        """Rank ``rank``'s region of the full buffer."""
+        start = self.region_offsets[rank]
+        return Span(start, start + self.owned[rank])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionPlan:
+    """Ownership of every trainable element by the ranks of one shard group.
+
+    Attributes:
+        specs: the parameters.
+        shard_size: ranks in the shard group.
+        alignment: elements; shard allocations are multiples of it.
+        strategy: name of the strategy that produced the plan.
+        fragments: per parameter index, its fragments ordered by ``param_span``
+            (empty for frozen parameters).
+        spaces: per dtype, the derived layout (see [Note: layout]).
+        splits_params: whether any parameter is split across ranks.
+
+    Raises:
+        PlanInvariantError: the fragments do not form a valid layout (the
+            message names the parameter and the invariant).
+        ConfigError: ``specs``, ``shard_size`` or ``alignment`` are invalid.
+    """
+
+    specs: tuple[ParamSpec, ...]
+    shard_size: int
+    alignment: int
+    strategy: str
+    fragments: tuple[tuple[Fragment, ...], ...]
+    spaces: tuple[Space, ...] = field(init=False)
+    splits_params: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "specs", check_specs(self.specs))
+        check_config(
+            type(self.shard_size) is int and self.shard_size >= 1,
+            f"shard size must be an int >= 1, got {self.shard_size!r}",
+        )
+        check_config(
+            type(self.alignment) is int and self.alignment >= 1,
+            f"alignment must be an int >= 1 (elements), got {self.alignment!r}",
+        )
+        require(
+            len(self.fragments) == len(self.specs),
+            f"plan has fragments for {len(self.fragments)} parameters but {len(self.specs)} specs",
+        )
+        for spec, frags in zip(self.specs, self.fragments, strict=True):
+            _check_cover(spec, frags, self.shard_size)
+        object.__setattr__(self, "spaces", _build_spaces(self))
+        object.__setattr__(self, "splits_params", any(len(f) > 1 for f in self.fragments))
+
+    # ----------------------------------------------------------------- queries
+    def owner_ranks(self, param: int) -> tuple[int, ...]:
+        """Shard ranks owning part of parameter ``param`` (empty if frozen)."""
+        return tuple(f.rank for f in self.fragments[param])
+
+    def space_of(self, param: int) -> Space | None:
+        """The space holding parameter ``param``; ``None`` when it is frozen."""
+        if not self.specs[param].trainable:
+            return None
+        dtype = self.specs[param].dtype
+        return next(s for s in self.spaces if s.dtype == dtype)
+
+    def rank_fragments(self, space: int, rank: int) -> tuple[Fragment, ...]:
+        """Rank ``rank``'s fragments of space ``space``, in shard order."""
+        return self.spaces[space].by_rank[rank]
+
+    def fingerprint(self) -> str:
+        """Stable digest of the layout (not of the strategy name)."""
+        return digest(
+            "partition/v1",
+            [
+                self.shard_size,
+                self.alignment,
+                *(s.key() for s in self.specs),
+                *(
+                    (f.param, f.rank, f.param_span.start, f.param_span.stop, f.shard_offset)
+                    for frags in self.fragments
+                    for f in frags
+                ),
+            ],
+        )
+
+
+def _check_cover(spec: ParamSpec, frags: tuple[Fragment, ...], shard_size: int) -> None:
+    """Fragments of ``spec`` tile its elements exactly once; frozen specs have none."""
+    name = f"parameter {spec.index} ({spec.name!r}, shape {spec.shape})"
+    if not spec.trainable:
+        require(not frags, f"{name} is frozen but the plan gives it {len(frags)} fragment(s)")
+        return
+    require(len(frags) >= 1, f"{name} is trainable but no rank owns it")
+    position = 0
+    for frag in frags:
+        require(
+            isinstance(frag, Fragment) and frag.param == spec.index,
+            f"{name} lists a fragment of parameter {getattr(frag, 'param', frag)!r}",
+        )
+        require(0 <= frag.rank < shard_size, f"{name}: rank {frag.rank} outside 0..{shard_size - 1}")
+        require(
+            frag.param_span.start == position,
+            f"{name}: fragments must tile it in order; expected one starting at "
+            f"{position}, got {frag.param_span}",
+        )
+        require(
+            frag.param_span.numel > 0 or spec.numel == 0,
+            f"{name}: empty fragment {frag.param_span} (only zero-size parameters have one)",
+        )
+        position = frag.param_span.stop
+    require(position == spec.numel, f"{name}: fragments cover {position} of {spec.numel} elements")
+
+
+def _build_spaces(plan: PartitionPlan) -> tuple[Space, ...]:
+    dtypes: list[str] = []
+    for spec in plan.specs:
+        if spec.trainable and spec.dtype not in dtypes:
+            dtypes.append(spec.dtype)
+    return tuple(_build_space(plan, i, dtype) for i, dtype in enumerate(dtypes))
+
+
+def _build_space(plan: PartitionPlan, index: int, dtype: str) -> Space:
+    n = plan.shard_size
+    params = tuple(s.index for s in plan.specs if s.trainable and s.dtype == dtype)
+    param_offsets: list[int] = []
+    total = 0
+    for p in params:
+        param_offsets.append(total)
+        total += plan.specs[p].numel
+
+    # Shard packing: each rank's fragments, in parameter order, tile [0, owned).
+    owned = [0] * n
+    for p in params:
+        for frag in plan.fragments[p]:
+            require(
+                frag.shard_offset == owned[frag.rank],
+                f"parameter {p} ({plan.specs[p].name!r}): fragment {frag.param_span} on rank "
+                f"{frag.rank} starts at shard offset {frag.shard_offset}, expected "
+                f"{owned[frag.rank]}; each rank's fragments must be packed in parameter order "
+                "(build plans with plan_from_assignment)",
+            )
+            owned[frag.rank] += frag.param_span.numel
+    region_offsets = [0] * n
+    for r in range(1, n):
+        region_offsets[r] = region_offsets[r - 1] + owned[r - 1]
+
+    buffer_offsets: list[int] = []
+    for p in params:
+        frags = plan.fragments[p]
+        start = region_offsets[frags[0].rank] + frags[0].shard_offset
+        position = start
+        for frag in frags:
+            at = region_offsets[frag.rank] + frag.shard_offset
+            require(
+                at == position,
+                f"parameter {p} ({plan.specs[p].name!r}) would not be contiguous in the "
+                f"rank-major buffer: its fragment on rank {frag.rank} starts at {at}, expected "
+                f"{position}. Split parameters must end one rank's shard and start the next "
+                "ranks' shards, in order (see [Note: layout])",
+            )
+            position += frag.param_span.numel
+        buffer_offsets.append(start)
+
+    # Parameters in index order, fragments in span order: already space order.
+    runs = tuple(f for p in params for f in plan.fragments[p])
+    by_rank: list[list[Fragment]] = [[] for _ in range(n)]
+    for frag in runs:
+        by_rank[frag.rank].append(frag)
+    shard_numel = tuple(round_up(o, plan.alignment) for o in owned)
+    gather = Collective.ALL_GATHER if len(set(owned)) == 1 else Collective.BROADCAST
+    return Space(
+        index=index,
+        dtype=dtype,
+        params=params,
+        param_offsets=tuple(param_offsets),
+        numel=total,
+        owned=tuple(owned),
+        shard_numel=shard_numel,
+        region_offsets=tuple(region_offsets),
+        buffer_offsets=tuple(buffer_offsets),
+        runs=runs,
+        by_rank=tuple(tuple(frags) for frags in by_rank),
+        gather=gather,
+    )
+
+
+def plan_from_assignment(
+    specs: Sequence[ParamSpec],
+    shard_size: int,
+    alignment: int,
+    strategy: str,
+    pieces: Iterable[tuple[int, Span, int]],
+) -> PartitionPlan:
+    """Build a plan from ownership decisions, deriving every offset.
+
+    Args:
+        specs: the parameters.
+        shard_size: ranks in the shard group.
+        alignment: shard allocation multiple, in elements.
+        strategy: name recorded in the plan.
+        pieces: ``(param index, span of the flattened param, rank)`` triples;
+            together they must tile every trainable parameter exactly once.
+
+    Returns:
+        The validated plan.
+
+    Example:
+        >>> from zeroplan.core.specs import specs_from_shapes
+        >>> specs = specs_from_shapes([(4,), (6,)])
+        >>> plan = plan_from_assignment(specs, 2, 1, "mine", [(0, Span(0, 4), 1), (1, Span(0, 6), 0)])
+        >>> plan.spaces[0].owned
+        (6, 4)
+    """
+    specs = check_specs(specs)
+    by_param: list[list[tuple[Span, int]]] = [[] for _ in specs]
+    for param, span, rank in pieces:
+        check_config(
+            0 <= param < len(specs), f"assignment names parameter {param}, outside 0..{len(specs) - 1}"
+        )
+        by_param[param].append((span, rank))
+    offsets: dict[tuple[str, int], int] = {}
+    fragments: list[tuple[Fragment, ...]] = []
+    for spec, owned in zip(specs, by_param, strict=True):
+        owned.sort(key=lambda item: item[0].start)
+        frags = []
+        for span, rank in owned:
+            key = (spec.dtype, rank)
+            offset = offsets.get(key, 0)
+            frags.append(Fragment(spec.index, rank, span, offset))
+            offsets[key] = offset + span.numel
+        fragments.append(tuple(frags))
+    return PartitionPlan(
+        specs=specs,
+        shard_size=shard_size,
+        alignment=alignment,
+        strategy=strategy,
+        fragments=tuple(fragments),
+    )

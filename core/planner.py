@@ -1,0 +1,276 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# The whole plan of one sharded optimizer; rank enters only as an argument.
+"""``ZeroPlan``: partition, buckets, topology, stage and optimizer in one value.
+
+:func:`plan` is the entry point::
+
+    from zeroplan.core import Topology, plan, memory_report, specs_from_shapes
+    zp = plan(specs_from_shapes([(1024, 1024)] * 8, dtype="bf16"),
+              Topology(world_size=8, shard_size=4), stage=2, optimizer="AdamW")
+    print(memory_report(zp).ranks[0].total_bytes)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from zeroplan.core.buckets import BucketLayout, plan_buckets
+from zeroplan.core.errors import ConfigError, check_config, require
+from zeroplan.core.fingerprint import digest
+from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
+from zeroplan.core.partition import PartitionPlan
+from zeroplan.core.span import Span
+from zeroplan.core.specs import ParamSpec, check_specs
+from zeroplan.core.strategies import get_strategy
+from zeroplan.core.topology import Topology
+
+__all__ = [
+    "DEFAULT_ALIGNMENT",
+    "DEFAULT_BUCKET_BYTES",
+    "InnerTensor",
+    "Stage",
+    "ZeroPlan",
+    "auto_strategy",
+    "plan",
+]
+
+#: Shard allocations and bucket boundaries are multiples of this many elements.
+DEFAULT_ALIGNMENT = 128
+#: Byte cap of one gradient bucket (the ``DistributedDataParallel`` default).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+class Stage(IntEnum):
+    """What is sharded across the shard group."""
+
+    DDP = 0
+    """Nothing: plain data parallelism (all-reduce), for comparison."""
+    OPTIMIZER = 1
+    """Optimizer state and fp32 master weights."""
+    GRADIENTS = 2
+    """Optimizer state, master weights and gradients."""
+    PARAMETERS = 3
+    """Everything, parameters included (planned, not executed by the facade)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InnerTensor:
+    """A tensor the inner optimizer steps on one rank: a window of its shard.
+
+    Attributes:
+        space: the dtype space.
+        group: the param group whose hyper-parameters apply.
+        shard_span: the window of the rank's shard.
+        shape: ``(numel,)`` for an elementwise window, the parameter's shape
+            for a whole parameter.
+        param: the parameter, for whole-parameter tensors; ``None`` for windows.
+    """
+
+    space: int
+    group: int
+    shard_span: Span
+    shape: tuple[int, ...]
+    param: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ZeroPlan:
+    """Everything the facade executes, derived from descriptions only.
+
+    Attributes:
+        topology: world, shard and replica sizes.
+        stage: what is sharded.
+        partition: element ownership inside a shard group.
+        buckets: gradient buckets and their collectives.
+        optimizers: per param group, the inner optimizer's description.
+        loss_scaling: whether a dynamic or static loss scale is applied (one
+            overflow all-reduce per step).
+        max_inflight_buckets: buckets whose staging buffers may be alive at
+            once (bounds the staging memory).
+
+    Raises:
+        ConfigError: inconsistent settings, or a parameter-splitting plan for
+            a non-elementwise optimizer.
+    """
+
+    topology: Topology
+    stage: Stage
+    partition: PartitionPlan
+    buckets: BucketLayout
+    optimizers: tuple[OptimizerSpec, ...]
+    loss_scaling: bool = False
+    max_inflight_buckets: int = 2
+
+    def __post_init__(self) -> None:
+        check_config(self.stage in tuple(Stage), f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
+        object.__setattr__(self, "stage", Stage(self.stage))
+        check_config(
+            self.partition.shard_size == self.topology.shard_size,
+            f"partition is for {self.partition.shard_size} shard ranks but the topology has "
+            f"shard size {self.topology.shard_size}",
+        )
+        groups = 1 + max((s.group for s in self.partition.specs), default=0)
+        check_config(
+            len(self.optimizers) >= groups,
+            f"need an optimizer description for each of {groups} param groups, got {len(self.optimizers)}",
+        )
+        check_config(
+            len({o.elementwise for o in self.optimizers}) <= 1,
+            "all param groups must use the same inner optimizer",
+        )
+        check_config(
+            type(self.max_inflight_buckets) is int and self.max_inflight_buckets >= 1,
+            f"max_inflight_buckets must be an int >= 1, got {self.max_inflight_buckets!r}",
+        )
+        if self.partition.splits_params and not self.elementwise:
+            split = next(s for s in self.partition.specs if len(self.partition.fragments[s.index]) > 1)
+            raise ConfigError(
+                f"{self.optimizers[0].name} is not elementwise (it needs whole parameters), but "
+                f"strategy {self.partition.strategy!r} splits parameter {split.name!r} across "
+                f"ranks {self.partition.owner_ranks(split.index)}; use a whole-parameter "
+                "strategy such as 'lpt_whole' or 'greedy_whole' (or strategy='auto')"
+            )
+
+    @property
+    def elementwise(self) -> bool:
+        """Whether the inner optimizer is elementwise."""
+        return all(o.elementwise for o in self.optimizers)
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes of the frozen parameters (replicated on every rank)."""
+        return sum(s.nbytes for s in self.specs if not s.trainable)
+
+    @property
+    def specs(self) -> tuple[ParamSpec, ...]:
+        """The parameters."""
+        return self.partition.specs
+
+    def inner_tensors(self, shard_rank: int) -> tuple[InnerTensor, ...]:
+        """What the inner optimizer steps on shard rank ``shard_rank``.
+
+        Elementwise optimizers get one flat window per (space, param group);
+        others get each owned parameter whole, shaped like the parameter.
+        """
+        check_config(
+            0 <= shard_rank < self.topology.shard_size,
+            f"shard rank {shard_rank} outside 0..{self.topology.shard_size - 1}",
+        )
+        tensors: list[InnerTensor] = []
+        for space in self.partition.spaces:
+            frags = self.partition.rank_fragments(space.index, shard_rank)
+            if not self.elementwise:
+                for f in frags:
+                    spec = self.specs[f.param]
+                    tensors.append(
+                        InnerTensor(
+                            space=space.index,
+                            group=spec.group,
+                            shard_span=f.shard_span,
+                            shape=spec.shape,
+                            param=f.param,
+                        )
+                    )
+                continue
+            start = 0
+            for i, f in enumerate(frags):
+                group = self.specs[f.param].group
+                last = i + 1 == len(frags) or self.specs[frags[i + 1].param].group != group
+                if last:
+                    stop = f.shard_span.stop
+                    tensors.append(
+                        InnerTensor(
+                            space=space.index,
+                            group=group,
+                            shard_span=Span(start, stop),
+                            shape=(stop - start,),
+                        )
+                    )
+                    start = stop
+        return tuple(tensors)
+
+    def fingerprint(self) -> str:
+        """Stable digest of everything ranks must agree on."""
+        t = self.topology
+        return digest(
+            "zeroplan/v1",
+            [
+                t.world_size,
+                t.shard_size,
+                int(self.stage),
+                self.partition.fingerprint(),
+                self.buckets.fingerprint(),
+                tuple((o.name, o.elementwise, o.per_element, o.scalars, o.factored) for o in self.optimizers),
+                self.loss_scaling,
+                self.max_inflight_buckets,
+            ],
+        )
+
+
+def auto_strategy(optimizer: OptimizerSpec) -> str:
+    """The strategy ``strategy="auto"`` picks: ``flat_even`` if elementwise, else ``lpt_whole``."""
+    return "flat_even" if optimizer.elementwise else "lpt_whole"
+
+
+def plan(
+    specs: Sequence[ParamSpec],
+    topology: Topology,
+    *,
+    stage: int = Stage.GRADIENTS,
+    strategy: str = "auto",
+    optimizer: str | OptimizerSpec | Sequence[OptimizerSpec] = "AdamW",
+    alignment: int = DEFAULT_ALIGNMENT,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    loss_scaling: bool = False,
+    max_inflight_buckets: int = 2,
+) -> ZeroPlan:
+    """Plan a sharded optimizer for ``specs`` on ``topology``.
+
+    Args:
+        specs: the parameters (see :func:`specs_from_shapes`).
+        topology: world and shard-group sizes.
+        stage: 0 (DDP), 1, 2 or 3.
+        strategy: a registered strategy name, or ``"auto"``.
+        optimizer: an optimizer name, a spec, or one spec per param group.
+        alignment: elements; shard allocations and bucket bounds are multiples.
+        bucket_bytes: byte cap of one gradient bucket.
+        loss_scaling: whether a loss scale (with its overflow check) is used.
+        max_inflight_buckets: bound on buckets being reduced at once.
+
+    Raises:
+        ConfigError: any argument is invalid (the message says how to fix it).
+
+    Example:
+        >>> from zeroplan.core.specs import specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(17, 257), (3,)]), Topology(world_size=4), alignment=8)
+        >>> zp.partition.strategy, zp.stage.name, len(zp.buckets.buckets)
+        ('flat_even', 'GRADIENTS', 1)
+    """
+    specs = check_specs(specs)
+    check_config(stage in tuple(Stage), f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if isinstance(optimizer, str):
+        optimizer = describe_optimizer(optimizer)
+    groups = 1 + max((s.group for s in specs), default=0)
+    optimizers = (optimizer,) * groups if isinstance(optimizer, OptimizerSpec) else tuple(optimizer)
+    check_config(len(optimizers) >= 1, "optimizer: pass a name, a spec or one spec per param group")
+    name = auto_strategy(optimizers[0]) if strategy == "auto" else strategy
+    partition = get_strategy(name)(specs, topology.shard_size, alignment)
+    require(
+        isinstance(partition, PartitionPlan),
+        f"strategy {name!r} returned {type(partition).__name__}, expected a PartitionPlan",
+    )
+    require(
+        partition.specs == specs and partition.shard_size == topology.shard_size,
+        f"strategy {name!r} returned a plan for other specs or another shard size",
+    )
+    return ZeroPlan(
+        topology=topology,
+        stage=Stage(stage),
+        partition=partition,
+        buckets=plan_buckets(partition, bucket_bytes, alignment),
+        optimizers=optimizers,
+        loss_scaling=loss_scaling,
+        max_inflight_buckets=max_inflight_buckets,
+    )

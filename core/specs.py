@@ -1,0 +1,158 @@
+# zeroplan.core — pure planning: no torch at module level, no I/O.
+# Parameters enter the planner as descriptions, never as tensors.
+"""``ParamSpec``: the planner's description of one parameter.
+
+Specs are built from shapes (:func:`specs_from_shapes`) or from a live
+``torch.nn.Module`` (:func:`specs_from_module`, which imports torch lazily and
+reads only shapes, dtypes and ``requires_grad``; meta-device modules work).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeroplan.core.dtypes import canonical_dtype, itemsize
+from zeroplan.core.errors import ConfigError, check_config
+
+__all__ = ["ParamSpec", "check_specs", "specs_from_module", "specs_from_shapes"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSpec:
+    """Description of one parameter, as the planner sees it.
+
+    Attributes:
+        index: position of the parameter in the optimizer's flat parameter list
+            (``0..n-1``; plans key everything by it).
+        name: human-readable name, used in messages and reports.
+        shape: tensor shape; ``()`` is a scalar, a ``0`` dimension is legal.
+        dtype: canonical dtype name (``"float32"``, ``"bfloat16"``, ...).
+        group: index of the optimizer param group the parameter belongs to.
+        trainable: ``requires_grad``; frozen parameters are owned by no rank.
+        numel: number of elements (derived).
+
+    Example:
+        >>> ParamSpec(index=0, name="w", shape=(3, 4), dtype="bf16").numel
+        12
+    """
+
+    index: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    group: int = 0
+    trainable: bool = True
+    numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        check_config(
+            type(self.index) is int and self.index >= 0,
+            f"ParamSpec.index must be an int >= 0, got {self.index!r}",
+        )
+        check_config(
+            isinstance(self.shape, tuple) and all(type(d) is int and d >= 0 for d in self.shape),
+            f"ParamSpec {self.name!r}: shape must be a tuple of ints >= 0, got {self.shape!r}; "
+            "pass e.g. shape=(768, 3072)",
+        )
+        check_config(
+            type(self.group) is int and self.group >= 0,
+            f"ParamSpec {self.name!r}: group must be an int >= 0, got {self.group!r}",
+        )
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        object.__setattr__(self, "numel", math.prod(self.shape))
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole parameter."""
+        return self.numel * self.itemsize
+
+    def key(self) -> tuple[Any, ...]:
+        """Stable tuple identifying the spec (for fingerprints and comparisons)."""
+        return (self.index, self.name, self.shape, self.dtype, self.group, self.trainable)
+
+
+def check_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
+    """Validate a spec list: indices ``0..n-1`` in order, groups non-decreasing.
+
+    Param groups are contiguous in the flat parameter list (as in
+    ``torch.optim``), which keeps every group's elements contiguous in a shard.
+
+    Raises:
+        ConfigError: the list is not a valid parameter list.
+    """
+    specs = tuple(specs)
+    for position, spec in enumerate(specs):
+        check_config(
+            isinstance(spec, ParamSpec),
+            f"specs[{position}] is {type(spec).__name__}, expected ParamSpec",
+        )
+        check_config(
+            spec.index == position,
+            f"specs[{position}] has index {spec.index}; indices must be 0..n-1 in list order "
+            "(build specs with specs_from_shapes or specs_from_module)",
+        )
+        if position:
+            check_config(
+                spec.group >= specs[position - 1].group,
+                f"spec {spec.name!r} (group {spec.group}) follows group "
+                f"{specs[position - 1].group}; list parameters group by group",
+            )
+    return specs
+
+
+def specs_from_shapes(
+    shapes: Iterable[Sequence[int]],
+    *,
+    dtype: str = "float32",
+    names: Sequence[str] | None = None,
+    trainable: Sequence[bool] | None = None,
+) -> tuple[ParamSpec, ...]:
+    """Specs for a list of shapes, all in one group.
+
+    Example:
+        >>> [s.numel for s in specs_from_shapes([(2, 3), (4,), ()])]
+        [6, 4, 1]
+    """
+    shapes = [tuple(int(d) for d in shape) for shape in shapes]
+    if names is not None and len(names) != len(shapes):
+        raise ConfigError(f"got {len(names)} names for {len(shapes)} shapes; pass one name per shape")
+    if trainable is not None and len(trainable) != len(shapes):
+        raise ConfigError(
+            f"got {len(trainable)} trainable flags for {len(shapes)} shapes; pass one flag per shape"
+        )
+    return tuple(
+        ParamSpec(
+            index=i,
+            name=names[i] if names is not None else f"p{i}",
+            shape=shape,
+            dtype=dtype,
+            trainable=True if trainable is None else bool(trainable[i]),
+        )
+        for i, shape in enumerate(shapes)
+    )
+
+
+def specs_from_module(module: Any) -> tuple[ParamSpec, ...]:
+    """Specs for ``module.named_parameters()`` (torch imported lazily).
+
+    Shared (tied) parameters appear once, as in ``module.parameters()``. Only
+    metadata is read, so a module on the ``meta`` device costs no memory.
+    """
+    return tuple(
+        ParamSpec(
+            index=i,
+            name=name,
+            shape=tuple(param.shape),
+            dtype=str(param.dtype),
+            trainable=bool(param.requires_grad),
+        )
+        for i, (name, param) in enumerate(module.named_parameters())
+    )

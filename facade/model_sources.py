@@ -1,0 +1,98 @@
+"""Where the CLI gets parameter specs: a preset, a JSON list of shapes, or a HF ``config.json``.
+
+I/O lives here (the facade), never in ``zeroplan.core``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from zeroplan.core import ConfigError, ParamSpec, canonical_dtype, preset_specs, specs_from_module
+
+__all__ = ["specs_from_hf_config", "specs_from_json", "specs_from_preset"]
+
+
+def specs_from_preset(name: str, dtype: str) -> tuple[ParamSpec, ...]:
+    """Specs of a built-in preset (see ``zeroplan.core.presets``)."""
+    return preset_specs(name, canonical_dtype(dtype))
+
+
+def specs_from_json(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
+    """Specs from a JSON file.
+
+    Accepted forms: a list of shapes (``[[768, 3072], [3072]]``), or a list of
+    objects ``{"name", "shape", "dtype"?, "trainable"?}``, optionally under a
+    top-level ``"params"`` key. ``dtype`` applies where an entry names none.
+
+    Raises:
+        ConfigError: the file is missing, not JSON, or not in one of the forms.
+    """
+    path = Path(path)
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"shapes file {str(path)!r} does not exist") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read shapes file {str(path)!r}: {exc}") from None
+    entries = document.get("params") if isinstance(document, dict) else document
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(
+            f"{str(path)!r} must hold a non-empty list of shapes or of {{'name', 'shape'}} objects"
+        )
+    specs = []
+    for i, entry in enumerate(entries):
+        specs.append(_entry_spec(i, entry, dtype, path))
+    return tuple(specs)
+
+
+def _entry_spec(i: int, entry: Any, dtype: str, path: Path) -> ParamSpec:
+    where = f"{str(path)!r} entry {i}"
+    if isinstance(entry, dict):
+        shape, name = entry.get("shape"), entry.get("name", f"p{i}")
+        entry_dtype, trainable = entry.get("dtype", dtype), entry.get("trainable", True)
+    else:
+        shape, name, entry_dtype, trainable = entry, f"p{i}", dtype, True
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise ConfigError(f"{where}: shape must be a list of integers, got {shape!r}")
+    if any(d < 0 for d in shape):
+        raise ConfigError(f"{where}: shape {shape} has a negative size")
+    return ParamSpec(
+        index=i, name=str(name), shape=tuple(shape), dtype=entry_dtype, trainable=bool(trainable)
+    )
+
+
+def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
+    """Specs of a Hugging Face model built from ``config.json`` on the meta device.
+
+    No weights are downloaded or allocated. Needs ``transformers``.
+
+    Raises:
+        ConfigError: ``transformers`` is missing or the config cannot be read.
+    """
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError(
+            "--hf-config needs the 'transformers' package: pip install 'zeroplan[hf]'"
+        ) from None
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        values = json.loads(file.read_text())
+        model_type = values.pop("model_type")
+        config = AutoConfig.for_model(model_type, **values)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(file)!r} does not exist") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"cannot build a model config from {str(file)!r}: {exc}") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    specs = specs_from_module(model)
+    wanted = canonical_dtype(dtype)
+    return tuple(
+        ParamSpec(index=s.index, name=s.name, shape=s.shape, dtype=wanted, trainable=s.trainable)
+        for s in specs
+    )
