@@ -26,6 +26,7 @@ produce an inconsistent layout by accident.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -96,13 +97,21 @@ class Space:
     by_rank: tuple[tuple[Fragment, ...], ...]
     gather: Collective
 
+    def _position(self, param: int) -> int:
+        position = bisect_left(self.params, param)
+        require(
+            position < len(self.params) and self.params[position] == param,
+            f"parameter {param} is not in the {self.dtype} space",
+        )
+        return position
+
     def param_offset(self, param: int) -> int:
         """Space-coordinate start of parameter ``param``."""
-        return self.param_offsets[self.params.index(param)]
+        return self.param_offsets[self._position(param)]
 
     def buffer_offset(self, param: int) -> int:
         """Full-buffer start of parameter ``param``."""
-        return self.buffer_offsets[self.params.index(param)]
+        return self.buffer_offsets[self._position(param)]
 
     def region(self, rank: int) -> Span:
         """Rank ``rank``'s region of the full buffer."""
@@ -197,6 +206,10 @@ def _check_cover(spec: ParamSpec, frags: tuple[Fragment, ...], shard_size: int) 
         require(not frags, f"{name} is frozen but the plan gives it {len(frags)} fragment(s)")
         return
     require(len(frags) >= 1, f"{name} is trainable but no rank owns it")
+    require(
+        spec.numel > 0 or len(frags) == 1,
+        f"{name} is zero-size: give it exactly one (empty) fragment, got {len(frags)}",
+    )
     position = 0
     for frag in frags:
         require(

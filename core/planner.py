@@ -66,6 +66,7 @@ class InnerTensor:
         shape: ``(numel,)`` for an elementwise window, the parameter's shape
             for a whole parameter.
         param: the parameter, for whole-parameter tensors; ``None`` for windows.
+        cohort: the cohort of the parameters it holds (see ``ParamSpec``).
     """
 
     space: int
@@ -73,6 +74,7 @@ class InnerTensor:
     shard_span: Span
     shape: tuple[int, ...]
     param: int | None = None
+    cohort: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,8 +153,9 @@ class ZeroPlan:
     def inner_tensors(self, shard_rank: int) -> tuple[InnerTensor, ...]:
         """What the inner optimizer steps on shard rank ``shard_rank``.
 
-        Elementwise optimizers get one flat window per (space, param group);
-        others get each owned parameter whole, shaped like the parameter.
+        Elementwise optimizers get one flat window per run of fragments with
+        the same (param group, cohort) in each space; others get each owned
+        parameter whole, shaped like the parameter.
         """
         check_config(
             0 <= shard_rank < self.topology.shard_size,
@@ -171,13 +174,16 @@ class ZeroPlan:
                             shard_span=f.shard_span,
                             shape=spec.shape,
                             param=f.param,
+                            cohort=spec.cohort,
                         )
                     )
                 continue
             start = 0
             for i, f in enumerate(frags):
-                group = self.specs[f.param].group
-                last = i + 1 == len(frags) or self.specs[frags[i + 1].param].group != group
+                spec = self.specs[f.param]
+                group, cohort = spec.group, spec.cohort
+                nxt = self.specs[frags[i + 1].param] if i + 1 < len(frags) else None
+                last = nxt is None or (nxt.group, nxt.cohort) != (group, cohort)
                 if last:
                     stop = f.shard_span.stop
                     tensors.append(
@@ -186,6 +192,7 @@ class ZeroPlan:
                             group=group,
                             shard_span=Span(start, stop),
                             shape=(stop - start,),
+                            cohort=cohort,
                         )
                     )
                     start = stop

@@ -93,15 +93,15 @@ class ReshardPlan:
 def compare_specs(source: PartitionPlan, target: PartitionPlan, *, allow_trainable_change: bool) -> None:
     """Raise :class:`IncompatiblePlanError` naming the first parameter that differs.
 
-    Names, shapes and dtypes must match one for one; ``trainable`` may differ
-    only with ``allow_trainable_change``.
+    Names, shapes and dtypes must match one for one; ``trainable`` may differ,
+    and the target may append parameters, only with ``allow_trainable_change``.
     """
     old, new = source.specs, target.specs
-    if len(old) != len(new):
+    if len(old) != len(new) and not (allow_trainable_change and len(new) > len(old)):
         raise IncompatiblePlanError(
             f"the source has {len(old)} parameters but the target has {len(new)}: another model?"
         )
-    for a, b in zip(old, new, strict=True):
+    for a, b in zip(old, new[: len(old)], strict=True):
         for what, x, y in (
             ("name", a.name, b.name),
             ("shape", a.shape, b.shape),
@@ -128,7 +128,7 @@ def plan_reshard(
         source: the plan the data is laid out by now (or was saved with).
         target: the plan to lay it out by.
         allow_trainable_change: accept parameters that are trainable in only
-            one plan (dropped, or listed as ``fresh``).
+            one plan, or appended in the target (dropped, or listed as ``fresh``).
 
     Raises:
         IncompatiblePlanError: the plans are for different parameters.
@@ -138,7 +138,7 @@ def plan_reshard(
     fresh: list[Fragment] = []
     for spec in target.specs:
         new_frags = target.fragments[spec.index]
-        old_frags = source.fragments[spec.index]
+        old_frags = source.fragments[spec.index] if spec.index < len(source.specs) else ()
         if not new_frags:
             continue
         if not old_frags:

@@ -32,6 +32,10 @@ class ParamSpec:
         dtype: canonical dtype name (``"float32"``, ``"bfloat16"``, ...).
         group: index of the optimizer param group the parameter belongs to.
         trainable: ``requires_grad``; frozen parameters are owned by no rank.
+        cohort: parameters whose optimizer state started together. Elementwise
+            optimizers step one flat window per (dtype, group, cohort) run, so a
+            parameter unfrozen mid-run (a new cohort) keeps its own ``step``
+            counter, as it would in ``torch.optim``.
         numel: number of elements (derived).
 
     Example:
@@ -45,6 +49,7 @@ class ParamSpec:
     dtype: str = "float32"
     group: int = 0
     trainable: bool = True
+    cohort: int = 0
     numel: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +66,10 @@ class ParamSpec:
             type(self.group) is int and self.group >= 0,
             f"ParamSpec {self.name!r}: group must be an int >= 0, got {self.group!r}",
         )
+        check_config(
+            type(self.cohort) is int and self.cohort >= 0,
+            f"ParamSpec {self.name!r}: cohort must be an int >= 0, got {self.cohort!r}",
+        )
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         object.__setattr__(self, "numel", math.prod(self.shape))
 
@@ -76,7 +85,7 @@ class ParamSpec:
 
     def key(self) -> tuple[Any, ...]:
         """Stable tuple identifying the spec (for fingerprints and comparisons)."""
-        return (self.index, self.name, self.shape, self.dtype, self.group, self.trainable)
+        return (self.index, self.name, self.shape, self.dtype, self.group, self.trainable, self.cohort)
 
 
 def check_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:

@@ -1,5 +1,19 @@
 """zeroplan's imperative shell: the sharded optimizer, collectives, checkpoints and the CLI.
 
-Heavy modules (torch) are imported on first attribute access so that
-``zeroplan plan`` starts fast.
+``ZeroOptimizer`` and friends import torch; they are loaded on first access so
+that ``zeroplan plan`` starts quickly.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["MeasuredMemory", "ZeroOptimizer"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ZeroOptimizer", "MeasuredMemory"):
+        from zeroplan.facade import optimizer
+
+        return getattr(optimizer, name)
+    raise AttributeError(f"module 'zeroplan.facade' has no attribute {name!r}")

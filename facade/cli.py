@@ -40,7 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except ConfigError as exc:
-        print(f"zeroplan: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # always exactly one line
+        print(f"zeroplan: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()

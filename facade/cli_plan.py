@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -63,13 +64,15 @@ def _specs(args: argparse.Namespace) -> tuple[tuple[ParamSpec, ...], str]:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``zeroplan plan`` with parsed ``args``; returns the exit code."""
-    if args.bucket_mb <= 0:
-        raise ConfigError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+    if not (math.isfinite(args.bucket_mb) and args.bucket_mb > 0):
+        raise ConfigError(f"--bucket-mb must be a finite number > 0, got {args.bucket_mb}")
     if args.rows < 1:
         raise ConfigError(f"--rows must be >= 1, got {args.rows}")
     specs, source = _specs(args)
     topology = Topology(
-        world_size=args.world, shard_size=args.shard_size or args.world, ranks_per_node=args.ranks_per_node
+        world_size=args.world,
+        shard_size=args.world if args.shard_size is None else args.shard_size,
+        ranks_per_node=args.ranks_per_node,
     )
     started = time.perf_counter()
     zp = plan(

@@ -34,7 +34,7 @@ def specs_from_json(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
         document = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"shapes file {str(path)!r} does not exist") from None
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read shapes file {str(path)!r}: {exc}") from None
     entries = document.get("params") if isinstance(document, dict) else document
     if not isinstance(entries, list) or not entries:
@@ -58,6 +58,8 @@ def _entry_spec(i: int, entry: Any, dtype: str, path: Path) -> ParamSpec:
         raise ConfigError(f"{where}: shape must be a list of integers, got {shape!r}")
     if any(d < 0 for d in shape):
         raise ConfigError(f"{where}: shape {shape} has a negative size")
+    if not isinstance(trainable, bool):
+        raise ConfigError(f"{where}: 'trainable' must be true or false, got {trainable!r}")
     return ParamSpec(
         index=i, name=str(name), shape=tuple(shape), dtype=entry_dtype, trainable=bool(trainable)
     )
@@ -82,14 +84,23 @@ def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
     file = path / "config.json" if path.is_dir() else path
     try:
         values = json.loads(file.read_text())
-        model_type = values.pop("model_type")
-        config = AutoConfig.for_model(model_type, **values)
     except FileNotFoundError:
         raise ConfigError(f"config file {str(file)!r} does not exist") from None
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"cannot build a model config from {str(file)!r}: {exc}") from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read config file {str(file)!r}: {exc}") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise ConfigError(
+            f"{str(file)!r} must be a JSON object with a string 'model_type' (a HF config.json)"
+        )
+    model_type = values.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **values)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers raises many types for a bad config; report, don't trace
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        detail = detail if len(detail) <= 300 else detail[:300] + " …"
+        raise ConfigError(f"cannot build a causal LM from {str(file)!r}: {detail}") from None
     specs = specs_from_module(model)
     wanted = canonical_dtype(dtype)
     return tuple(

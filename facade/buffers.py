@@ -1,0 +1,102 @@
+"""Flat buffers laid out by the plan; parameters become views into them.
+
+[Note: flat buffers]
+For every dtype space of the plan this rank allocates:
+
+* ``params`` — the full rank-major parameter buffer; each trainable parameter's
+  ``.data`` becomes a view of it (no second full copy);
+* ``grads`` — stage 1 only: the full gradient buffer, parameter ``.grad`` views;
+* ``grad_shard`` — this rank's reduced gradients (``shard_numel`` elements);
+* ``master`` — what the inner optimizer steps: an fp32 copy of this rank's
+  region for bf16/fp16 parameters, or the region of ``params`` itself when the
+  parameters already have the master dtype (no copy).
+
+All offsets come from the plan; nothing here computes a layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from zeroplan.core import Space, Stage, ZeroPlan, master_dtype
+
+__all__ = ["SpaceBuffers", "build_buffers", "param_view"]
+
+_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class SpaceBuffers(NamedTuple):
+    """This rank's buffers of one dtype space (see [Note: flat buffers])."""
+
+    space: Space
+    params: torch.Tensor
+    grads: torch.Tensor | None
+    grad_shard: torch.Tensor
+    master: torch.Tensor
+    owned: int
+
+    @property
+    def separate_master(self) -> bool:
+        """Whether ``master`` is its own fp32 tensor (bf16/fp16 parameters)."""
+        return self.master.dtype != self.params.dtype
+
+    def region(self, shard_rank: int) -> torch.Tensor:
+        """This rank's region of the full parameter buffer."""
+        return self.params[self.space.region(shard_rank).as_slice()]
+
+
+def param_view(flat: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
+    """The view of the full buffer ``flat`` starting at ``start`` shaped like ``like``."""
+    return flat[start : start + like.numel()].view(like.shape)
+
+
+def build_buffers(
+    zp: ZeroPlan, params: Sequence[torch.Tensor], shard_rank: int, device: torch.device
+) -> tuple[SpaceBuffers, ...]:
+    """Allocate this rank's buffers, copy parameter values in, make parameters views.
+
+    The values of every parameter are unchanged; only their storage moves.
+    """
+    result = []
+    for space in zp.partition.spaces:
+        dtype = _DTYPES[space.dtype]
+        full = torch.empty(space.numel, dtype=dtype, device=device)
+        views = []
+        for index, start in zip(space.params, space.buffer_offsets, strict=True):
+            view = param_view(full, start, params[index])
+            view.copy_(params[index].detach())
+            views.append((index, start, view))
+        grads = None
+        if zp.stage is Stage.OPTIMIZER:
+            grads = torch.zeros(space.numel, dtype=dtype, device=device)
+        for index, start, view in views:
+            param = params[index]
+            previous = param.grad
+            param.data = view
+            if grads is not None:
+                param.grad = param_view(grads, start, param)
+                if previous is not None:
+                    param.grad.copy_(previous)
+        region = full[space.region(shard_rank).as_slice()]
+        owned = space.owned[shard_rank]
+        shard_numel = space.shard_numel[shard_rank]
+        grad_shard = torch.zeros(shard_numel, dtype=dtype, device=device)
+        if master_dtype(space.dtype) == space.dtype:
+            master = region
+        else:
+            master = torch.zeros(shard_numel, dtype=_DTYPES[master_dtype(space.dtype)], device=device)
+            master[:owned].copy_(region)
+        result.append(
+            SpaceBuffers(
+                space=space, params=full, grads=grads, grad_shard=grad_shard, master=master, owned=owned
+            )
+        )
+    return tuple(result)

@@ -1,0 +1,210 @@
+"""Gradient reduction in buckets, overlapped with backward.
+
+[Note: gradient sync]
+A post-accumulate-grad hook marks a parameter ready. Buckets are launched
+strictly in the plan's order (the order of collectives must match on every
+rank), each as soon as all of its parameters are ready and every earlier
+bucket has been launched: its gradients are copied into a staging buffer and
+its reduce-scatter (or reduce) over the shard group starts asynchronously. At
+most ``max_inflight_buckets`` staging buffers are alive; launching one more
+first completes the oldest, which then starts its all-reduce over the replica
+group (MiCS). ``finish()`` (at ``step()`` or clipping) launches what is left:
+parameters that got no gradient in this step contribute zeros, and gradients
+accumulated under ``no_sync()`` but not touched by the last backward are
+reduced as they are. With ``overlap=False`` nothing launches from hooks, and
+``finish()`` issues the very same collectives in the same order, so results
+are bit-identical.
+
+Stage 1 keeps every ``.grad`` as a view of the full gradient buffer (a
+gradient autograd allocated after ``zero_grad(set_to_none=True)`` is moved
+into it by the hook). Stage 2 frees each ``.grad`` once all its buckets are
+staged, so full gradients are never all resident outside ``no_sync()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import NamedTuple
+
+import torch
+
+from zeroplan.core import Bucket, ConfigError, Stage, ZeroPlan
+from zeroplan.facade.buffers import SpaceBuffers, param_view
+from zeroplan.facade.collectives import CommLog, Pending, all_reduce_replica, reduce_bucket
+from zeroplan.facade.groups import ProcessGroups
+
+__all__ = ["GradSync", "PeakTracker"]
+
+
+class PeakTracker:
+    """Bytes of transient buffers alive now, and the peak since the last reset."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def alloc(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Count ``tensor`` as alive; returns it."""
+        self.current += tensor.numel() * tensor.element_size()
+        self.peak = max(self.peak, self.current)
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor`` as released."""
+        self.current -= tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        """Start a new peak measurement (buffers alive now still count)."""
+        self.peak = self.current
+
+
+class _InFlight(NamedTuple):
+    bucket: Bucket
+    staging: torch.Tensor
+    pending: Pending
+    output: torch.Tensor | None
+
+
+class GradSync:
+    """Bucketed, ordered, overlapped gradient reduction (see [Note: gradient sync])."""
+
+    def __init__(
+        self,
+        *,
+        zp: ZeroPlan,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        buffers: Sequence[SpaceBuffers],
+        groups: ProcessGroups,
+        overlap: bool,
+        log: CommLog,
+        tracker: PeakTracker,
+    ) -> None:
+        self._zp = zp
+        self._params = params
+        self._names = names
+        self._buffers = buffers
+        self._groups = groups
+        self._overlap = overlap
+        self._log = log
+        self._tracker = tracker
+        self._buckets = zp.buckets.buckets
+        self.enabled = True
+        self._grad_views: dict[int, torch.Tensor] = {}
+        if zp.stage is Stage.OPTIMIZER:
+            for buf in buffers:
+                if buf.grads is None:  # build_buffers allocates them for stage 1
+                    raise RuntimeError("stage 1 needs full gradient buffers")
+                for index, start in zip(buf.space.params, buf.space.buffer_offsets, strict=True):
+                    self._grad_views[index] = param_view(buf.grads, start, params[index])
+        self._handles = [
+            params[spec.index].register_post_accumulate_grad_hook(partial(self._on_grad, spec.index))
+            for spec in zp.specs
+            if spec.trainable
+        ]
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget this step's progress, completing anything still in flight."""
+        for entry in getattr(self, "_inflight", ()):
+            entry.pending.wait()
+            self._tracker.free(entry.staging)
+        for pending in getattr(self, "_replica", ()):
+            pending.wait()
+        self._ready = [False] * len(self._zp.specs)
+        self._missing = [len(b.params) for b in self._buckets]
+        self._unstaged = [len(self._zp.buckets.buckets_of(s.index)) for s in self._zp.specs]
+        self._next = 0
+        self._inflight: deque[_InFlight] = deque()
+        self._replica: list[Pending] = []
+        self.done = False
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (before re-planning)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Accumulate gradients locally inside the block (``no_sync``)."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    # ------------------------------------------------------------------ hooks
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        view = self._grad_views.get(index)
+        if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+        if not self.enabled:
+            return
+        if self.done or self._ready[index]:
+            raise ConfigError(
+                f"parameter {self._names[index]!r} received a second gradient after its reduction "
+                "in this step; call step() (or zero_grad()) between backward passes, or accumulate "
+                "inside `with optimizer.no_sync():`"
+            )
+        self._ready[index] = True
+        for b in self._zp.buckets.buckets_of(index):
+            self._missing[b] -= 1
+        if self._overlap:
+            while self._next < len(self._buckets) and self._missing[self._next] == 0:
+                self._launch(self._buckets[self._next])
+
+    # ------------------------------------------------------------- launching
+    def _launch(self, bucket: Bucket) -> None:
+        while len(self._inflight) >= self._zp.max_inflight_buckets:
+            self._retire(self._inflight.popleft())
+        buf = self._buffers[bucket.space]
+        staging = self._tracker.alloc(
+            torch.empty(bucket.numel, dtype=buf.params.dtype, device=buf.params.device)
+        )
+        for copy in bucket.copies:
+            target = staging[copy.staging_offset : copy.staging_offset + copy.param_span.numel]
+            grad = self._params[copy.param].grad
+            if grad is None:
+                target.zero_()
+            else:
+                target.copy_(grad.reshape(-1)[copy.param_span.as_slice()])
+        if self._zp.stage is not Stage.OPTIMIZER:
+            for index in bucket.params:
+                self._unstaged[index] -= 1
+                if self._unstaged[index] == 0:
+                    self._params[index].grad = None
+        piece = bucket.piece_of(self._groups.shard_rank)
+        output = buf.grad_shard[piece.shard_span.as_slice()] if piece is not None else None
+        pending = reduce_bucket(staging, output, bucket, self._groups, self._log)
+        self._inflight.append(_InFlight(bucket, staging, pending, output))
+        self._next += 1
+
+    def _retire(self, entry: _InFlight) -> None:
+        entry.pending.wait()
+        self._tracker.free(entry.staging)
+        if entry.output is not None:
+            self._replica.append(all_reduce_replica(entry.output, self._groups, self._log))
+
+    def finish(self) -> None:
+        """Launch every remaining bucket and wait for all reductions of this step."""
+        if self.done:
+            return
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+        while self._inflight:
+            self._retire(self._inflight.popleft())
+        for pending in self._replica:
+            pending.wait()
+        self._replica = []
+        self.done = True
+
+    def for_each_grad_view(self, fn: Callable[[int, torch.Tensor], None]) -> None:
+        """Call ``fn(index, view)`` for each stage-1 gradient view."""
+        for index, view in self._grad_views.items():
+            fn(index, view)

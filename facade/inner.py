@@ -1,0 +1,78 @@
+"""The inner ``torch.optim`` optimizer that steps this rank's shard.
+
+It sees one tensor per :class:`~zeroplan.core.InnerTensor` of the plan: views
+of the rank's master shard (flat windows for elementwise optimizers, whole
+parameters otherwise), grouped exactly like the user's param groups, so group
+``g`` of the inner optimizer carries the hyper-parameters of the user's group
+``g``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from zeroplan.core import ConfigError, InnerTensor, ZeroPlan
+from zeroplan.facade.buffers import SpaceBuffers
+
+__all__ = ["Inner", "build_inner", "check_hyperparameters", "sync_hyperparameters"]
+
+
+class Inner(NamedTuple):
+    """The inner optimizer and the tensors it steps, in plan order."""
+
+    optimizer: torch.optim.Optimizer
+    tensors: tuple[torch.Tensor, ...]
+    specs: tuple[InnerTensor, ...]
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def check_hyperparameters(
+    optimizer_class: type[torch.optim.Optimizer], groups: Sequence[dict[str, Any]]
+) -> None:
+    """Construct ``optimizer_class`` on a dummy tensor per group to validate hyper-parameters early.
+
+    Raises:
+        ConfigError: the class rejects a group's settings (its message is kept).
+    """
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise ConfigError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    for g, group in enumerate(groups):
+        try:
+            optimizer_class([{"params": [torch.zeros(2, 2)], **_hyper(group)}])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{optimizer_class.__name__} rejects param group {g}: {exc}") from None
+
+
+def build_inner(
+    zp: ZeroPlan,
+    buffers: Sequence[SpaceBuffers],
+    shard_rank: int,
+    optimizer_class: type[torch.optim.Optimizer],
+    groups: Sequence[dict[str, Any]],
+) -> Inner:
+    """Create the inner optimizer over views of this rank's master shards."""
+    specs = zp.inner_tensors(shard_rank)
+    tensors = tuple(buffers[t.space].master[t.shard_span.as_slice()].view(t.shape) for t in specs)
+    per_group: list[list[torch.Tensor]] = [[] for _ in groups]
+    for spec, tensor in zip(specs, tensors, strict=True):
+        per_group[spec.group].append(tensor)
+    optimizer = optimizer_class(
+        [{"params": members, **_hyper(group)} for members, group in zip(per_group, groups, strict=True)]
+    )
+    return Inner(optimizer=optimizer, tensors=tensors, specs=specs)
+
+
+def sync_hyperparameters(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
+    """Copy every setting but ``params`` from ``source`` groups to ``target`` groups (LR schedulers)."""
+    for src, dst in zip(source, target, strict=True):
+        for key, value in src.items():
+            if key not in ("params", "param_names"):
+                dst[key] = value

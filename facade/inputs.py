@@ -1,0 +1,132 @@
+"""Checking what a user passes as ``params`` and describing it for the planner.
+
+Everything is validated before any tensor is touched, so a bad argument
+leaves the model exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+
+from zeroplan.core import ConfigError, ParamSpec, canonical_dtype
+
+__all__ = ["ParamList", "collect_params", "describe_params"]
+
+
+class ParamList(NamedTuple):
+    """The user's parameters, flattened in group order.
+
+    Attributes:
+        params: every parameter; its position is its plan index.
+        names: a name per parameter (from named parameters, else synthesised).
+        groups: the user's param groups, ``params`` replaced by index lists.
+        device: the single device all parameters live on.
+    """
+
+    params: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+    groups: tuple[dict[str, Any], ...]
+    device: torch.device
+
+
+def _group_dicts(params: Any) -> list[dict[str, Any]]:
+    if isinstance(params, torch.Tensor):
+        raise ConfigError(
+            "params must be an iterable of tensors or of param-group dicts, got a single tensor; "
+            "pass [tensor] or model.parameters()"
+        )
+    items = list(params)
+    if not items:
+        raise ConfigError("ZeroOptimizer got an empty parameter list; pass model.parameters()")
+    if not isinstance(items[0], dict):
+        return [{"params": items}]
+    for i, group in enumerate(items):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ConfigError(f"param group {i} must be a dict with a 'params' entry, got {group!r:.80}")
+    return [dict(group) for group in items]
+
+
+def collect_params(params: Any, start: int = 0, seen: Iterable[torch.Tensor] = ()) -> ParamList:
+    """Validate ``params`` (what ``torch.optim`` accepts) and flatten it.
+
+    Args:
+        params: an iterable of tensors, of ``(name, tensor)`` pairs, or of
+            param-group dicts.
+        start: index of the first new parameter (for ``add_param_group``).
+        seen: parameters already managed; listing one again is an error.
+
+    Raises:
+        ConfigError: empty list, a parameter listed twice, a non-floating or
+            sparse tensor, a non-leaf tensor, or parameters on several devices.
+    """
+    flat: list[torch.Tensor] = []
+    names: list[str] = []
+    groups: list[dict[str, Any]] = []
+    position = {id(p): f"an existing parameter group (index {i})" for i, p in enumerate(seen)}
+    for g, group in enumerate(_group_dicts(params)):
+        members = group["params"]
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        indices = []
+        for i, item in enumerate(members):
+            name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
+            where = f"param group {g}, position {i}" + (f" ({name})" if name else "")
+            if not isinstance(tensor, torch.Tensor):
+                raise ConfigError(f"{where}: expected a tensor, got {type(tensor).__name__}")
+            if tensor.is_sparse or tensor.layout is not torch.strided:
+                raise ConfigError(
+                    f"{where}: sparse tensors ({tensor.layout}) cannot be sharded; use dense parameters"
+                )
+            if not tensor.is_floating_point():
+                raise ConfigError(
+                    f"{where}: dtype {tensor.dtype} is not floating point; only float parameters train"
+                )
+            canonical_dtype(str(tensor.dtype))  # raises ConfigError for unsupported float types
+            if not tensor.is_leaf:
+                raise ConfigError(
+                    f"{where}: is not a leaf tensor; optimise the nn.Parameter, not a computed tensor"
+                )
+            if id(tensor) in position:
+                raise ConfigError(
+                    f"{where}: this parameter is already listed at {position[id(tensor)]}; "
+                    "list each parameter once"
+                )
+            index = start + len(flat)
+            position[id(tensor)] = f"param group {g}, position {i}"
+            flat.append(tensor)
+            names.append(name or f"group{g}.param{i}")
+            indices.append(index)
+        if not indices:
+            raise ConfigError(f"param group {g} has no parameters")
+        groups.append({**group, "params": indices})
+    devices = {p.device for p in flat} | {p.device for p in seen}
+    if len(devices) > 1:
+        raise ConfigError(
+            f"parameters live on several devices ({', '.join(sorted(map(str, devices)))}); "
+            "ZeroOptimizer needs every parameter on one device"
+        )
+    return ParamList(params=tuple(flat), names=tuple(names), groups=tuple(groups), device=devices.pop())
+
+
+def describe_params(
+    params: tuple[torch.Tensor, ...],
+    names: tuple[str, ...],
+    groups: tuple[dict[str, Any], ...],
+    cohorts: tuple[int, ...],
+) -> tuple[ParamSpec, ...]:
+    """Planner specs of ``params`` (trainability read from ``requires_grad`` now)."""
+    group_of = {i: g for g, group in enumerate(groups) for i in group["params"]}
+    return tuple(
+        ParamSpec(
+            index=i,
+            name=names[i],
+            shape=tuple(p.shape),
+            dtype=str(p.dtype),
+            group=group_of[i],
+            trainable=bool(p.requires_grad),
+            cohort=cohorts[i],
+        )
+        for i, p in enumerate(params)
+    )

@@ -1,0 +1,144 @@
+"""Gradient buckets: tiling of shards, staging and space; alignment; collectives; launch order."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import event, example, given
+from hypothesis import strategies as st
+
+from property_tests.strategies import alignments, bucket_caps, param_specs, seeds, topologies
+from property_tests.virtual import assert_tiles, make_plan, reduce_buckets, shard
+from zeroplan.core import Collective, Span, plan_buckets, specs_from_shapes
+
+bucket_alignments = st.one_of(st.none(), alignments)
+
+
+@given(
+    specs=param_specs(),
+    shard_size=st.integers(1, 9),
+    alignment=alignments,
+    bucket_bytes=bucket_caps,
+    bucket_alignment=bucket_alignments,
+)
+@example(
+    specs=specs_from_shapes([(17, 257), (3,)]),
+    shard_size=4,
+    alignment=8,
+    bucket_bytes=1000,
+    bucket_alignment=None,
+)
+@example(specs=specs_from_shapes([(5,), (5,)]), shard_size=2, alignment=1, bucket_bytes=1, bucket_alignment=3)
+def test_bucket_layout(strategy_name, specs, shard_size, alignment, bucket_bytes, bucket_alignment):
+    p = make_plan(strategy_name, specs, shard_size, alignment)
+    layout = plan_buckets(p, bucket_bytes, bucket_alignment)
+    align = alignment if bucket_alignment is None else bucket_alignment
+    assert layout.alignment == align and layout.bucket_bytes == bucket_bytes
+    event(f"buckets: {min(len(layout.buckets), 10)}{'+' if len(layout.buckets) >= 10 else ''}")
+    for position, bucket in enumerate(layout.buckets):
+        assert bucket.index == position
+        space = p.spaces[bucket.space]
+        itemsize = p.specs[space.params[0]].itemsize
+        # Cap: at most bucket_bytes, or one alignment unit when that is larger.
+        assert bucket.numel >= 1
+        assert bucket.numel * itemsize <= bucket_bytes or bucket.numel <= align, (bucket.span, bucket_bytes)
+        # Boundaries fall on the alignment, except at the end of the space.
+        for bound in (bucket.span.start, bucket.span.stop):
+            assert bound % align == 0 or bound == space.numel, f"boundary {bound} off the alignment {align}"
+        # Pieces: non-empty, in rank order, packed in the staging buffer.
+        ranks = [piece.rank for piece in bucket.pieces]
+        assert ranks == sorted(set(ranks)) and all(0 <= r < shard_size for r in ranks)
+        assert all(piece.shard_span.numel > 0 for piece in bucket.pieces)
+        staging = 0
+        for piece in bucket.pieces:
+            assert piece.staging_offset == staging
+            assert piece.staging_span == Span(staging, staging + piece.shard_span.numel)
+            staging += piece.shard_span.numel
+            assert bucket.piece_of(piece.rank) == piece
+        assert staging == bucket.numel
+        sizes = bucket.piece_sizes(shard_size)
+        assert sum(sizes) == bucket.numel
+        if len(set(sizes)) == 1:
+            expected = Collective.REDUCE_SCATTER
+        elif len(bucket.pieces) == 1:
+            expected = Collective.REDUCE
+        else:
+            expected = Collective.REDUCE_SCATTER_V
+        assert bucket.collective is expected, (sizes, bucket.collective)
+        # Copies fill the staging buffer exactly once; each lands where its owner's piece expects it.
+        offsets = dict(zip(space.params, space.param_offsets, strict=True))
+        assert_tiles(
+            [Span(c.staging_offset, c.staging_offset + c.param_span.numel) for c in bucket.copies],
+            bucket.numel,
+            "staging copies",
+        )
+        for copy in bucket.copies:
+            assert copy.param_span.numel > 0
+            assert bucket.span.contains(copy.param_span.shift(offsets[copy.param])), "copy outside bucket"
+            frag = next(f for f in p.fragments[copy.param] if f.param_span.contains(copy.param_span))
+            piece = bucket.piece_of(frag.rank)
+            assert piece is not None, f"copy of {copy} has no piece on its owner {frag.rank}"
+            shard_start = frag.shard_offset + copy.param_span.start - frag.param_span.start
+            assert piece.shard_span.contains(Span(shard_start, shard_start + copy.param_span.numel))
+            assert copy.staging_offset == piece.staging_offset + shard_start - piece.shard_span.start
+        assert bucket.params == tuple(sorted({c.param for c in bucket.copies}))
+    for space in p.spaces:
+        buckets = [b for b in layout.buckets if b.space == space.index]
+        # Bucket spans tile the space coordinate.
+        assert_tiles([b.span for b in buckets], space.numel, f"buckets of space {space.dtype}")
+        # Per rank, the pieces tile the rank's shard [0, owned) exactly once.
+        for rank in range(shard_size):
+            pieces = [b.piece_of(rank).shard_span for b in buckets if b.piece_of(rank)]
+            assert_tiles(pieces, space.owned[rank], f"pieces of rank {rank} in {space.dtype}")
+        # Each non-empty parameter's gradient is copied exactly once, zero-size ones never.
+        for q in space.params:
+            spans = [c.param_span for b in buckets for c in b.copies if c.param == q]
+            assert_tiles(spans, p.specs[q].numel, f"gradient of parameter {q}")
+            assert layout.buckets_of(q) == tuple(b.index for b in layout.buckets if q in b.params)
+    for spec in specs:
+        if not spec.trainable:
+            assert layout.buckets_of(spec.index) == ()
+    # Launch order: the lowest parameter of each bucket never increases.
+    lows = [min(b.params) for b in layout.buckets]
+    assert lows == sorted(lows, reverse=True), f"launch order lowest params {lows}"
+
+
+@given(specs=param_specs(), shard_size=st.integers(1, 9), alignment=alignments, bucket_bytes=bucket_caps)
+def test_backward_readiness_completes_buckets_in_launch_order(
+    strategy_name, specs, shard_size, alignment, bucket_bytes
+):
+    """Readying gradients in reverse index order completes buckets as a prefix of the launch order."""
+    p = make_plan(strategy_name, specs, shard_size, alignment)
+    layout = plan_buckets(p, bucket_bytes)
+    ready: set[int] = set()
+    for spec in reversed(specs):
+        ready.add(spec.index)
+        complete = [set(b.params) <= ready for b in layout.buckets]
+        assert complete == sorted(complete, reverse=True), f"after parameter {spec.index}: {complete}"
+    assert all(set(b.params) <= ready for b in layout.buckets)
+
+
+@given(
+    specs=param_specs(max_size=6),
+    topology=topologies(max_shard=6),
+    alignment=alignments,
+    bucket_bytes=bucket_caps,
+    seed=seeds,
+)
+def test_executed_buckets_deliver_each_rank_its_shard(
+    strategy_name, specs, topology, alignment, bucket_bytes, seed
+):
+    """Staging, reducing and scattering every bucket gives each rank exactly its shard of the mean."""
+    p = make_plan(strategy_name, specs, topology.shard_size, alignment)
+    layout = plan_buckets(p, bucket_bytes)
+    generator = torch.Generator().manual_seed(seed)
+    grads = [
+        [torch.randint(-8, 9, s.shape, generator=generator).to(torch.float64) for s in specs]
+        for _ in range(topology.world_size)
+    ]
+    reduced = reduce_buckets(p, layout, topology, grads)
+    mean = [sum(g[i] for g in grads) / topology.world_size for i in range(len(specs))]
+    expected = shard(p, mean)
+    for space, got, want in zip(p.spaces, reduced, expected, strict=True):
+        for rank in range(topology.shard_size):
+            owned = space.owned[rank]
+            assert torch.equal(got[rank][:owned], want[rank][:owned]), f"rank {rank} of {space.dtype}"
