@@ -9,6 +9,7 @@ parameters otherwise), grouped exactly like the user's param groups, so group
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -44,10 +45,15 @@ def check_hyperparameters(
         raise ConfigError(
             f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
         )
+    accepted = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
     for g, group in enumerate(groups):
+        hyper = _hyper(group)
+        # Constructor arguments are validated by the class; other keys ride along in the group.
+        kwargs = {k: v for k, v in hyper.items() if k in accepted}
+        extra = {k: v for k, v in hyper.items() if k not in accepted}
         try:
-            optimizer_class([{"params": [torch.zeros(2, 2)], **_hyper(group)}])
-        except (TypeError, ValueError) as exc:
+            optimizer_class([{"params": [torch.zeros(2, 2)], **extra}], **kwargs)
+        except (TypeError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"{optimizer_class.__name__} rejects param group {g}: {exc}") from None
 
 

@@ -73,13 +73,6 @@ def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
     Raises:
         ConfigError: ``transformers`` is missing or the config cannot be read.
     """
-    try:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        raise ConfigError(
-            "--hf-config needs the 'transformers' package: pip install 'zeroplan[hf]'"
-        ) from None
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -93,6 +86,15 @@ def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
             f"{str(file)!r} must be a JSON object with a string 'model_type' (a HF config.json)"
         )
     model_type = values.pop("model_type")
+    wanted = canonical_dtype(dtype)
+    # Validate the file and the dtype first: importing torch and transformers takes seconds.
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError(
+            "--hf-config needs the 'transformers' package: pip install 'zeroplan[hf]'"
+        ) from None
     try:
         config = AutoConfig.for_model(model_type, **values)
         with torch.device("meta"):
@@ -102,7 +104,6 @@ def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
         detail = detail if len(detail) <= 300 else detail[:300] + " …"
         raise ConfigError(f"cannot build a causal LM from {str(file)!r}: {detail}") from None
     specs = specs_from_module(model)
-    wanted = canonical_dtype(dtype)
     return tuple(
         ParamSpec(index=s.index, name=s.name, shape=s.shape, dtype=wanted, trainable=s.trainable)
         for s in specs

@@ -37,7 +37,7 @@ from zeroplan.core import (
     update,
 )
 from zeroplan.core.fingerprint import digest
-from zeroplan.facade.buffers import SpaceBuffers, build_buffers
+from zeroplan.facade.buffers import SpaceBuffers, build_buffers, param_view
 from zeroplan.facade.collectives import CommLog, all_reduce_shard, gather_space
 from zeroplan.facade.grad_sync import GradSync, PeakTracker
 from zeroplan.facade.groups import ProcessGroups, data_parallel_group, make_groups
@@ -248,6 +248,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._inner: Inner = build_inner(
             zp, self._buffers, self._groups.shard_rank, self._optimizer_class, self.param_groups
         )
+        # Show the inner optimizer's full settings (LR schedulers read e.g. ``betas``).
+        for key, value in self._inner.optimizer.defaults.items():
+            self.defaults.setdefault(key, value)
         for outer, inner in zip(self.param_groups, self._inner.optimizer.param_groups, strict=True):
             for key, value in inner.items():
                 if key not in ("params", "param_names"):
@@ -427,6 +430,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._log.clear()
         self._last_buffer_peak = self._tracker.peak
         self._tracker.reset()
+
+    @torch.no_grad()
+    def averaged_gradients(self) -> list[torch.Tensor | None]:
+        """The gradients the next ``step()`` applies, whole, per parameter (collective).
+
+        Finishes the reduction if needed; the result is averaged over the data
+        parallel world, unscaled and clipped (if ``clip_grad_norm_`` ran), in
+        the master dtype, ``None`` for frozen parameters. It gathers every
+        shard on every rank of the shard group: meant for inspection and tests.
+        """
+        self._prepare_grads()
+        result: list[torch.Tensor | None] = [None] * len(self._params)
+        log = CommLog()  # not part of the step's traffic
+        for grad, buf in zip(self._master_grads, self._buffers, strict=True):
+            full = grad.new_empty(buf.space.numel)
+            full[buf.space.region(self._groups.shard_rank).as_slice()] = grad[: buf.owned]
+            for pending in gather_space(full, buf.space, self._groups, log):
+                pending.wait()
+            for index, start in zip(buf.space.params, buf.space.buffer_offsets, strict=True):
+                result[index] = param_view(full, start, self._params[index]).clone()
+        return result
 
     # ------------------------------------------------------------ accounting
     def measured_memory(self) -> MeasuredMemory:

@@ -1,0 +1,122 @@
+"""Small models and a single-process reference for multi-process tests."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with odd sizes (exercises padding)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 3 * width + 1)
+        self.out = nn.Linear(3 * width + 1, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """A tiny GPT: embeddings, ``layers`` blocks, a head."""
+
+    def __init__(
+        self, vocab: int = 37, width: int = 24, layers: int = 2, heads: int = 2, ctx: int = 8
+    ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(ctx, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs: int) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(**kwargs).to(dtype)
+
+
+def batch(
+    step: int, rank: int, *, size: int = 4, ctx: int = 8, vocab: int = 37
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic tokens for (step, rank): next-token targets of a learnable pattern."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    start = torch.randint(0, vocab, (size, 1), generator=g)
+    seq = (start + torch.arange(ctx + 1) * 3) % vocab
+    return seq[:, :-1], seq[:, 1:]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def averaged_grads(model: nn.Module, world: int, step: int, **kw: int) -> list[torch.Tensor]:
+    """Per-parameter gradients averaged over ``world`` ranks' batches (fp32), as DDP would give."""
+    total = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
+    for r in range(world):
+        model.zero_grad(set_to_none=True)
+        loss_of(model, *batch(step, r, **kw)).backward()
+        for acc, p in zip(total, model.parameters(), strict=True):
+            if p.grad is not None:
+                acc += p.grad.float()
+    model.zero_grad(set_to_none=True)
+    return [t / world for t in total]
+
+
+class Reference:
+    """One process running ``optimizer_class`` on fp32 master copies of ``model``'s parameters.
+
+    Forward/backward run on ``model`` (any dtype); the averaged gradients step
+    the fp32 masters, which are then rounded into ``model``: exactly what a
+    mixed-precision data-parallel job computes, without sharding.
+    """
+
+    def __init__(self, model: nn.Module, optimizer_class: type, **kw: object) -> None:
+        self.model = model
+        self.master = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in model.parameters()]
+        self.optimizer = optimizer_class(self.master, **kw)
+
+    def step(
+        self,
+        world: int,
+        step: int,
+        clip: float | None = None,
+        norm_type: float = 2.0,
+        grad_fn: Callable[[nn.Module, int, int], list[torch.Tensor]] | None = None,
+    ) -> torch.Tensor | None:
+        grads = (grad_fn or averaged_grads)(self.model, world, step)
+        for m, g, p in zip(self.master, grads, self.model.parameters(), strict=True):
+            m.grad = g.clone() if p.requires_grad else None
+        norm = None
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(
+                [m for m in self.master if m.grad is not None], clip, norm_type
+            )
+        self.optimizer.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.model.parameters(), strict=True):
+                p.copy_(m)
+        return norm

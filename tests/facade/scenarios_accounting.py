@@ -1,0 +1,57 @@
+"""Measured bytes per rank and traffic per step against the planner's report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from models import batch, loss_of, make_model
+
+from zeroplan.facade import ZeroOptimizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def measured_vs_planned(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """After two steps: measured memory and last-step traffic next to the plan's numbers."""
+    dtype = DTYPES[cfg.get("dtype", "fp32")]
+    model = make_model(dtype=dtype)
+    model.pos.weight.requires_grad_(False)  # a frozen parameter is counted too
+    cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}[
+        cfg.get("optimizer", "adamw")
+    ]
+    opt = ZeroOptimizer(
+        model.parameters(),
+        cls,
+        lr=1e-3,
+        stage=cfg.get("stage", 2),
+        shard_group_size=cfg.get("shard"),
+        bucket_bytes=cfg.get("bucket_bytes", 1024),
+        alignment=8,
+        strategy=cfg.get("strategy", "auto"),
+        loss_scale="dynamic" if dtype == torch.float16 else None,
+        **({"momentum": 0.9} if cls is torch.optim.SGD else {}),
+    )
+    clip = cfg.get("clip", False)
+    for step in range(2):
+        opt.backward(loss_of(model, *batch(step, rank)))
+        if clip:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    report = opt.memory_report(clipping=clip).ranks[opt.process_groups.rank]
+    measured = opt.measured_memory()
+    planned = (
+        report.params_bytes,
+        report.grads_bytes,
+        report.master_bytes,
+        report.optimizer_state_bytes,
+        report.buffer_bytes,
+    )
+    return {
+        "measured": tuple(measured),
+        "planned": planned,
+        "comm": sorted((c.group, c.collective.value, c.calls, c.bytes) for c in opt.last_step_comm()),
+        "planned_comm": sorted((c.group, c.collective.value, c.calls, c.bytes) for c in report.comm),
+        "state_bytes": measured.optimizer_state_bytes,
+    }

@@ -1,0 +1,123 @@
+"""Frozen parameters, refresh_trainable and add_param_group against torch.optim."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from models import averaged_grads, batch, loss_of, make_model
+from scenarios_train import rel_err
+
+from zeroplan.facade import ZeroOptimizer
+
+
+def _reference_step(ref_model: torch.nn.Module, ref_opt: torch.optim.Optimizer, grads: list[Any]) -> None:
+    """Unsharded step: frozen parameters get no gradient (torch.optim skips them)."""
+    for p, g in zip(ref_model.parameters(), grads, strict=True):
+        p.grad = None if (g is None or not p.requires_grad) else g.clone()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
+def freeze_and_unfreeze(rank: int, world: int, stage: int, dtype_name: str, optimizer: str) -> dict[str, Any]:
+    """Train with frozen layers, freeze one more and unfreeze one mid-run; compare with torch.optim."""
+    cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}[optimizer]
+    hyper = {"lr": 1e-2} if optimizer != "sgd" else {"lr": 0.1, "momentum": 0.9}
+    model = make_model()
+    ref_model = make_model()
+    names = [n for n, _ in model.named_parameters()]
+    frozen_at_start = {"pos.weight", "blocks.0.ln1.weight"}
+    for (n, p), rp in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        p.requires_grad_(n not in frozen_at_start)
+        rp.requires_grad_(n not in frozen_at_start)
+    opt = ZeroOptimizer(model.parameters(), cls, stage=stage, bucket_bytes=1024, alignment=8, **hyper)
+    ref_opt = cls(ref_model.parameters(), **hyper)
+    errors, states = [], []
+    for step in range(6):
+        if step == 2:  # freeze a trained layer
+            for m in (model, ref_model):
+                m.blocks[1].fc.weight.requires_grad_(False)
+            opt.refresh_trainable()
+        if step == 4:  # unfreeze a layer frozen from the start: fresh optimizer state
+            for m in (model, ref_model):
+                m.pos.weight.requires_grad_(True)
+            opt.refresh_trainable()
+        loss_of(model, *batch(step, rank)).backward()
+        grads = opt.averaged_gradients()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0:
+            _reference_step(ref_model, ref_opt, grads)
+            errors.append(
+                max(rel_err(a, b) for a, b in zip(model.parameters(), ref_model.parameters(), strict=True))
+            )
+        states.append(sum(1 for _ in opt.inner_optimizer.state))
+    frozen_unchanged = None
+    if rank == 0:
+        frozen_unchanged = bool(torch.equal(model.blocks[0].ln1.weight, make_model().blocks[0].ln1.weight))
+    return {
+        "errors": errors,
+        "names": names,
+        "frozen_unchanged": frozen_unchanged,
+        "trainable": sum(s.trainable for s in opt.plan.specs),
+    }
+
+
+def add_group(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """Start with the blocks, add the embeddings and head as a second group with its own lr."""
+    model = make_model()
+    ref_model = make_model()
+    first = [p for n, p in model.named_parameters() if n.startswith("blocks")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("blocks")]
+    ref_first = [p for n, p in ref_model.named_parameters() if n.startswith("blocks")]
+    ref_rest = [p for n, p in ref_model.named_parameters() if not n.startswith("blocks")]
+    for p in rest + ref_rest:
+        p.requires_grad_(False)
+    opt = ZeroOptimizer(first, torch.optim.AdamW, lr=1e-2, stage=stage, bucket_bytes=1024, alignment=8)
+    ref_opt = torch.optim.AdamW(ref_first, lr=1e-2)
+    errors, groups = [], []
+    order = first
+    for step in range(5):
+        if step == 2:
+            for p in rest + ref_rest:
+                p.requires_grad_(True)
+            opt.add_param_group({"params": rest, "lr": 3e-3})
+            ref_opt.add_param_group({"params": ref_rest, "lr": 3e-3})
+            order = first + rest
+        loss_of(model, *batch(step, rank)).backward()
+        grads = opt.averaged_gradients()
+        opt.step()
+        opt.zero_grad()
+        groups.append([g["lr"] for g in opt.param_groups])
+        if rank == 0:
+            ref_params = ref_first + (ref_rest if step >= 2 else [])
+            for p, g in zip(ref_params, grads, strict=True):
+                p.grad = g.clone()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            errors.append(
+                max(rel_err(a, b) for a, b in zip(model.parameters(), ref_model.parameters(), strict=True))
+            )
+    del order
+    return {"errors": errors, "groups": groups}
+
+
+def bad_add_group(rank: int, world: int) -> dict[str, Any]:
+    """A bad add_param_group raises everywhere and leaves the optimizer working as before."""
+    model = make_model()
+    params = list(model.parameters())
+    opt = ZeroOptimizer(params[:-1], lr=1e-2)
+    fingerprint = opt.plan.fingerprint()
+    try:
+        opt.add_param_group({"params": [params[0]]})  # already managed
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    same = opt.plan.fingerprint() == fingerprint and len(opt.param_groups) == 1
+    loss_of(model, *batch(0, rank)).backward()
+    applied = opt.step()
+    return {"error": error, "same": same, "applied": applied}
+
+
+def reference_grads(model: torch.nn.Module, world: int, step: int) -> list[torch.Tensor]:
+    return averaged_grads(model, world, step)

@@ -1,0 +1,111 @@
+"""Bad arguments, disagreeing ranks, empty ranks, gradient order and zero_grad semantics."""
+
+from __future__ import annotations
+
+import pytest
+
+FP32_TOL = 1e-6
+
+
+def test_every_bad_argument_is_a_clear_error_on_every_rank(pools):
+    results = pools(2).run("scenarios_safety", "bad_arguments")
+    expect = {
+        "empty": "empty parameter list",
+        "duplicate": "already listed",
+        "duplicate_across_groups": "already listed",
+        "integer": "not floating point",
+        "sparse": "sparse",
+        "devices": "several devices",
+        "shard_size": "does not divide world size",
+        "stage_0": "stage must be 1 or 2",
+        "stage_3": "stage must be 1 or 2",
+        "non_leaf": "not a leaf",
+        "single_tensor": "single tensor",
+        "bad_lr": "rejects param group 0",
+        "bad_loss_scale": "loss_scale must be",
+        "unknown_strategy": "unknown partition strategy",
+        "splitting_non_elementwise": "not elementwise",
+    }
+    for r in results:
+        assert r["untouched"], "a failed construction modified the model"
+        for case, fragment in expect.items():
+            assert r[case] is not None, f"{case}: no error raised"
+            assert fragment in r[case], (case, r[case])
+            assert r[case].startswith(("ConfigError", "IncompatiblePlanError")), r[case]
+
+
+def test_ranks_that_disagree_all_get_an_error(pools):
+    results = pools(4).run("scenarios_safety", "disagreeing_ranks")
+    for rank, r in enumerate(results):
+        assert "different parameters" in r["shapes"], r["shapes"]
+        assert "different parameters" in r["order"], r["order"]
+        assert "planned differently" in r["settings"], r["settings"]
+        assert "not floating point" in r["one_bad_rank"], r["one_bad_rank"]
+        if rank != 3:
+            assert r["one_bad_rank"].startswith("ConfigError: rank 3 rejected"), r["one_bad_rank"]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "alignment", "owned"), [("flat_even", 8, [0, 0, 0, 4]), ("lpt_whole", 1, [3, 1, 0, 0])]
+)
+def test_more_ranks_than_parameters(pools, strategy, alignment, owned):
+    results = pools(4).run("scenarios_safety", "more_ranks_than_params", strategy, alignment)
+    assert [r["owned"][0] for r in results] == owned
+    assert max(results[0]["errors"]) < FP32_TOL
+    for r in results[1:]:
+        assert all((a == b).all() for a, b in zip(results[0]["params"], r["params"], strict=True))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_gradients_in_any_order_and_unused_parameters(pools, stage):
+    results = pools(4).run("scenarios_safety", "readiness_order", stage)
+    assert max(results[0]["grad_errors"]) < FP32_TOL, results[0]["grad_errors"]
+    assert max(results[0]["errors"]) < FP32_TOL, results[0]["errors"]
+
+
+def test_a_second_backward_without_no_sync_is_refused(pools):
+    results = pools(2).run("scenarios_safety", "second_backward_is_refused")
+    assert all(m is not None and "no_sync" in m for m in results), results
+
+
+def test_determinism_overlap_bucket_size_and_norms(pools):
+    runs = {
+        key: pools(2).run("scenarios_safety", "determinism", overlap, bucket, stage)
+        for key, (overlap, bucket, stage) in {
+            "overlap": (True, 512, 2),
+            "no_overlap": (False, 512, 2),
+            "big_buckets": (True, 1 << 20, 2),
+            "stage1_overlap": (True, 512, 1),
+            "stage1_no_overlap": (False, 512, 1),
+        }.items()
+    }
+
+    def same(a, b):
+        return all((x == y).all() for x, y in zip(a["params"], b["params"], strict=True))
+
+    assert same(runs["overlap"][0], runs["no_overlap"][0])  # overlap on/off: bit-identical
+    assert same(runs["overlap"][0], runs["big_buckets"][0])  # bucket size at world 2: bit-identical
+    assert same(runs["stage1_overlap"][0], runs["stage1_no_overlap"][0])
+    for run in runs.values():
+        assert run[0]["norms"] == run[1]["norms"]  # the norm is identical on every rank
+
+
+def test_bucket_size_changes_gradients_only_by_sum_rounding_at_world_4(pools):
+    small = pools(4).run("scenarios_safety", "determinism", True, 256, 2)[0]
+    big = pools(4).run("scenarios_safety", "determinism", True, 1 << 20, 2)[0]
+    worst = max(
+        float((a - b).abs().max() / b.abs().max()) for a, b in zip(small["grads"], big["grads"], strict=True)
+    )
+    assert worst < 1e-6  # a different summation order of four fp32 values, nothing more
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_grad_semantics(pools, stage):
+    r = pools(2).run("scenarios_safety", "grads_after_zero_grad", stage)[0]
+    if stage == 2:
+        assert all(r["after_step_none"])  # gradients are sharded: freed once reduced
+    else:
+        assert not any(r["after_step_none"])  # stage 1 keeps full gradients as buffer views
+    assert all(r["none"])
+    if stage == 1:
+        assert all(r["kept_zero"])
