@@ -19,6 +19,7 @@ from zeroplan.core.buckets import Bucket, BucketLayout, GradCopy, Piece, plan_bu
 from zeroplan.core.comm import Collective, send_elements
 from zeroplan.core.dtypes import canonical_dtype, itemsize, master_dtype
 from zeroplan.core.errors import (
+    CheckpointError,
     ConfigError,
     IncompatiblePlanError,
     PlanInvariantError,
@@ -37,7 +38,7 @@ from zeroplan.core.planner import (
     plan,
 )
 from zeroplan.core.presets import preset_names, preset_specs
-from zeroplan.core.reshard import Copy, ReshardPlan, plan_reshard
+from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs, specs_from_module, specs_from_shapes
@@ -57,6 +58,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "Bucket",
     "BucketLayout",
+    "CheckpointError",
     "Collective",
     "Copy",
     "CommCost",
@@ -86,6 +88,7 @@ __all__ = [
     "canonical_dtype",
     "check_specs",
     "communication",
+    "compare_specs",
     "describe_optimizer",
     "flat_even",
     "get_strategy",

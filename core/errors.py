@@ -12,11 +12,14 @@ All errors derive from :class:`ZeroplanError`, so callers can catch one type.
   assignment does, and the message says which invariant broke.
 * :class:`IncompatiblePlanError` — two plans (two ranks, or a checkpoint and the
   running job) disagree where they must agree.
+* :class:`CheckpointError` — a checkpoint is missing, incomplete, truncated or
+  corrupted (the message names the file and what is wrong).
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "check_config",
     "IncompatiblePlanError",
@@ -40,6 +43,10 @@ class PlanInvariantError(ZeroplanError, ValueError):
 
 class IncompatiblePlanError(ZeroplanError, ValueError):
     """Two plans or a plan and a checkpoint disagree where they must match."""
+
+
+class CheckpointError(ZeroplanError):
+    """A checkpoint cannot be read: missing, incomplete, truncated or corrupted."""
 
 
 def require(condition: bool, message: str) -> None:

@@ -39,11 +39,21 @@ from zeroplan.core import (
 from zeroplan.core.fingerprint import digest
 from zeroplan.facade.buffers import SpaceBuffers, build_buffers, param_view
 from zeroplan.facade.collectives import CommLog, all_reduce_shard, gather_space
+from zeroplan.facade.consolidate import consolidated_state_dict
 from zeroplan.facade.grad_sync import GradSync, PeakTracker
 from zeroplan.facade.groups import ProcessGroups, data_parallel_group, make_groups
 from zeroplan.facade.inner import Inner, build_inner, check_hyperparameters, sync_hyperparameters
 from zeroplan.facade.inputs import collect_params, describe_params
-from zeroplan.facade.shard_state import export_state, import_state, move_shards
+from zeroplan.facade.shard_state import ShardState, export_state, import_state, move_shards
+from zeroplan.facade.state_dicts import (
+    Shards,
+    check_plain,
+    cohorts_of_plain,
+    is_sharded,
+    shard_state_from_plain,
+    shard_state_from_sharded,
+    sharded_state_dict,
+)
 
 __all__ = ["MeasuredMemory", "ZeroOptimizer"]
 
@@ -478,6 +488,103 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def memory_report(self, *, clipping: bool = False) -> MemoryReport:
         """The planner's report for this optimizer's plan (no communication)."""
         return memory_report(self._zp, clipping=clipping)
+
+    # ------------------------------------------------------------ state dicts
+    def _shards(self) -> Shards:
+        return Shards(
+            zp=self._zp,
+            buffers=self._buffers,
+            inner=self._inner,
+            groups=self._groups,
+            params=tuple(self._params),
+            optimizer_name=self._optimizer_class.__name__,
+            param_groups=self.param_groups,
+            scaler=self._scaler,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's sharded state (see [Note: state dict forms] in ``state_dicts``).
+
+        Loads back with :meth:`load_state_dict` on the same plan and restores
+        training bit for bit. For another world or shard size use
+        :meth:`consolidated_state_dict` or ``zeroplan.facade.checkpoint``.
+        """
+        return sharded_state_dict(self._shards())
+
+    @torch.no_grad()
+    def consolidated_state_dict(
+        self, to_rank: int | None = 0, *, chunk_bytes: int = 16 * 2**20
+    ) -> dict[str, Any] | None:
+        """A plain ``torch.optim`` state dict of the whole model on ``to_rank`` (every rank with ``None``).
+
+        Gathered in chunks of at most ``chunk_bytes``, so no rank needs more
+        extra memory than that beyond the result. Collective; ranks that are
+        not a destination return ``None``. fp32 master weights of bf16/fp16
+        parameters come along under ``"zeroplan_master"``.
+        """
+        return consolidated_state_dict(self._shards(), to_rank, chunk_bytes)
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a sharded dict (same plan) or a plain ``torch.optim`` dict (any plan).
+
+        A plain dict (from ``torch.optim`` or :meth:`consolidated_state_dict`)
+        is sliced by every rank; call it on every rank. Invalid dicts raise and
+        change nothing.
+        """
+        self._release_grads()
+        if is_sharded(state_dict):
+            state, stateful, masters = shard_state_from_sharded(state_dict, self._shards())
+            self._commit_state(state, stateful, masters, state_dict["param_groups"], state_dict["scaler"])
+            return
+        check_plain(state_dict, self._shards())
+        target = self._plan_with_cohorts(cohorts_of_plain(state_dict, self._zp))
+        if target.fingerprint() != self._zp.fingerprint():
+            self._adopt_cohorts(target)
+        state, stateful, masters = shard_state_from_plain(state_dict, self._shards())
+        if not masters:  # a dict without fp32 masters: start them from the parameters
+            masters = {
+                b.space.dtype: b.region(self._groups.shard_rank).float()
+                for b in self._buffers
+                if b.separate_master
+            }
+        self._commit_state(state, stateful, masters, state_dict["param_groups"], None)
+
+    def _plan_with_cohorts(self, cohorts: list[int]) -> ZeroPlan:
+        """The plan of this optimizer with other cohorts (pure; changes nothing)."""
+        saved = self._cohorts
+        self._cohorts = list(cohorts)
+        try:
+            return self._plan([{k: v for k, v in g.items() if k != "params"} for g in self.param_groups])
+        finally:
+            self._cohorts = saved
+
+    def _adopt_cohorts(self, zp: ZeroPlan) -> None:
+        """Switch to ``zp``, a plan from :meth:`_plan_with_cohorts` every rank computed alike."""
+        self._cohorts = [s.cohort for s in zp.specs]
+        self._next_cohort = max(self._cohorts, default=0) + 1
+        self._replan(zp)
+
+    def _commit_state(
+        self,
+        state: ShardState,
+        stateful: set[tuple[int, int]],
+        masters: dict[str, torch.Tensor],
+        param_groups: list[dict[str, Any]],
+        scaler: dict[str, Any] | None,
+    ) -> None:
+        """Install validated state; nothing here can fail for a user reason."""
+        for buf in self._buffers:
+            if buf.separate_master and buf.space.dtype in masters:
+                buf.master[: buf.owned].copy_(masters[buf.space.dtype])
+        self._inner.optimizer.state.clear()
+        import_state(self._zp, self._inner, state, stateful)
+        for group, saved in zip(self.param_groups, param_groups, strict=True):
+            for key, value in saved.items():
+                if key not in ("params", "param_names"):
+                    group[key] = value
+        if scaler is not None and self._scaler is not None:
+            self._scaler = ScalerState(config=self._scaler.config, **scaler)
 
     # ------------------------------------------------------------ re-planning
     def refresh_trainable(self) -> None:

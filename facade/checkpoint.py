@@ -1,0 +1,410 @@
+"""Elastic, crash-safe checkpoints of a ``ZeroOptimizer`` and its parameters.
+
+[Note: checkpoint layout]
+``save(opt, path)`` writes a *snapshot* directory and commits it atomically::
+
+    path/
+      latest                      # name of the committed snapshot (atomic rename)
+      snapshot-00000007/
+        manifest.json             # plan, specs, fragments, scalars, hyper-parameters, extra
+        params.pt                 # every parameter, whole (written by rank 0)
+        shard-00000.pt ...        # one per shard rank: fp32 masters and optimizer state
+
+Files hold tensors and plain data only (``torch.load(weights_only=True)``) with a
+crc32 per 1 MiB block. Each snapshot is written under ``snapshot-N.partial``;
+only when every rank has written and fsynced its file does rank 0 write the
+manifest, rename the directory and point ``latest`` at it. A save interrupted
+at any point leaves the previous snapshot as ``latest`` and no directory that
+loads as valid (a ``.partial`` one has no manifest and is never referenced).
+
+``load(opt, path)`` rebuilds the saved partition from the manifest, asks the
+core for a reshard plan to the running optimizer's plan (any world size, shard
+size or strategy), and each rank reads, memory-mapped, only the pieces that
+plan assigns it, verifying their blocks. Everything is read and checked before
+anything changes, and all ranks agree on success before any of them commits.
+
+``torch.distributed.checkpoint`` is not used: its metadata file is a pickle of
+its own classes, which the "plain data only" requirement rules out; the
+resharding it would provide is the core's reshard plan here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import (
+    CheckpointError,
+    ConfigError,
+    IncompatiblePlanError,
+    ParamSpec,
+    PartitionPlan,
+    Span,
+    ZeroPlan,
+    ZeroplanError,
+    compare_specs,
+    plan_from_assignment,
+    plan_reshard,
+)
+from zeroplan.facade.checkpoint_files import TensorFile, decode, encode, read_json, write_json, write_tensors
+from zeroplan.facade.shard_state import ShardState, export_state
+
+__all__ = ["load", "save"]
+
+FORMAT = "zeroplan.checkpoint/v1"
+_PARTIAL = ".partial"
+
+
+# --------------------------------------------------------------------------- helpers
+def _world_objects(obj: Any, opt: Any) -> list[Any]:
+    world = opt.process_groups.world
+    out: list[Any] = [None] * dist.get_world_size(world)
+    dist.all_gather_object(out, obj, group=world)
+    return out
+
+
+def _raise_first(statuses: list[Any], mine: BaseException | None) -> None:
+    """Raise on every rank if any rank failed (the failing rank re-raises its own error)."""
+    if mine is not None:
+        raise mine
+    for rank, status in enumerate(statuses):
+        if status is not None:
+            raise CheckpointError(f"rank {rank} failed: {status}")
+
+
+def _snapshots(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("snapshot-*") if p.is_dir() and not p.name.endswith(_PARTIAL))
+
+
+def _resolve(path: Path) -> Path:
+    """The committed snapshot ``path`` refers to (a checkpoint root or a snapshot directory)."""
+    if (path / "latest").is_file():
+        name = (path / "latest").read_text().strip()
+        snapshot = path / name
+        if not snapshot.is_dir():
+            raise CheckpointError(f"{str(path)!r}: 'latest' names {name!r}, which does not exist")
+        return snapshot
+    if (path / "manifest.json").is_file():
+        return path
+    if path.name.endswith(_PARTIAL):
+        raise CheckpointError(f"{str(path)!r} is an interrupted save, not a checkpoint")
+    raise CheckpointError(f"no zeroplan checkpoint at {str(path)!r} (no 'latest' and no manifest.json)")
+
+
+def _partition_document(partition: PartitionPlan) -> dict[str, Any]:
+    return {
+        "strategy": partition.strategy,
+        "alignment": partition.alignment,
+        "shard_size": partition.shard_size,
+        "fingerprint": partition.fingerprint(),
+        "specs": [[s.name, list(s.shape), s.dtype, s.group, s.trainable, s.cohort] for s in partition.specs],
+        "fragments": [
+            [[f.rank, f.param_span.start, f.param_span.stop] for f in frags] for frags in partition.fragments
+        ],
+    }
+
+
+def _partition_from(document: dict[str, Any]) -> PartitionPlan:
+    specs = tuple(
+        ParamSpec(
+            index=i,
+            name=name,
+            shape=tuple(shape),
+            dtype=dtype,
+            group=group,
+            trainable=trainable,
+            cohort=cohort,
+        )
+        for i, (name, shape, dtype, group, trainable, cohort) in enumerate(document["specs"])
+    )
+    pieces = [
+        (p, Span(start, stop), rank)
+        for p, frags in enumerate(document["fragments"])
+        for rank, start, stop in frags
+    ]
+    partition = plan_from_assignment(
+        specs, document["shard_size"], document["alignment"], document["strategy"], pieces
+    )
+    if partition.fingerprint() != document["fingerprint"]:
+        raise CheckpointError(
+            "the manifest's partition does not match its fingerprint: the manifest is corrupted"
+        )
+    return partition
+
+
+def _point_latest(root: Path, name: str) -> None:
+    """Atomically make ``root/latest`` name snapshot ``name``."""
+    temporary = root / "latest.tmp"
+    with open(temporary, "w") as handle:
+        handle.write(name)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, root / "latest")
+
+
+# --------------------------------------------------------------------------- save
+@torch.no_grad()
+def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, keep: int = 1) -> Path:
+    """Save ``opt`` (a ``ZeroOptimizer``), its parameters and ``extra`` to ``path``; collective.
+
+    Args:
+        opt: the optimizer; every parameter it manages is saved.
+        path: checkpoint root directory (shared by all ranks).
+        extra: plain data to store alongside (step number, scheduler state, ...).
+        keep: committed snapshots to keep (the newest ones).
+
+    Returns:
+        The committed snapshot directory.
+
+    Raises:
+        CheckpointError: a rank could not write; the previous snapshot stays ``latest``.
+    """
+    if not (type(keep) is int and keep >= 1):
+        raise ConfigError(f"keep must be an int >= 1, got {keep!r}")
+    root = Path(path)
+    groups = opt.process_groups
+    sh = opt._shards()
+    zp: ZeroPlan = sh.zp
+    name: list[Any] = [None]
+    if groups.rank == 0:
+        with contextlib.suppress(OSError):
+            root.mkdir(parents=True, exist_ok=True)
+        existing = [
+            int(p.name.split("-")[1].split(".")[0])
+            for p in root.glob("snapshot-*")
+            if p.name.split("-")[1].split(".")[0].isdigit()
+        ]
+        name = [f"snapshot-{max(existing, default=0) + 1:08d}"]
+    dist.broadcast_object_list(name, group_src=0, group=groups.world)
+    partial = root / (name[0] + _PARTIAL)
+    problem: BaseException | None = None
+    state = export_state(zp, sh.inner, sh.buffers)
+    try:
+        if groups.rank == 0:
+            partial.mkdir(parents=True)
+    except OSError as exc:
+        problem = CheckpointError(f"cannot create {str(partial)!r}: {exc}")
+    _raise_first(_world_objects(None if problem is None else str(problem), opt), problem)
+
+    info: dict[str, Any] = {"files": {}, "scalars": [], "whole": {}, "flat": {}}
+    try:
+        if groups.replica_rank == 0:
+            tensors = {
+                f"master/{b.space.dtype}": b.master[: b.owned] for b in sh.buffers if b.separate_master
+            }
+            for (space, key), t in state.flat.items():
+                tensors[f"state/{zp.partition.spaces[space].dtype}/{key}"] = t
+                info["flat"].setdefault(zp.partition.spaces[space].dtype, {})[key] = str(
+                    t.dtype
+                ).removeprefix("torch.")
+            for p, entry in state.whole.items():
+                values = {}
+                for key, value in entry.items():
+                    if torch.is_tensor(value):
+                        tensors[f"whole/{p}/{key}"] = value
+                        values[key] = {"file": groups.shard_rank}
+                    else:
+                        values[key] = {"value": encode(value)}
+                info["whole"][str(p)] = values
+            info["scalars"] = [[g, c, encode(v)] for (g, c), v in state.scalars.items()]
+            shard_file = f"shard-{groups.shard_rank:05d}.pt"
+            info["files"][shard_file] = write_tensors(partial / shard_file, tensors)
+        if groups.rank == 0:
+            params = {f"param/{i}": p.detach() for i, p in enumerate(sh.params)}
+            info["files"]["params.pt"] = write_tensors(partial / "params.pt", params)
+    except Exception as exc:  # any I/O failure must reach every rank, not hang them
+        problem = CheckpointError(f"rank {groups.rank} could not write its checkpoint file: {exc}")
+    everyone = _world_objects({"problem": None if problem is None else str(problem), "info": info}, opt)
+    if groups.rank == 0 and any(e["problem"] for e in everyone):
+        shutil.rmtree(partial, ignore_errors=True)
+    _raise_first([e["problem"] for e in everyone], problem)
+
+    snapshot = root / name[0]
+    try:
+        if groups.rank == 0:
+            manifest = _manifest(opt, sh, zp, everyone, extra)
+            write_json(partial / "manifest.json", manifest)
+            partial.rename(snapshot)
+            _point_latest(root, name[0])
+            for old in _snapshots(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+            for stale in root.glob(f"snapshot-*{_PARTIAL}"):
+                shutil.rmtree(stale, ignore_errors=True)
+    except (OSError, ZeroplanError) as exc:
+        problem = CheckpointError(f"rank 0 could not commit {str(snapshot)!r}: {exc}")
+    _raise_first(_world_objects(None if problem is None else str(problem), opt), problem)
+    return snapshot
+
+
+def _manifest(
+    opt: Any, sh: Any, zp: ZeroPlan, everyone: list[Any], extra: dict[str, Any] | None
+) -> dict[str, Any]:
+    files: dict[str, str] = {}
+    flat: dict[str, dict[str, str]] = {}
+    scalars: dict[tuple[int, int], Any] = {}
+    whole: dict[str, Any] = {}
+    for entry in everyone:
+        info = entry["info"]
+        files.update(info["files"])
+        for dtype, keys in info["flat"].items():
+            flat.setdefault(dtype, {}).update(keys)
+        for g, c, values in info["scalars"]:
+            scalars.setdefault((g, c), values)
+        whole.update(info["whole"])
+    return {
+        "format": FORMAT,
+        "optimizer": sh.optimizer_name,
+        "elementwise": zp.elementwise,
+        "world_size": zp.topology.world_size,
+        "shard_size": zp.topology.shard_size,
+        "stage": int(zp.stage),
+        "partition": _partition_document(zp.partition),
+        "separate_master": [b.space.dtype for b in sh.buffers if b.separate_master],
+        "flat": flat,
+        "scalars": [[g, c, v] for (g, c), v in scalars.items()],
+        "whole": whole,
+        "param_groups": encode([{k: v for k, v in g.items() if k != "params"} for g in sh.param_groups]),
+        "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
+        "files": files,
+        "extra": encode(extra or {}),
+    }
+
+
+# --------------------------------------------------------------------------- load
+@torch.no_grad()
+def load(opt: Any, path: str | Path) -> dict[str, Any]:
+    """Load the latest snapshot under ``path`` into ``opt`` and its parameters; collective.
+
+    Works at any world size, shard-group size and strategy. Returns the
+    ``extra`` saved with it.
+
+    Raises:
+        CheckpointError: missing, incomplete, truncated or corrupted files.
+        IncompatiblePlanError: a checkpoint of another model or optimizer class.
+        In every case, on every rank, and the optimizer and parameters are unchanged.
+    """
+    problem: BaseException | None = None
+    prepared = None
+    try:
+        prepared = _prepare(opt, Path(path))
+    except (ZeroplanError, OSError) as exc:
+        problem = exc if isinstance(exc, ZeroplanError) else CheckpointError(str(exc))
+    _raise_first(
+        _world_objects(None if problem is None else f"{type(problem).__name__}: {problem}", opt), problem
+    )
+    if prepared is None:  # unreachable: _raise_first raised
+        raise RuntimeError("checkpoint load prepared nothing")
+    target, params, state, stateful, masters, manifest = prepared
+    if target.fingerprint() != opt.plan.fingerprint():
+        opt._adopt_cohorts(target)
+    for param, values in zip(opt._shards().params, params, strict=True):
+        param.data.copy_(values.view(param.shape))
+    opt._commit_state(state, stateful, masters, decode(manifest["param_groups"]), manifest["scaler"])
+    return decode(manifest["extra"])
+
+
+def _prepare(
+    opt: Any, path: Path
+) -> tuple[
+    ZeroPlan, list[torch.Tensor], ShardState, set[tuple[int, int]], dict[str, torch.Tensor], dict[str, Any]
+]:
+    """Read and check everything this rank needs; change nothing."""
+    snapshot = _resolve(path)
+    manifest = read_json(snapshot / "manifest.json")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{str(snapshot)!r}: unknown checkpoint format {manifest.get('format')!r}")
+    sh = opt._shards()
+    if manifest["optimizer"] != sh.optimizer_name:
+        raise IncompatiblePlanError(
+            f"checkpoint of optimizer {manifest['optimizer']!r}, "
+            f"but this ZeroOptimizer wraps {sh.optimizer_name!r}"
+        )
+    saved = _partition_from(manifest["partition"])
+    compare_specs(saved, sh.zp.partition, allow_trainable_change=False)
+    for spec_saved, spec_here in zip(saved.specs, sh.zp.specs, strict=True):
+        if spec_saved.group != spec_here.group:
+            raise IncompatiblePlanError(
+                f"parameter {spec_here.index} ({spec_here.name!r}) is in param group "
+                f"{spec_saved.group} in the checkpoint but in group {spec_here.group} here"
+            )
+    target = opt._plan_with_cohorts([s.cohort for s in saved.specs])
+    reshard = plan_reshard(saved, target.partition)
+    shard_rank = opt.process_groups.shard_rank
+    files: dict[str, TensorFile] = {}
+
+    def open_file(name: str) -> TensorFile:
+        if name not in files:
+            if name not in manifest["files"]:
+                raise CheckpointError(f"{str(snapshot)!r}: the manifest lists no file {name!r}")
+            files[name] = TensorFile(snapshot / name)
+        return files[name]
+
+    missing = [
+        f"shard-{q:05d}.pt"
+        for q in range(saved.shard_size)
+        if f"shard-{q:05d}.pt" in manifest["files"] and not (snapshot / f"shard-{q:05d}.pt").is_file()
+    ]
+    listed = {f"shard-{q:05d}.pt" for q in range(saved.shard_size)}
+    missing += sorted(listed - set(manifest["files"]))
+    if missing:
+        raise CheckpointError(
+            f"{str(snapshot)!r} is missing shard files of saved ranks: {', '.join(missing)}"
+        )
+
+    params_file = open_file("params.pt")
+    params = [params_file.read(f"param/{i}", 0, p.numel()) for i, p in enumerate(sh.params)]
+    for i, (values, p) in enumerate(zip(params, sh.params, strict=True)):
+        if values.dtype != p.dtype:
+            raise IncompatiblePlanError(f"parameter {i} is {values.dtype} in the checkpoint, {p.dtype} here")
+
+    copies = reshard.reads(shard_rank)
+    device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
+    masters: dict[str, torch.Tensor] = {}
+    flat: dict[tuple[int, str], torch.Tensor] = {}
+    for space in target.partition.spaces:
+        owned = space.owned[shard_rank]
+        mine = [c for c in copies if c.dtype == space.dtype]
+        kinds: list[tuple[str, str, torch.dtype]] = [
+            (f"state/{space.dtype}/{key}", key, getattr(torch, dtype))
+            for key, dtype in manifest["flat"].get(space.dtype, {}).items()
+        ]
+        if space.dtype in manifest["separate_master"]:
+            kinds.insert(0, (f"master/{space.dtype}", "", torch.float32))
+        for name, key, dtype in kinds:
+            out = torch.zeros(owned, dtype=dtype, device=device)
+            for c in mine:
+                if c.dst_span.numel:
+                    out[c.dst_span.as_slice()] = open_file(f"shard-{c.src_rank:05d}.pt").read(
+                        name, c.src_span.start, c.src_span.stop
+                    )
+            if key:
+                flat[space.index, key] = out
+            else:
+                masters[space.dtype] = out
+    whole: dict[int, dict[str, Any]] = {}
+    if not target.elementwise:
+        for t in target.inner_tensors(shard_rank):
+            entry = manifest["whole"].get(str(t.param))
+            if entry is None:
+                continue
+            whole[t.param] = {
+                key: open_file(f"shard-{v['file']:05d}.pt")
+                .tensor(f"whole/{t.param}/{key}")
+                .clone()
+                .to(device)
+                if "file" in v
+                else decode(v["value"])
+                for key, v in entry.items()
+            }
+    scalars = {
+        (g, c): {k: v.to(device) if torch.is_tensor(v) else v for k, v in decode(values).items()}
+        for g, c, values in manifest["scalars"]
+    }
+    stateful = set(scalars) | {(target.specs[p].group, target.specs[p].cohort) for p in whole}
+    return target, params, ShardState(flat=flat, scalars=scalars, whole=whole), stateful, masters, manifest

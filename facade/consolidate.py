@@ -1,0 +1,216 @@
+"""``consolidated_state_dict``: a plain ``torch.optim`` state dict gathered in bounded chunks.
+
+[Note: bounded consolidation]
+Each owner broadcasts its shard of one state tensor in chunks of at most
+``chunk_bytes`` (assembled on the fly from its per-window state tensors, never
+as a whole-shard copy), and the destination copies every chunk straight into
+the parameter-shaped output tensors. Beyond the output itself, no rank holds
+more than one chunk, so the extra memory is set by ``chunk_bytes`` and not by
+the model. Scalar state and shapes travel as small objects first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import ConfigError, Fragment
+from zeroplan.facade.state_dicts import MASTER_KEY, Shards, hyperparameters
+
+__all__ = ["consolidated_state_dict"]
+
+
+def _gather_objects(obj: Any, sh: Shards) -> list[Any]:
+    n = sh.zp.topology.shard_size
+    if n == 1:
+        return [obj]
+    out: list[Any] = [None] * n
+    dist.all_gather_object(out, obj, group=sh.groups.shard)
+    return out
+
+
+def _broadcast(buf: torch.Tensor, owner: int, sh: Shards) -> None:
+    if sh.zp.topology.shard_size > 1 and buf.numel():
+        dist.broadcast(buf, group_src=owner, group=sh.groups.shard)
+
+
+def _local_metadata(sh: Shards) -> dict[str, Any]:
+    """Keys, dtypes and scalar values of this rank's state (small)."""
+    keys: dict[int, list[tuple[str, str]]] = {}
+    scalars: dict[tuple[int, int], dict[str, Any]] = {}
+    order: dict[tuple[int, int], list[str]] = {}
+    whole: dict[int, dict[str, tuple[tuple[int, ...], str] | Any]] = {}
+    for spec, tensor in zip(sh.inner.specs, sh.inner.tensors, strict=True):
+        state = sh.inner.optimizer.state.get(tensor)
+        if not state:
+            continue
+        if spec.param is not None and not sh.zp.elementwise:
+            whole[spec.param] = {
+                k: (tuple(v.shape), str(v.dtype)) if torch.is_tensor(v) else ("value", v)
+                for k, v in state.items()
+            }
+            continue
+        order.setdefault((spec.group, spec.cohort), list(state))
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() == 1:
+                if (key, str(value.dtype)) not in keys.setdefault(spec.space, []):
+                    keys[spec.space].append((key, str(value.dtype)))
+            else:
+                scalars.setdefault((spec.group, spec.cohort), {})[key] = (
+                    value.detach().cpu().clone() if torch.is_tensor(value) else value
+                )
+    return {"keys": keys, "scalars": scalars, "order": order, "whole": whole}
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _window_chunk(sh: Shards, space: int, key: str | None, start: int, out: torch.Tensor) -> None:
+    """Fill ``out`` with this rank's shard elements ``[start, start+len)`` of ``key`` (``None``: master)."""
+    if key is None:
+        out.copy_(sh.buffers[space].master[start : start + out.numel()])
+        return
+    stop = start + out.numel()
+    for spec, tensor in zip(sh.inner.specs, sh.inner.tensors, strict=True):
+        if spec.space != space or spec.shard_span.stop <= start or spec.shard_span.start >= stop:
+            continue
+        lo, hi = max(start, spec.shard_span.start), min(stop, spec.shard_span.stop)
+        entry = sh.inner.optimizer.state.get(tensor)
+        if not entry or key not in entry:  # a window that starts fresh: nobody reads these elements
+            out[lo - start : hi - start] = 0
+            continue
+        value = entry[key]
+        out[lo - start : hi - start] = value[lo - spec.shard_span.start : hi - spec.shard_span.start]
+
+
+def _scatter_chunk(
+    chunk: torch.Tensor, start: int, frags: tuple[Fragment, ...], outputs: dict[int, torch.Tensor]
+) -> None:
+    """Copy a chunk of an owner's shard (from ``start``) into the parameter-shaped outputs."""
+    stop = start + chunk.numel()
+    for frag in frags:
+        span = frag.shard_span
+        if span.stop <= start or span.start >= stop or frag.param not in outputs:
+            continue
+        lo, hi = max(start, span.start), min(stop, span.stop)
+        flat = outputs[frag.param].view(-1)
+        offset = frag.param_span.start - span.start
+        flat[lo + offset : hi + offset] = chunk[lo - start : hi - start]
+
+
+def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -> dict[str, Any] | None:
+    """Gather a plain torch state dict on ``to_rank`` (all with ``None``): [Note: bounded consolidation].
+
+    Collective over the shard group; ranks that are not a destination return ``None``.
+    """
+    world = sh.zp.topology.world_size
+    if to_rank is not None and not (type(to_rank) is int and 0 <= to_rank < world):
+        raise ConfigError(f"to_rank must be None or a rank in 0..{world - 1}, got {to_rank!r}")
+    if not (type(chunk_bytes) is int and chunk_bytes >= 1):
+        raise ConfigError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    dest = to_rank is None or sh.groups.rank == to_rank
+    zp, shard_rank = sh.zp, sh.groups.shard_rank
+    everyone = _gather_objects(_local_metadata(sh), sh)
+    keys: dict[int, list[tuple[str, str]]] = {}
+    scalars: dict[tuple[int, int], dict[str, Any]] = {}
+    order: dict[tuple[int, int], list[str]] = {}
+    whole: dict[int, tuple[int, dict[str, Any]]] = {}
+    for q, meta in enumerate(everyone):
+        for space, pairs in meta["keys"].items():
+            for pair in pairs:
+                if pair not in keys.setdefault(space, []):
+                    keys[space].append(pair)
+        for cohort, values in meta["scalars"].items():
+            scalars.setdefault(cohort, values)
+        for cohort, names in meta["order"].items():
+            order.setdefault(cohort, names)
+        for p, entry in meta["whole"].items():
+            whole[p] = (q, entry)
+    stateful = set(order)
+    device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
+    result: dict[int, dict[str, Any]] = {}
+    masters: dict[int, torch.Tensor] = {}
+
+    for space in zp.partition.spaces:
+        buf = sh.buffers[space.index]
+        members = [p for p in space.params if (zp.specs[p].group, zp.specs[p].cohort) in stateful]
+        kinds: list[tuple[str | None, str]] = [(k, d) for k, d in keys.get(space.index, [])]
+        if buf.separate_master:
+            kinds.insert(0, (None, str(buf.master.dtype)))
+        for key, dtype_name in kinds:
+            dtype = _dtype(dtype_name)
+            wanted = space.params if key is None else members
+            outputs = (
+                {p: torch.empty(zp.specs[p].shape, dtype=dtype, device=device) for p in wanted}
+                if dest
+                else {}
+            )
+            step = max(1, chunk_bytes // torch.empty((), dtype=dtype).element_size())
+            for q in range(zp.topology.shard_size):
+                owned = space.owned[q]
+                for start in range(0, owned, step):
+                    chunk = torch.empty(min(step, owned - start), dtype=dtype, device=device)
+                    if q == shard_rank:
+                        _window_chunk(sh, space.index, key, start, chunk)
+                    _broadcast(chunk, q, sh)
+                    if dest:
+                        _scatter_chunk(chunk, start, space.by_rank[q], outputs)
+                    del chunk
+            if dest and key is None:
+                masters.update(outputs)
+            elif dest:
+                for p, tensor in outputs.items():
+                    result.setdefault(p, {})[key] = tensor
+
+    for p in sorted(whole):
+        owner, entry = whole[p]
+        owned_state = sh.inner.optimizer.state.get(_tensor_of(sh, p)) if owner == shard_rank else None
+        for key, described in entry.items():
+            if described[0] == "value":
+                if dest:
+                    result.setdefault(p, {})[key] = described[1]
+                continue
+            shape, dtype = described[0], _dtype(described[1])
+            out = torch.empty(shape, dtype=dtype, device=device) if dest else None
+            flat = out.view(-1) if out is not None else None
+            numel = int(torch.Size(shape).numel())
+            step = max(1, chunk_bytes // torch.empty((), dtype=dtype).element_size())
+            for start in range(0, numel, step):
+                chunk = torch.empty(min(step, numel - start), dtype=dtype, device=device)
+                if owned_state is not None:
+                    chunk.copy_(owned_state[key].reshape(-1)[start : start + chunk.numel()])
+                _broadcast(chunk, owner, sh)
+                if flat is not None:
+                    flat[start : start + chunk.numel()] = chunk
+            if dest:
+                result.setdefault(p, {})[key] = out
+    if not dest:
+        return None
+    for p in list(result):
+        spec = zp.specs[p]
+        cohort = (spec.group, spec.cohort)
+        entry = result[p]
+        for key, value in scalars.get(cohort, {}).items():
+            entry[key] = value.clone().to(device) if torch.is_tensor(value) else value
+        names = order.get(cohort)
+        if names:
+            result[p] = {k: entry[k] for k in names if k in entry} | {
+                k: v for k, v in entry.items() if k not in names
+            }
+    state_dict: dict[str, Any] = {
+        "state": {p: result[p] for p in sorted(result)},
+        "param_groups": hyperparameters(sh.param_groups),
+    }
+    if masters:
+        state_dict[MASTER_KEY] = {p: masters[p] for p in sorted(masters)}
+    return state_dict
+
+
+def _tensor_of(sh: Shards, param: int) -> torch.Tensor:
+    for spec, tensor in zip(sh.inner.specs, sh.inner.tensors, strict=True):
+        if spec.param == param:
+            return tensor
+    raise KeyError(param)
