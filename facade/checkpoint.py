@@ -84,6 +84,8 @@ def _snapshots(path: Path) -> list[Path]:
 
 def _resolve(path: Path) -> Path:
     """The committed snapshot ``path`` refers to (a checkpoint root or a snapshot directory)."""
+    if path.name.endswith(_PARTIAL):
+        raise CheckpointError(f"{str(path)!r} is an interrupted save, not a checkpoint")
     if (path / "latest").is_file():
         name = (path / "latest").read_text().strip()
         snapshot = path / name
@@ -92,8 +94,6 @@ def _resolve(path: Path) -> Path:
         return snapshot
     if (path / "manifest.json").is_file():
         return path
-    if path.name.endswith(_PARTIAL):
-        raise CheckpointError(f"{str(path)!r} is an interrupted save, not a checkpoint")
     raise CheckpointError(f"no zeroplan checkpoint at {str(path)!r} (no 'latest' and no manifest.json)")
 
 

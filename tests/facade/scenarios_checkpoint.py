@@ -1,0 +1,253 @@
+"""Checkpoint scenarios: round trips, elastic loads, plain torch dicts, failures, bounded consolidation."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from models import batch, loss_of, make_model
+
+from zeroplan.core import ScalerConfig, ZeroplanError
+from zeroplan.facade import ZeroOptimizer, checkpoint
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CLASSES = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
+
+
+def _optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> ZeroOptimizer:
+    cls = CLASSES[cfg.get("optimizer", "adamw")]
+    hyper = {"lr": 1e-2} if cls is not torch.optim.SGD else {"lr": 0.1, "momentum": 0.9}
+    return ZeroOptimizer(
+        model.parameters(),
+        cls,
+        stage=cfg.get("stage", 2),
+        shard_group_size=cfg.get("shard"),
+        strategy=cfg.get("strategy", "auto"),
+        alignment=cfg.get("alignment", 8),
+        bucket_bytes=1024,
+        loss_scale="dynamic" if cfg.get("dtype") == "fp16" else None,
+        scaler=ScalerConfig(initial_scale=2.0**10, growth_interval=2),
+        **hyper,
+    )
+
+
+def _train(model: torch.nn.Module, opt: ZeroOptimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        opt.backward(loss_of(model, *batch(step, rank)))
+        opt.step()
+        opt.zero_grad()
+
+
+def _snapshot(model: torch.nn.Module, opt: ZeroOptimizer) -> dict[str, Any]:
+    """Everything that must survive a failed load, bit for bit (local view)."""
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "masters": [b.master.clone() for b in opt._buffers],
+        "state": copy.deepcopy(opt.inner_optimizer.state_dict()),
+        "scale": opt.loss_scale,
+        "groups": copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]),
+    }
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    def eq(x: Any, y: Any) -> bool:
+        if torch.is_tensor(x):
+            # bitwise: -0.0 differs from 0.0 and NaN equals itself
+            return (
+                torch.is_tensor(y)
+                and x.dtype == y.dtype
+                and x.shape == y.shape
+                and bool(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)))
+            )
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return len(x) == len(y) and all(eq(u, v) for u, v in zip(x, y, strict=True))
+        return x == y
+
+    return eq(a, b)
+
+
+def sharded_round_trip(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """state_dict() after 2 steps, load into a fresh optimizer: the next steps are bit-identical."""
+    dtype = DTYPES[cfg.get("dtype", "fp32")]
+    model = make_model(dtype=dtype)
+    opt = _optimizer(model, cfg)
+    _train(model, opt, rank, range(3))
+    sd = opt.state_dict()
+    model_sd = copy.deepcopy(model.state_dict())
+    scale = opt.loss_scale
+    _train(model, opt, rank, range(3, 6))
+    twin = make_model(dtype=dtype)
+    twin.load_state_dict(model_sd)
+    opt2 = _optimizer(twin, cfg)
+    opt2.load_state_dict(sd)
+    restored_scale = opt2.loss_scale
+    _train(twin, opt2, rank, range(3, 6))
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+    return {
+        "same": same,
+        "scale": scale,
+        "restored_scale": restored_scale,
+        "final_scale": opt.loss_scale,
+        "twin_final_scale": opt2.loss_scale,
+    }
+
+
+def save_reference(rank: int, world: int, cfg: dict[str, Any], root: str) -> None:
+    """Train and save a checkpoint; rank 0 also keeps the consolidated state and parameters."""
+    model = make_model(dtype=DTYPES[cfg.get("dtype", "fp32")])
+    opt = _optimizer(model, cfg)
+    _train(model, opt, rank, range(3))
+    checkpoint.save(opt, root, extra={"step": 3, "note": ("tuple", 1.5)})
+    consolidated = opt.consolidated_state_dict(to_rank=0)
+    if rank == 0:
+        torch.save(
+            {"consolidated": consolidated, "params": [p.detach() for p in model.parameters()]},
+            os.path.join(root, "reference.pt"),
+        )
+
+
+def load_and_compare(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, Any]:
+    """Load at this world/shard/strategy; the consolidated state equals the saved one bit for bit."""
+    model = make_model(dtype=DTYPES[cfg.get("dtype", "fp32")], seed=123)  # other initial values
+    opt = _optimizer(model, cfg)
+    extra = checkpoint.load(opt, root)
+    consolidated = opt.consolidated_state_dict(to_rank=0)
+    result: dict[str, Any] = {"extra": extra, "strategy": opt.plan.partition.strategy}
+    if rank == 0:
+        reference = torch.load(os.path.join(root, "reference.pt"), weights_only=True)
+        result["state_same"] = _same(reference["consolidated"], consolidated)
+        result["params_same"] = all(
+            torch.equal(a, b) for a, b in zip(reference["params"], model.parameters(), strict=True)
+        )
+    _train(model, opt, rank, range(3, 5))  # and training goes on
+    return result
+
+
+def plain_torch_round_trip(rank: int, world: int, dtype_name: str) -> dict[str, Any]:
+    """torch.optim.AdamW -> ZeroOptimizer -> torch.optim.AdamW keeps every state tensor."""
+    dtype = DTYPES[dtype_name]
+    torch_model = make_model()
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-2)
+    for step in range(2):  # an unsharded run (the same on every rank)
+        loss_of(torch_model, *batch(step, 0)).backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    plain = torch_opt.state_dict()
+    model = make_model(dtype=dtype)
+    model.load_state_dict({k: v.to(dtype) for k, v in torch_model.state_dict().items()})
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, alignment=8, bucket_bytes=1024)
+    opt.load_state_dict(plain)
+    back = opt.consolidated_state_dict(to_rank=None)
+    state_same = all(
+        torch.equal(plain["state"][i][k].to(back["state"][i][k].dtype), back["state"][i][k])
+        for i in plain["state"]
+        for k in plain["state"][i]
+    )
+    groups_same = [{k: v for k, v in g.items()} for g in plain["param_groups"]] == back["param_groups"]
+    reloaded = torch.optim.AdamW(make_model().parameters(), lr=5.0)
+    reloaded.load_state_dict(back)
+    return {
+        "state_same": state_same,
+        "groups_same": groups_same,
+        "lr": reloaded.param_groups[0]["lr"],
+        "masters": "zeroplan_master" in back,
+    }
+
+
+def failed_loads(rank: int, world: int, root: str, case: str) -> dict[str, Any]:
+    """A load that must fail: the error is clear and nothing changes, bit for bit."""
+    cfg: dict[str, Any] = {"dtype": "bf16"}
+    if case == "other_model":
+        model = make_model(dtype=torch.bfloat16, width=32)
+    else:
+        model = make_model(dtype=torch.bfloat16)
+    if case == "other_optimizer":
+        cfg["optimizer"] = "sgd"
+    opt = _optimizer(model, cfg)
+    _train(model, opt, rank, range(2))
+    before = _snapshot(model, opt)
+    target = root
+    if case == "partial":
+        target = next(str(p) for p in Path(root).glob("*.partial"))
+    try:
+        checkpoint.load(opt, target)
+        error = None
+    except ZeroplanError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    after = _snapshot(model, opt)
+    _train(model, opt, rank, range(2, 3))  # still trains
+    return {"error": error, "unchanged": _same(before, after)}
+
+
+def failed_state_dict_loads(rank: int, world: int) -> dict[str, Any]:
+    """Sharded dicts of another plan and plain dicts of another model: clear errors, nothing changed."""
+    model = make_model()
+    opt = _optimizer(model, {})
+    _train(model, opt, rank, range(2))
+    other = _optimizer(make_model(), {"alignment": 16})
+    foreign = other.state_dict()
+    bad_plain = opt.consolidated_state_dict(to_rank=None)
+    first = next(iter(bad_plain["state"]))
+    bad_plain["state"][first]["exp_avg"] = torch.zeros(3, 3)
+    before = _snapshot(model, opt)
+    errors = {}
+    for name, sd in {"other_plan": foreign, "bad_shape": bad_plain, "not_a_dict": {"x": 1}}.items():
+        try:
+            opt.load_state_dict(sd)
+            errors[name] = None
+        except ZeroplanError as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return {"errors": errors, "unchanged": _same(before, _snapshot(model, opt))}
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def bounded_consolidation(rank: int, world: int, chunk_bytes: int) -> dict[str, Any]:
+    """Peak resident memory added by consolidated_state_dict on each rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(512, 512) for _ in range(8)]
+    )  # ~2.1M params: 25 MB of state
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    state_bytes = sum(p.numel() for p in model.parameters()) * 4 * 2
+    dist.barrier()
+    if not _reset_peak():
+        return {"supported": False}
+    base = _peak_rss()
+    result = opt.consolidated_state_dict(to_rank=0, chunk_bytes=chunk_bytes)
+    extra = _peak_rss() - base
+    output = (
+        0
+        if result is None
+        else sum(
+            v.numel() * v.element_size()
+            for e in result["state"].values()
+            for v in e.values()
+            if torch.is_tensor(v)
+        )
+    )
+    return {"supported": True, "extra": extra, "output": output, "state_bytes": state_bytes}

@@ -1,0 +1,120 @@
+"""Corrupted, truncated, foreign or incomplete checkpoints and interrupted saves."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def good(pools, tmp_path_factory):
+    root = tmp_path_factory.mktemp("good")
+    pools(2).run("scenarios_checkpoint", "save_reference", {"dtype": "bf16"}, str(root))
+    return root
+
+
+def _copy(good: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "ckpt"
+    shutil.copytree(good, target)
+    return target
+
+
+def _snapshot(root: Path) -> Path:
+    return root / (root / "latest").read_text().strip()
+
+
+def _flip_tensor_byte(path: Path) -> None:
+    """Flip one byte inside the largest tensor record of a torch.save archive."""
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as handle:
+        handle.seek(info.header_offset + 26)
+        name_len = int.from_bytes(handle.read(2), "little")
+        extra_len = int.from_bytes(handle.read(2), "little")
+        offset = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+
+
+CASES = {
+    "truncated": ("unreadable", lambda root: _truncate(_snapshot(root) / "shard-00001.pt")),
+    "corrupted": ("checksum mismatch", lambda root: _flip_tensor_byte(_snapshot(root) / "shard-00000.pt")),
+    "corrupted_params": ("checksum mismatch", lambda root: _flip_tensor_byte(_snapshot(root) / "params.pt")),
+    "missing_rank": ("missing shard files", lambda root: (_snapshot(root) / "shard-00001.pt").unlink()),
+    "no_manifest": (
+        "not a complete zeroplan checkpoint",
+        lambda root: (_snapshot(root) / "manifest.json").unlink(),
+    ),
+    "other_model": ("differs in shape", None),
+    "other_optimizer": ("checkpoint of optimizer 'AdamW'", None),
+    "partial": (
+        "interrupted save",
+        lambda root: shutil.copytree(_snapshot(root), root / "snapshot-00000009.partial"),
+    ),
+}
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bad_checkpoint_is_a_clear_error_and_changes_nothing(pools, good, tmp_path, case):
+    fragment, damage = CASES[case]
+    root = _copy(good, tmp_path)
+    if damage is not None:
+        damage(root)
+    results = pools(2).run("scenarios_checkpoint", "failed_loads", str(root), case)
+    for r in results:
+        assert r["error"] is not None, case
+        assert r["unchanged"], f"{case}: the failed load changed the optimizer or parameters"
+    assert any(fragment in r["error"] for r in results), [r["error"] for r in results]
+
+
+def test_bad_state_dicts_are_clear_errors_and_change_nothing(pools):
+    for r in pools(2).run("scenarios_checkpoint", "failed_state_dict_loads"):
+        assert "another plan" in r["errors"]["other_plan"]
+        assert "has shape (3, 3)" in r["errors"]["bad_shape"]
+        assert "'state' and 'param_groups'" in r["errors"]["not_a_dict"]
+        assert r["unchanged"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("point", ["shard_write", "manifest_written", "before_latest"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(pools, tmp_path, point):
+    root = tmp_path / "ckpt"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        [sys.executable, str(HERE / "crash_save.py"), str(root), point, str(_free_port())],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode != 0, "the interrupted save should fail"
+    assert (root / "latest").read_text().strip() == "snapshot-00000001"
+    results = pools(2).run("scenarios_checkpoint", "load_and_compare", {"dtype": "bf16"}, str(root))
+    assert results[0]["state_same"] and results[0]["params_same"]
+    assert results[0]["extra"] == {"step": 2}
+    for partial in root.glob("*.partial"):
+        bad = pools(2).run("scenarios_checkpoint", "failed_loads", str(root), "partial")
+        assert all("interrupted save" in r["error"] and r["unchanged"] for r in bad)
+        del partial
+        break
