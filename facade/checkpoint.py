@@ -342,7 +342,7 @@ def _prepare(
         if name not in files:
             if name not in manifest["files"]:
                 raise CheckpointError(f"{str(snapshot)!r}: the manifest lists no file {name!r}")
-            files[name] = TensorFile(snapshot / name)
+            files[name] = TensorFile(snapshot / name, manifest["files"][name])
         return files[name]
 
     missing = [

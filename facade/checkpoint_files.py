@@ -2,13 +2,13 @@
 
 Files are ``torch.save`` archives of ``{"tensors": {name: tensor}, "crc": {name:
 [crc32 per block]}}`` and load with ``torch.load(weights_only=True, mmap=True)``:
-a reader touches only the blocks it needs, and verifies exactly those. The
-manifest is JSON (tuples, tensors and non-string keys encoded explicitly).
+a reader touches only the blocks it needs, and verifies exactly those (the
+manifest's file sizes catch truncation before any read). The manifest is JSON
+(tuples, tensors and non-string keys encoded explicitly).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import zlib
@@ -55,30 +55,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Write ``tensors`` (moved to CPU) with block checksums; fsync; return the file's sha256."""
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """Write ``tensors`` (moved to CPU) with block checksums; fsync; return the file size."""
     cpu = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     torch.save({"tensors": cpu, "crc": {name: _crcs(t) for name, t in cpu.items()}}, path)
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())
-    return _sha256(path)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return path.stat().st_size
 
 
 class TensorFile:
     """A checkpoint file opened lazily (memory-mapped) whose reads are checksum-verified."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, size: int | None = None) -> None:
         self.path = path
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {str(path)!r} is missing")
+        if size is not None and path.stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint file {str(path)!r} has {path.stat().st_size} bytes, the manifest says {size}: "
+                "it is truncated or was replaced"
+            )
         try:
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as exc:  # truncated archives surface as several error types
@@ -189,8 +186,3 @@ def read_json(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{str(path)!r} is missing: not a complete zeroplan checkpoint") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{str(path)!r} is unreadable: {exc}") from None
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file (used in the manifest)."""
-    return _sha256(path)
