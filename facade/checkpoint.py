@@ -7,13 +7,15 @@
       latest                      # name of the committed snapshot (atomic rename)
       snapshot-00000007/
         manifest.json             # plan, specs, fragments, scalars, hyper-parameters, extra
-        params.pt                 # every parameter, whole (written by rank 0)
-        shard-00000.pt ...        # one per shard rank: fp32 masters and optimizer state
+        frozen.pt                 # frozen parameters, whole (written by rank 0)
+        shard-00000.pt ...        # per shard rank: its region of the parameters, its fp32
+                                  # masters and optimizer state
 
 Files hold tensors and plain data only (``torch.load(weights_only=True)``) with a
 crc32 per 1 MiB block. Each snapshot is written under ``snapshot-N.partial``;
 only when every rank has written and fsynced its file does rank 0 write the
-manifest, rename the directory and point ``latest`` at it. A save interrupted
+manifest, rename the directory and point ``latest`` at it. Every shard rank
+writes an equal share, parameters included, so saving runs in parallel. A save interrupted
 at any point leaves the previous snapshot as ``latest`` and no directory that
 loads as valid (a ``.partial`` one has no manifest and is never referenced).
 
@@ -195,9 +197,10 @@ def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, kee
     info: dict[str, Any] = {"files": {}, "scalars": [], "whole": {}, "flat": {}}
     try:
         if groups.replica_rank == 0:
-            tensors = {
-                f"master/{b.space.dtype}": b.master[: b.owned] for b in sh.buffers if b.separate_master
-            }
+            tensors = {f"region/{b.space.dtype}": b.region(groups.shard_rank) for b in sh.buffers}
+            tensors.update(
+                {f"master/{b.space.dtype}": b.master[: b.owned] for b in sh.buffers if b.separate_master}
+            )
             for (space, key), t in state.flat.items():
                 tensors[f"state/{zp.partition.spaces[space].dtype}/{key}"] = t
                 info["flat"].setdefault(zp.partition.spaces[space].dtype, {})[key] = str(
@@ -216,8 +219,8 @@ def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, kee
             shard_file = f"shard-{groups.shard_rank:05d}.pt"
             info["files"][shard_file] = write_tensors(partial / shard_file, tensors)
         if groups.rank == 0:
-            params = {f"param/{i}": p.detach() for i, p in enumerate(sh.params)}
-            info["files"]["params.pt"] = write_tensors(partial / "params.pt", params)
+            frozen = {f"param/{s.index}": sh.params[s.index].detach() for s in zp.specs if not s.trainable}
+            info["files"]["frozen.pt"] = write_tensors(partial / "frozen.pt", frozen)
     except Exception as exc:  # any I/O failure must reach every rank, not hang them
         problem = CheckpointError(f"rank {groups.rank} could not write its checkpoint file: {exc}")
     everyone = _world_objects({"problem": None if problem is None else str(problem), "info": info}, opt)
@@ -309,6 +312,18 @@ def load(opt: Any, path: str | Path) -> dict[str, Any]:
     return decode(manifest["extra"])
 
 
+def _saved_param(saved: PartitionPlan, index: int, open_file: Any) -> torch.Tensor:
+    """Parameter ``index`` as saved: from the shard regions holding it, or ``frozen.pt``."""
+    spec = saved.specs[index]
+    if not spec.trainable:
+        return open_file("frozen.pt").read(f"param/{index}", 0, spec.numel)
+    parts = [
+        open_file(f"shard-{f.rank:05d}.pt").read(f"region/{spec.dtype}", f.shard_offset, f.shard_span.stop)
+        for f in saved.fragments[index]
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _prepare(
     opt: Any, path: Path
 ) -> tuple[
@@ -357,8 +372,7 @@ def _prepare(
             f"{str(snapshot)!r} is missing shard files of saved ranks: {', '.join(missing)}"
         )
 
-    params_file = open_file("params.pt")
-    params = [params_file.read(f"param/{i}", 0, p.numel()) for i, p in enumerate(sh.params)]
+    params = [_saved_param(saved, spec.index, open_file) for spec in saved.specs]
     for i, (values, p) in enumerate(zip(params, sh.params, strict=True)):
         if values.dtype != p.dtype:
             raise IncompatiblePlanError(f"parameter {i} is {values.dtype} in the checkpoint, {p.dtype} here")

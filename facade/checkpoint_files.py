@@ -55,9 +55,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor alone: ``torch.save`` would otherwise store the whole storage behind a view."""
+    whole = (
+        tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
+    return tensor if whole and tensor.is_contiguous() else tensor.clone(memory_format=torch.contiguous_format)
+
+
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     """Write ``tensors`` (moved to CPU) with block checksums; fsync; return the file size."""
-    cpu = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+    cpu = {name: _compact(t.detach().cpu()) for name, t in tensors.items()}
     torch.save({"tensors": cpu, "crc": {name: _crcs(t) for name, t in cpu.items()}}, path)
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())

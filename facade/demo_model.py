@@ -18,9 +18,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["DemoGPT", "GPTConfig", "SortTask", "build_model", "loss_of"]
+__all__ = ["IGNORE", "DemoGPT", "GPTConfig", "SortTask", "build_model", "loss_of"]
 
-_IGNORE = -100  # cross_entropy's ignore_index: positions whose target is random
+IGNORE = -100  # cross_entropy's ignore_index: positions whose target is random
 
 
 class GPTConfig(NamedTuple):
@@ -40,7 +40,7 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
         self.proj = nn.Linear(width, width)
         self.ln2 = nn.LayerNorm(width)
         self.fc = nn.Linear(width, 4 * width)
@@ -103,7 +103,10 @@ class SortTask(NamedTuple):
     """Sequences ``digits, SEP, sorted(digits)`` (see [Note: demo task]).
 
     Example:
-        >>> tokens, targets = SortTask(length=4, vocab=10).batch(step=0, rank=0, size=1)
+        >>> task = SortTask(length=4, vocab=10)
+        >>> task.sequences(step=0, index=0, size=1).shape
+        torch.Size([1, 9])
+        >>> tokens, targets = task.batch(step=0, rank=0, size=1)
         >>> tokens.shape, targets.shape, int((targets >= 0).sum())
         (torch.Size([1, 8]), torch.Size([1, 8]), 5)
     """
@@ -114,23 +117,30 @@ class SortTask(NamedTuple):
 
     @property
     def context(self) -> int:
-        """Tokens per input sequence."""
+        """Tokens per input sequence (a whole sequence is one longer)."""
         return 2 * self.length
 
-    def batch(self, *, step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``size`` sequences for ``(step, rank)``: inputs and next-token targets (masked where random)."""
-        generator = torch.Generator().manual_seed(((self.seed * 1_000_003) + step) * 4099 + rank)
+    def sequences(self, *, step: int, index: int, size: int) -> torch.Tensor:
+        """``size`` whole sequences, a pure function of ``(seed, step, index)``."""
+        generator = torch.Generator().manual_seed(((self.seed * 1_000_003) + step) * 4099 + index)
         digits = torch.randint(1, self.vocab, (size, self.length), generator=generator)
         separator = torch.zeros(size, 1, dtype=torch.long)  # token 0 never occurs among the digits
-        sequence = torch.cat([digits, separator, digits.sort(dim=1).values], dim=1)
-        targets = sequence[:, 1:].clone()
-        targets[:, : self.length - 1] = _IGNORE
-        return sequence[:, :-1], targets
+        return torch.cat([digits, separator, digits.sort(dim=1).values], dim=1)
+
+    def split(self, sequences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets of whole sequences; targets are ignored where random."""
+        targets = sequences[:, 1:].clone()
+        targets[:, : self.length - 1] = IGNORE
+        return sequences[:, :-1], targets
+
+    def batch(self, *, step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``size`` sequences for ``(step, rank)``, split into inputs and targets."""
+        return self.split(self.sequences(step=step, index=rank, size=size))
 
 
 def loss_of(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the scored positions, computed in fp32."""
     logits = model(tokens)
     return nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=_IGNORE
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE
     )

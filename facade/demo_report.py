@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from zeroplan.core import CommCost
-from zeroplan.facade.demo import Outcome, RankRecord
+from zeroplan.facade.demo_train import CONTROL_FACTOR, Outcome, RankRecord
 from zeroplan.facade.optimizer import MeasuredMemory
 
 __all__ = ["comm_rows", "print_report", "problems"]
 
-_CATEGORIES = ("params", "grads", "master", "optim state", "buffers")
+_CATEGORIES = ("params", "grads", "master", "optimizer state", "buffers")
+_CHAOTIC = 1e-2  # a control difference above this: the trajectories have decorrelated
 
 
 def comm_rows(costs: tuple[CommCost, ...]) -> list[tuple[str, str, int, int]]:
-    """Traffic as sorted ``(group, collective, calls, bytes)`` rows (comparable across sources)."""
+    """Traffic as sorted ``(group, collective, calls, bytes)`` rows, comparable across sources."""
     return sorted((c.group, c.collective.value, c.calls, c.bytes) for c in costs)
 
 
@@ -26,11 +28,11 @@ def _sent(costs: tuple[CommCost, ...]) -> int:
 def problems(outcome: Outcome) -> list[str]:
     """Why the demo failed: the runs disagree, or a rank's bytes differ from the plan; empty if fine."""
     found = []
-    s = outcome.settings
-    if not outcome.max_rel_diff <= s.tolerance:  # also catches NaN
+    if not outcome.max_rel_diff <= outcome.tolerance:  # also catches NaN
         found.append(
             f"the sharded and the unsharded runs disagree: largest relative parameter difference "
-            f"{outcome.max_rel_diff:.3g} (in {outcome.worst_param}) > tolerance {s.tolerance:g} for {s.dtype}"
+            f"{outcome.max_rel_diff:.3g} (in {outcome.worst_param}) > tolerance {outcome.tolerance:.3g} "
+            f"(the control run differs by {outcome.control_diff:.3g})"
         )
     for r in outcome.records:
         for name, got, want in zip(_CATEGORIES, r.measured, r.planned, strict=True):
@@ -48,70 +50,99 @@ def _kib(nbytes: int) -> str:
     return f"{nbytes / 1024:,.1f}"
 
 
+def _flag(text: str, ok: bool) -> str:
+    """``text``, marked red with a ``!`` when it differs from what was expected."""
+    return text if ok else f"[red]{text}![/]"
+
+
 def _summary(outcome: Outcome) -> Table:
     s = outcome.settings
     (zero_first, ref_first), (zero_last, ref_last) = outcome.losses[0], outcome.losses[-1]
-    table = Table(title="sharded vs unsharded, step by step on the same batches")
+    table = Table(title="sharded vs unsharded, on the same batches", box=box.SIMPLE_HEAD)
     table.add_column("")
     table.add_column(f"ZeroOptimizer(AdamW)\nstage {s.stage}, {s.world} processes", justify="right")
     table.add_column("torch.optim.AdamW\n1 process", justify="right")
     table.add_row(
-        "loss, first → final step", f"{zero_first:.4f} → {zero_last:.4f}", f"{ref_first:.4f} → {ref_last:.4f}"
+        "loss, first → last step", f"{zero_first:.4f} → {zero_last:.4f}", f"{ref_first:.4f} → {ref_last:.4f}"
     )
-    step = max(r.step_ms for r in outcome.records)
-    optimizer = max(r.optimizer_ms for r in outcome.records)
     table.add_row(
         "train step, median ms",
-        f"{step:,.1f} (1 batch per rank)",
+        f"{max(r.step_ms for r in outcome.records):,.1f} (1 batch)",
         f"{outcome.ref_step_ms:,.1f} ({s.world} batches)",
     )
-    table.add_row("optimizer.step(), median ms", f"{optimizer:,.2f}", f"{outcome.ref_optimizer_ms:,.2f}")
-    ok = outcome.max_rel_diff <= s.tolerance
     table.add_row(
-        "largest parameter difference",
-        f"[{'green' if ok else 'red'}]{outcome.max_rel_diff:.2e}[/] (relative, in {outcome.worst_param})",
-        f"tolerance {s.tolerance:g} ({s.dtype})",
+        "optimizer.step(), median ms",
+        f"{max(r.optimizer_ms for r in outcome.records):,.2f}",
+        f"{outcome.ref_optimizer_ms:,.2f}",
+    )
+    table.add_row(
+        "parameter difference from AdamW",
+        _flag(f"{outcome.max_rel_diff:.1e}", outcome.max_rel_diff <= outcome.tolerance),
+        f"{outcome.control_diff:.1e} (control)",
     )
     return table
 
 
 def _cells(values: MeasuredMemory, planned: MeasuredMemory, sent: int, sent_ok: bool) -> list[str]:
-    """Row cells in KiB; a value that differs from the plan is shown in red."""
-
-    def cell(value: int, ok: bool) -> str:
-        return _kib(value) if ok else f"[red]{_kib(value)}[/]"
-
-    cells = [cell(v, v == w) for v, w in zip(values, planned, strict=True)]
-    return [*cells, cell(sum(values), sum(values) == sum(planned)), cell(sent, sent_ok)]
+    """A row in KiB; values that differ from the plan are marked."""
+    cells = [_flag(_kib(v), v == w) for v, w in zip(values, planned, strict=True)]
+    return [*cells, _flag(_kib(sum(values)), sum(values) == sum(planned)), _flag(_kib(sent), sent_ok)]
 
 
 def _ranks(records: tuple[RankRecord, ...]) -> Table:
-    table = Table(title="memory per rank and traffic per step (KiB): measured / planned")
-    table.add_column("rank", justify="right")
-    table.add_column("")
-    for column in (*_CATEGORIES, "total", "sent/step"):
+    table = Table(title="memory per rank and traffic per step, KiB", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("rank")
+    for column in ("params", "grads", "master", "optim\nstate", "buffers", "total", "sent\n/step"):
         table.add_column(column, justify="right")
     for r in records:
         comm_ok = comm_rows(r.comm) == comm_rows(r.planned_comm)
-        table.add_row(str(r.rank), "measured", *_cells(r.measured, r.planned, _sent(r.comm), comm_ok))
-        planned = _cells(r.planned, r.planned, _sent(r.planned_comm), True)
-        table.add_row("", "planned", *planned, end_section=True)
+        table.add_row(f"{r.rank} measured", *_cells(r.measured, r.planned, _sent(r.comm), comm_ok))
+        table.add_row("  planned", *_cells(r.planned, r.planned, _sent(r.planned_comm), True))
+    return table
+
+
+def _traffic(record: RankRecord) -> Table:
+    table = Table(title=f"traffic of rank {record.rank} per step", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("group", "collective", "calls", "KiB measured", "KiB planned"):
+        table.add_column(column, justify="right" if column.startswith(("calls", "KiB")) else "left")
+    measured = {(g, c): (n, b) for g, c, n, b in comm_rows(record.comm)}
+    planned = {(g, c): (n, b) for g, c, n, b in comm_rows(record.planned_comm)}
+    for key in sorted(measured.keys() | planned.keys()):
+        calls, sent = measured.get(key, (0, 0))
+        want_calls, want_sent = planned.get(key, (0, 0))
+        table.add_row(
+            *key,
+            _flag(str(calls), calls == want_calls),
+            _flag(_kib(sent), sent == want_sent),
+            _kib(want_sent),
+        )
     return table
 
 
 def print_report(outcome: Outcome, console: Console | None = None) -> int:
     """Print the tables and the verdict; returns the exit code (0 when everything agrees)."""
     console = console or Console()
-    s = outcome.settings
     console.print(_summary(outcome))
     console.print(_ranks(outcome.records))
+    console.print(_traffic(outcome.records[0]))
+    console.print(
+        f"control: torch.optim.AdamW again, gradients summed in reverse rank order and the clipping norm "
+        f"taken over one flat vector (same mathematics, other rounding). Accepted: up to "
+        f"{CONTROL_FACTOR:g}x the control's difference, at least one rounding of {outcome.settings.dtype}: "
+        f"tolerance {outcome.tolerance:.1e}."
+    )
+    if outcome.control_diff > _CHAOTIC:
+        console.print(
+            "[yellow]note[/]: the control differs by more than 1%: at this length training amplifies "
+            "rounding until runs decorrelate, so parameters compare only loosely; the losses still agree."
+        )
     found = problems(outcome)
     for line in found:
         console.print(f"[red]✗[/] {line}")
     if not found:
         console.print(
-            f"[green]✓[/] the runs agree (largest relative parameter difference {outcome.max_rel_diff:.2e} "
-            f"≤ {s.tolerance:g} for {s.dtype})"
+            f"[green]✓[/] the runs agree: largest relative parameter difference {outcome.max_rel_diff:.1e} "
+            f"(in {outcome.worst_param}) ≤ {outcome.tolerance:.1e}"
         )
         console.print("[green]✓[/] measured memory and traffic equal the plan on every rank, byte for byte")
     console.print(f"done in {outcome.seconds:.1f} s; plan fingerprint {outcome.fingerprint}")

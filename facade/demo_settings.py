@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from zeroplan.core import ConfigError
 from zeroplan.core.errors import check_config
 
-__all__ = ["DTYPES", "MAX_WORLD", "TOLERANCE", "DemoSettings", "make_settings"]
+__all__ = ["DTYPES", "MAX_WORLD", "DemoSettings", "make_settings"]
 
 DTYPES = ("fp32", "bf16")
 MAX_WORLD = 64
-
-#: Largest relative parameter difference (``max |zero - ref| / max |ref|`` per tensor) accepted.
-#: (See the module's [Note: tolerance].)
-TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,7 +29,6 @@ class DemoSettings:
         bucket_mb: gradient bucket cap in MiB.
         batch_size: sequences per rank per step.
         lr: AdamW learning rate.
-        tolerance: accepted relative parameter difference (derived from ``dtype``).
 
     Raises:
         ConfigError: a value is out of range; the message names the command-line flag.
@@ -51,8 +46,7 @@ class DemoSettings:
     device: str = "cpu"
     bucket_mb: float = 0.25
     batch_size: int = 16
-    lr: float = 3e-3
-    tolerance: float = field(init=False)
+    lr: float = 1e-3
 
     def __post_init__(self) -> None:
         check_config(
@@ -89,7 +83,6 @@ class DemoSettings:
             isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0,
             f"lr must be a finite number > 0, got {self.lr!r}",
         )
-        object.__setattr__(self, "tolerance", TOLERANCE[self.dtype])
 
     @property
     def bucket_bytes(self) -> int:

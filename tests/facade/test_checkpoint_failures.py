@@ -48,9 +48,12 @@ def _flip_tensor_byte(path: Path) -> None:
 
 
 CASES = {
-    "truncated": ("unreadable", lambda root: _truncate(_snapshot(root) / "shard-00001.pt")),
+    "truncated": ("truncated", lambda root: _truncate(_snapshot(root) / "shard-00001.pt")),
     "corrupted": ("checksum mismatch", lambda root: _flip_tensor_byte(_snapshot(root) / "shard-00000.pt")),
-    "corrupted_params": ("checksum mismatch", lambda root: _flip_tensor_byte(_snapshot(root) / "params.pt")),
+    "corrupted_region": (
+        "checksum mismatch",
+        lambda root: _flip_tensor_byte(_snapshot(root) / "shard-00001.pt"),
+    ),
     "missing_rank": ("missing shard files", lambda root: (_snapshot(root) / "shard-00001.pt").unlink()),
     "no_manifest": (
         "not a complete zeroplan checkpoint",
