@@ -54,8 +54,10 @@ from zeroplan.core import (
     plan_from_assignment,
     plan_reshard,
 )
+from zeroplan.facade import replanning
 from zeroplan.facade.checkpoint_files import TensorFile, decode, encode, read_json, write_json, write_tensors
 from zeroplan.facade.shard_state import ShardState, export_state
+from zeroplan.facade.state_loading import commit_state
 
 __all__ = ["load", "save"]
 
@@ -305,10 +307,10 @@ def load(opt: Any, path: str | Path) -> dict[str, Any]:
         raise RuntimeError("checkpoint load prepared nothing")
     target, params, state, stateful, masters, manifest = prepared
     if target.fingerprint() != opt.plan.fingerprint():
-        opt._adopt_cohorts(target)
+        replanning.adopt_cohorts(opt, target)
     for param, values in zip(opt._shards().params, params, strict=True):
         param.data.copy_(values.view(param.shape))
-    opt._commit_state(state, stateful, masters, decode(manifest["param_groups"]), manifest["scaler"])
+    commit_state(opt, state, stateful, masters, decode(manifest["param_groups"]), manifest["scaler"])
     return decode(manifest["extra"])
 
 
@@ -348,7 +350,7 @@ def _prepare(
                 f"parameter {spec_here.index} ({spec_here.name!r}) is in param group "
                 f"{spec_saved.group} in the checkpoint but in group {spec_here.group} here"
             )
-    target = opt._plan_with_cohorts([s.cohort for s in saved.specs])
+    target = replanning.plan_with_cohorts(opt, [s.cohort for s in saved.specs])
     reshard = plan_reshard(saved, target.partition)
     shard_rank = opt.process_groups.shard_rank
     files: dict[str, TensorFile] = {}

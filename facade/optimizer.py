@@ -20,7 +20,6 @@ from zeroplan.core import (
     DEFAULT_BUCKET_BYTES,
     CommCost,
     ConfigError,
-    IncompatiblePlanError,
     MemoryReport,
     ParamSpec,
     ScalerConfig,
@@ -33,10 +32,10 @@ from zeroplan.core import (
     initial_state,
     memory_report,
     plan,
-    plan_reshard,
     update,
 )
-from zeroplan.core.fingerprint import digest
+from zeroplan.facade import replanning, state_loading
+from zeroplan.facade.agreement import agree
 from zeroplan.facade.buffers import SpaceBuffers, build_buffers, param_view
 from zeroplan.facade.collectives import CommLog, all_reduce_shard, gather_space
 from zeroplan.facade.consolidate import consolidated_state_dict
@@ -44,16 +43,7 @@ from zeroplan.facade.grad_sync import GradSync, PeakTracker
 from zeroplan.facade.groups import ProcessGroups, data_parallel_group, make_groups
 from zeroplan.facade.inner import Inner, build_inner, check_hyperparameters, sync_hyperparameters
 from zeroplan.facade.inputs import collect_params, describe_params
-from zeroplan.facade.shard_state import ShardState, export_state, import_state, move_shards
-from zeroplan.facade.state_dicts import (
-    Shards,
-    check_plain,
-    cohorts_of_plain,
-    is_sharded,
-    shard_state_from_plain,
-    shard_state_from_sharded,
-    sharded_state_dict,
-)
+from zeroplan.facade.state_dicts import Shards, sharded_state_dict
 
 __all__ = ["MeasuredMemory", "ZeroOptimizer"]
 
@@ -170,7 +160,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             zp = self._plan(groups)
         except ZeroplanError as exc:
             problem = exc
-        zp = self._agree(zp, world, problem)
+        zp = agree(zp, world, problem)
         # Nothing below can fail for a user reason: state changes start here.
         super().__init__(
             [{**g, "params": [self._params[i] for i in g["params"]]} for g in groups], optimizer_defaults
@@ -212,43 +202,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             loss_scaling=self._settings["loss_scaling"],
             max_inflight_buckets=self._settings["max_inflight_buckets"],
         )
-
-    def _agree(
-        self, zp: ZeroPlan | None, world: dist.ProcessGroup, problem: ZeroplanError | None
-    ) -> ZeroPlan:
-        """Collective check that every rank validated and planned the same thing.
-
-        All ranks exchange (error, parameter digest, plan fingerprint); if any
-        rank failed or differs, every rank raises, so none is left waiting in
-        a collective the others never enter.
-        """
-        mine = (
-            None if problem is None else f"{type(problem).__name__}: {problem}",
-            None if zp is None else digest("specs", [s.key() for s in zp.specs]),
-            None if zp is None else zp.fingerprint(),
-        )
-        rows: list[Any] = [None] * dist.get_world_size(world)
-        dist.all_gather_object(rows, mine, group=world)
-        if problem is not None:
-            raise problem
-        for rank, (error, specs, fingerprint) in enumerate(rows):
-            if error is not None:
-                raise ConfigError(f"rank {rank} rejected the optimizer settings: {error}")
-            if specs != rows[0][1]:
-                raise IncompatiblePlanError(
-                    f"rank {rank} describes different parameters than rank 0 (their order, shapes, dtypes, "
-                    "groups or requires_grad differ); build the same model on every rank and pass its "
-                    "parameters in the same order"
-                )
-            if fingerprint != rows[0][2]:
-                raise IncompatiblePlanError(
-                    f"rank {rank} planned differently from rank 0 with the same parameters: pass the same "
-                    "stage, shard_group_size, strategy, bucket_bytes, alignment and optimizer settings "
-                    "on every rank"
-                )
-        if zp is None:  # unreachable: a rank without a plan reported a problem
-            raise RuntimeError("no plan and no error")
-        return zp
 
     def _install(self, zp: ZeroPlan) -> None:
         self._zp = zp
@@ -532,59 +485,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         is sliced by every rank; call it on every rank. Invalid dicts raise and
         change nothing.
         """
-        self._release_grads()
-        if is_sharded(state_dict):
-            state, stateful, masters = shard_state_from_sharded(state_dict, self._shards())
-            self._commit_state(state, stateful, masters, state_dict["param_groups"], state_dict["scaler"])
-            return
-        check_plain(state_dict, self._shards())
-        target = self._plan_with_cohorts(cohorts_of_plain(state_dict, self._zp))
-        if target.fingerprint() != self._zp.fingerprint():
-            self._adopt_cohorts(target)
-        state, stateful, masters = shard_state_from_plain(state_dict, self._shards())
-        if not masters:  # a dict without fp32 masters: start them from the parameters
-            masters = {
-                b.space.dtype: b.region(self._groups.shard_rank).float()
-                for b in self._buffers
-                if b.separate_master
-            }
-        self._commit_state(state, stateful, masters, state_dict["param_groups"], None)
-
-    def _plan_with_cohorts(self, cohorts: list[int]) -> ZeroPlan:
-        """The plan of this optimizer with other cohorts (pure; changes nothing)."""
-        saved = self._cohorts
-        self._cohorts = list(cohorts)
-        try:
-            return self._plan([{k: v for k, v in g.items() if k != "params"} for g in self.param_groups])
-        finally:
-            self._cohorts = saved
-
-    def _adopt_cohorts(self, zp: ZeroPlan) -> None:
-        """Switch to ``zp``, a plan from :meth:`_plan_with_cohorts` every rank computed alike."""
-        self._cohorts = [s.cohort for s in zp.specs]
-        self._next_cohort = max(self._cohorts, default=0) + 1
-        self._replan(zp)
-
-    def _commit_state(
-        self,
-        state: ShardState,
-        stateful: set[tuple[int, int]],
-        masters: dict[str, torch.Tensor],
-        param_groups: list[dict[str, Any]],
-        scaler: dict[str, Any] | None,
-    ) -> None:
-        """Install validated state; nothing here can fail for a user reason."""
-        for buf in self._buffers:
-            if buf.separate_master and buf.space.dtype in masters:
-                buf.master[: buf.owned].copy_(masters[buf.space.dtype])
-        self._inner.optimizer.state.clear()
-        import_state(self._zp, self._inner, state, stateful)
-        for group, saved in zip(self.param_groups, param_groups, strict=True):
-            for key, value in saved.items():
-                if key not in ("params", "param_names"):
-                    group[key] = value
-        if scaler is not None and self._scaler is not None:
-            self._scaler = ScalerState(config=self._scaler.config, **scaler)
+        state_loading.load_state_dict(self, state_dict)
 
     # ------------------------------------------------------------ re-planning
     def refresh_trainable(self) -> None:
@@ -594,23 +495,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         own ``step`` counter); parameters that become frozen release their
         state. Collective: call on every rank.
         """
-        trainable = {s.index for s in self._zp.specs if s.trainable}
-        cohorts = list(self._cohorts)
-        for index, param in enumerate(self._params):
-            if param.requires_grad and index not in trainable:
-                self._cohorts[index] = self._next_cohort
-        zp, problem = None, None
-        try:
-            zp = self._plan([{k: v for k, v in g.items() if k != "params"} for g in self.param_groups])
-        except ZeroplanError as exc:
-            problem = exc
-        try:
-            zp = self._agree(zp, self._world, problem)
-        except ZeroplanError:
-            self._cohorts = cohorts
-            raise
-        self._next_cohort += 1
-        self._replan(zp)
+        replanning.refresh_trainable(self)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (collective: call on every rank with the same group).
@@ -618,57 +503,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         New parameters become trainable with fresh optimizer state. A bad
         group raises on every rank and changes nothing.
         """
-        if not self._initialized:
+        if not self._initialized:  # torch.optim.Optimizer.__init__ adds the first groups
             super().add_param_group(param_group)
             return
-        start, saved = len(self._params), (list(self._group_members), self._next_cohort)
-        zp, problem, group = None, None, None
-        try:
-            inputs = collect_params([param_group], start=start, seen=self._params)
-            group = {**self.defaults, **inputs.groups[0]}
-            check_hyperparameters(self._optimizer_class, [group])
-            self._params.extend(inputs.params)
-            self._names.extend(inputs.names)
-            self._group_members.append(list(group["params"]))
-            self._cohorts.extend([self._next_cohort] * len(inputs.params))
-            self._next_cohort += 1
-            hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-            zp = self._plan([*hyper, group])
-        except ZeroplanError as exc:
-            problem = exc
-        try:
-            zp = self._agree(zp, self._world, problem)
-        except ZeroplanError:
-            del self._params[start:], self._names[start:], self._cohorts[start:]
-            self._group_members, self._next_cohort = saved
-            raise
-        super().add_param_group({**group, "params": self._params[start:]})  # type: ignore[dict-item]
-        self._replan(zp)
-
-    def _replan(self, zp: ZeroPlan) -> None:
-        """Move buffers, master weights and optimizer state to an agreed new plan."""
-        if zp.fingerprint() == self._zp.fingerprint():
-            return
-        self._sync.reset()
-        self._release_grads()
-        old_zp, old_buffers = self._zp, self._buffers
-        state = export_state(old_zp, self._inner, old_buffers)
-        reshard = plan_reshard(old_zp.partition, zp.partition, allow_trainable_change=True)
-        self._sync.remove_hooks()
-        managed = {index for buf in old_buffers for index in buf.space.params}
-        for index in managed:
-            if not zp.specs[index].trainable:
-                param = self._params[index]
-                param.data = param.data.clone()  # leave the old flat buffer
-                param.grad = None
-        self._install(zp)
-        moved, stateful = move_shards(
-            old_zp=old_zp,
-            old_buffers=old_buffers,
-            old_state=state,
-            new_zp=zp,
-            new_buffers=self._buffers,
-            reshard=reshard,
-            groups=self._groups,
-        )
-        import_state(zp, self._inner, moved, stateful)
+        replanning.add_param_group(self, param_group)

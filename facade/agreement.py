@@ -1,0 +1,54 @@
+"""Ranks agree before anything changes: one collective carries every rank's verdict.
+
+Used at construction and before every re-plan or load: each rank validates
+and plans locally, then all exchange (error, parameter digest, plan
+fingerprint). If any rank failed or differs, every rank raises, so none is
+left waiting in a collective the others never enter, and nothing was modified.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from zeroplan.core import ConfigError, IncompatiblePlanError, ZeroPlan, ZeroplanError
+from zeroplan.core.fingerprint import digest
+
+__all__ = ["agree"]
+
+
+def agree(zp: ZeroPlan | None, world: dist.ProcessGroup, problem: ZeroplanError | None) -> ZeroPlan:
+    """Collective check that every rank validated and planned the same thing.
+
+    All ranks exchange (error, parameter digest, plan fingerprint); if any
+    rank failed or differs, every rank raises, so none is left waiting in
+    a collective the others never enter.
+    """
+    mine = (
+        None if problem is None else f"{type(problem).__name__}: {problem}",
+        None if zp is None else digest("specs", [s.key() for s in zp.specs]),
+        None if zp is None else zp.fingerprint(),
+    )
+    rows: list[Any] = [None] * dist.get_world_size(world)
+    dist.all_gather_object(rows, mine, group=world)
+    if problem is not None:
+        raise problem
+    for rank, (error, specs, fingerprint) in enumerate(rows):
+        if error is not None:
+            raise ConfigError(f"rank {rank} rejected the optimizer settings: {error}")
+        if specs != rows[0][1]:
+            raise IncompatiblePlanError(
+                f"rank {rank} describes different parameters than rank 0 (their order, shapes, dtypes, "
+                "groups or requires_grad differ); build the same model on every rank and pass its "
+                "parameters in the same order"
+            )
+        if fingerprint != rows[0][2]:
+            raise IncompatiblePlanError(
+                f"rank {rank} planned differently from rank 0 with the same parameters: pass the same "
+                "stage, shard_group_size, strategy, bucket_bytes, alignment and optimizer settings "
+                "on every rank"
+            )
+    if zp is None:  # unreachable: a rank without a plan reported a problem
+        raise RuntimeError("no plan and no error")
+    return zp
