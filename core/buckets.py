@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zeroplan.core.comm import Collective
-from zeroplan.core.errors import check_config, require
+from zeroplan.core.errors import PlanInvariantError, check_config, require
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.partition import PartitionPlan
 from zeroplan.core.span import Span
@@ -205,12 +205,14 @@ def plan_buckets(plan: PartitionPlan, bucket_bytes: int, alignment: int | None =
             copies: list[GradCopy] = []
             staging = 0
             for rank in sorted(by_rank):
-                parts = sorted(by_rank[rank], key=lambda part: part[2].start)
+                # Runs were walked downwards and a rank's shard follows space order (the plan
+                # checks it), so reversing puts the rank's parts in shard order.
+                parts = by_rank[rank][::-1]
                 window = Span(parts[0][2].start, parts[-1][2].stop)
-                require(
-                    window.numel == sum(part[2].numel for part in parts),
-                    f"bucket [{lo}, {hi}) of space {space.index} is not contiguous in rank {rank}'s shard",
-                )
+                if window.numel != sum(part[2].numel for part in parts):  # (hot loop)
+                    raise PlanInvariantError(
+                        f"bucket [{lo}, {hi}) of space {space.index} is not contiguous in rank {rank}'s shard"
+                    )
                 pieces.append(Piece(rank, window, staging))
                 for param, param_span, shard_span in parts:
                     copies.append(GradCopy(param, param_span, staging + shard_span.start - window.start))

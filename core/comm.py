@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import Enum
 
-from zeroplan.core.errors import check_config
+from zeroplan.core.errors import ConfigError, check_config
 
 __all__ = ["GATHERING", "REDUCING", "Collective", "all_reduce_send", "even_split", "send_elements"]
 
@@ -96,7 +96,7 @@ def send_elements(collective: Collective, pieces: Sequence[int], rank: int) -> i
         return sum(pieces) - pieces[(rank + 1) % n]
     if collective is Collective.ALL_REDUCE:
         return all_reduce_send(pieces[rank], n, rank)
-    raise ValueError(f"unknown collective {collective!r}")
+    raise ConfigError(f"unknown collective {collective!r}; pass a Collective member")
 
 
 def all_reduce_send(total: int, n: int, rank: int) -> int:

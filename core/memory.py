@@ -35,6 +35,7 @@ from typing import Any
 from zeroplan.core.buckets import Bucket
 from zeroplan.core.comm import Collective, all_reduce_send
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
+from zeroplan.core.errors import require
 from zeroplan.core.planner import Stage, ZeroPlan
 
 __all__ = ["CommCost", "MemoryReport", "RankReport", "communication", "memory_report"]
@@ -82,8 +83,7 @@ class RankReport:
             self.optimizer_state_bytes,
             self.buffer_bytes,
         )
-        if min(parts) < 0:
-            raise ValueError(f"negative byte count in report of rank {self.rank}: {parts}")
+        require(min(parts) >= 0, f"negative byte count in report of rank {self.rank}: {parts}")
         object.__setattr__(self, "total_bytes", sum(parts))
         object.__setattr__(self, "comm_bytes_per_step", sum(c.bytes for c in self.comm))
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from zeroplan.core.comm import Collective
-from zeroplan.core.errors import check_config, require
+from zeroplan.core.errors import ConfigError, PlanInvariantError, check_config, require
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.specs import ParamSpec, check_specs
@@ -162,7 +162,11 @@ class PartitionPlan:
             f"plan has fragments for {len(self.fragments)} parameters but {len(self.specs)} specs",
         )
         for spec, frags in zip(self.specs, self.fragments, strict=True):
-            _check_cover(spec, frags, self.shard_size)
+            problem = _cover_problem(spec, frags, self.shard_size)
+            if problem is not None:
+                raise PlanInvariantError(
+                    f"parameter {spec.index} ({spec.name!r}, shape {spec.shape}) {problem}"
+                )
         object.__setattr__(self, "spaces", _build_spaces(self))
         object.__setattr__(self, "splits_params", any(len(f) > 1 for f in self.fragments))
 
@@ -199,35 +203,32 @@ class PartitionPlan:
         )
 
 
-def _check_cover(spec: ParamSpec, frags: tuple[Fragment, ...], shard_size: int) -> None:
-    """Fragments of ``spec`` tile its elements exactly once; frozen specs have none."""
-    name = f"parameter {spec.index} ({spec.name!r}, shape {spec.shape})"
+def _cover_problem(spec: ParamSpec, frags: tuple[Fragment, ...], shard_size: int) -> str | None:
+    """Why the fragments of ``spec`` fail to tile it exactly once (frozen: own none); ``None`` if they do.
+
+    Runs for every parameter of every plan, so messages are formatted only on failure.
+    """
     if not spec.trainable:
-        require(not frags, f"{name} is frozen but the plan gives it {len(frags)} fragment(s)")
-        return
-    require(len(frags) >= 1, f"{name} is trainable but no rank owns it")
-    require(
-        spec.numel > 0 or len(frags) == 1,
-        f"{name} is zero-size: give it exactly one (empty) fragment, got {len(frags)}",
-    )
+        return None if not frags else f"is frozen but the plan gives it {len(frags)} fragment(s)"
+    if not frags:
+        return "is trainable but no rank owns it"
+    if spec.numel == 0 and len(frags) != 1:
+        return f"is zero-size: give it exactly one (empty) fragment, got {len(frags)}"
     position = 0
     for frag in frags:
-        require(
-            isinstance(frag, Fragment) and frag.param == spec.index,
-            f"{name} lists a fragment of parameter {getattr(frag, 'param', frag)!r}",
-        )
-        require(0 <= frag.rank < shard_size, f"{name}: rank {frag.rank} outside 0..{shard_size - 1}")
-        require(
-            frag.param_span.start == position,
-            f"{name}: fragments must tile it in order; expected one starting at "
-            f"{position}, got {frag.param_span}",
-        )
-        require(
-            frag.param_span.numel > 0 or spec.numel == 0,
-            f"{name}: empty fragment {frag.param_span} (only zero-size parameters have one)",
-        )
-        position = frag.param_span.stop
-    require(position == spec.numel, f"{name}: fragments cover {position} of {spec.numel} elements")
+        if not (isinstance(frag, Fragment) and frag.param == spec.index):
+            return f"lists a fragment of parameter {getattr(frag, 'param', frag)!r}"
+        if not 0 <= frag.rank < shard_size:
+            return f"rank {frag.rank} outside 0..{shard_size - 1}"
+        span = frag.param_span
+        if span.start != position:
+            return f"fragments must tile it in order; expected one starting at {position}, got {span}"
+        if span.stop == position and spec.numel:
+            return f"empty fragment {span} (only zero-size parameters have one)"
+        position = span.stop
+    if position != spec.numel:
+        return f"fragments cover {position} of {spec.numel} elements"
+    return None
 
 
 def _build_spaces(plan: PartitionPlan) -> tuple[Space, ...]:
@@ -251,13 +252,13 @@ def _build_space(plan: PartitionPlan, index: int, dtype: str) -> Space:
     owned = [0] * n
     for p in params:
         for frag in plan.fragments[p]:
-            require(
-                frag.shard_offset == owned[frag.rank],
-                f"parameter {p} ({plan.specs[p].name!r}): fragment {frag.param_span} on rank "
-                f"{frag.rank} starts at shard offset {frag.shard_offset}, expected "
-                f"{owned[frag.rank]}; each rank's fragments must be packed in parameter order "
-                "(build plans with plan_from_assignment)",
-            )
+            if frag.shard_offset != owned[frag.rank]:  # (hot loop: no message unless it fails)
+                raise PlanInvariantError(
+                    f"parameter {p} ({plan.specs[p].name!r}): fragment {frag.param_span} on rank "
+                    f"{frag.rank} starts at shard offset {frag.shard_offset}, expected "
+                    f"{owned[frag.rank]}; each rank's fragments must be packed in parameter order "
+                    "(build plans with plan_from_assignment)"
+                )
             owned[frag.rank] += frag.param_span.numel
     region_offsets = [0] * n
     for r in range(1, n):
@@ -270,13 +271,13 @@ def _build_space(plan: PartitionPlan, index: int, dtype: str) -> Space:
         position = start
         for frag in frags:
             at = region_offsets[frag.rank] + frag.shard_offset
-            require(
-                at == position,
-                f"parameter {p} ({plan.specs[p].name!r}) would not be contiguous in the "
-                f"rank-major buffer: its fragment on rank {frag.rank} starts at {at}, expected "
-                f"{position}. Split parameters must end one rank's shard and start the next "
-                "ranks' shards, in order (see [Note: layout])",
-            )
+            if at != position:  # (hot loop: no message unless it fails)
+                raise PlanInvariantError(
+                    f"parameter {p} ({plan.specs[p].name!r}) would not be contiguous in the "
+                    f"rank-major buffer: its fragment on rank {frag.rank} starts at {at}, expected "
+                    f"{position}. Split parameters must end one rank's shard and start the next "
+                    "ranks' shards, in order (see [Note: layout])"
+                )
             position += frag.param_span.numel
         buffer_offsets.append(start)
 
@@ -332,15 +333,16 @@ def plan_from_assignment(
     """
     specs = check_specs(specs)
     by_param: list[list[tuple[Span, int]]] = [[] for _ in specs]
+    count = len(specs)
     for param, span, rank in pieces:
-        check_config(
-            0 <= param < len(specs), f"assignment names parameter {param}, outside 0..{len(specs) - 1}"
-        )
+        if not 0 <= param < count:  # (hot loop: no message unless it fails)
+            raise ConfigError(f"assignment names parameter {param}, outside 0..{count - 1}")
         by_param[param].append((span, rank))
     offsets: dict[tuple[str, int], int] = {}
     fragments: list[tuple[Fragment, ...]] = []
     for spec, owned in zip(specs, by_param, strict=True):
-        owned.sort(key=lambda item: item[0].start)
+        if len(owned) > 1:
+            owned.sort(key=lambda item: item[0].start)
         frags = []
         for span, rank in owned:
             key = (spec.dtype, rank)

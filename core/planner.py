@@ -155,7 +155,9 @@ class ZeroPlan:
 
         Elementwise optimizers get one flat window per run of fragments with
         the same (param group, cohort) in each space; others get each owned
-        parameter whole, shaped like the parameter.
+        parameter whole, shaped like the parameter. Tensors without elements
+        are left out: there is nothing to step (and some optimizers, such as
+        Adafactor, fail on them).
         """
         check_config(
             0 <= shard_rank < self.topology.shard_size,
@@ -167,6 +169,8 @@ class ZeroPlan:
             if not self.elementwise:
                 for f in frags:
                     spec = self.specs[f.param]
+                    if spec.numel == 0:
+                        continue
                     tensors.append(
                         InnerTensor(
                             space=space.index,
@@ -178,6 +182,7 @@ class ZeroPlan:
                         )
                     )
                 continue
+            frags = tuple(f for f in frags if f.param_span.numel)  # zero-size ones hold nothing
             start = 0
             for i, f in enumerate(frags):
                 spec = self.specs[f.param]

@@ -15,9 +15,9 @@
         if growth_tracker == growth_interval:
             growth_tracker = 0
             hysteresis_tracker = 0
-            grown = f32(scale * growth_factor)
+            grown = min(f32(scale * growth_factor), max_scale)
             if isfinite(grown):
-                scale = min(grown, max_scale)
+                scale = grown
 
 With ``H == 1`` this is ``torch.amp.GradScaler`` step for step (including its
 float32 rounding of the scale); with ``H > 1`` it is InternLM's
@@ -82,8 +82,11 @@ class ScalerConfig:
             type(self.hysteresis) is int and self.hysteresis >= 1,
             f"hysteresis must be an int >= 1, got {self.hysteresis!r}",
         )
+        # The scale lives in float32 (as GradScaler's tensor does): so do its bounds.
+        object.__setattr__(self, "min_scale", _f32(self.min_scale))
+        object.__setattr__(self, "max_scale", _f32(self.max_scale))
         check_config(
-            0.0 <= self.min_scale <= self.initial_scale <= self.max_scale,
+            0.0 <= self.min_scale <= _f32(self.initial_scale) <= self.max_scale,
             "need 0 <= min_scale <= initial_scale <= max_scale, got "
             f"{self.min_scale!r} <= {self.initial_scale!r} <= {self.max_scale!r}",
         )
@@ -114,7 +117,10 @@ class ScalerState:
             0 <= self.growth_tracker < self.config.growth_interval,
             f"growth_tracker {self.growth_tracker} outside 0..{self.config.growth_interval - 1}",
         )
-        check_config(self.hysteresis_tracker >= 0, "hysteresis_tracker must be >= 0")
+        check_config(
+            self.hysteresis_tracker >= 0,
+            f"hysteresis_tracker must be >= 0, got {self.hysteresis_tracker!r}",
+        )
 
     def as_dict(self) -> dict[str, float | int]:
         """Plain numbers, for checkpoints."""
@@ -160,6 +166,7 @@ def update(state: ScalerState, found_inf: bool) -> ScalerState:
     growth = state.growth_tracker + 1
     if growth < config.growth_interval:
         return replace(state, growth_tracker=growth)
-    grown = _f32(state.scale * config.growth_factor)
-    scale = min(grown, config.max_scale) if math.isfinite(grown) else state.scale
-    return replace(state, scale=_f32(scale), growth_tracker=0, hysteresis_tracker=0)
+    scale = min(_f32(state.scale * config.growth_factor), config.max_scale)
+    if not math.isfinite(scale):  # float32 overflow with no (finite) max_scale: keep the scale
+        scale = state.scale
+    return replace(state, scale=scale, growth_tracker=0, hysteresis_tracker=0)

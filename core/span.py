@@ -40,6 +40,9 @@ class Span:
     stop: int
 
     def __post_init__(self) -> None:
+        start, stop = self.start, self.stop
+        if type(start) is int and type(stop) is int and 0 <= start <= stop:
+            return  # hot path (plans build Spans by the hundred thousand): no message formatting
         require(
             type(self.start) is int and type(self.stop) is int,
             f"Span bounds must be ints, got {self.start!r}, {self.stop!r}",

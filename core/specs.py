@@ -98,22 +98,27 @@ def check_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
         ConfigError: the list is not a valid parameter list.
     """
     specs = tuple(specs)
+    group = 0
     for position, spec in enumerate(specs):
-        check_config(
-            isinstance(spec, ParamSpec),
-            f"specs[{position}] is {type(spec).__name__}, expected ParamSpec",
-        )
-        check_config(
-            spec.index == position,
-            f"specs[{position}] has index {spec.index}; indices must be 0..n-1 in list order "
-            "(build specs with specs_from_shapes or specs_from_module)",
-        )
-        if position:
+        # Checked cheaply first (this runs on every plan); messages are built only on failure.
+        fine = isinstance(spec, ParamSpec) and spec.index == position
+        if not (fine and (not position or spec.group >= group)):
             check_config(
-                spec.group >= specs[position - 1].group,
-                f"spec {spec.name!r} (group {spec.group}) follows group "
-                f"{specs[position - 1].group}; list parameters group by group",
+                isinstance(spec, ParamSpec),
+                f"specs[{position}] is {type(spec).__name__}, expected ParamSpec",
             )
+            check_config(
+                spec.index == position,
+                f"specs[{position}] has index {spec.index}; indices must be 0..n-1 in list order "
+                "(build specs with specs_from_shapes or specs_from_module)",
+            )
+            if position:
+                check_config(
+                    spec.group >= specs[position - 1].group,
+                    f"spec {spec.name!r} (group {spec.group}) follows group "
+                    f"{specs[position - 1].group}; list parameters group by group",
+                )
+        group = spec.group
     return specs
 
 

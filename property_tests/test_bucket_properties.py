@@ -6,7 +6,7 @@ import torch
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
-from property_tests.strategies import alignments, bucket_caps, param_specs, seeds, topologies
+from property_tests.strategies import alignments, bucket_caps, many_specs, param_specs, seeds, topologies
 from property_tests.virtual import assert_tiles, make_plan, reduce_buckets, shard
 from zeroplan.core import Collective, Span, plan_buckets, specs_from_shapes
 
@@ -28,7 +28,9 @@ bucket_alignments = st.one_of(st.none(), alignments)
     bucket_alignment=None,
 )
 @example(specs=specs_from_shapes([(5,), (5,)]), shard_size=2, alignment=1, bucket_bytes=1, bucket_alignment=3)
+@example(specs=many_specs(2000, seed=1), shard_size=5, alignment=2, bucket_bytes=64, bucket_alignment=None)
 def test_bucket_layout(strategy_name, specs, shard_size, alignment, bucket_bytes, bucket_alignment):
+    """[Note: buckets]: pieces tile shards, copies tile staging, spans tile spaces, order is launchable."""
     p = make_plan(strategy_name, specs, shard_size, alignment)
     layout = plan_buckets(p, bucket_bytes, bucket_alignment)
     align = alignment if bucket_alignment is None else bucket_alignment
@@ -81,40 +83,38 @@ def test_bucket_layout(strategy_name, specs, shard_size, alignment, bucket_bytes
             assert piece.shard_span.contains(Span(shard_start, shard_start + copy.param_span.numel))
             assert copy.staging_offset == piece.staging_offset + shard_start - piece.shard_span.start
         assert bucket.params == tuple(sorted({c.param for c in bucket.copies}))
+    pieces_of: dict[tuple[int, int], list[Span]] = {}
+    copies_of: dict[int, list[Span]] = {}
+    buckets_of: dict[int, list[int]] = {}
+    for bucket in layout.buckets:
+        for piece in bucket.pieces:
+            pieces_of.setdefault((bucket.space, piece.rank), []).append(piece.shard_span)
+        for copy in bucket.copies:
+            copies_of.setdefault(copy.param, []).append(copy.param_span)
+        for q in bucket.params:
+            buckets_of.setdefault(q, []).append(bucket.index)
     for space in p.spaces:
-        buckets = [b for b in layout.buckets if b.space == space.index]
         # Bucket spans tile the space coordinate.
-        assert_tiles([b.span for b in buckets], space.numel, f"buckets of space {space.dtype}")
+        spans = [b.span for b in layout.buckets if b.space == space.index]
+        assert_tiles(spans, space.numel, f"buckets of space {space.dtype}")
         # Per rank, the pieces tile the rank's shard [0, owned) exactly once.
         for rank in range(shard_size):
-            pieces = [b.piece_of(rank).shard_span for b in buckets if b.piece_of(rank)]
+            pieces = pieces_of.get((space.index, rank), [])
             assert_tiles(pieces, space.owned[rank], f"pieces of rank {rank} in {space.dtype}")
         # Each non-empty parameter's gradient is copied exactly once, zero-size ones never.
         for q in space.params:
-            spans = [c.param_span for b in buckets for c in b.copies if c.param == q]
-            assert_tiles(spans, p.specs[q].numel, f"gradient of parameter {q}")
-            assert layout.buckets_of(q) == tuple(b.index for b in layout.buckets if q in b.params)
+            assert_tiles(copies_of.get(q, []), p.specs[q].numel, f"gradient of parameter {q}")
+            assert layout.buckets_of(q) == tuple(buckets_of.get(q, ()))
     for spec in specs:
         if not spec.trainable:
             assert layout.buckets_of(spec.index) == ()
-    # Launch order: the lowest parameter of each bucket never increases.
+    # Launch order: the lowest parameter of each bucket never increases ...
     lows = [min(b.params) for b in layout.buckets]
     assert lows == sorted(lows, reverse=True), f"launch order lowest params {lows}"
-
-
-@given(specs=param_specs(), shard_size=st.integers(1, 9), alignment=alignments, bucket_bytes=bucket_caps)
-def test_backward_readiness_completes_buckets_in_launch_order(
-    strategy_name, specs, shard_size, alignment, bucket_bytes
-):
-    """Readying gradients in reverse index order completes buckets as a prefix of the launch order."""
-    p = make_plan(strategy_name, specs, shard_size, alignment)
-    layout = plan_buckets(p, bucket_bytes)
-    ready: set[int] = set()
-    for spec in reversed(specs):
-        ready.add(spec.index)
-        complete = [set(b.params) <= ready for b in layout.buckets]
-        assert complete == sorted(complete, reverse=True), f"after parameter {spec.index}: {complete}"
-    assert all(set(b.params) <= ready for b in layout.buckets)
+    # ... so when backward readies gradients in reverse index order, buckets complete in launch order.
+    ready_at = {spec.index: len(specs) - 1 - spec.index for spec in specs}
+    complete_at = [max(ready_at[q] for q in b.params) for b in layout.buckets]
+    assert complete_at == sorted(complete_at), f"buckets complete at {complete_at}"
 
 
 @given(

@@ -17,7 +17,9 @@ def test_param_spec_derives_numel_and_canonical_dtype():
     assert spec.group == 0 and spec.trainable is True
 
 
-@pytest.mark.parametrize(("shape", "numel"), [((), 1), ((0,), 0), ((17, 0, 3), 0), ((1,), 1), ((3, 5, 7), 105)])
+@pytest.mark.parametrize(
+    ("shape", "numel"), [((), 1), ((0,), 0), ((17, 0, 3), 0), ((1,), 1), ((3, 5, 7), 105)]
+)
 def test_scalar_and_zero_size_shapes(shape, numel):
     assert ParamSpec(index=0, name="p", shape=shape).numel == numel
 
@@ -105,6 +107,8 @@ def test_check_specs_rejects_wrong_indices_naming_them():
 def test_check_specs_rejects_non_specs():
     with pytest.raises(ConfigError, match=r"specs\[0\] is tuple, expected ParamSpec"):
         check_specs([(17, 257)])
+    with pytest.raises(ConfigError, match=r"specs\[1\] is dict, expected ParamSpec"):
+        check_specs([ParamSpec(index=0, name="a", shape=(2,)), {"shape": (3,)}])
 
 
 def test_check_specs_rejects_groups_out_of_order_naming_the_spec():

@@ -1,0 +1,113 @@
+"""``communication(zp, rank)`` equals the per-call cost model summed over every call the facade issues.
+
+The facade issues, per step and world rank (stages 1 and 2):
+
+* per bucket, one reduce-family call on the shard group with ``bucket.piece_sizes(N)``;
+* with replicas (MiCS), one all-reduce on the replica group per non-empty piece the rank holds;
+* per dtype space, the gather on the shard group: one ``all_gather`` over ``space.owned``, or one
+  ``broadcast`` per rank ``q`` owning something (pieces ``[0, .., owned[q], .., 0]``);
+* one single-element fp32 all-reduce on the shard group for the loss-scale overflow check and
+  one for gradient clipping, when used.
+
+Groups of one rank issue nothing. ``communication`` computes the same totals in closed form.
+"""
+
+from __future__ import annotations
+
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from property_tests.strategies import alignments, bucket_caps, param_specs, topologies
+from zeroplan.core import Collective, Topology, communication, plan, send_elements, specs_from_shapes
+
+
+def _per_call_traffic(zp, rank, clipping):
+    topology = zp.topology
+    n, replicas = topology.shard_size, topology.replica_size
+    s, g = topology.shard_rank(rank), topology.replica_rank(rank)
+    spaces = zp.partition.spaces
+    totals = {}
+
+    def call(group, collective, elements, itemsize):
+        entry = totals.setdefault((group, collective), [0, 0])
+        entry[0] += 1
+        entry[1] += elements * itemsize
+
+    for bucket in zp.buckets.buckets:
+        itemsize = zp.specs[spaces[bucket.space].params[0]].itemsize
+        sizes = bucket.piece_sizes(n)
+        if n > 1:
+            call("shard", bucket.collective, send_elements(bucket.collective, sizes, s), itemsize)
+        if replicas > 1 and sizes[s]:
+            call(
+                "replica",
+                Collective.ALL_REDUCE,
+                send_elements(Collective.ALL_REDUCE, [sizes[s]] * replicas, g),
+                itemsize,
+            )
+    for space in spaces:
+        itemsize = zp.specs[space.params[0]].itemsize
+        if n == 1:
+            continue
+        if space.gather is Collective.ALL_GATHER:
+            call(
+                "shard", Collective.ALL_GATHER, send_elements(Collective.ALL_GATHER, space.owned, s), itemsize
+            )
+        else:
+            assert space.gather is Collective.BROADCAST
+            for q, owned in enumerate(space.owned):
+                if owned:
+                    pieces = [0] * n
+                    pieces[q] = owned
+                    call(
+                        "shard",
+                        Collective.BROADCAST,
+                        send_elements(Collective.BROADCAST, pieces, s),
+                        itemsize,
+                    )
+    for used in (zp.loss_scaling, clipping):
+        if used and n > 1:
+            call("shard", Collective.ALL_REDUCE, send_elements(Collective.ALL_REDUCE, [1] * n, s), 4)
+    return {key: tuple(value) for key, value in totals.items()}
+
+
+@given(
+    specs=param_specs(),
+    topology=topologies(),
+    alignment=alignments,
+    bucket_bytes=bucket_caps,
+    stage=st.sampled_from([1, 2]),
+    loss_scaling=st.booleans(),
+    clipping=st.booleans(),
+)
+@example(
+    specs=specs_from_shapes([(17, 257), (3,), (0,)], dtype="bf16"),
+    topology=Topology(world_size=8, shard_size=4),
+    alignment=8,
+    bucket_bytes=2048,
+    stage=2,
+    loss_scaling=True,
+    clipping=True,
+)
+def test_communication_equals_sum_of_calls(
+    strategy_name, specs, topology, alignment, bucket_bytes, stage, loss_scaling, clipping
+):
+    zp = plan(
+        specs,
+        topology,
+        stage=stage,
+        strategy=strategy_name,
+        optimizer="SGD",
+        alignment=alignment,
+        bucket_bytes=bucket_bytes,
+        loss_scaling=loss_scaling,
+    )
+    for rank in range(topology.world_size):
+        expected = _per_call_traffic(zp, rank, clipping)
+        got = {
+            (c.group, c.collective): (c.calls, c.bytes) for c in communication(zp, rank, clipping=clipping)
+        }
+        assert len(got) == len(communication(zp, rank, clipping=clipping)), (
+            "duplicate (group, collective) rows"
+        )
+        assert got == expected, f"rank {rank}: report {got} != per-call sum {expected}"

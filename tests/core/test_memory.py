@@ -1,0 +1,373 @@
+"""The memory and traffic report: the ZeRO paper's family, hand-computed traffic, per-call sums."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import pytest
+
+from zeroplan.core import (
+    Collective,
+    CommCost,
+    ParamSpec,
+    PlanInvariantError,
+    RankReport,
+    Stage,
+    Topology,
+    communication,
+    memory_report,
+    plan,
+    send_elements,
+    specs_from_shapes,
+)
+from zeroplan.core.comm import all_reduce_send
+
+# ----------------------------------------------------------------- the ZeRO paper's family
+#: 164,864 = 4 ranks x 128 alignment x 322: flat_even shards have no padding.
+EVEN_SHAPES = [(512, 256), (1024,), (256, 128)]
+#: Odd shapes: padding and uneven shards.
+ODD_SHAPES = [(17, 257), (3,), (1000, 7), (31,), (257, 17)]
+SCALAR = 4  # torch keeps AdamW's `step` as a 4-byte scalar per stepped tensor
+
+
+def _family(stage: int, psi: int, n: int, p: int, k: int) -> float:
+    """The ZeRO paper's params + grads + optimizer bytes per rank (K includes fp32 master)."""
+    return {
+        0: p * psi + p * psi + k * psi,
+        1: p * psi + p * psi + k * psi / n,
+        2: p * psi + (p + k) * psi / n,
+        3: (p + p + k) * psi / n,
+    }[stage]
+
+
+def _extras(stage: int, psi: int, n: int, p: int, tensors: int, inner: int) -> float:
+    """What zeroplan keeps beyond the paper's formula (see memory.py's [Note: what is counted])."""
+    if stage == 0:
+        return SCALAR * tensors  # one `step` per parameter, every rank steps all of them
+    reduced_grad_shard = p * psi / n if stage == 1 else 0
+    return reduced_grad_shard + SCALAR * inner
+
+
+def _counted(r: RankReport) -> int:
+    return r.params_bytes + r.grads_bytes + r.master_bytes + r.optimizer_state_bytes
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(("dtype", "p", "k"), [("bf16", 2, 12), ("fp16", 2, 12), ("fp32", 4, 8)])
+def test_zero_family_exactly_when_shards_need_no_padding(stage, dtype, p, k):
+    specs = specs_from_shapes(EVEN_SHAPES, dtype=dtype)
+    psi, n = sum(s.numel for s in specs), 4
+    assert psi % (n * 128) == 0
+    report = memory_report(plan(specs, Topology(world_size=n), stage=stage, optimizer="AdamW"))
+    for r in report.ranks:
+        expected = _family(stage, psi, n, p, k) + _extras(stage, psi, n, p, len(specs), inner=1)
+        assert _counted(r) == expected, (stage, dtype, r)
+        # K = 12 splits into 4 bytes of fp32 master and 8 of Adam moments (K = 8 without a master).
+        master_per_element = 4 if k == 12 else 0
+        if stage == 0:
+            assert r.master_bytes == master_per_element * psi
+        else:
+            assert r.master_bytes == master_per_element * psi // n
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(("dtype", "p", "k"), [("bf16", 2, 12), ("fp32", 4, 8)])
+@pytest.mark.parametrize(("world", "shard"), [(4, 4), (12, 4), (5, 5)])
+def test_zero_family_up_to_padding_with_odd_shapes(stage, dtype, p, k, world, shard):
+    alignment = 128
+    specs = specs_from_shapes(ODD_SHAPES, dtype=dtype)
+    psi = sum(s.numel for s in specs)
+    zp = plan(specs, Topology(world_size=world, shard_size=shard), stage=stage, alignment=alignment)
+    (space,) = zp.partition.spaces
+    report = memory_report(zp)
+    for r in report.ranks:
+        s = r.shard_rank
+        # Padding is below one alignment unit per rank and space, and flat_even shards are
+        # within one unit of psi / N, so a sharded byte-per-element is off by < 2 units.
+        assert 0 <= space.shard_numel[s] - space.owned[s] < alignment
+        assert abs(space.owned[s] - psi / shard) <= alignment
+        inner = len(zp.inner_tensors(s))
+        assert inner == 1
+        expected = _family(stage, psi, shard, p, k) + _extras(stage, psi, shard, p, len(specs), inner)
+        # bytes per element held per shard: fp32 master + state (K), the gradient shard (p),
+        # and at stage 3 the parameter shard (p); nothing is sharded at stage 0.
+        sharded = {0: 0, 1: k + p, 2: k + p, 3: k + 2 * p}[stage]
+        assert abs(_counted(r) - expected) <= sharded * 2 * alignment, r
+
+
+@pytest.mark.parametrize("strategy", ["lpt_whole", "greedy_whole", "flat_even"])
+def test_summed_over_ranks_sharded_bytes_are_the_model_plus_padding(strategy):
+    specs = specs_from_shapes(ODD_SHAPES, dtype="bf16")
+    psi, n, alignment = sum(s.numel for s in specs), 4, 128
+    zp = plan(specs, Topology(world_size=n), stage=3, strategy=strategy, alignment=alignment)
+    report = memory_report(zp)
+    padding = sum(zp.partition.spaces[0].shard_numel) - psi
+    assert 0 <= padding < n * alignment
+    assert sum(r.master_bytes for r in report.ranks) == 4 * (psi + padding)
+    assert sum(r.params_bytes for r in report.ranks) == 2 * (psi + padding)
+    assert sum(r.grads_bytes for r in report.ranks) == 2 * (psi + padding)
+    inner = sum(len(zp.inner_tensors(s)) for s in range(n))
+    assert sum(r.optimizer_state_bytes for r in report.ranks) == 8 * psi + SCALAR * inner
+
+
+def test_sgd_without_momentum_keeps_no_state_and_fp32_no_master():
+    report = memory_report(plan(specs_from_shapes(EVEN_SHAPES), Topology(world_size=4), optimizer="SGD"))
+    assert {(r.master_bytes, r.optimizer_state_bytes) for r in report.ranks} == {(0, 0)}
+
+
+def test_ranks_that_own_nothing_have_no_master_or_state():
+    specs = specs_from_shapes([(3,)], dtype="bf16")
+    report = memory_report(plan(specs, Topology(world_size=4), stage=2, alignment=4))
+    # flat_even: 1 unit of 4 for 4 ranks, the last one owns [0, 3).
+    assert [(r.master_bytes, r.optimizer_state_bytes, r.grads_bytes) for r in report.ranks] == [
+        (0, 0, 0),
+        (0, 0, 0),
+        (0, 0, 0),
+        (16, 2 * 3 * 4 + SCALAR, 8),
+    ]
+    assert all(r.params_bytes == 6 for r in report.ranks)
+
+
+def test_frozen_parameters_are_replicated_without_grads_or_state():
+    specs = specs_from_shapes([(128,), (17, 257)], dtype="bf16", trainable=[True, False])
+    for stage in (0, 1, 2, 3):
+        report = memory_report(plan(specs, Topology(world_size=2), stage=stage, alignment=64))
+        frozen = 4369 * 2
+        trainable_params = 256 if stage < 3 else 128
+        assert {r.params_bytes for r in report.ranks} == {frozen + trainable_params}
+        if stage == 0:
+            assert {r.grads_bytes for r in report.ranks} == {256}
+
+
+def test_buffers_are_the_larger_of_staging_and_fp32_scratch():
+    specs = specs_from_shapes([(4096,)], dtype="bf16")
+
+    def buffers(stage, bucket_bytes, inflight=2):
+        zp = plan(
+            specs,
+            Topology(world_size=4),
+            stage=stage,
+            bucket_bytes=bucket_bytes,
+            max_inflight_buckets=inflight,
+        )
+        return memory_report(zp).ranks[0].buffer_bytes
+
+    # 1 KiB buckets: 2 in flight = 2 KiB < fp32 scratch of a 1024-element shard = 4 KiB.
+    assert buffers(2, 1024) == 4096
+    assert buffers(2, 1024, inflight=8) == 8192
+    # One 8 KiB bucket: staging wins; stage 3 doubles it (parameter gathers).
+    assert buffers(2, 2**20) == 8192
+    assert buffers(3, 2**20) == 16384
+    # Stage 0: DDP's flat bucket copy of every gradient.
+    assert buffers(0, 1024) == 8192
+
+
+# ----------------------------------------------------------------- traffic, by hand
+#: fp32 [a*5 b*7] over 2 ranks, alignment 1, 16-byte buckets: [8,12) -> r1 (reduce),
+#: [4,8) -> r0 2 + r1 2 (reduce_scatter), [0,4) -> r0 (reduce).
+SMALL = specs_from_shapes([(5,), (7,)], names=["a", "b"])
+
+
+def _small(stage: int, world: int = 2, shard: int = 2, **kwargs) -> list[RankReport]:
+    zp = plan(
+        SMALL,
+        Topology(world_size=world, shard_size=shard),
+        stage=stage,
+        alignment=1,
+        bucket_bytes=16,
+        **kwargs,
+    )
+    return list(memory_report(zp).ranks)
+
+
+def _costs(r: RankReport) -> dict[tuple[str, str], tuple[int, int]]:
+    return {(c.group, c.collective.value): (c.calls, c.bytes) for c in r.comm}
+
+
+def test_hand_computed_traffic_stage_2():
+    for r in _small(2):
+        assert _costs(r) == {
+            ("shard", "reduce"): (2, 16),  # r0 sends [8,12) to r1; r1 sends [0,4) to r0: 4 fp32
+            ("shard", "reduce_scatter"): (1, 8),  # 2 of 4 elements leave each rank
+            ("shard", "all_gather"): (1, 24),  # 12-element buffer, 6 per rank: each sends 6
+        }
+        assert r.comm_bytes_per_step == 48
+
+
+def test_hand_computed_memory_stage_1_and_2():
+    r1, r2 = _small(1)[0], _small(2)[0]
+    assert (r1.params_bytes, r1.grads_bytes, r1.master_bytes, r1.optimizer_state_bytes) == (48, 72, 0, 52)
+    assert (r2.params_bytes, r2.grads_bytes, r2.master_bytes, r2.optimizer_state_bytes) == (48, 24, 0, 52)
+    assert r1.buffer_bytes == r2.buffer_bytes == 32  # two 16-byte buckets in flight
+    assert r2.total_bytes == 48 + 24 + 52 + 32
+
+
+def test_hand_computed_traffic_stage_0_is_ddp_all_reduce():
+    for r in _small(0):
+        # three 4-element buckets, ring all-reduce over 2 ranks: 4 elements each
+        assert _costs(r) == {("world", "all_reduce"): (3, 48)}
+        assert (r.params_bytes, r.grads_bytes, r.optimizer_state_bytes, r.buffer_bytes) == (48, 48, 104, 48)
+
+
+def test_hand_computed_traffic_stage_3_gathers_each_bucket_twice():
+    r0, r1 = _small(3)
+    # [8,12) lives on r1: broadcast r1 -> r0 (r1 sends 4), twice; [4,8): all_gather 2 each, twice;
+    # [0,4) lives on r0: broadcast r0 -> r1, twice.
+    assert _costs(r0)[("shard", "broadcast")] == (4, 32)
+    assert _costs(r1)[("shard", "broadcast")] == (4, 32)
+    assert _costs(r0)[("shard", "all_gather")] == (2, 16)
+    assert ("shard", "all_gather") in _costs(r0) and r0.params_bytes == 24
+
+
+def test_hand_computed_mics_replica_all_reduce():
+    ranks = _small(2, world=4, shard=2)
+    for r in ranks:
+        costs = _costs(r)
+        # each rank's pieces are 4 and 2 elements; a 2-rank ring all-reduce of m sends m
+        assert costs[("replica", "all_reduce")] == (2, (4 + 2) * 4)
+        assert costs[("shard", "all_gather")] == (1, 24)
+    assert [r.shard_rank for r in ranks] == [0, 1, 0, 1]
+
+
+def test_clipping_and_loss_scaling_add_one_scalar_all_reduce_each():
+    zp = plan(SMALL, Topology(world_size=2), alignment=1, bucket_bytes=16, loss_scaling=True)
+    costs = {(c.group, c.collective.value): (c.calls, c.bytes) for c in communication(zp, 0, clipping=True)}
+    assert costs[("shard", "all_reduce")] == (2, 8)
+    ddp = plan(SMALL, Topology(world_size=2), stage=0, alignment=1, bucket_bytes=16)
+    costs = {(c.group, c.collective.value): (c.calls, c.bytes) for c in communication(ddp, 1, clipping=True)}
+    assert costs[("world", "all_reduce")] == (4, 48 + 4)
+
+
+def test_a_single_rank_sends_nothing():
+    report = memory_report(plan(SMALL, Topology(world_size=1), stage=2, loss_scaling=True), clipping=True)
+    assert report.ranks[0].comm == () and report.ranks[0].comm_bytes_per_step == 0
+
+
+# ----------------------------------------------------------------- traffic, call by call
+def _per_call(zp, clipping: bool) -> list[dict[tuple[str, Collective], list[int]]]:
+    """Traffic summed one collective call at a time with ``send_elements`` (no linearity tricks)."""
+    topo, n, r = zp.topology, zp.topology.shard_size, zp.topology.replica_size
+    spaces = zp.partition.spaces
+    out: list[dict[tuple[str, Collective], list[int]]] = []
+    for w in range(topo.world_size):
+        s, g = topo.shard_rank(w), topo.replica_rank(w)
+        tally: dict[tuple[str, Collective], list[int]] = defaultdict(lambda: [0, 0])
+
+        def add(group, collective, nbytes, tally=tally):
+            tally[group, collective][0] += 1
+            tally[group, collective][1] += nbytes
+
+        def broadcasts(pieces, isz, s=s, add=add):
+            for q, size in enumerate(pieces):  # one chain broadcast q, q+1, ... per owner
+                if size:
+                    add("shard", Collective.BROADCAST, 0 if s == (q - 1) % n else size * isz)
+
+        for b in zp.buckets.buckets:
+            isz = zp.specs[spaces[b.space].params[0]].itemsize
+            if zp.stage is Stage.DDP:
+                if topo.world_size > 1:
+                    add("world", Collective.ALL_REDUCE, all_reduce_send(b.numel, topo.world_size, w) * isz)
+                continue
+            sizes = b.piece_sizes(n)
+            if n > 1:
+                add("shard", b.collective, send_elements(b.collective, sizes, s) * isz)
+                if zp.stage is Stage.PARAMETERS:
+                    for _ in range(2):  # forward and backward
+                        if b.collective is Collective.REDUCE_SCATTER:
+                            add(
+                                "shard",
+                                Collective.ALL_GATHER,
+                                send_elements(Collective.ALL_GATHER, sizes, s) * isz,
+                            )
+                        else:
+                            broadcasts(sizes, isz)
+            if r > 1 and sizes[s]:
+                add("replica", Collective.ALL_REDUCE, all_reduce_send(sizes[s], r, g) * isz)
+        if zp.stage in (Stage.OPTIMIZER, Stage.GRADIENTS) and n > 1:
+            for space in spaces:
+                isz = zp.specs[space.params[0]].itemsize
+                if space.gather is Collective.ALL_GATHER:
+                    add(
+                        "shard",
+                        Collective.ALL_GATHER,
+                        send_elements(Collective.ALL_GATHER, space.owned, s) * isz,
+                    )
+                else:
+                    broadcasts(space.owned, isz)
+        group, size, position = ("world", topo.world_size, w) if zp.stage is Stage.DDP else ("shard", n, s)
+        for _ in range(int(zp.loss_scaling) + int(clipping)):
+            if size > 1:
+                add(group, Collective.ALL_REDUCE, all_reduce_send(1, size, position) * 4)
+        out.append(dict(tally))
+    return out
+
+
+MIXED = (
+    ParamSpec(index=0, name="emb", shape=(17, 257), dtype="bf16"),
+    ParamSpec(index=1, name="bias", shape=(31,), dtype="fp32"),
+    ParamSpec(index=2, name="frozen", shape=(5, 5), dtype="bf16", trainable=False),
+    ParamSpec(index=3, name="proj", shape=(257, 17), dtype="bf16"),
+    ParamSpec(index=4, name="empty", shape=(0,), dtype="fp32"),
+    ParamSpec(index=5, name="gain", shape=(3,), dtype="fp32"),
+)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("strategy", ["flat_even", "lpt_whole"])
+@pytest.mark.parametrize(("world", "shard"), [(6, 3), (4, 4), (8, 2), (3, 1)])
+def test_report_traffic_equals_the_sum_of_per_call_costs(stage, strategy, world, shard):
+    zp = plan(
+        MIXED,
+        Topology(world_size=world, shard_size=shard),
+        stage=stage,
+        strategy=strategy,
+        alignment=8,
+        bucket_bytes=2000,
+        loss_scaling=True,
+    )
+    expected = _per_call(zp, clipping=True)
+    report = memory_report(zp, clipping=True)
+    for w, r in enumerate(report.ranks):
+        got = {(c.group, c.collective): [c.calls, c.bytes] for c in r.comm}
+        assert got == expected[w], (w, got, expected[w])
+
+
+# ----------------------------------------------------------------- report values
+def test_report_records_and_json_shape():
+    zp = plan(specs_from_shapes(ODD_SHAPES, dtype="bf16"), Topology(world_size=8, shard_size=4), stage=2)
+    report = memory_report(zp)
+    assert (report.world, report.shard_size, report.stage, report.strategy) == (8, 4, 2, "flat_even")
+    assert report.fingerprint == zp.fingerprint()
+    assert report.total_params == sum(s.numel for s in zp.specs)
+    document = report.as_dict()
+    assert set(document) >= {"fingerprint", "world", "shard_size", "stage", "strategy", "ranks"}
+    for rank, record in enumerate(document["ranks"]):
+        r = report.ranks[rank]
+        assert record["rank"] == rank and record["shard_rank"] == rank % 4
+        assert record["total_bytes"] == (
+            r.params_bytes + r.grads_bytes + r.master_bytes + r.optimizer_state_bytes + r.buffer_bytes
+        )
+        assert record["comm_bytes_per_step"] == sum(c["bytes"] for c in record["comm"])
+    # Ranks of one replica group hold identical shards.
+    assert report.ranks[1].total_bytes == report.ranks[5].total_bytes
+    assert communication(zp, 5) == report.ranks[5].comm
+
+
+def test_report_values_are_frozen_and_validated():
+    report = memory_report(plan(specs_from_shapes(ODD_SHAPES), Topology(world_size=2)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.ranks[0].total_bytes = 0  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.world = 3  # type: ignore[misc]
+    with pytest.raises(PlanInvariantError, match="negative byte count in report of rank 3"):
+        RankReport(
+            rank=3,
+            shard_rank=3,
+            params_bytes=1,
+            grads_bytes=-1,
+            master_bytes=0,
+            optimizer_state_bytes=0,
+            buffer_bytes=0,
+            comm=(CommCost(group="shard", collective=Collective.REDUCE, calls=1, bytes=2),),
+        )
