@@ -16,7 +16,7 @@ group and no torch are needed::
 """
 
 from zeroplan.core.buckets import Bucket, BucketLayout, GradCopy, Piece, plan_buckets
-from zeroplan.core.comm import Collective, send_elements
+from zeroplan.core.comm import Collective, CollectivePolicy, send_elements
 from zeroplan.core.dtypes import canonical_dtype, itemsize, master_dtype
 from zeroplan.core.errors import (
     CheckpointError,
@@ -60,6 +60,7 @@ __all__ = [
     "BucketLayout",
     "CheckpointError",
     "Collective",
+    "CollectivePolicy",
     "Copy",
     "CommCost",
     "ConfigError",

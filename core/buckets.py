@@ -16,7 +16,10 @@ staging buffer laid out as the pieces one after the other, in rank order, and
 
 * ``reduce_scatter`` when every rank has an equal piece,
 * ``reduce`` when a single rank owns the whole bucket,
-* ``reduce_scatter_v`` (uneven pieces, some empty) otherwise.
+* ``reduce_scatter_v`` (uneven pieces, some empty) otherwise,
+
+or, under the ``GLOO`` policy, ``all_reduce`` over the whole data-parallel
+group, after which every rank keeps its piece (see [Note: collective policy]).
 
 Over all buckets, a rank's pieces tile its shard exactly once. Buckets launch
 in ``buckets`` order on every rank (the order collectives must match in), each
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zeroplan.core.comm import Collective
+from zeroplan.core.comm import Collective, CollectivePolicy
 from zeroplan.core.errors import PlanInvariantError, check_config, require
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.partition import PartitionPlan
@@ -111,6 +114,7 @@ class BucketLayout:
     Attributes:
         bucket_bytes: byte cap of one bucket.
         alignment: bucket boundaries are multiples of it (space coordinate).
+        policy: which collectives reduce the buckets.
         buckets: the buckets, in the order every rank launches them.
         param_buckets: per parameter index, the buckets holding part of it.
     """
@@ -118,6 +122,7 @@ class BucketLayout:
     bucket_bytes: int
     alignment: int
     buckets: tuple[Bucket, ...]
+    policy: CollectivePolicy = CollectivePolicy.MIN_BYTES
     param_buckets: tuple[tuple[int, ...], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -140,6 +145,7 @@ class BucketLayout:
             [
                 self.bucket_bytes,
                 self.alignment,
+                self.policy.value,
                 *(
                     (
                         b.space,
@@ -154,7 +160,12 @@ class BucketLayout:
         )
 
 
-def plan_buckets(plan: PartitionPlan, bucket_bytes: int, alignment: int | None = None) -> BucketLayout:
+def plan_buckets(
+    plan: PartitionPlan,
+    bucket_bytes: int,
+    alignment: int | None = None,
+    policy: CollectivePolicy = CollectivePolicy.MIN_BYTES,
+) -> BucketLayout:
     """Group the plan's gradients into reduce buckets (see [Note: buckets]).
 
     Args:
@@ -162,6 +173,8 @@ def plan_buckets(plan: PartitionPlan, bucket_bytes: int, alignment: int | None =
         bucket_bytes: cap of one bucket, in bytes (at least one alignment unit
             is always taken).
         alignment: boundary multiple in elements; defaults to the plan's.
+        policy: ``GLOO`` all-reduces every bucket over the data-parallel group
+            instead (see [Note: collective policy]).
 
     Example:
         >>> from zeroplan.core.specs import specs_from_shapes
@@ -234,11 +247,13 @@ def plan_buckets(plan: PartitionPlan, bucket_bytes: int, alignment: int | None =
             pieces=pieces,
             copies=copies,
             params=params,
-            collective=_collective(pieces, plan.shard_size),
+            collective=Collective.ALL_REDUCE
+            if policy is CollectivePolicy.GLOO
+            else _collective(pieces, plan.shard_size),
         )
         for i, (_, space, span, pieces, copies, params) in enumerate(drafts)
     )
-    return BucketLayout(bucket_bytes=bucket_bytes, alignment=alignment, buckets=buckets)
+    return BucketLayout(bucket_bytes=bucket_bytes, alignment=alignment, buckets=buckets, policy=policy)
 
 
 def _collective(pieces: tuple[Piece, ...], shard_size: int) -> Collective:

@@ -28,7 +28,15 @@ from enum import Enum
 
 from zeroplan.core.errors import ConfigError, check_config
 
-__all__ = ["GATHERING", "REDUCING", "Collective", "all_reduce_send", "even_split", "send_elements"]
+__all__ = [
+    "GATHERING",
+    "REDUCING",
+    "Collective",
+    "CollectivePolicy",
+    "all_reduce_send",
+    "even_split",
+    "send_elements",
+]
 
 
 class Collective(str, Enum):
@@ -46,6 +54,28 @@ class Collective(str, Enum):
     """Uneven pieces gathered by one broadcast from each owning rank."""
     ALL_REDUCE = "all_reduce"
     """Sum of the whole payload on every rank."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class CollectivePolicy(str, Enum):
+    """Which collectives a plan uses to reduce gradients and gather parameters.
+
+    [Note: collective policy]
+    ``MIN_BYTES`` (NCCL): each bucket is reduce-scattered (or reduced to its
+    single owner) in the shard group, then all-reduced over the replica group;
+    parameters are all-gathered (one broadcast per rank when shards differ in
+    size). It sends the fewest bytes. ``GLOO``: each bucket is all-reduced over
+    the whole data-parallel group and every rank keeps its piece; parameters are
+    broadcast by their owners. It sends more bytes (an all-reduce moves twice
+    what a reduce-scatter does) but gloo's all-reduce and broadcast are much
+    faster than its reduce-scatter and all-gather, and an uneven reduce-scatter
+    blocks the caller at launch (measured in ``benchmarks/step_time.py``).
+    """
+
+    MIN_BYTES = "min_bytes"
+    GLOO = "gloo"
 
     def __str__(self) -> str:
         return self.value

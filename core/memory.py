@@ -189,9 +189,13 @@ def _traffic(zp: ZeroPlan, clipping: bool) -> _Tally:
             for rank, bytes_ in skip:
                 row[rank] += bytes_
 
+        world_reduced = []  # GLOO policy: buckets all-reduced over the world group
         for b, isz in sized:
             pieces = [(p.rank, p.shard_span.numel * isz) for p in b.pieces]
-            account(b.collective, b.numel * isz, 1, pieces)
+            if b.collective is Collective.ALL_REDUCE:
+                world_reduced.append((b, isz))
+            else:
+                account(b.collective, b.numel * isz, 1, pieces)
             if zp.stage is Stage.PARAMETERS:
                 # Gathered for forward and again for backward; a sender skips its successor's piece.
                 gather = (
@@ -204,15 +208,20 @@ def _traffic(zp: ZeroPlan, clipping: bool) -> _Tally:
         if zp.stage is not Stage.PARAMETERS:
             for space in spaces:
                 isz = DTYPE_ITEMSIZE[space.dtype]
-                calls = 1 if space.gather is Collective.ALL_GATHER else sum(1 for o in space.owned if o)
+                gather = zp.gather_collective(space)
+                calls = 1 if gather is Collective.ALL_GATHER else sum(1 for o in space.owned if o)
                 skip = [((q - 1) % n, o * isz) for q, o in enumerate(space.owned)]
-                account(space.gather, space.numel * isz, calls, skip)
+                account(gather, space.numel * isz, calls, skip)
         # MiCS: each piece is then all-reduced over the replica group; count pieces by size.
         piece_sizes: list[Counter[tuple[int, int]]] = [Counter() for _ in range(n)]
         if r > 1:
             for b, isz in sized:
+                if b.collective is Collective.ALL_REDUCE:
+                    continue  # already summed over the replicas too
                 for p in b.pieces:
                     piece_sizes[p.rank][(p.shard_span.numel, isz)] += 1
+        if world > 1 and world_reduced:
+            _ddp_traffic(tally, world_reduced, world)
         for w in range(world):
             s, g = topo.shard_rank(w), topo.replica_rank(w)
             for collective, (nbytes, calls) in payload.items():

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from zeroplan.core.buckets import BucketLayout, plan_buckets
+from zeroplan.core.comm import Collective, CollectivePolicy
 from zeroplan.core.errors import ConfigError, check_config, require
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
-from zeroplan.core.partition import PartitionPlan
+from zeroplan.core.partition import PartitionPlan, Space
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs
 from zeroplan.core.strategies import get_strategy
@@ -150,6 +151,15 @@ class ZeroPlan:
         """The parameters."""
         return self.partition.specs
 
+    @property
+    def policy(self) -> CollectivePolicy:
+        """The collective policy (see [Note: collective policy])."""
+        return self.buckets.policy
+
+    def gather_collective(self, space: Space) -> Collective:
+        """How updated shards of ``space`` are gathered: the space's own choice, or broadcasts under GLOO."""
+        return Collective.BROADCAST if self.policy is CollectivePolicy.GLOO else space.gather
+
     def inner_tensors(self, shard_rank: int) -> tuple[InnerTensor, ...]:
         """What the inner optimizer steps on shard rank ``shard_rank``.
 
@@ -237,6 +247,7 @@ def plan(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     loss_scaling: bool = False,
     max_inflight_buckets: int = 2,
+    policy: CollectivePolicy | str = CollectivePolicy.MIN_BYTES,
 ) -> ZeroPlan:
     """Plan a sharded optimizer for ``specs`` on ``topology``.
 
@@ -250,6 +261,7 @@ def plan(
         bucket_bytes: byte cap of one gradient bucket.
         loss_scaling: whether a loss scale (with its overflow check) is used.
         max_inflight_buckets: bound on buckets being reduced at once.
+        policy: ``"min_bytes"`` (NCCL) or ``"gloo"``, see [Note: collective policy].
 
     Raises:
         ConfigError: any argument is invalid (the message says how to fix it).
@@ -267,6 +279,11 @@ def plan(
     groups = 1 + max((s.group for s in specs), default=0)
     optimizers = (optimizer,) * groups if isinstance(optimizer, OptimizerSpec) else tuple(optimizer)
     check_config(len(optimizers) >= 1, "optimizer: pass a name, a spec or one spec per param group")
+    try:
+        policy = CollectivePolicy(policy)
+    except ValueError:
+        choices = ", ".join(repr(p.value) for p in CollectivePolicy)
+        raise ConfigError(f"unknown collective policy {policy!r}; use one of {choices}") from None
     name = auto_strategy(optimizers[0]) if strategy == "auto" else strategy
     partition = get_strategy(name)(specs, topology.shard_size, alignment)
     require(
@@ -281,7 +298,7 @@ def plan(
         topology=topology,
         stage=Stage(stage),
         partition=partition,
-        buckets=plan_buckets(partition, bucket_bytes, alignment),
+        buckets=plan_buckets(partition, bucket_bytes, alignment, policy),
         optimizers=optimizers,
         loss_scaling=loss_scaling,
         max_inflight_buckets=max_inflight_buckets,

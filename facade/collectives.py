@@ -81,11 +81,20 @@ def reduce_bucket(
     """
     n = groups.topology.shard_size
     s = groups.shard_rank
+    itemsize = staging.element_size()
+    if bucket.collective is Collective.ALL_REDUCE:  # GLOO policy: sum over the world, keep the piece
+        world = groups.topology.world_size
+        piece = bucket.piece_of(s)
+        keep = None if output is None or piece is None else staging[piece.staging_span.as_slice()]
+        after = None if keep is None else (lambda: output.copy_(keep))  # type: ignore[union-attr]
+        if world == 1:
+            return Pending(None, after)
+        log.record("world", Collective.ALL_REDUCE, [staging.numel()] * world, groups.rank, itemsize)
+        return Pending(dist.all_reduce(staging, group=groups.world, async_op=True), after)
     if n == 1:
         if output is not None:
             output.copy_(staging)
         return Pending(None)
-    itemsize = staging.element_size()
     if bucket.collective is Collective.REDUCE_SCATTER:
         if output is None:
             raise RuntimeError(f"bucket {bucket.index} is reduce-scattered but rank {s} has no piece of it")
@@ -126,14 +135,19 @@ def all_reduce_shard(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGrou
     dist.all_reduce(value, op=op, group=groups.shard)
 
 
-def gather_space(full: torch.Tensor, space: Space, groups: ProcessGroups, log: CommLog) -> list[Pending]:
-    """Launch the gather that rebuilds ``full`` (a space's rank-major buffer) from every rank's region."""
+def gather_space(
+    full: torch.Tensor, space: Space, collective: Collective, groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """Launch the gather (``all_gather`` or one ``broadcast`` per owner) that rebuilds ``full``.
+
+    ``full`` is a space's rank-major buffer and this rank's region already holds its values.
+    """
     n = groups.topology.shard_size
     if n == 1:
         return []
     s = groups.shard_rank
     itemsize = full.element_size()
-    if space.gather is Collective.ALL_GATHER:
+    if collective is Collective.ALL_GATHER:
         mine = full[space.region(s).as_slice()]
         log.record("shard", Collective.ALL_GATHER, [mine.numel()] * n, s, itemsize)
         return [Pending(dist.all_gather_single(full, mine, group=groups.shard, async_op=True))]

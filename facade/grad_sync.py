@@ -8,12 +8,14 @@ bucket has been launched: its gradients are copied into a staging buffer and
 its reduce-scatter (or reduce) over the shard group starts asynchronously. At
 most ``max_inflight_buckets`` staging buffers are alive; launching one more
 first completes the oldest, which then starts its all-reduce over the replica
-group (MiCS). ``finish()`` (at ``step()`` or clipping) launches what is left:
-parameters that got no gradient in this step contribute zeros, and gradients
-accumulated under ``no_sync()`` but not touched by the last backward are
-reduced as they are. With ``overlap=False`` nothing launches from hooks, and
-``finish()`` issues the very same collectives in the same order, so results
-are bit-identical.
+group (MiCS). Under the GLOO policy a bucket is instead all-reduced over the
+whole data-parallel group (see [Note: collective policy]).
+
+``finish()`` (at ``step()`` or clipping) launches what is left: parameters that
+got no gradient in this step contribute zeros, and gradients accumulated under
+``no_sync()`` but not touched by the last backward are reduced as they are.
+With ``overlap=False`` nothing launches from hooks and ``finish()`` issues the
+very same collectives in the same order, so results are bit-identical.
 
 Stage 1 keeps every ``.grad`` as a view of the full gradient buffer (a
 gradient autograd allocated after ``zero_grad(set_to_none=True)`` is moved
@@ -31,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from zeroplan.core import Bucket, ConfigError, Stage, ZeroPlan
+from zeroplan.core import Bucket, Collective, ConfigError, Stage, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers, param_view
 from zeroplan.facade.collectives import CommLog, Pending, all_reduce_replica, reduce_bucket
 from zeroplan.facade.groups import ProcessGroups
@@ -188,7 +190,7 @@ class GradSync:
     def _retire(self, entry: _InFlight) -> None:
         entry.pending.wait()
         self._tracker.free(entry.staging)
-        if entry.output is not None:
+        if entry.output is not None and entry.bucket.collective is not Collective.ALL_REDUCE:
             self._replica.append(all_reduce_replica(entry.output, self._groups, self._log))
 
     def finish(self) -> None:

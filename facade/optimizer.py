@@ -94,6 +94,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scaler: settings of the dynamic loss scale.
         alignment: elements; shard allocations and bucket bounds are multiples.
         max_inflight_buckets: staging buffers alive at once.
+        collectives: ``"min_bytes"`` (reduce-scatter / all-gather), ``"gloo"``
+            (all-reduce / broadcasts, faster on gloo) or ``"auto"`` (by backend);
+            see [Note: collective policy] in ``zeroplan.core.comm``.
         **optimizer_defaults: hyper-parameters of the inner optimizer (``lr``, ...).
 
     Raises:
@@ -123,6 +126,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         scaler: ScalerConfig | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
         max_inflight_buckets: int = 2,
+        collectives: str = "auto",
         **optimizer_defaults: Any,
     ) -> None:
         self._initialized = False
@@ -142,7 +146,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if shard_group_size is not None and (type(shard_group_size) is not int or shard_group_size < 1):
                 raise ConfigError(f"shard_group_size must be an int >= 1, got {shard_group_size!r}")
             self._optimizer_class = optimizer_class
+            if collectives == "auto":
+                collectives = "gloo" if dist.get_backend(world) == "gloo" else "min_bytes"
             self._settings = {
+                "policy": collectives,
                 "stage": stage,
                 "strategy": strategy,
                 "alignment": alignment,
@@ -201,6 +208,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bucket_bytes=self._settings["bucket_bytes"],
             loss_scaling=self._settings["loss_scaling"],
             max_inflight_buckets=self._settings["max_inflight_buckets"],
+            policy=self._settings["policy"],
         )
 
     def _install(self, zp: ZeroPlan) -> None:
@@ -372,7 +380,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for buf in self._buffers:
             if buf.separate_master:
                 buf.region(self._groups.shard_rank).copy_(buf.master[: buf.owned])
-            pending += gather_space(buf.params, buf.space, self._groups, self._log)
+            collective = self._zp.gather_collective(buf.space)
+            pending += gather_space(buf.params, buf.space, collective, self._groups, self._log)
         for p in pending:
             p.wait()
 
@@ -409,7 +418,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for grad, buf in zip(self._master_grads, self._buffers, strict=True):
             full = grad.new_empty(buf.space.numel)
             full[buf.space.region(self._groups.shard_rank).as_slice()] = grad[: buf.owned]
-            for pending in gather_space(full, buf.space, self._groups, log):
+            for pending in gather_space(
+                full, buf.space, self._zp.gather_collective(buf.space), self._groups, log
+            ):
                 pending.wait()
             for index, start in zip(buf.space.params, buf.space.buffer_offsets, strict=True):
                 result[index] = param_view(full, start, self._params[index]).clone()

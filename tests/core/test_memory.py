@@ -371,3 +371,35 @@ def test_report_values_are_frozen_and_validated():
             buffer_bytes=0,
             comm=(CommCost(group="shard", collective=Collective.REDUCE, calls=1, bytes=2),),
         )
+
+
+def test_gloo_policy_all_reduces_buckets_over_the_world_and_broadcasts_parameters():
+    """Under the GLOO collective policy every bucket is one world all-reduce (no replica step)
+    and each shard group gathers parameters by one broadcast per owning rank."""
+    from zeroplan.core import Collective, CollectivePolicy, Topology, communication, plan, specs_from_shapes
+    from zeroplan.core.comm import all_reduce_send
+
+    specs = specs_from_shapes([(17, 257), (3,), (64,)])
+    topology = Topology(world_size=4, shard_size=2)
+    zp = plan(specs, topology, alignment=8, bucket_bytes=4096, policy=CollectivePolicy.GLOO)
+    assert {b.collective for b in zp.buckets.buckets} == {Collective.ALL_REDUCE}
+    for rank in range(4):
+        costs = {(c.group, c.collective): c for c in communication(zp, rank)}
+        world = costs["world", Collective.ALL_REDUCE]
+        assert world.calls == len(zp.buckets.buckets)
+        assert world.bytes == sum(all_reduce_send(b.numel, 4, rank) * 4 for b in zp.buckets.buckets)
+        gather = costs["shard", Collective.BROADCAST]
+        space = zp.partition.spaces[0]
+        assert gather.calls == sum(1 for o in space.owned if o)
+        assert gather.bytes == (space.numel - space.owned[(topology.shard_rank(rank) + 1) % 2]) * 4
+        assert ("replica", Collective.ALL_REDUCE) not in costs
+    assert zp.fingerprint() != plan(specs, topology, alignment=8, bucket_bytes=4096).fingerprint()
+
+
+def test_unknown_collective_policy_is_a_config_error():
+    import pytest
+
+    from zeroplan.core import ConfigError, Topology, plan, specs_from_shapes
+
+    with pytest.raises(ConfigError, match="unknown collective policy 'fast'"):
+        plan(specs_from_shapes([(4,)]), Topology(world_size=2), policy="fast")

@@ -30,6 +30,7 @@ def measured_vs_planned(rank: int, world: int, cfg: dict[str, Any]) -> dict[str,
         alignment=8,
         strategy=cfg.get("strategy", "auto"),
         loss_scale="dynamic" if dtype == torch.float16 else None,
+        collectives=cfg.get("collectives", "auto"),
         **({"momentum": 0.9} if cls is torch.optim.SGD else {}),
     )
     clip = cfg.get("clip", False)

@@ -185,7 +185,9 @@ def second_backward_is_refused(rank: int, world: int) -> str | None:
     return message
 
 
-def determinism(rank: int, world: int, overlap: bool, bucket_bytes: int, stage: int) -> dict[str, Any]:
+def determinism(
+    rank: int, world: int, overlap: bool, bucket_bytes: int, stage: int, collectives: str = "auto"
+) -> dict[str, Any]:
     """Final parameters and clipped norms for one setting (compared across settings by the test)."""
     model = make_model()
     opt = ZeroOptimizer(
@@ -196,6 +198,7 @@ def determinism(rank: int, world: int, overlap: bool, bucket_bytes: int, stage: 
         alignment=8,
         bucket_bytes=bucket_bytes,
         overlap_grad_reduce=overlap,
+        collectives=collectives,
     )
     norms, grads = [], []
     for step in range(3):

@@ -49,6 +49,7 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         overlap_grad_reduce=cfg.get("overlap", True),
         loss_scale=cfg.get("loss_scale"),
         alignment=cfg.get("alignment", 16),
+        collectives=cfg.get("collectives", "auto"),
         **hyper,
     )
     scheduler = _scheduler(cfg.get("scheduler"), opt, steps)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-CASES = [
+BASE = [
     (2, {"stage": 2}),
     (2, {"stage": 1, "dtype": "bf16"}),
     (4, {"stage": 2, "shard": 2, "dtype": "bf16", "clip": True}),
@@ -13,6 +13,7 @@ CASES = [
     (3, {"stage": 2, "optimizer": "adafactor"}),
     (4, {"stage": 2, "strategy": "greedy_whole", "bucket_bytes": 4096}),
 ]
+CASES = [(world, {**cfg, "collectives": c}) for world, cfg in BASE for c in ("gloo", "min_bytes")]
 
 
 @pytest.mark.parametrize(("world", "cfg"), CASES)

@@ -68,9 +68,10 @@ def test_a_second_backward_without_no_sync_is_refused(pools):
     assert all(m is not None and "no_sync" in m for m in results), results
 
 
-def test_determinism_overlap_bucket_size_and_norms(pools):
+@pytest.mark.parametrize("collectives", ["gloo", "min_bytes"])
+def test_determinism_overlap_bucket_size_and_norms(pools, collectives):
     runs = {
-        key: pools(2).run("scenarios_safety", "determinism", overlap, bucket, stage)
+        key: pools(2).run("scenarios_safety", "determinism", overlap, bucket, stage, collectives)
         for key, (overlap, bucket, stage) in {
             "overlap": (True, 512, 2),
             "no_overlap": (False, 512, 2),
@@ -90,9 +91,10 @@ def test_determinism_overlap_bucket_size_and_norms(pools):
         assert run[0]["norms"] == run[1]["norms"]  # the norm is identical on every rank
 
 
-def test_bucket_size_changes_gradients_only_by_sum_rounding_at_world_4(pools):
-    small = pools(4).run("scenarios_safety", "determinism", True, 256, 2)[0]
-    big = pools(4).run("scenarios_safety", "determinism", True, 1 << 20, 2)[0]
+@pytest.mark.parametrize("collectives", ["gloo", "min_bytes"])
+def test_bucket_size_changes_gradients_only_by_sum_rounding_at_world_4(pools, collectives):
+    small = pools(4).run("scenarios_safety", "determinism", True, 256, 2, collectives)[0]
+    big = pools(4).run("scenarios_safety", "determinism", True, 1 << 20, 2, collectives)[0]
     worst = max(
         float((a - b).abs().max() / b.abs().max()) for a, b in zip(small["grads"], big["grads"], strict=True)
     )

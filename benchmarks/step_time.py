@@ -1,0 +1,405 @@
+"""Step time, optimizer-state bytes and traffic: DDP vs ZeroRedundancyOptimizer vs ZeroOptimizer.
+
+One invocation runs, for each world size, ``world`` gloo processes on CPU (one
+thread each) that hold one copy of a ~7M-parameter GPT per configuration:
+
+* ``ddp``       DistributedDataParallel + ``torch.optim.AdamW(foreach=True)``
+* ``zero-red``  DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)``
+* ``zero1``     ``ZeroOptimizer(AdamW, stage=1)`` (no DDP: it reduces gradients itself)
+* ``zero2``     ``ZeroOptimizer(AdamW, stage=2)``
+
+A timed step is forward + backward + step + zero_grad on a fixed synthetic
+batch (different per rank). Configurations alternate step by step, in an order
+rotated every round, so machine noise hits them all alike; a step's time is the
+slowest rank's, and the table reports the median over the timed steps.
+
+``--sweep`` adds ZeroOptimizer variants (bucket size, in-flight buckets,
+overlap, ``zero_grad(set_to_none=False)``) to the same interleaved rounds.
+
+Usage::
+
+    python benchmarks/step_time.py                      # worlds 2 and 4, full model
+    python benchmarks/step_time.py --quick              # smoke run, tiny model
+    python benchmarks/step_time.py --sweep --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _gpt import GPT, GPTConfig, lm_loss, make_batch
+
+MB = 2**20
+LR = 1e-3
+WEIGHT_DECAY = 0.01
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of the benchmark."""
+
+    name: str
+    kind: str  # "ddp", "zero-red" or "zero"
+    stage: int = 0
+    bucket_mb: float | None = None  # None: the --bucket-mb option
+    max_inflight: int = 2
+    overlap: bool = True
+    set_to_none: bool = True
+    fused: bool = False  # AdamW(fused=True) instead of foreach=True
+    note: str = ""
+
+
+MAIN = (
+    Variant("ddp", "ddp", note="DDP + AdamW(foreach)"),
+    Variant("zero-red", "zero-red", note="ZeroRedundancyOptimizer + DDP"),
+    Variant("zero1", "zero", stage=1, note="ZeroOptimizer stage 1"),
+    Variant("zero2", "zero", stage=2, note="ZeroOptimizer stage 2"),
+)
+
+SWEEP = (
+    Variant("zero2 bucket=4MB", "zero", stage=2, bucket_mb=4),
+    Variant("zero2 bucket=100MB", "zero", stage=2, bucket_mb=100),
+    Variant("zero2 inflight=1", "zero", stage=2, max_inflight=1),
+    Variant("zero2 inflight=4", "zero", stage=2, max_inflight=4),
+    Variant("zero2 overlap=off", "zero", stage=2, overlap=False),
+    Variant("zero1 overlap=off", "zero", stage=1, overlap=False),
+    Variant("zero1 set_to_none=F", "zero", stage=1, set_to_none=False),
+    Variant("ddp fused", "ddp", fused=True),
+    Variant("zero2 fused", "zero", stage=2, fused=True),
+)
+
+
+@dataclass
+class Options:
+    worlds: tuple[int, ...]
+    steps: int
+    warmup: int
+    bucket_mb: float
+    batch: int
+    model: GPTConfig
+    variants: tuple[Variant, ...]
+    seed: int = 0
+    timeout_s: float = 600.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _state_bytes(state: Any) -> int:
+    return sum(
+        v.numel() * v.element_size() for entry in state.values() for v in entry.values() if torch.is_tensor(v)
+    )
+
+
+class Runner:
+    """One configuration's model, optimizer and step on this rank."""
+
+    def __init__(self, variant: Variant, opts: Options, world: int) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        from zeroplan.facade import ZeroOptimizer
+
+        self.variant = variant
+        self.world = world
+        torch.manual_seed(opts.seed)
+        self.model = GPT(opts.model)
+        self.numel = sum(p.numel() for p in self.model.parameters())
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        bucket_mb = variant.bucket_mb if variant.bucket_mb is not None else opts.bucket_mb
+        hyper: dict[str, Any] = {"lr": LR, "weight_decay": WEIGHT_DECAY}
+        hyper.update({"fused": True} if variant.fused else {"foreach": True})
+        self.zero: Any = None
+        if variant.kind == "zero":
+            self.module: torch.nn.Module = self.model
+            self.zero = ZeroOptimizer(
+                self.model.parameters(),
+                torch.optim.AdamW,
+                stage=variant.stage,
+                bucket_bytes=int(bucket_mb * MB),
+                max_inflight_buckets=variant.max_inflight,
+                overlap_grad_reduce=variant.overlap,
+                **hyper,
+            )
+            self.optimizer: torch.optim.Optimizer = self.zero
+        else:
+            self.module = DistributedDataParallel(self.model, bucket_cap_mb=bucket_mb)
+            if variant.kind == "ddp":
+                self.optimizer = torch.optim.AdamW(self.model.parameters(), **hyper)
+            else:
+                self.optimizer = ZeroRedundancyOptimizer(
+                    self.model.parameters(), optimizer_class=torch.optim.AdamW, **hyper
+                )
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        loss = lm_loss(self.module(tokens), targets)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=self.variant.set_to_none)
+
+    def state_bytes(self) -> int:
+        """Optimizer-state bytes held by this rank."""
+        if self.zero is not None:
+            return self.zero.measured_memory().optimizer_state_bytes
+        if self.variant.kind == "zero-red":
+            return _state_bytes(self.optimizer.optim.state)  # the local optimizer's shard
+        return _state_bytes(self.optimizer.state)
+
+    def comm_bytes(self) -> tuple[int, bool]:
+        """Bytes this rank sent in the last step, and whether they were measured (else computed)."""
+        n = self.world
+        if self.zero is not None:
+            return sum(c.bytes for c in self.zero.last_step_comm()), True
+        all_reduce = 2 * (n - 1) * self.param_bytes // n  # ring all-reduce of fp32 gradients
+        if self.variant.kind == "ddp":
+            return all_reduce, False
+        return all_reduce + (n - 1) * self.param_bytes // n, False  # + broadcast of updated params
+
+    @torch.no_grad()
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """Loss of the current parameters on this rank's batch, averaged over ranks."""
+        value = lm_loss(self.model(tokens), targets).detach().reshape(1)
+        dist.all_reduce(value)
+        return value.item() / self.world
+
+
+def _worker(rank: int, world: int, port: int, opts: Options, queue: Any) -> None:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=opts.timeout_s))
+    try:
+        tokens, targets = make_batch(opts.model, opts.batch, rank)
+        runners = [Runner(v, opts, world) for v in opts.variants]
+        k = len(runners)
+        for _ in range(opts.warmup):
+            for r in runners:
+                dist.barrier()
+                r.step(tokens, targets)
+        times: list[list[float]] = [[] for _ in runners]
+        cpu: list[list[float]] = [[] for _ in runners]
+        for i in range(opts.steps):
+            for j in range(k):
+                c = (i + j) % k  # rotate the order every round
+                dist.barrier()
+                start, start_cpu = time.perf_counter(), time.process_time()
+                runners[c].step(tokens, targets)
+                times[c].append(time.perf_counter() - start)
+                cpu[c].append(time.process_time() - start_cpu)
+        rows = []
+        for r, t, u in zip(runners, times, cpu, strict=True):
+            comm, measured = r.comm_bytes()
+            rows.append({"times": t, "cpu": u, "state": r.state_bytes(), "comm": comm, "measured": measured})
+        losses = [r.loss(tokens, targets) for r in runners]
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, rows)
+        if rank == 0:
+            queue.put(_summarise(world, opts, runners, gathered, losses))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _summarise(
+    world: int, opts: Options, runners: list[Runner], gathered: list[Any], losses: list[float]
+) -> dict[str, Any]:
+    """Per configuration: median of the per-step maximum over ranks, bytes per rank, loss."""
+    ddp_state = None
+    result = []
+    for c, (runner, loss) in enumerate(zip(runners, losses, strict=True)):
+        per_rank = [gathered[q][c] for q in range(world)]
+        step_max = [max(ts) for ts in zip(*(row["times"] for row in per_rank), strict=True)]
+        step_cpu = [statistics.fmean(ts) for ts in zip(*(row["cpu"] for row in per_rank), strict=True)]
+        states = [row["state"] for row in per_rank]
+        if runner.variant.kind == "ddp":
+            ddp_state = states[0]
+        result.append(
+            {
+                "name": runner.variant.name,
+                "kind": runner.variant.kind,
+                "stage": runner.variant.stage,
+                "bucket_mb": runner.variant.bucket_mb or opts.bucket_mb,
+                "max_inflight_buckets": runner.variant.max_inflight,
+                "overlap_grad_reduce": runner.variant.overlap,
+                "set_to_none": runner.variant.set_to_none,
+                "median_ms": 1e3 * statistics.median(step_max),
+                "min_ms": 1e3 * min(step_max),
+                "step_ms": [1e3 * t for t in step_max],
+                "cpu_ms_per_rank": 1e3 * statistics.median(step_cpu),
+                "state_bytes_max": max(states),
+                "state_bytes_min": min(states),
+                "comm_bytes_per_rank": max(row["comm"] for row in per_rank),
+                "comm_measured": per_rank[0]["measured"],
+                "loss": loss,
+            }
+        )
+    ddp = next((r for r in result if r["name"] == "ddp"), None)
+    for row in result:
+        row["ratio_to_ddp"] = row["median_ms"] / ddp["median_ms"] if ddp else None
+        # Median over rounds of the ratio within a round: robust to load that drifts between rounds.
+        row["paired_ratio_to_ddp"] = (
+            statistics.median(a / b for a, b in zip(row["step_ms"], ddp["step_ms"], strict=True))
+            if ddp
+            else None
+        )
+        sharded = row["kind"] != "ddp" and ddp_state is not None
+        row["ideal_state_bytes"] = ddp_state / world if sharded else None
+        row["state_deviation_pct"] = (
+            100.0 * (row["state_bytes_max"] / row["ideal_state_bytes"] - 1.0) if sharded else None
+        )
+    return {
+        "world": world,
+        "params": runners[0].numel,
+        "param_bytes": runners[0].param_bytes,
+        "configs": result,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, opts: Options) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = mp.start_processes(
+        _worker, args=(world, _free_port(), opts, queue), nprocs=world, join=False, start_method="spawn"
+    )
+    result = queue.get()  # before joining: rank 0 blocks until its result is read
+    while not procs.join():
+        pass
+    return result
+
+
+def _num(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}"
+
+
+def _mib(n: float | None) -> str:
+    return "—" if n is None else f"{n / MB:.3f}"
+
+
+def markdown(results: list[dict[str, Any]], opts: Options) -> str:
+    head = (
+        "| world | configuration | median step (ms) | ratio to DDP | paired ratio "
+        "| opt. state / rank max (MiB) | min (MiB) | ideal total/N (MiB) | max dev. "
+        "| sent / step / rank (MiB) | loss | CPU ms / step / rank |"
+    )
+    lines = [head, "|" + "---|" * 12]
+    for res in results:
+        for row in res["configs"]:
+            dev = row["state_deviation_pct"]
+            dev_s = "— (replicated)" if dev is None else f"{dev:+.2f}%"
+            comm = _mib(row["comm_bytes_per_rank"]) + ("" if row["comm_measured"] else " (computed)")
+            lines.append(
+                f"| {res['world']} | {row['name']} | {row['median_ms']:.0f} | {_num(row['ratio_to_ddp'])} "
+                f"| {_num(row['paired_ratio_to_ddp'])} "
+                f"| {_mib(row['state_bytes_max'])} | {_mib(row['state_bytes_min'])} "
+                f"| {_mib(row['ideal_state_bytes'])} | {dev_s} | {comm} | {row['loss']:.4f} "
+                f"| {row['cpu_ms_per_rank']:.0f} |"
+            )
+    m = opts.model
+    params = results[0]["params"] if results else 0
+    lines.append("")
+    lines.append(
+        f"GPT {params / 1e6:.2f}M parameters (vocab {m.vocab}, width {m.width}, {m.layers} layers, "
+        f"{m.heads} heads, context {m.ctx}), fp32, batch {opts.batch}x{m.ctx} tokens per rank; gloo on CPU "
+        f"({os.cpu_count()} cores), "
+        f"one thread per process; {opts.warmup} warm-up + {opts.steps} timed steps per configuration, "
+        f"interleaved; step = forward+backward+step+zero_grad, slowest rank, median; paired ratio = median "
+        f"over rounds of the ratio to DDP's step in the same round. AdamW(lr={LR}, "
+        f"weight_decay={WEIGHT_DECAY}, foreach=True) everywhere (fused=True where named); "
+        f"buckets {opts.bucket_mb:g} MiB (DDP "
+        "bucket_cap_mb and ZeroOptimizer bucket_bytes). Sent bytes: ZeroOptimizer measured "
+        "(`last_step_comm()`); DDP = ring all-reduce 2(N-1)/N x grad bytes, ZeroRedundancyOptimizer = "
+        "that + (N-1)/N x param bytes (computed). Loss: after all steps, on each rank's batch, mean. "
+        "CPU ms: process CPU time of a step (all threads, gloo's included), median, mean over ranks "
+        f"(less sensitive to other load than wall time). Load average at the end: {os.getloadavg()[0]:.1f}."
+    )
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> Options:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="2,4", help="comma-separated world sizes (default 2,4)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per configuration")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb / ZeroOptimizer bucket")
+    p.add_argument("--batch", type=int, default=None, help="sequences per rank")
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
+    p.add_argument("--sweep", action="store_true", help="add ZeroOptimizer bucket/overlap variants")
+    p.add_argument("--only", default=None, help="comma-separated configuration names to run")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    a = p.parse_args(argv)
+    if a.quick:
+        model = GPTConfig(vocab=256, ctx=16, width=32, layers=1, heads=2)
+        steps, warmup, batch = 3, 1, 2
+    else:
+        model = GPTConfig()
+        steps, warmup, batch = 25, 3, 4
+    variants = MAIN + (SWEEP if a.sweep else ())
+    if a.only:
+        wanted = [s.strip() for s in a.only.split(",")]
+        variants = tuple(v for v in variants if v.name in wanted)
+        if not variants:
+            p.error(f"--only matched no configuration of {[v.name for v in MAIN + SWEEP]}")
+    return Options(
+        worlds=tuple(int(w) for w in a.worlds.split(",")),
+        steps=a.steps if a.steps is not None else steps,
+        warmup=a.warmup if a.warmup is not None else warmup,
+        bucket_mb=a.bucket_mb,
+        batch=a.batch if a.batch is not None else batch,
+        model=model,
+        variants=variants,
+        extra={"json": a.json},
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = parse(argv)
+    results = []
+    start = time.perf_counter()
+    for world in opts.worlds:
+        t = time.perf_counter()
+        results.append(run_world(world, opts))
+        print(f"world {world}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+    table = markdown(results, opts)
+    print(table)
+    print(f"\ntotal {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    path = opts.extra.get("json")
+    if path:
+        payload = {
+            "model": dataclasses.asdict(opts.model),
+            "batch": opts.batch,
+            "steps": opts.steps,
+            "warmup": opts.warmup,
+            "bucket_mb": opts.bucket_mb,
+            "torch": torch.__version__,
+            "results": results,
+            "table": table,
+        }
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""``zeroplan demo`` end to end, through subprocesses, as a user runs it (plus its verdict logic)."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from zeroplan.core import Collective, CommCost
+from zeroplan.facade.demo_report import print_report, problems
+from zeroplan.facade.demo_settings import DemoSettings
+from zeroplan.facade.demo_train import CONTROL_FACTOR, FLOOR, Outcome, RankRecord, agreement, tolerance
+from zeroplan.facade.optimizer import MeasuredMemory
+
+_ENV = {**os.environ, "COLUMNS": "120", "PYTHONWARNINGS": "ignore"}
+
+
+def zeroplan(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``zeroplan demo ARGS`` in a fresh interpreter."""
+    command = [sys.executable, "-m", "zeroplan.facade.cli", "demo", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=_ENV, timeout=timeout)
+
+
+def zeroplan_many(runs: dict[str, tuple[str, ...]]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Run several ``zeroplan demo`` commands concurrently; results by key."""
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        futures = {key: pool.submit(zeroplan, *args) for key, args in runs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+# ----------------------------------------------------------------- real runs
+RUNS = {
+    "world2": ("--world", "2", "--steps", "20"),
+    "mics": ("--world", "4", "--shard-size", "2", "--steps", "10"),
+    "bf16": ("--world", "2", "--steps", "10", "--dtype", "bf16", "--stage", "1"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The three demo runs, started together (their processes overlap their start-up)."""
+    return zeroplan_many(RUNS)
+
+
+def _losses(stdout: str) -> tuple[float, float, float, float]:
+    match = re.search(r"loss, first → last step\s+([\d.]+) → ([\d.]+)\s+([\d.]+) → ([\d.]+)", stdout)
+    assert match, stdout
+    zero_first, zero_last, ref_first, ref_last = (float(g) for g in match.groups())
+    return zero_first, zero_last, ref_first, ref_last
+
+
+def _rank_rows(stdout: str) -> dict[int, tuple[list[str], list[str]]]:
+    """Per rank: the measured and the planned cells of the memory table."""
+    rows = {}
+    lines = stdout.splitlines()
+    for i, line in enumerate(lines):
+        match = re.match(r"\s*(\d+) measured\s+(.*)$", line)
+        if match:
+            planned = re.match(r"\s*planned\s+(.*)$", lines[i + 1])
+            assert planned, lines[i + 1]
+            rows[int(match.group(1))] = (match.group(2).split(), planned.group(1).split())
+    return rows
+
+
+def _assert_success(out: subprocess.CompletedProcess[str], world: int) -> None:
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "✓ the runs agree" in out.stdout
+    assert "✓ measured memory and traffic equal the plan on every rank, byte for byte" in out.stdout
+    assert "✗" not in out.stdout and "!" not in out.stdout.split("sharded vs unsharded")[1]
+    rows = _rank_rows(out.stdout)
+    assert sorted(rows) == list(range(world))
+    for measured, planned in rows.values():
+        assert len(measured) == 7 and measured == planned
+    zero_first, zero_last, ref_first, ref_last = _losses(out.stdout)
+    assert zero_first == ref_first  # the same model on the same batches
+    assert zero_last < zero_first and ref_last < ref_first  # the task is learnable
+    assert abs(zero_last - ref_last) <= 1e-3
+    assert re.search(r"parameter difference from AdamW\s+\S+\s+\S+ \(control\)", out.stdout), out.stdout
+
+
+def test_two_ranks_agree_with_adamw_and_with_the_plan(runs):
+    out = runs["world2"]
+    _assert_success(out, world=2)
+    assert "20 steps, fp32, 2 processes on" in out.stdout
+    assert "stage 2 on 2 ranks in shard groups of 2" in out.stdout
+
+
+def test_mics_shard_groups_reduce_over_the_replica_group(runs):
+    out = runs["mics"]
+    _assert_success(out, world=4)
+    assert "stage 2 on 4 ranks in shard groups of 2" in out.stdout
+    assert re.search(r"replica\s+all_reduce\s+\d+", out.stdout), out.stdout
+
+
+def test_bf16_keeps_fp32_masters_and_agrees_within_bf16(runs):
+    out = runs["bf16"]
+    _assert_success(out, world=2)
+    assert "10 steps, bf16, 2 processes on" in out.stdout and "stage 1" in out.stdout
+    for measured, _ in _rank_rows(out.stdout).values():
+        params, grads, master = (float(cell.replace(",", "")) for cell in measured[:3])
+        assert master == pytest.approx(params, rel=0.01)  # fp32 master of half the bf16 parameters
+        assert grads > params  # stage 1: the full gradient buffer plus the reduced shard
+
+
+# ----------------------------------------------------------------- bad arguments
+BAD = [
+    (["--world", "0"], "--world must be an integer from 1 to 64, got 0"),
+    (["--world", "65"], "got 65"),
+    (["--world", "3", "--shard-size", "2"], "--shard-size must divide --world 3, got 2; pick one of 1, 3"),
+    (["--world", "4", "--shard-size", "0"], "--shard-size must divide --world 4, got 0"),
+    (["--stage", "3"], "--stage must be 1 or 2, got 3"),
+    (["--stage", "0"], "--stage must be 1 or 2, got 0"),
+    (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+    (["--bucket-mb", "-1"], "--bucket-mb must be a finite number > 0, got -1.0"),
+    (["--bucket-mb", "nan"], "got nan"),
+    (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--world", "two"], "argument --world: invalid int value: 'two'"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_runs():
+    return zeroplan_many({" ".join(args): tuple(args) for args, _ in BAD})
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("zeroplan: error: "), lines[0]
+    assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("args", "needle"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_arguments_are_one_line_errors_with_exit_code_2(bad_runs, args, needle):
+    assert_one_line_error(bad_runs[" ".join(args)], needle)
+
+
+def test_cuda_without_gpus_is_a_one_line_error():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = zeroplan("--device", "cuda", "--world", "2")
+    assert_one_line_error(out, "--device cuda needs one GPU per rank: --world 2, but 0 CUDA device(s)")
+
+
+# ----------------------------------------------------------------- the verdict
+def _outcome(**changes) -> Outcome:
+    memory = MeasuredMemory(1024, 512, 0, 2048, 256)
+    comm = (CommCost(group="shard", collective=Collective.ALL_GATHER, calls=2, bytes=4096),)
+    record = RankRecord(
+        rank=0,
+        shard_rank=0,
+        measured=memory,
+        planned=memory,
+        comm=comm,
+        planned_comm=comm,
+        step_ms=1.0,
+        optimizer_ms=0.5,
+    )
+    fields = {
+        "settings": DemoSettings(world=1),
+        "fingerprint": "f",
+        "losses": ((3.0, 3.0), (1.0, 1.0)),
+        "max_rel_diff": 1e-6,
+        "worst_param": "w",
+        "control_diff": 1e-6,
+        "control_losses": (3.0, 1.0),
+        "ref_step_ms": 1.0,
+        "ref_optimizer_ms": 0.5,
+        "records": (record,),
+        "seconds": 1.0,
+    }
+    fields.update(changes)
+    return Outcome(**fields)
+
+
+def test_tolerance_is_a_multiple_of_the_control_with_a_floor_of_one_rounding():
+    assert tolerance("fp32", 0.0) == FLOOR["fp32"]
+    assert tolerance("bf16", 0.0) == 2.0**-8
+    assert tolerance("fp32", 1e-4) == pytest.approx(CONTROL_FACTOR * 1e-4)
+    assert math.isnan(tolerance("fp32", math.nan))
+
+
+def test_verdict_accepts_agreement_and_rejects_each_kind_of_disagreement():
+    assert problems(_outcome()) == []
+    assert "disagree" in problems(_outcome(max_rel_diff=1e-3))[0]
+    assert "disagree" in problems(_outcome(max_rel_diff=math.nan))[0]
+    assert "disagree" in problems(_outcome(control_diff=math.nan))[0]
+    good = _outcome().records[0]
+    leaky = good._replace(measured=good.measured._replace(buffer_bytes=257))
+    assert problems(_outcome(records=(leaky,))) == ["rank 0: buffers measured 257 bytes, planned 256"]
+    chatty = good._replace(
+        comm=(CommCost(group="shard", collective=Collective.ALL_GATHER, calls=3, bytes=4096),)
+    )
+    assert "traffic of the last step" in problems(_outcome(records=(chatty,)))[0]
+
+
+def test_docstring_examples():
+    import doctest
+
+    from zeroplan.facade import demo_model, demo_settings, demo_train
+
+    for module in (demo_model, demo_settings, demo_train):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_decorrelated_runs_are_compared_by_their_losses():
+    steps = [(2.0, 2.0)] * 40 + [(0.50, 0.48)] * 10  # the last tenth (at least 5 steps) counts
+    control = (2.0,) * 40 + (0.47,) * 10
+    chaotic = {"max_rel_diff": 0.3, "control_diff": 0.2, "losses": tuple(steps)}
+    verdict = agreement(_outcome(**chaotic, control_losses=control))
+    assert verdict.ok and not verdict.by_parameters  # |0.50 - 0.48| <= max(3 x 0.01, 2% of 0.48)
+    assert "mean of the last 5 steps" in verdict.reason
+    worse = (*steps[:40], *[(0.6, 0.48)] * 10)
+    assert not agreement(_outcome(**{**chaotic, "losses": worse}, control_losses=control)).ok
+
+
+def test_report_exit_code_follows_the_verdict():
+    from rich.console import Console
+
+    good, bad = io.StringIO(), io.StringIO()
+    assert print_report(_outcome(), Console(file=good, width=100)) == 0
+    assert "✓ the runs agree" in good.getvalue() and "no traffic" not in good.getvalue()
+    assert print_report(_outcome(max_rel_diff=0.5), Console(file=bad, width=100)) == 1
+    assert "✗ the sharded and the unsharded runs disagree" in bad.getvalue()

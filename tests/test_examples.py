@@ -1,0 +1,132 @@
+"""The training examples under torchrun (2 processes on gloo), as a user launches them."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# A short bf16 run: 12 steps of 8 sequences in 2 micro-batches per rank, warmup 2, log every 4 steps.
+SHORT = ("--steps", "12", "--warmup", "2", "--global-batch", "8", "--log-every", "4")
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc-per-node NPROC examples/SCRIPT ARGS`` in a fresh interpreter."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(_free_port()),
+        str(EXAMPLES / script),
+        *args,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, env=_ENV, timeout=300)
+
+
+def concurrently(**runs: tuple) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Several ``torchrun`` calls at once (``name=(script, *args)`` or ``(script, *args, {nproc})``)."""
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        futures = {}
+        for name, (script, *args) in runs.items():
+            options = args.pop() if args and isinstance(args[-1], dict) else {}
+            futures[name] = pool.submit(torchrun, script, *args, **options)
+        return {name: future.result() for name, future in futures.items()}
+
+
+def losses(out: subprocess.CompletedProcess[str]) -> tuple[float, float]:
+    """(first, final) loss from the closing line, the final one at full precision."""
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    match = re.search(r"done: loss ([\d.]+) -> [\d.]+ \(steps \d+-\d+\); final (\S+)", out.stdout)
+    assert match, out.stdout
+    return float(match.group(1)), float(match.group(2))
+
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+HAS_CHECKPOINT = importlib.util.find_spec("zeroplan.facade.checkpoint") is not None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted runs, and the first half of an interrupted one, started together."""
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    started = {"gpt": ("train_gpt.py", *SHORT)}
+    if HAS_TRANSFORMERS:
+        started["hf"] = ("train_hf_gpt2.py", *SHORT)
+    if HAS_CHECKPOINT:  # --resume on an empty directory starts from step 0
+        started["first_half"] = (
+            "train_gpt.py", *SHORT, "--ckpt-dir", str(ckpt), "--ckpt-every", "4", "--stop-at", "8", "--resume"
+        )  # fmt: skip
+    results = concurrently(**started)
+    results["ckpt"] = ckpt
+    return results
+
+
+def test_train_gpt_under_torchrun_learns(runs):
+    out = runs["gpt"]
+    first, final = losses(out)
+    assert final < first - 0.2, out.stdout
+    assert "231,744 parameters, bf16, world 2, stage 2, shard groups of 2" in out.stdout
+    steps = re.findall(r"^step\s+(\d+)/12 \| loss [\d.]+ \| lr ([\d.e+-]+) \| grad norm", out.stdout, re.M)
+    assert [int(s) for s, _ in steps] == [1, 4, 8, 12]
+    rates = [float(lr) for _, lr in steps]
+    assert rates[1] > rates[0] and rates[3] < rates[1]  # warmup, then cosine decay
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install 'zeroplan[hf]')")
+def test_train_hf_gpt2_under_torchrun_learns(runs):
+    out = runs["hf"]
+    first, final = losses(out)
+    assert final < first - 0.2, out.stdout
+    assert "168,192 parameters, bf16, world 2" in out.stdout  # tied embedding and head counted once
+
+
+@pytest.mark.skipif(not HAS_CHECKPOINT, reason="zeroplan.facade.checkpoint has not landed")
+def test_resume_continues_the_run_exactly_and_at_another_world_size(runs, tmp_path):
+    first_half = runs["first_half"]
+    losses(first_half)
+    assert "no checkpoint in" in first_half.stdout and "saved step 8" in first_half.stdout
+    elastic = tmp_path / "elastic"
+    shutil.copytree(runs["ckpt"], elastic)
+    resumed = concurrently(
+        same=("train_gpt.py", *SHORT, "--ckpt-dir", str(runs["ckpt"]), "--resume"),
+        elastic=("train_gpt.py", *SHORT, "--ckpt-dir", str(elastic), "--resume", {"nproc": 1}),
+    )
+    _, expected = losses(runs["gpt"])
+    for name, out in resumed.items():
+        assert "at step 8" in out.stdout, (name, out.stdout)
+        assert re.search(r"^step\s+9/12", out.stdout, re.M), (name, out.stdout)
+    # Same world: parameters, fp32 masters, AdamW state and the schedule are restored exactly.
+    assert losses(resumed["same"])[1] == expected
+    # One process: the same global batches, summed in another order (bf16 rounding).
+    assert losses(resumed["elastic"])[1] == pytest.approx(expected, rel=1e-2)
+    assert "world 1" in resumed["elastic"].stdout
+
+
+def test_bad_example_arguments_fail_before_training():
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_gpt.py"), "--resume"],
+        capture_output=True,
+        text=True,
+        env=_ENV,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "--resume needs --ckpt-dir" in out.stderr
