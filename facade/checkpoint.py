@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,11 @@ def _partition_from(document: dict[str, Any]) -> PartitionPlan:
     return partition
 
 
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _point_latest(root: Path, name: str) -> None:
     """Atomically make ``root/latest`` name snapshot ``name``."""
     temporary = root / "latest.tmp"
@@ -237,10 +243,9 @@ def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, kee
             write_json(partial / "manifest.json", manifest)
             partial.rename(snapshot)
             _point_latest(root, name[0])
-            for old in _snapshots(root)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-            for stale in root.glob(f"snapshot-*{_PARTIAL}"):
-                shutil.rmtree(stale, ignore_errors=True)
+            doomed = _snapshots(root)[:-keep] + list(root.glob(f"snapshot-*{_PARTIAL}"))
+            # Old snapshots are no longer referenced: delete them without holding up training.
+            threading.Thread(target=_remove, args=(doomed,), daemon=True).start()
     except (OSError, ZeroplanError) as exc:
         problem = CheckpointError(f"rank 0 could not commit {str(snapshot)!r}: {exc}")
     _raise_first(_world_objects(None if problem is None else str(problem), opt), problem)
@@ -314,13 +319,20 @@ def load(opt: Any, path: str | Path) -> dict[str, Any]:
     return decode(manifest["extra"])
 
 
-def _saved_param(saved: PartitionPlan, index: int, open_file: Any) -> torch.Tensor:
-    """Parameter ``index`` as saved: from the shard regions holding it, or ``frozen.pt``."""
+def _saved_param(saved: PartitionPlan, index: int, open_file: Any, rank: int, world: int) -> torch.Tensor:
+    """Parameter ``index`` as saved: from the shard regions holding it, or ``frozen.pt``.
+
+    Every rank reads every parameter; the checksums of saved shard ``q``'s
+    region are verified by rank ``q % world`` only (a failure there fails the
+    load on every rank, since all ranks agree before committing).
+    """
     spec = saved.specs[index]
     if not spec.trainable:
-        return open_file("frozen.pt").read(f"param/{index}", 0, spec.numel)
+        return open_file("frozen.pt").read(f"param/{index}", 0, spec.numel, verify=rank == 0)
     parts = [
-        open_file(f"shard-{f.rank:05d}.pt").read(f"region/{spec.dtype}", f.shard_offset, f.shard_span.stop)
+        open_file(f"shard-{f.rank:05d}.pt").read(
+            f"region/{spec.dtype}", f.shard_offset, f.shard_span.stop, verify=f.rank % world == rank
+        )
         for f in saved.fragments[index]
     ]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -374,7 +386,8 @@ def _prepare(
             f"{str(snapshot)!r} is missing shard files of saved ranks: {', '.join(missing)}"
         )
 
-    params = [_saved_param(saved, spec.index, open_file) for spec in saved.specs]
+    rank, world = opt.process_groups.rank, opt.process_groups.topology.world_size
+    params = [_saved_param(saved, spec.index, open_file, rank, world) for spec in saved.specs]
     for i, (values, p) in enumerate(zip(params, sh.params, strict=True)):
         if values.dtype != p.dtype:
             raise IncompatiblePlanError(f"parameter {i} is {values.dtype} in the checkpoint, {p.dtype} here")
@@ -393,7 +406,7 @@ def _prepare(
         if space.dtype in manifest["separate_master"]:
             kinds.insert(0, (f"master/{space.dtype}", "", torch.float32))
         for name, key, dtype in kinds:
-            out = torch.zeros(owned, dtype=dtype, device=device)
+            out = torch.empty(owned, dtype=dtype, device=device)  # the copies tile it exactly
             for c in mine:
                 if c.dst_span.numel:
                     out[c.dst_span.as_slice()] = open_file(f"shard-{c.src_rank:05d}.pt").read(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from zeroplan.facade.demo_settings import DTYPES, DemoSettings, make_settings
+from zeroplan.facade.demo_settings import COLLECTIVES, DTYPES, DemoSettings, make_settings
 
 __all__ = ["register", "run"]
 
@@ -37,6 +37,12 @@ def register(sub: Any) -> None:
         "--device", choices=("cpu", "cuda"), help="cpu: gloo (default); cuda: NCCL, one GPU per rank"
     )
     p.add_argument("--bucket-mb", type=float, help=f"gradient bucket cap in MiB (default {d.bucket_mb})")
+    p.add_argument(
+        "--collectives",
+        choices=COLLECTIVES,
+        help="auto (default: gloo on cpu, min_bytes on cuda), min_bytes (reduce-scatter, replica all-reduce, "
+        "all-gather) or gloo (world all-reduce, broadcasts)",
+    )
     p.set_defaults(run=run)
 
 
@@ -50,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         bucket_mb=args.bucket_mb,
+        collectives=args.collectives,
     )
     from zeroplan.facade import demo  # after the arguments are known to be good
 

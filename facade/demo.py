@@ -27,7 +27,7 @@ from zeroplan.facade.demo_settings import DemoSettings
 
 __all__ = ["check_devices", "run"]
 
-_VERDICT, _FAILED = "verdict", "failed"
+_VERDICT, _FAILED, _CLOSED = "verdict", "failed", "stdout closed"
 
 
 def check_devices(settings: DemoSettings) -> None:
@@ -84,6 +84,8 @@ def run(settings: DemoSettings) -> int:
             if stopped and sys.stdout.isatty():
                 sys.stdout.write("\x1b[?25h\n")  # rank 0's progress bar hid the cursor
                 sys.stdout.flush()
+    if any(kind == _CLOSED for kind, _ in messages.values()):
+        return 0  # the output was piped into a reader that went away (`| head`), as `zeroplan plan` does
     failures = {rank: text for rank, (kind, text) in messages.items() if kind == _FAILED}
     for rank, text in sorted(failures.items()):
         print(f"zeroplan demo: rank {rank} failed:\n{text}", file=sys.stderr, flush=True)
@@ -153,6 +155,9 @@ def _worker(rank: int, settings: DemoSettings, rendezvous: str, report: Any) -> 
             report.send((_VERDICT, code))
     except KeyboardInterrupt:
         sys.exit(130)
+    except (BrokenPipeError, SystemExit):  # rich raises SystemExit(1) when stdout is a closed pipe
+        report.send((_CLOSED, None))
+        sys.exit(1)  # non-zero: the parent stops the other ranks, which wait in a collective
     except BaseException:
         report.send((_FAILED, traceback.format_exc()))
         sys.exit(1)

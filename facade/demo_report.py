@@ -25,11 +25,15 @@ def _sent(costs: tuple[CommCost, ...]) -> int:
 
 
 def problems(outcome: Outcome) -> list[str]:
-    """Why the demo failed: the runs disagree, or a rank's bytes differ from the plan; empty if fine."""
+    """Why the demo failed: the runs disagree, ranks differ, or a rank's bytes differ from the plan."""
     found = []
     verdict = agreement(outcome)
     if not verdict.ok:
         found.append(f"the sharded and the unsharded runs disagree: {verdict.reason}")
+    digests = {r.params_digest for r in outcome.records}
+    if len(digests) > 1:
+        ranks = ", ".join(f"rank {r.rank}: {r.params_digest}" for r in outcome.records)
+        found.append(f"the ranks hold different parameters after the last step ({ranks})")
     for r in outcome.records:
         for name, got, want in zip(_CATEGORIES, r.measured, r.planned, strict=True):
             if got != want:
@@ -136,6 +140,9 @@ def print_report(outcome: Outcome, console: Console | None = None) -> int:
         console.print(f"[red]✗[/] {line}")
     if not found:
         console.print(f"[green]✓[/] the runs agree: {verdict.reason}")
+        console.print(
+            f"[green]✓[/] every rank holds the same parameters (sha256 {outcome.records[0].params_digest})"
+        )
         console.print("[green]✓[/] measured memory and traffic equal the plan on every rank, byte for byte")
     console.print(f"done in {outcome.seconds:.1f} s; plan fingerprint {outcome.fingerprint}")
     return 0 if not found else 1

@@ -9,9 +9,10 @@ from typing import Any
 from zeroplan.core import ConfigError
 from zeroplan.core.errors import check_config
 
-__all__ = ["DTYPES", "MAX_WORLD", "DemoSettings", "make_settings"]
+__all__ = ["COLLECTIVES", "DTYPES", "MAX_WORLD", "DemoSettings", "make_settings"]
 
 DTYPES = ("fp32", "bf16")
+COLLECTIVES = ("auto", "min_bytes", "gloo")
 MAX_WORLD = 64
 
 
@@ -27,6 +28,9 @@ class DemoSettings:
         dtype: ``"fp32"`` or ``"bf16"`` parameters (bf16 keeps fp32 masters).
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
         bucket_mb: gradient bucket cap in MiB.
+        collectives: ZeroOptimizer's collective policy: ``"auto"`` (by backend),
+            ``"min_bytes"`` (reduce-scatter, replica all-reduce, all-gather) or
+            ``"gloo"`` (world all-reduce, broadcasts).
         batch_size: sequences per rank per step.
         lr: AdamW learning rate.
 
@@ -45,6 +49,7 @@ class DemoSettings:
     dtype: str = "fp32"
     device: str = "cpu"
     bucket_mb: float = 0.25
+    collectives: str = "auto"
     batch_size: int = 16
     lr: float = 1e-3
 
@@ -74,6 +79,10 @@ class DemoSettings:
         check_config(
             isinstance(self.bucket_mb, (int, float)) and math.isfinite(self.bucket_mb) and self.bucket_mb > 0,
             f"--bucket-mb must be a finite number > 0, got {self.bucket_mb!r}",
+        )
+        check_config(
+            self.collectives in COLLECTIVES,
+            f"--collectives must be one of {', '.join(COLLECTIVES)}, got {self.collectives!r}",
         )
         check_config(
             type(self.batch_size) is int and self.batch_size >= 1,

@@ -22,6 +22,7 @@ runs, prints the tables (``demo_report``) and hands the exit code back.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import statistics
@@ -138,6 +139,8 @@ class RankRecord(NamedTuple):
     planned_comm: tuple[CommCost, ...]
     step_ms: float
     optimizer_ms: float
+    params_digest: str
+    """sha256 of the rank's full parameters: stages 1-2 keep them identical on every rank."""
 
 
 class Outcome(NamedTuple):
@@ -284,6 +287,7 @@ def train(settings: DemoSettings, rank: int, device: torch.device) -> Outcome | 
         stage=settings.stage,
         shard_group_size=settings.shard_size,
         bucket_bytes=settings.bucket_bytes,
+        collectives=settings.collectives,
         **hyper,
     )
     # The reference on rank 0; the control on rank 1 (in parallel with it), or on rank 0 when alone.
@@ -332,7 +336,7 @@ def train(settings: DemoSettings, rank: int, device: torch.device) -> Outcome | 
     finally:
         if progress is not None:
             progress.stop()
-    records = _gather_records(opt, step_ms, optimizer_ms)
+    records = _gather_records(opt, model, step_ms, optimizer_ms)
     controls: list[Any] = [None] * world
     mine = (
         None if control is None else ([p.detach().cpu() for p in control.model.parameters()], control_losses)
@@ -372,14 +376,23 @@ def _print_header(settings: DemoSettings, opt: ZeroOptimizer, model: torch.nn.Mo
     Console().print(
         f"[bold]zeroplan demo[/]: a {sum(p.numel() for p in model.parameters()):,}-parameter GPT learns "
         f"to sort; {s.steps} steps, {s.dtype}, {where}\n"
-        f"ZeroOptimizer(AdamW) stage {s.stage} on {s.world} ranks in shard groups of {s.shard_size} "
-        f"({len(opt.plan.buckets.buckets)} gradient buckets, strategy {opt.plan.partition.strategy}) "
-        "vs torch.optim.AdamW in one process"
+        f"ZeroOptimizer(AdamW): stage {s.stage} on {s.world} ranks in shard groups of {s.shard_size}, "
+        f"{len(opt.plan.buckets.buckets)} gradient buckets, strategy {opt.plan.partition.strategy}, "
+        f"collectives {opt.plan.policy}\n"
+        "reference: torch.optim.AdamW in one process, on every rank's batches"
     )
 
 
+def params_digest(model: torch.nn.Module) -> str:
+    """sha256 of every parameter's bytes, in order (equal digests: bit-identical parameters)."""
+    digest = hashlib.sha256()
+    for param in model.parameters():
+        digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def _gather_records(
-    opt: ZeroOptimizer, step_ms: list[float], optimizer_ms: list[float]
+    opt: ZeroOptimizer, model: torch.nn.Module, step_ms: list[float], optimizer_ms: list[float]
 ) -> tuple[RankRecord, ...]:
     """Every rank's measured and planned numbers, on every rank (collective)."""
     groups = opt.process_groups
@@ -399,6 +412,7 @@ def _gather_records(
         planned_comm=planned.comm,
         step_ms=statistics.median(step_ms),
         optimizer_ms=statistics.median(optimizer_ms),
+        params_digest=params_digest(model),
     )
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, mine)

@@ -49,7 +49,11 @@ def _is_per_element(value: Any, window: torch.Tensor) -> bool:
 
 
 def export_state(zp: ZeroPlan, inner: Inner, buffers: Sequence[SpaceBuffers]) -> ShardState:
-    """This rank's inner optimizer state, in shard coordinates."""
+    """This rank's inner optimizer state, in shard coordinates.
+
+    A flat tensor may alias the optimizer's own state (when one window covers
+    the whole shard); callers that keep it past the next step must copy it.
+    """
     flat: dict[tuple[int, str], torch.Tensor] = {}
     scalars: dict[tuple[int, int], dict[str, Any]] = {}
     whole: dict[int, dict[str, Any]] = {}
@@ -63,9 +67,12 @@ def export_state(zp: ZeroPlan, inner: Inner, buffers: Sequence[SpaceBuffers]) ->
         shared = scalars.setdefault((spec.group, spec.cohort), {})
         for key, value in state.items():
             if _is_per_element(value, tensor):
+                owned = buffers[spec.space].owned
+                if spec.shard_span.numel == owned:  # one window is the whole shard: no copy
+                    flat[spec.space, key] = value
+                    continue
                 target = flat.get((spec.space, key))
                 if target is None:
-                    owned = buffers[spec.space].owned
                     target = flat[spec.space, key] = value.new_zeros(owned)
                 target[spec.shard_span.as_slice()] = value
             else:
