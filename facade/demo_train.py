@@ -22,6 +22,7 @@ runs, prints the tables (``demo_report``) and hands the exit code back.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import math
 import os
@@ -70,11 +71,14 @@ CLIP = 1.0
 # by parameter (any two valid runs differ as much); the verdict then compares what they still
 # share, the loss: the mean over the last tenth of the steps (at least 5) of the sharded run must
 # be within LOSS_FACTOR times the control's distance from the reference, or LOSS_FLOOR relative.
-# Defects injected into the optimizer (world 4, shard groups of 2) are far outside both bounds:
-# fp32, 50 steps (tolerance 3.9e-4; the sharded run 8.3e-6): no replica all-reduce 0.56, one bucket
-# never reduced 1.0, no all-gather after the step 1.2, gradients averaged with a wrong divisor
-# (x2) 0.27. bf16, 100 steps (decorrelated; final losses ref 0.474, sharded 0.478): 0.62, 1.7, -,
-# 0.50.
+# Defects injected into the optimizer (world 4, shard groups of 2, collectives min_bytes) fall far
+# outside both bounds. fp32, 50 steps (tolerance 3.9e-4; the sharded run 8.3e-6): no replica
+# all-reduce 0.56, one bucket never reduced 1.0, no all-gather after the step 1.2, gradients averaged
+# with a wrong divisor (x2) 0.27. bf16, 100 steps (decorrelated: mean loss of the last 10 steps, ref
+# 0.504, control 0.505, sharded 0.504, bound 0.010): no replica all-reduce 0.657, one bucket never
+# reduced 1.735, wrong divisor 0.537. Independently of the reference, every rank must end with
+# bit-identical parameters (a missing replica all-reduce or all-gather breaks that at once), and
+# the measured bytes must equal the plan's.
 CONTROL_FACTOR = 10.0
 FLOOR = {"fp32": 1e-6, "bf16": 2.0**-8}
 DECORRELATED = 1e-2
@@ -181,6 +185,10 @@ def worker(rank: int, settings: DemoSettings, rendezvous: str) -> int | None:
     try:
         outcome = train(settings, rank, device)
     finally:
+        # ZeroOptimizer is freed only by the cycle collector (its gradient hooks refer back to it);
+        # collected at interpreter exit instead, its gloo groups sometimes abort the process
+        # ("terminate called without an active exception"). Free it now.
+        gc.collect()
         dist.destroy_process_group()
     if outcome is None:
         return None

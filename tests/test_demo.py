@@ -37,7 +37,7 @@ def zeroplan_many(runs: dict[str, tuple[str, ...]]) -> dict[str, subprocess.Comp
 # ----------------------------------------------------------------- real runs
 RUNS = {
     "world2": ("--world", "2", "--steps", "20"),
-    "mics": ("--world", "4", "--shard-size", "2", "--steps", "10"),
+    "mics": ("--world", "4", "--shard-size", "2", "--steps", "10", "--collectives", "min_bytes"),
     "bf16": ("--world", "2", "--steps", "10", "--dtype", "bf16", "--stage", "1"),
 }
 
@@ -68,11 +68,17 @@ def _rank_rows(stdout: str) -> dict[int, tuple[list[str], list[str]]]:
     return rows
 
 
+def _text(out: subprocess.CompletedProcess[str]) -> str:
+    """stdout with every run of whitespace made one space (rich wraps long lines)."""
+    return " ".join(out.stdout.split())
+
+
 def _assert_success(out: subprocess.CompletedProcess[str], world: int) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stderr, out.stderr
-    assert "✓ the runs agree" in out.stdout
-    assert "✓ measured memory and traffic equal the plan on every rank, byte for byte" in out.stdout
+    assert "✓ the runs agree" in _text(out)
+    assert "✓ measured memory and traffic equal the plan on every rank, byte for byte" in _text(out)
+    assert "✓ every rank holds the same parameters" in _text(out)
     assert "✗" not in out.stdout and "!" not in out.stdout.split("sharded vs unsharded")[1]
     rows = _rank_rows(out.stdout)
     assert sorted(rows) == list(range(world))
@@ -88,21 +94,22 @@ def _assert_success(out: subprocess.CompletedProcess[str], world: int) -> None:
 def test_two_ranks_agree_with_adamw_and_with_the_plan(runs):
     out = runs["world2"]
     _assert_success(out, world=2)
-    assert "20 steps, fp32, 2 processes on" in out.stdout
-    assert "stage 2 on 2 ranks in shard groups of 2" in out.stdout
+    assert "20 steps, fp32, 2 processes on" in _text(out)
+    assert "stage 2 on 2 ranks in shard groups of 2" in _text(out)
+    assert "collectives gloo" in _text(out)  # "auto" on gloo
 
 
 def test_mics_shard_groups_reduce_over_the_replica_group(runs):
     out = runs["mics"]
     _assert_success(out, world=4)
-    assert "stage 2 on 4 ranks in shard groups of 2" in out.stdout
-    assert re.search(r"replica\s+all_reduce\s+\d+", out.stdout), out.stdout
+    assert "stage 2 on 4 ranks in shard groups of 2" in _text(out) and "collectives min_bytes" in _text(out)
+    assert re.search(r"replica\s+all_reduce\s+\d+", out.stdout), out.stdout  # MiCS: shard, then replica
 
 
 def test_bf16_keeps_fp32_masters_and_agrees_within_bf16(runs):
     out = runs["bf16"]
     _assert_success(out, world=2)
-    assert "10 steps, bf16, 2 processes on" in out.stdout and "stage 1" in out.stdout
+    assert "10 steps, bf16, 2 processes on" in _text(out) and "stage 1" in _text(out)
     for measured, _ in _rank_rows(out.stdout).values():
         params, grads, master = (float(cell.replace(",", "")) for cell in measured[:3])
         assert master == pytest.approx(params, rel=0.01)  # fp32 master of half the bf16 parameters
@@ -122,6 +129,7 @@ BAD = [
     (["--bucket-mb", "nan"], "got nan"),
     (["--dtype", "fp16"], "argument --dtype: invalid choice: 'fp16'"),
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--collectives", "nccl"], "argument --collectives: invalid choice: 'nccl'"),
     (["--world", "two"], "argument --world: invalid int value: 'two'"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
 ]
@@ -167,6 +175,7 @@ def _outcome(**changes) -> Outcome:
         planned_comm=comm,
         step_ms=1.0,
         optimizer_ms=0.5,
+        params_digest="0123",
     )
     fields = {
         "settings": DemoSettings(world=1),
@@ -200,6 +209,8 @@ def test_verdict_accepts_agreement_and_rejects_each_kind_of_disagreement():
     good = _outcome().records[0]
     leaky = good._replace(measured=good.measured._replace(buffer_bytes=257))
     assert problems(_outcome(records=(leaky,))) == ["rank 0: buffers measured 257 bytes, planned 256"]
+    forked = good._replace(rank=1, params_digest="4567")
+    assert "the ranks hold different parameters" in problems(_outcome(records=(good, forked)))[0]
     chatty = good._replace(
         comm=(CommCost(group="shard", collective=Collective.ALL_GATHER, calls=3, bytes=4096),)
     )
