@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.facade import ZeroOptimizer
+from zeroplan.facade import ZeroOptimizer, checkpoint
 from zeroplan.facade.demo_model import GPTConfig, SortTask, build_model, loss_of
 
 #: (model, batch -> loss): what ``train`` needs from a model family.
@@ -133,8 +133,8 @@ def schedule(opt: torch.optim.Optimizer, args: argparse.Namespace) -> torch.opti
 
 
 def has_checkpoint(directory: Path) -> bool:
-    """Whether ``directory`` holds a committed checkpoint (see [Note: checkpoint layout])."""
-    return (directory / "latest").is_file()
+    """Whether ``directory`` holds a committed checkpoint to resume from."""
+    return checkpoint.latest(directory) is not None
 
 
 def log(rank: int, message: str) -> None:
@@ -174,8 +174,6 @@ def train(args: argparse.Namespace, build: Build = build_gpt) -> float:
 
     start = 0
     if args.resume and has_checkpoint(args.ckpt_dir):
-        from zeroplan.facade import checkpoint
-
         extra = checkpoint.load(opt, args.ckpt_dir)  # parameters, masters, optimizer state; any world size
         start = int(extra["step"])
         scheduler.load_state_dict(extra["scheduler"])
@@ -218,8 +216,6 @@ def train(args: argparse.Namespace, build: Build = build_gpt) -> float:
             )
             window_started, window_steps = time.perf_counter(), 0
         if args.ckpt_dir is not None and (done % args.ckpt_every == 0 or done == stop) and done != last_saved:
-            from zeroplan.facade import checkpoint
-
             checkpoint.save(opt, args.ckpt_dir, extra={"step": done, "scheduler": scheduler.state_dict()})
             last_saved = done
             log(rank, f"saved step {done} to {args.ckpt_dir}")

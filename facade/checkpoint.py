@@ -60,7 +60,7 @@ from zeroplan.facade.checkpoint_files import TensorFile, decode, encode, read_js
 from zeroplan.facade.shard_state import ShardState, export_state
 from zeroplan.facade.state_loading import commit_state
 
-__all__ = ["load", "save"]
+__all__ = ["latest", "load", "save"]
 
 FORMAT = "zeroplan.checkpoint/v1"
 _PARTIAL = ".partial"
@@ -156,6 +156,20 @@ def _point_latest(root: Path, name: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, root / "latest")
+
+
+def latest(path: str | Path) -> Path | None:
+    """The committed snapshot under ``path``, or ``None`` if there is none (yet).
+
+    An interrupted first save (only a ``.partial`` directory) counts as none,
+    so a job can start from scratch. A damaged checkpoint is not hidden: this
+    does not read its files, ``load`` verifies them.
+    """
+    root = Path(path)
+    try:
+        return _resolve(root)
+    except CheckpointError:
+        return None
 
 
 # --------------------------------------------------------------------------- save

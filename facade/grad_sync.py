@@ -26,6 +26,7 @@ staged, so full gradients are never all resident outside ``no_sync()``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -61,6 +62,12 @@ class PeakTracker:
     def reset(self) -> None:
         """Start a new peak measurement (buffers alive now still count)."""
         self.peak = self.current
+
+
+def _call_weakly(method: weakref.WeakMethod, index: int, param: torch.Tensor) -> None:
+    bound = method()
+    if bound is not None:
+        bound(index, param)
 
 
 class _InFlight(NamedTuple):
@@ -102,8 +109,11 @@ class GradSync:
                     raise RuntimeError("stage 1 needs full gradient buffers")
                 for index, start in zip(buf.space.params, buf.space.buffer_offsets, strict=True):
                     self._grad_views[index] = param_view(buf.grads, start, params[index])
+        # The hooks hold the sync weakly: a dropped optimizer must not keep reducing gradients
+        # (or stay alive through its parameters until the cycle collector runs).
+        method = weakref.WeakMethod(self._on_grad)
         self._handles = [
-            params[spec.index].register_post_accumulate_grad_hook(partial(self._on_grad, spec.index))
+            params[spec.index].register_post_accumulate_grad_hook(partial(_call_weakly, method, spec.index))
             for spec in zp.specs
             if spec.trainable
         ]
@@ -130,6 +140,9 @@ class GradSync:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def __del__(self) -> None:
+        self.remove_hooks()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

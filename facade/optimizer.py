@@ -183,11 +183,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         self._overlap = overlap_grad_reduce
         self._last_comm: tuple[CommCost, ...] = ()
+        self._clipped = self._last_clipped = False
         self._last_buffer_peak = 0
         self._master_grads: list[torch.Tensor] = []
         self._prepared = False
         self._found_inf = False
         self._install(zp)
+        self._broadcast_from_rank_zero()
         self._initialized = True
 
     # ------------------------------------------------------------ planning
@@ -236,6 +238,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             log=self._log,
             tracker=self._tracker,
         )
+
+    @torch.no_grad()
+    def _broadcast_from_rank_zero(self) -> None:
+        """Start every rank from rank 0's parameter values, as ``DistributedDataParallel`` does."""
+        if self._topology.world_size == 1:
+            return
+        managed = {index for buf in self._buffers for index in buf.space.params}
+        for buf in self._buffers:
+            dist.broadcast(buf.params, group_src=0, group=self._world)
+            if buf.separate_master:
+                buf.master[: buf.owned].copy_(buf.region(self._groups.shard_rank))
+        for index, param in enumerate(self._params):
+            if index not in managed:
+                dist.broadcast(param.data, group_src=0, group=self._world)
 
     # ------------------------------------------------------------ properties
     @property
@@ -297,6 +313,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             local = torch.maximum(local, norm) if norm_type == math.inf else local + norm**norm_type
         op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
         all_reduce_shard(local, op, self._groups, self._log)
+        self._clipped = True
         total = local if norm_type == math.inf else local ** (1.0 / norm_type)
         coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for grad in self._master_grads:
@@ -402,6 +419,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._log.clear()
         self._last_buffer_peak = self._tracker.peak
         self._tracker.reset()
+        self._last_clipped, self._clipped = self._clipped, False
 
     @torch.no_grad()
     def averaged_gradients(self) -> list[torch.Tensor | None]:
@@ -449,9 +467,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Collectives of the last completed step: calls and bytes sent, per (group, collective)."""
         return self._last_comm
 
-    def memory_report(self, *, clipping: bool = False) -> MemoryReport:
-        """The planner's report for this optimizer's plan (no communication)."""
-        return memory_report(self._zp, clipping=clipping)
+    def memory_report(self, *, clipping: bool | None = None) -> MemoryReport:
+        """The planner's report for this optimizer's plan (no communication).
+
+        ``clipping`` adds the all-reduce of :meth:`clip_grad_norm_` to the traffic;
+        by default it is counted if the last completed step clipped.
+        """
+        return memory_report(self._zp, clipping=self._last_clipped if clipping is None else clipping)
 
     # ------------------------------------------------------------ state dicts
     def _shards(self) -> Shards:

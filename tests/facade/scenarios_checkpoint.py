@@ -251,3 +251,15 @@ def bounded_consolidation(rank: int, world: int, chunk_bytes: int) -> dict[str, 
         )
     )
     return {"supported": True, "extra": extra, "output": output, "state_bytes": state_bytes}
+
+
+def latest_snapshot(rank: int, world: int, root: str) -> dict[str, Any]:
+    """``checkpoint.latest``: none before the first save, the committed snapshot after it."""
+    model = make_model()
+    opt = _optimizer(model, {})
+    before = checkpoint.latest(root)
+    checkpoint.save(opt, root)
+    first = checkpoint.latest(root)
+    checkpoint.save(opt, root)
+    second = checkpoint.latest(root)
+    return {"before": before, "first": str(first), "second": str(second)}

@@ -228,3 +228,33 @@ def grads_after_zero_grad(rank: int, world: int, stage: int) -> dict[str, Any]:
 
 def reference_grads(model: nn.Module, world: int, step: int) -> list[torch.Tensor]:
     return averaged_grads(model, world, step)
+
+
+def start_from_rank_zero(rank: int, world: int) -> dict[str, Any]:
+    """Ranks that initialise differently all start from rank 0's parameters (as DDP does)."""
+    model = make_model(seed=rank, dtype=torch.bfloat16)
+    model.pos.weight.requires_grad_(False)  # frozen parameters are synced too
+    reference = [p.detach().clone() for p in make_model(seed=0, dtype=torch.bfloat16).parameters()]
+    opt = ZeroOptimizer(model.parameters(), lr=1e-2, shard_group_size=2, alignment=8)
+    same = all(torch.equal(a, b) for a, b in zip(reference, model.parameters(), strict=True))
+    masters = all(
+        torch.equal(b.master[: b.owned], b.region(opt.process_groups.shard_rank).float())
+        for b in opt._buffers
+    )
+    return {"same": same, "masters": masters}
+
+
+def dropped_optimizer_stays_quiet(rank: int, world: int) -> dict[str, Any]:
+    """An optimizer that was dropped must not react to later backward passes (nor stay alive)."""
+    import gc
+    import weakref
+
+    model = make_model()
+    first = ZeroOptimizer(model.parameters(), lr=1e-2)
+    alive = weakref.ref(first)
+    del first
+    gc.collect()
+    second = ZeroOptimizer(model.parameters(), lr=1e-2, bucket_bytes=512)  # other buckets, other collectives
+    loss_of(model, *batch(0, rank)).backward()
+    applied = second.step()
+    return {"collected": alive() is None, "applied": applied}

@@ -70,3 +70,11 @@ def test_bounded_memory_consolidation(pools):
     assert small[0]["extra"] <= small[0]["output"] + 4 * 2**20, small[0]
     assert small[1]["extra"] <= 4 * 2**20, small[1]
     assert small[1]["extra"] < state / 4
+
+
+def test_latest_names_the_committed_snapshot(pools, tmp_path):
+    root = tmp_path / "ckpt"
+    (tmp_path / "ckpt" / "snapshot-00000001.partial").mkdir(parents=True)  # an interrupted first save
+    for r in pools(2).run("scenarios_checkpoint", "latest_snapshot", str(root)):
+        assert r["before"] is None
+        assert r["first"].endswith("snapshot-00000002") and r["second"].endswith("snapshot-00000003")

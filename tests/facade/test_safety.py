@@ -111,3 +111,13 @@ def test_zero_grad_semantics(pools, stage):
     assert all(r["none"])
     if stage == 1:
         assert all(r["kept_zero"])
+
+
+def test_every_rank_starts_from_rank_zero_parameters(pools):
+    for r in pools(4).run("scenarios_safety", "start_from_rank_zero"):
+        assert r["same"] and r["masters"]
+
+
+def test_a_dropped_optimizer_does_not_reduce_gradients(pools):
+    for r in pools(2).run("scenarios_safety", "dropped_optimizer_stays_quiet"):
+        assert r["collected"] and r["applied"]
