@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import socket
@@ -45,7 +44,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _gpt import GPT, GPTConfig, lm_loss, make_batch
+from _gpt import GPT, GPT_7M, GPT_TINY, GPTConfig, lm_loss, make_batch
 
 MB = 2**20
 LR = 1e-3
@@ -322,8 +321,8 @@ def markdown(results: list[dict[str, Any]], opts: Options) -> str:
     lines.append("")
     lines.append(
         f"GPT {params / 1e6:.2f}M parameters (vocab {m.vocab}, width {m.width}, {m.layers} layers, "
-        f"{m.heads} heads, context {m.ctx}), fp32, batch {opts.batch}x{m.ctx} tokens per rank; gloo on CPU "
-        f"({os.cpu_count()} cores), "
+        f"{m.heads} heads, context {m.context}), fp32, batch {opts.batch}x{m.context} tokens per rank; "
+        f"gloo on CPU ({os.cpu_count()} cores), "
         f"one thread per process; {opts.warmup} warm-up + {opts.steps} timed steps per configuration, "
         f"interleaved; step = forward+backward+step+zero_grad, slowest rank, median; paired ratio = median "
         f"over rounds of the ratio to DDP's step in the same round. AdamW(lr={LR}, "
@@ -351,10 +350,10 @@ def parse(argv: list[str] | None = None) -> Options:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
     if a.quick:
-        model = GPTConfig(vocab=256, ctx=16, width=32, layers=1, heads=2)
+        model = GPT_TINY
         steps, warmup, batch = 3, 1, 2
     else:
-        model = GPTConfig()
+        model = GPT_7M
         steps, warmup, batch = 25, 3, 4
     variants = MAIN + (SWEEP if a.sweep else ())
     if a.only:
@@ -388,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     path = opts.extra.get("json")
     if path:
         payload = {
-            "model": dataclasses.asdict(opts.model),
+            "model": opts.model._asdict(),
             "batch": opts.batch,
             "steps": opts.steps,
             "warmup": opts.warmup,

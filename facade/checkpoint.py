@@ -7,7 +7,7 @@
       latest                      # name of the committed snapshot (atomic rename)
       snapshot-00000007/
         manifest.json             # plan, specs, fragments, scalars, hyper-parameters, extra
-        frozen.pt                 # frozen parameters, whole (written by rank 0)
+        frozen.pt                 # frozen parameters, if any, whole (written by rank 0)
         shard-00000.pt ...        # per shard rank: its region of the parameters, its fp32
                                   # masters and optimizer state
 
@@ -240,8 +240,8 @@ def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, kee
             info["scalars"] = [[g, c, encode(v)] for (g, c), v in state.scalars.items()]
             shard_file = f"shard-{groups.shard_rank:05d}.pt"
             info["files"][shard_file] = write_tensors(partial / shard_file, tensors)
-        if groups.rank == 0:
-            frozen = {f"param/{s.index}": sh.params[s.index].detach() for s in zp.specs if not s.trainable}
+        frozen = {f"param/{s.index}": sh.params[s.index].detach() for s in zp.specs if not s.trainable}
+        if groups.rank == 0 and frozen:
             info["files"]["frozen.pt"] = write_tensors(partial / "frozen.pt", frozen)
     except Exception as exc:  # any I/O failure must reach every rank, not hang them
         problem = CheckpointError(f"rank {groups.rank} could not write its checkpoint file: {exc}")

@@ -24,27 +24,36 @@ IGNORE = -100  # cross_entropy's ignore_index: positions whose target is random
 
 
 class GPTConfig(NamedTuple):
-    """Sizes of :class:`DemoGPT` (the defaults give 232,416 parameters)."""
+    """Sizes of :class:`DemoGPT` (the defaults are the demo's model).
+
+    ``ffn`` is the MLP width (0: four times ``width``); ``qkv_bias`` adds a bias to
+    the attention projection (the demo leaves it out: the key bias has no true
+    gradient, and Adam would turn rounding noise into updates). The benchmarks
+    and the multi-process tests build their models from this class too.
+    """
 
     vocab: int = 32
     width: int = 96
     layers: int = 2
     heads: int = 4
     context: int = 24
+    ffn: int = 0
+    qkv_bias: bool = False
 
 
 class Block(nn.Module):
     """A pre-norm transformer block: causal self-attention, then a GELU MLP."""
 
-    def __init__(self, width: int, heads: int) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.heads = heads
+        width, ffn = config.width, config.ffn or 4 * config.width
+        self.heads = config.heads
         self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.qkv = nn.Linear(width, 3 * width, bias=config.qkv_bias)
         self.proj = nn.Linear(width, width)
         self.ln2 = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, 4 * width)
-        self.out = nn.Linear(4 * width, width)
+        self.fc = nn.Linear(width, ffn)
+        self.out = nn.Linear(ffn, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
@@ -65,7 +74,7 @@ class DemoGPT(nn.Module):
         self.config = config
         self.tok = nn.Embedding(config.vocab, config.width)
         self.pos = nn.Embedding(config.context, config.width)
-        self.blocks = nn.ModuleList(Block(config.width, config.heads) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.ln = nn.LayerNorm(config.width)
         self.head = nn.Linear(config.width, config.vocab, bias=False)
         for name, param in self.named_parameters():  # GPT-2 style: scaled residual projections

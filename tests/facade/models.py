@@ -2,60 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-
-class Block(nn.Module):
-    """A pre-norm transformer block with odd sizes (exercises padding)."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.ln2 = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, 3 * width + 1)
-        self.out = nn.Linear(3 * width + 1, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, c))
-        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+from zeroplan.facade.demo_model import DemoGPT, GPTConfig, build_model
 
 
-class TinyGPT(nn.Module):
-    """A tiny GPT: embeddings, ``layers`` blocks, a head."""
-
-    def __init__(
-        self, vocab: int = 37, width: int = 24, layers: int = 2, heads: int = 2, ctx: int = 8
-    ) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, width)
-        self.pos = nn.Embedding(ctx, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **kwargs: int) -> TinyGPT:
-    torch.manual_seed(seed)
-    return TinyGPT(**kwargs).to(dtype)
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, *, width: int = 24) -> DemoGPT:
+    """A tiny GPT with odd sizes (an MLP of ``3 * width + 1``) that exercise padding."""
+    config = GPTConfig(vocab=37, width=width, layers=2, heads=2, context=8, ffn=3 * width + 1, qkv_bias=True)
+    return build_model(config, seed=seed, dtype=dtype)
 
 
 def batch(

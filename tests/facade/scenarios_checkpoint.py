@@ -19,6 +19,8 @@ CLASSES = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torc
 
 
 def _optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> ZeroOptimizer:
+    if cfg.get("frozen"):
+        model.pos.weight.requires_grad_(False)  # frozen parameters are saved (and loaded) too
     cls = CLASSES[cfg.get("optimizer", "adamw")]
     hyper = {"lr": 1e-2} if cls is not torch.optim.SGD else {"lr": 0.1, "momentum": 0.9}
     return ZeroOptimizer(

@@ -24,7 +24,10 @@ def test_sharded_state_dict_round_trip_is_bit_exact(pools, cfg):
 def saved(pools, tmp_path_factory):
     """Checkpoints saved at world 4: shard groups of 4 (bf16 AdamW) and of 2 (fp32 Adafactor)."""
     roots = {}
-    for name, cfg in {"zero": {"dtype": "bf16"}, "mics": {"shard": 2, "optimizer": "adafactor"}}.items():
+    for name, cfg in {
+        "zero": {"dtype": "bf16"},
+        "mics": {"shard": 2, "optimizer": "adafactor", "frozen": True},
+    }.items():
         root = str(tmp_path_factory.mktemp(name))
         pools(4).run("scenarios_checkpoint", "save_reference", cfg, root)
         roots[name] = (root, cfg)
