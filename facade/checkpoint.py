@@ -327,14 +327,19 @@ def load(opt: Any, path: str | Path) -> dict[str, Any]:
     target, params, state, stateful, masters, manifest = prepared
     if target.fingerprint() != opt.plan.fingerprint():
         replanning.adopt_cohorts(opt, target)
-    for param, values in zip(opt._shards().params, params, strict=True):
-        param.data.copy_(values.view(param.shape))
+    for param, parts in zip(opt._shards().params, params, strict=True):
+        flat, offset = param.data.view(-1), 0
+        for part in parts:  # straight from the mapped files, no intermediate concatenation
+            flat[offset : offset + part.numel()].copy_(part)
+            offset += part.numel()
     commit_state(opt, state, stateful, masters, decode(manifest["param_groups"]), manifest["scaler"])
     return decode(manifest["extra"])
 
 
-def _saved_param(saved: PartitionPlan, index: int, open_file: Any, rank: int, world: int) -> torch.Tensor:
-    """Parameter ``index`` as saved: from the shard regions holding it, or ``frozen.pt``.
+def _saved_param(
+    saved: PartitionPlan, index: int, open_file: Any, rank: int, world: int
+) -> list[torch.Tensor]:
+    """Parameter ``index`` as saved, flat, in consecutive parts: its fragments, or ``frozen.pt``.
 
     Every rank reads every parameter; the checksums of saved shard ``q``'s
     region are verified by rank ``q % world`` only (a failure there fails the
@@ -342,20 +347,24 @@ def _saved_param(saved: PartitionPlan, index: int, open_file: Any, rank: int, wo
     """
     spec = saved.specs[index]
     if not spec.trainable:
-        return open_file("frozen.pt").read(f"param/{index}", 0, spec.numel, verify=rank == 0)
-    parts = [
+        return [open_file("frozen.pt").read(f"param/{index}", 0, spec.numel, verify=rank == 0)]
+    return [
         open_file(f"shard-{f.rank:05d}.pt").read(
             f"region/{spec.dtype}", f.shard_offset, f.shard_span.stop, verify=f.rank % world == rank
         )
         for f in saved.fragments[index]
     ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _prepare(
     opt: Any, path: Path
 ) -> tuple[
-    ZeroPlan, list[torch.Tensor], ShardState, set[tuple[int, int]], dict[str, torch.Tensor], dict[str, Any]
+    ZeroPlan,
+    list[list[torch.Tensor]],
+    ShardState,
+    set[tuple[int, int]],
+    dict[str, torch.Tensor],
+    dict[str, Any],
 ]:
     """Read and check everything this rank needs; change nothing."""
     snapshot = _resolve(path)
@@ -402,9 +411,11 @@ def _prepare(
 
     rank, world = opt.process_groups.rank, opt.process_groups.topology.world_size
     params = [_saved_param(saved, spec.index, open_file, rank, world) for spec in saved.specs]
-    for i, (values, p) in enumerate(zip(params, sh.params, strict=True)):
-        if values.dtype != p.dtype:
-            raise IncompatiblePlanError(f"parameter {i} is {values.dtype} in the checkpoint, {p.dtype} here")
+    for i, (parts, p) in enumerate(zip(params, sh.params, strict=True)):
+        if any(part.dtype != p.dtype for part in parts):
+            raise IncompatiblePlanError(
+                f"parameter {i} is {parts[0].dtype} in the checkpoint, {p.dtype} here"
+            )
 
     copies = reshard.reads(shard_rank)
     device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
