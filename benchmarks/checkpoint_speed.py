@@ -12,7 +12,7 @@ the same job, alternating with zeroplan round by round (rank 0 runs it while
 the other ranks wait), and each ratio is the median over rounds of the ratio
 measured in that round.
 
-    python benchmarks/checkpoint_speed.py --worlds 2,4 --repeats 7
+    python benchmarks/checkpoint_speed.py --worlds 2,4 --repeats 7 [--model 34m]
 """
 
 from __future__ import annotations
@@ -34,17 +34,19 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _gpt import GPT, GPT_7M, lm_loss, make_batch
+from _gpt import GPT, GPT_7M, GPT_34M, GPTConfig, lm_loss, make_batch
 
 from zeroplan.facade import ZeroOptimizer, checkpoint
+
+MODELS = {"7m": GPT_7M, "34m": GPT_34M}
 
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _stepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
-    tokens, targets = make_batch(GPT_7M, 4, rank)
+def _stepped(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, cfg: GPTConfig) -> None:
+    tokens, targets = make_batch(cfg, 4, rank)
     lm_loss(model(tokens), targets).backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -58,22 +60,25 @@ def _timed(fn: object) -> float:
     return time.perf_counter() - start
 
 
-def _worker(rank: int, world: int, port: int, root: str, repeats: int, out: str, baseline: bool) -> None:
+def _worker(
+    rank: int, world: int, port: int, root: str, repeats: int, out: str, baseline: bool, model_name: str
+) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = MODELS[model_name]
     torch.manual_seed(0)
-    model = GPT(GPT_7M)
+    model = GPT(cfg)
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
-    _stepped(model, opt, rank)
+    _stepped(model, opt, rank, cfg)
     ckpt = Path(root) / "ckpt"
     plain_path = Path(root) / "baseline.pt"
     plain_model = plain_opt = None
     if baseline and rank == 0:
         torch.manual_seed(0)
-        plain_model = GPT(GPT_7M)
+        plain_model = GPT(cfg)
         plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
-        _stepped(plain_model, plain_opt, 0)
+        _stepped(plain_model, plain_opt, 0, cfg)
 
     def plain_save() -> None:
         if plain_model is not None:
@@ -105,12 +110,12 @@ def _worker(rank: int, world: int, port: int, root: str, repeats: int, out: str,
     dist.destroy_process_group()
 
 
-def _run(world: int, root: Path, repeats: int, baseline: bool) -> dict:
+def _run(world: int, root: Path, repeats: int, baseline: bool, model_name: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = root / f"result-{world}.json"
-    mp.spawn(_worker, args=(world, port, str(root), repeats, str(out), baseline), nprocs=world)
+    mp.spawn(_worker, args=(world, port, str(root), repeats, str(out), baseline, model_name), nprocs=world)
     return json.loads(out.read_text())
 
 
@@ -118,6 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--model", choices=sorted(MODELS), default="7m", help="GPT size (default 7m)")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -126,9 +132,9 @@ def main() -> None:
     try:
         for world in worlds:
             shutil.rmtree(root / "ckpt", ignore_errors=True)
-            same = _run(world, root, args.repeats, baseline=True)
+            same = _run(world, root, args.repeats, baseline=True, model_name=args.model)
             other_world = 1 if world != 1 else 2
-            other = _run(other_world, root, args.repeats, baseline=False)
+            other = _run(other_world, root, args.repeats, baseline=False, model_name=args.model)
             rows.append({"world": world, "same": same, "other_world": other_world, "other": other})
     finally:
         shutil.rmtree(root, ignore_errors=True)
