@@ -328,8 +328,13 @@ def load(opt: Any, path: str | Path) -> dict[str, Any]:
     if target.fingerprint() != opt.plan.fingerprint():
         replanning.adopt_cohorts(opt, target)
     for param, parts in zip(opt._shards().params, params, strict=True):
+        if len(parts) == 1:  # any layout (frozen parameters keep their own storage)
+            param.data.copy_(parts[0].view(param.shape))
+            continue
+        # A split parameter is a view of its flat buffer: copy each fragment from the mapped
+        # file into place, with no intermediate concatenation.
         flat, offset = param.data.view(-1), 0
-        for part in parts:  # straight from the mapped files, no intermediate concatenation
+        for part in parts:
             flat[offset : offset + part.numel()].copy_(part)
             offset += part.numel()
     commit_state(opt, state, stateful, masters, decode(manifest["param_groups"]), manifest["scaler"])

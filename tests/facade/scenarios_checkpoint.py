@@ -20,7 +20,11 @@ CLASSES = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torc
 
 def _optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> ZeroOptimizer:
     if cfg.get("frozen"):
-        model.pos.weight.requires_grad_(False)  # frozen parameters are saved (and loaded) too
+        # Frozen parameters are saved and loaded too; they keep their own storage, which need
+        # not be contiguous (same values, transposed layout).
+        frozen = model.pos.weight.detach()
+        model.pos.weight = torch.nn.Parameter(frozen.t().contiguous().t(), requires_grad=False)
+        assert not model.pos.weight.is_contiguous()
     cls = CLASSES[cfg.get("optimizer", "adamw")]
     hyper = {"lr": 1e-2} if cls is not torch.optim.SGD else {"lr": 0.1, "momentum": 0.9}
     return ZeroOptimizer(
