@@ -57,6 +57,7 @@ from zeroplan.core import (
 )
 from zeroplan.facade import replanning
 from zeroplan.facade.checkpoint_files import TensorFile, decode, encode, read_json, write_json, write_tensors
+from zeroplan.facade.inner import hyperparameters
 from zeroplan.facade.shard_state import ShardState, export_state
 from zeroplan.facade.state_loading import commit_state
 
@@ -293,7 +294,7 @@ def _manifest(
         "flat": flat,
         "scalars": [[g, c, v] for (g, c), v in scalars.items()],
         "whole": whole,
-        "param_groups": encode([{k: v for k, v in g.items() if k != "params"} for g in sh.param_groups]),
+        "param_groups": encode([hyperparameters(g) for g in sh.param_groups]),
         "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
         "files": files,
         "extra": encode(extra or {}),

@@ -18,7 +18,7 @@ import torch
 from zeroplan.core import ConfigError, InnerTensor, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers
 
-__all__ = ["Inner", "build_inner", "check_hyperparameters", "sync_hyperparameters"]
+__all__ = ["Inner", "build_inner", "check_hyperparameters", "hyperparameters", "sync_hyperparameters"]
 
 
 class Inner(NamedTuple):
@@ -29,7 +29,8 @@ class Inner(NamedTuple):
     specs: tuple[InnerTensor, ...]
 
 
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings: everything but its tensors (``params``) and their names."""
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
@@ -47,7 +48,7 @@ def check_hyperparameters(
         )
     accepted = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
     for g, group in enumerate(groups):
-        hyper = _hyper(group)
+        hyper = hyperparameters(group)
         # Constructor arguments are validated by the class; other keys ride along in the group.
         kwargs = {k: v for k, v in hyper.items() if k in accepted}
         extra = {k: v for k, v in hyper.items() if k not in accepted}
@@ -71,7 +72,10 @@ def build_inner(
     for spec, tensor in zip(specs, tensors, strict=True):
         per_group[spec.group].append(tensor)
     optimizer = optimizer_class(
-        [{"params": members, **_hyper(group)} for members, group in zip(per_group, groups, strict=True)]
+        [
+            {"params": members, **hyperparameters(group)}
+            for members, group in zip(per_group, groups, strict=True)
+        ]
     )
     return Inner(optimizer=optimizer, tensors=tensors, specs=specs)
 
@@ -79,6 +83,4 @@ def build_inner(
 def sync_hyperparameters(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
     """Copy every setting but ``params`` from ``source`` groups to ``target`` groups (LR schedulers)."""
     for src, dst in zip(source, target, strict=True):
-        for key, value in src.items():
-            if key not in ("params", "param_names"):
-                dst[key] = value
+        dst.update(hyperparameters(src))

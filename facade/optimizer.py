@@ -41,7 +41,13 @@ from zeroplan.facade.collectives import CommLog, all_reduce_shard, gather_space
 from zeroplan.facade.consolidate import consolidated_state_dict
 from zeroplan.facade.grad_sync import GradSync, PeakTracker
 from zeroplan.facade.groups import ProcessGroups, data_parallel_group, make_groups
-from zeroplan.facade.inner import Inner, build_inner, check_hyperparameters, sync_hyperparameters
+from zeroplan.facade.inner import (
+    Inner,
+    build_inner,
+    check_hyperparameters,
+    hyperparameters,
+    sync_hyperparameters,
+)
 from zeroplan.facade.inputs import collect_params, describe_params
 from zeroplan.facade.state_dicts import Shards, sharded_state_dict
 
@@ -225,9 +231,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for key, value in self._inner.optimizer.defaults.items():
             self.defaults.setdefault(key, value)
         for outer, inner in zip(self.param_groups, self._inner.optimizer.param_groups, strict=True):
-            for key, value in inner.items():
-                if key not in ("params", "param_names"):
-                    outer.setdefault(key, value)
+            for key, value in hyperparameters(inner).items():
+                outer.setdefault(key, value)
         self._sync = GradSync(
             zp=zp,
             params=self._params,

@@ -19,7 +19,7 @@ import torch
 
 from zeroplan.core import ZeroPlan, ZeroplanError, plan_reshard
 from zeroplan.facade.agreement import agree
-from zeroplan.facade.inner import check_hyperparameters
+from zeroplan.facade.inner import check_hyperparameters, hyperparameters
 from zeroplan.facade.inputs import collect_params
 from zeroplan.facade.shard_state import export_state, import_state, move_shards
 
@@ -27,7 +27,7 @@ __all__ = ["add_param_group", "adopt_cohorts", "plan_with_cohorts", "refresh_tra
 
 
 def _hyper(opt: Any) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return [hyperparameters(g) for g in opt.param_groups]
 
 
 def plan_with_cohorts(opt: Any, cohorts: list[int]) -> ZeroPlan:

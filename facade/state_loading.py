@@ -13,6 +13,7 @@ import torch
 
 from zeroplan.core import ScalerState
 from zeroplan.facade import replanning
+from zeroplan.facade.inner import sync_hyperparameters
 from zeroplan.facade.shard_state import ShardState, import_state
 from zeroplan.facade.state_dicts import (
     check_plain,
@@ -58,9 +59,6 @@ def commit_state(
             buf.master[: buf.owned].copy_(masters[buf.space.dtype])
     opt._inner.optimizer.state.clear()
     import_state(opt._zp, opt._inner, state, stateful)
-    for group, saved in zip(opt.param_groups, param_groups, strict=True):
-        for key, value in saved.items():
-            if key not in ("params", "param_names"):
-                group[key] = value
+    sync_hyperparameters(param_groups, opt.param_groups)
     if scaler is not None and opt._scaler is not None:
         opt._scaler = ScalerState(config=opt._scaler.config, **scaler)
