@@ -23,7 +23,7 @@ import torch
 
 from zeroplan.core import Space, Stage, ZeroPlan, master_dtype
 
-__all__ = ["SpaceBuffers", "build_buffers", "param_view"]
+__all__ = ["SpaceBuffers", "build_buffers", "param_views"]
 
 _DTYPES = {
     "float64": torch.float64,
@@ -53,9 +53,12 @@ class SpaceBuffers(NamedTuple):
         return self.params[self.space.region(shard_rank).as_slice()]
 
 
-def param_view(flat: torch.Tensor, start: int, like: torch.Tensor) -> torch.Tensor:
-    """The view of the full buffer ``flat`` starting at ``start`` shaped like ``like``."""
-    return flat[start : start + like.numel()].view(like.shape)
+def param_views(flat: torch.Tensor, space: Space, params: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per parameter index of ``space``, its view of the full buffer ``flat``, shaped like the parameter."""
+    return {
+        index: flat[start : start + params[index].numel()].view(params[index].shape)
+        for index, start in zip(space.params, space.buffer_offsets, strict=True)
+    }
 
 
 def build_buffers(
@@ -69,20 +72,19 @@ def build_buffers(
     for space in zp.partition.spaces:
         dtype = _DTYPES[space.dtype]
         full = torch.empty(space.numel, dtype=dtype, device=device)
-        views = []
-        for index, start in zip(space.params, space.buffer_offsets, strict=True):
-            view = param_view(full, start, params[index])
+        views = param_views(full, space, params)
+        for index, view in views.items():
             view.copy_(params[index].detach())
-            views.append((index, start, view))
         grads = None
         if zp.stage is Stage.OPTIMIZER:
             grads = torch.zeros(space.numel, dtype=dtype, device=device)
-        for index, start, view in views:
+        grad_views = param_views(grads, space, params) if grads is not None else {}
+        for index, view in views.items():
             param = params[index]
             previous = param.grad
             param.data = view
             if grads is not None:
-                param.grad = param_view(grads, start, param)
+                param.grad = grad_views[index]
                 if previous is not None:
                     param.grad.copy_(previous)
         region = full[space.region(shard_rank).as_slice()]

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from zeroplan.core import Bucket, Collective, ConfigError, Stage, ZeroPlan
-from zeroplan.facade.buffers import SpaceBuffers, param_view
+from zeroplan.facade.buffers import SpaceBuffers, param_views
 from zeroplan.facade.collectives import CommLog, Pending, all_reduce_replica, reduce_bucket
 from zeroplan.facade.groups import ProcessGroups
 
@@ -107,8 +107,7 @@ class GradSync:
             for buf in buffers:
                 if buf.grads is None:  # build_buffers allocates them for stage 1
                     raise RuntimeError("stage 1 needs full gradient buffers")
-                for index, start in zip(buf.space.params, buf.space.buffer_offsets, strict=True):
-                    self._grad_views[index] = param_view(buf.grads, start, params[index])
+                self._grad_views.update(param_views(buf.grads, buf.space, params))
         # The hooks hold the sync weakly: a dropped optimizer must not keep reducing gradients
         # (or stay alive through its parameters until the cycle collector runs).
         method = weakref.WeakMethod(self._on_grad)

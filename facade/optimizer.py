@@ -36,7 +36,7 @@ from zeroplan.core import (
 )
 from zeroplan.facade import replanning, state_loading
 from zeroplan.facade.agreement import agree
-from zeroplan.facade.buffers import SpaceBuffers, build_buffers, param_view
+from zeroplan.facade.buffers import SpaceBuffers, build_buffers, param_views
 from zeroplan.facade.collectives import CommLog, all_reduce_shard, gather_space
 from zeroplan.facade.consolidate import consolidated_state_dict
 from zeroplan.facade.grad_sync import GradSync, PeakTracker
@@ -445,8 +445,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 full, buf.space, self._zp.gather_collective(buf.space), self._groups, log
             ):
                 pending.wait()
-            for index, start in zip(buf.space.params, buf.space.buffer_offsets, strict=True):
-                result[index] = param_view(full, start, self._params[index]).clone()
+            for index, view in param_views(full, buf.space, self._params).items():
+                result[index] = view.clone()
         return result
 
     # ------------------------------------------------------------ accounting
