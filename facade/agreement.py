@@ -8,12 +8,11 @@ left waiting in a collective the others never enter, and nothing was modified.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed as dist
 
 from zeroplan.core import ConfigError, IncompatiblePlanError, ZeroPlan, ZeroplanError
 from zeroplan.core.fingerprint import digest
+from zeroplan.facade.collectives import all_gather_objects
 
 __all__ = ["agree"]
 
@@ -30,8 +29,7 @@ def agree(zp: ZeroPlan | None, world: dist.ProcessGroup, problem: ZeroplanError 
         None if zp is None else digest("specs", [s.key() for s in zp.specs]),
         None if zp is None else zp.fingerprint(),
     )
-    rows: list[Any] = [None] * dist.get_world_size(world)
-    dist.all_gather_object(rows, mine, group=world)
+    rows = all_gather_objects(mine, world)
     if problem is not None:
         raise problem
     for rank, (error, specs, fingerprint) in enumerate(rows):

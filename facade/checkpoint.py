@@ -57,6 +57,7 @@ from zeroplan.core import (
 )
 from zeroplan.facade import replanning
 from zeroplan.facade.checkpoint_files import TensorFile, decode, encode, read_json, write_json, write_tensors
+from zeroplan.facade.collectives import all_gather_objects
 from zeroplan.facade.inner import hyperparameters
 from zeroplan.facade.shard_state import ShardState, export_state
 from zeroplan.facade.state_loading import commit_state
@@ -69,10 +70,7 @@ _PARTIAL = ".partial"
 
 # --------------------------------------------------------------------------- helpers
 def _world_objects(obj: Any, opt: Any) -> list[Any]:
-    world = opt.process_groups.world
-    out: list[Any] = [None] * dist.get_world_size(world)
-    dist.all_gather_object(out, obj, group=world)
-    return out
+    return all_gather_objects(obj, opt.process_groups.world)
 
 
 def _raise_first(statuses: list[Any], mine: BaseException | None) -> None:

@@ -10,7 +10,7 @@ with the plan's.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -22,10 +22,24 @@ __all__ = [
     "CommLog",
     "Pending",
     "all_reduce_replica",
+    "all_gather_objects",
     "all_reduce_shard",
     "gather_space",
     "reduce_bucket",
 ]
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's ``obj`` (picklable, small: verdicts and metadata), in group rank order.
+
+    Not logged: control traffic is not part of a step's planned bytes.
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 class CommLog:

@@ -17,18 +17,10 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import ConfigError, Fragment
-from zeroplan.facade.state_dicts import MASTER_KEY, Shards, hyperparameters
+from zeroplan.facade.collectives import all_gather_objects
+from zeroplan.facade.state_dicts import MASTER_KEY, Shards, torch_param_groups
 
 __all__ = ["consolidated_state_dict"]
-
-
-def _gather_objects(obj: Any, sh: Shards) -> list[Any]:
-    n = sh.zp.topology.shard_size
-    if n == 1:
-        return [obj]
-    out: list[Any] = [None] * n
-    dist.all_gather_object(out, obj, group=sh.groups.shard)
-    return out
 
 
 def _broadcast(buf: torch.Tensor, owner: int, sh: Shards) -> None:
@@ -113,7 +105,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
         raise ConfigError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     dest = to_rank is None or sh.groups.rank == to_rank
     zp, shard_rank = sh.zp, sh.groups.shard_rank
-    everyone = _gather_objects(_local_metadata(sh), sh)
+    everyone = all_gather_objects(_local_metadata(sh), sh.groups.shard)
     keys: dict[int, list[tuple[str, str]]] = {}
     scalars: dict[tuple[int, int], dict[str, Any]] = {}
     order: dict[tuple[int, int], list[str]] = {}
@@ -202,7 +194,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
             }
     state_dict: dict[str, Any] = {
         "state": {p: result[p] for p in sorted(result)},
-        "param_groups": hyperparameters(sh.param_groups),
+        "param_groups": torch_param_groups(sh.param_groups),
     }
     if masters:
         state_dict[MASTER_KEY] = {p: masters[p] for p in sorted(masters)}

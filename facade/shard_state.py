@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from zeroplan.core import ReshardPlan, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers
+from zeroplan.facade.collectives import all_gather_objects
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner
 
@@ -110,14 +111,6 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _all_gather_objects(obj: Any, groups: ProcessGroups) -> list[Any]:
-    if groups.topology.shard_size == 1:
-        return [obj]
-    out: list[Any] = [None] * groups.topology.shard_size
-    dist.all_gather_object(out, obj, group=groups.shard)
-    return out
-
-
 def _move_flat(
     source: torch.Tensor | None,
     target: torch.Tensor,
@@ -177,7 +170,7 @@ def move_shards(
         },
         "scalars": {k: _to(v, torch.device("cpu")) for k, v in old_state.scalars.items()},
     }
-    everyone = _all_gather_objects(meta, groups)
+    everyone = all_gather_objects(meta, groups.shard)
     flat_kinds = sorted({kind for m in everyone for kind in m["flat"].items()})
     scalars: dict[tuple[int, int], dict[str, Any]] = {}
     for m in everyone:
@@ -200,8 +193,8 @@ def move_shards(
     whole: dict[int, dict[str, Any]] = {}
     if not new_zp.elementwise:
         mine = {t.param for t in new_zp.inner_tensors(groups.shard_rank)}
-        offered = _all_gather_objects(
-            {p: _to(st, torch.device("cpu")) for p, st in old_state.whole.items()}, groups
+        offered = all_gather_objects(
+            {p: _to(st, torch.device("cpu")) for p, st in old_state.whole.items()}, groups.shard
         )
         for part in offered:
             for p, st in part.items():

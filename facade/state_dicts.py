@@ -33,7 +33,7 @@ __all__ = [
     "Shards",
     "check_plain",
     "cohorts_of_plain",
-    "hyperparameters",
+    "torch_param_groups",
     "is_sharded",
     "shard_state_from_plain",
     "sharded_state_dict",
@@ -57,7 +57,7 @@ class Shards(NamedTuple):
     scaler: ScalerState | None
 
 
-def hyperparameters(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def torch_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Groups without their tensors, ``params`` as the integer ids torch uses."""
     out, start = [], 0
     for group in param_groups:
@@ -86,7 +86,7 @@ def sharded_state_dict(sh: Shards) -> dict[str, Any]:
         "shard_rank": sh.groups.shard_rank,
         "optimizer": sh.optimizer_name,
         "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
-        "param_groups": hyperparameters(sh.param_groups),
+        "param_groups": torch_param_groups(sh.param_groups),
         "cohorts": [s.cohort for s in sh.zp.specs],
         "master": {b.space.dtype: b.master[: b.owned].clone() for b in sh.buffers if b.separate_master},
         "flat": {f"{spaces[space].dtype}/{key}": t.clone() for (space, key), t in state.flat.items()},
