@@ -34,7 +34,7 @@ from zeroplan.core.comm import Collective, CollectivePolicy
 from zeroplan.core.errors import PlanInvariantError, check_config, require
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.partition import PartitionPlan
-from zeroplan.core.span import Span
+from zeroplan.core.span import Span, round_up
 
 __all__ = ["Bucket", "BucketLayout", "GradCopy", "Piece", "plan_buckets"]
 
@@ -201,7 +201,7 @@ def plan_buckets(
         run = len(runs) - 1
         hi = space.numel
         while hi > 0:
-            lo = max(0, -(-(hi - cap) // alignment) * alignment)
+            lo = max(0, round_up(hi - cap, alignment))
             by_rank: dict[int, list[tuple[int, Span, Span]]] = {}
             while run >= 0 and offset_of[runs[run].param] + runs[run].param_span.stop > lo:
                 frag = runs[run]
