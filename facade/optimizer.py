@@ -270,6 +270,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._groups
 
     @property
+    def buffers(self) -> tuple[SpaceBuffers, ...]:
+        """This rank's flat buffers, one per dtype space of the plan (see [Note: flat buffers])."""
+        return self._buffers
+
+    @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
         """The ``torch.optim`` optimizer stepping this rank's shard."""
         return self._inner.optimizer

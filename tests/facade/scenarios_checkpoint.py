@@ -52,7 +52,7 @@ def _snapshot(model: torch.nn.Module, opt: ZeroOptimizer) -> dict[str, Any]:
     """Everything that must survive a failed load, bit for bit (local view)."""
     return {
         "params": [p.detach().clone() for p in model.parameters()],
-        "masters": [b.master.clone() for b in opt._buffers],
+        "masters": [b.master.clone() for b in opt.buffers],
         "state": copy.deepcopy(opt.inner_optimizer.state_dict()),
         "scale": opt.loss_scale,
         "groups": copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]),

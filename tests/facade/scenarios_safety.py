@@ -83,7 +83,7 @@ def more_ranks_than_params(rank: int, world: int, strategy: str, alignment: int)
     ref_model.load_state_dict(model.state_dict())
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1, strategy=strategy, alignment=alignment)
     ref = Reference(ref_model, torch.optim.AdamW, lr=0.1)
-    owned = [b.owned for b in opt._buffers]
+    owned = [b.owned for b in opt.buffers]
     errors = []
     for step in range(3):
         g = torch.Generator().manual_seed(step * 10 + rank)
@@ -239,7 +239,7 @@ def start_from_rank_zero(rank: int, world: int) -> dict[str, Any]:
     same = all(torch.equal(a, b) for a, b in zip(reference, model.parameters(), strict=True))
     masters = all(
         torch.equal(b.master[: b.owned], b.region(opt.process_groups.shard_rank).float())
-        for b in opt._buffers
+        for b in opt.buffers
     )
     return {"same": same, "masters": masters}
 
