@@ -23,6 +23,7 @@ from zeroplan.core.errors import (
     ConfigError,
     IncompatiblePlanError,
     PlanInvariantError,
+    StepOrderError,
     ZeroplanError,
 )
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
@@ -75,6 +76,7 @@ __all__ = [
     "PartitionStrategy",
     "Piece",
     "PlanInvariantError",
+    "StepOrderError",
     "RankReport",
     "ReshardPlan",
     "ScalerConfig",

@@ -7,6 +7,9 @@ All errors derive from :class:`ZeroplanError`, so callers can catch one type.
 * :class:`ConfigError` — a user-supplied value is wrong (a bad world size, an
   unknown strategy, ...). The message names the field, the value and the fix.
   It also derives from :class:`ValueError` so generic callers still work.
+* :class:`StepOrderError` — a ``ConfigError`` for optimizer calls out of order
+  (``step()`` before any backward, clipping twice, a backward after the
+  reduction); see [Note: step lifecycle] in ``zeroplan.facade.lifecycle``.
 * :class:`PlanInvariantError` — a plan violates one of its own invariants. Built-in
   strategies never trigger it; a user strategy that produces an inconsistent
   assignment does, and the message says which invariant broke.
@@ -24,6 +27,7 @@ __all__ = [
     "check_config",
     "IncompatiblePlanError",
     "PlanInvariantError",
+    "StepOrderError",
     "ZeroplanError",
     "require",
 ]
@@ -35,6 +39,10 @@ class ZeroplanError(Exception):
 
 class ConfigError(ZeroplanError, ValueError):
     """A user-supplied argument is invalid; the message says how to fix it."""
+
+
+class StepOrderError(ConfigError):
+    """An optimizer method was called out of order within a step; the message says what to call."""
 
 
 class PlanInvariantError(ZeroplanError, ValueError):

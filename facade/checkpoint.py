@@ -36,8 +36,9 @@ import contextlib
 import os
 import shutil
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -55,22 +56,27 @@ from zeroplan.core import (
     plan_from_assignment,
     plan_reshard,
 )
-from zeroplan.facade import replanning
 from zeroplan.facade.checkpoint_files import TensorFile, decode, encode, read_json, write_json, write_tensors
 from zeroplan.facade.collectives import all_gather_objects
+from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import hyperparameters
-from zeroplan.facade.shard_state import ShardState, export_state
-from zeroplan.facade.state_loading import commit_state
+from zeroplan.facade.shard_state import export_state
+from zeroplan.facade.state_dicts import Shards
+from zeroplan.facade.state_loading import LoadedState
+from zeroplan.facade.state_tree import decode_state, encode_state, tensor_meta, torch_dtype, tree_clone
+
+if TYPE_CHECKING:
+    from zeroplan.facade.optimizer import ZeroOptimizer
 
 __all__ = ["latest", "load", "save"]
 
-FORMAT = "zeroplan.checkpoint/v1"
+FORMAT = "zeroplan.checkpoint/v2"
 _PARTIAL = ".partial"
 
 
 # --------------------------------------------------------------------------- helpers
-def _world_objects(obj: Any, opt: Any) -> list[Any]:
-    return all_gather_objects(obj, opt.process_groups.world)
+def _world_objects(obj: Any, groups: ProcessGroups) -> list[Any]:
+    return all_gather_objects(obj, groups.world)
 
 
 def _raise_first(statuses: list[Any], mine: BaseException | None) -> None:
@@ -173,8 +179,8 @@ def latest(path: str | Path) -> Path | None:
 
 # --------------------------------------------------------------------------- save
 @torch.no_grad()
-def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, keep: int = 1) -> Path:
-    """Save ``opt`` (a ``ZeroOptimizer``), its parameters and ``extra`` to ``path``; collective.
+def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None = None, keep: int = 1) -> Path:
+    """Save ``opt``, its parameters and ``extra`` to ``path``; collective.
 
     Args:
         opt: the optimizer; every parameter it manages is saved.
@@ -191,9 +197,8 @@ def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, kee
     if not (type(keep) is int and keep >= 1):
         raise ConfigError(f"keep must be an int >= 1, got {keep!r}")
     root = Path(path)
-    groups = opt.process_groups
-    sh = opt._shards()
-    zp: ZeroPlan = sh.zp
+    sh = opt.shards()
+    groups, zp = sh.groups, sh.zp
     name: list[Any] = [None]
     if groups.rank == 0:
         with contextlib.suppress(OSError):
@@ -207,36 +212,30 @@ def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, kee
     dist.broadcast_object_list(name, group_src=0, group=groups.world)
     partial = root / (name[0] + _PARTIAL)
     problem: BaseException | None = None
-    state = export_state(zp, sh.inner, sh.buffers)
+    leaves = encode_state(export_state(zp, sh.inner, sh.buffers), zp.partition.spaces)
     try:
         if groups.rank == 0:
             partial.mkdir(parents=True)
     except OSError as exc:
         problem = CheckpointError(f"cannot create {str(partial)!r}: {exc}")
-    _raise_first(_world_objects(None if problem is None else str(problem), opt), problem)
+    _raise_first(_world_objects(None if problem is None else str(problem), groups), problem)
 
-    info: dict[str, Any] = {"files": {}, "scalars": [], "whole": {}, "flat": {}}
+    info: dict[str, Any] = {"files": {}, "state": {}}
     try:
         if groups.replica_rank == 0:
             tensors = {f"region/{b.space.dtype}": b.region(groups.shard_rank) for b in sh.buffers}
             tensors.update(
                 {f"master/{b.space.dtype}": b.master[: b.owned] for b in sh.buffers if b.separate_master}
             )
-            for (space, key), t in state.flat.items():
-                tensors[f"state/{zp.partition.spaces[space].dtype}/{key}"] = t
-                info["flat"].setdefault(zp.partition.spaces[space].dtype, {})[key] = str(
-                    t.dtype
-                ).removeprefix("torch.")
-            for p, entry in state.whole.items():
-                values = {}
-                for key, value in entry.items():
-                    if torch.is_tensor(value):
-                        tensors[f"whole/{p}/{key}"] = value
-                        values[key] = {"file": groups.shard_rank}
-                    else:
-                        values[key] = {"value": encode(value)}
-                info["whole"][str(p)] = values
-            info["scalars"] = [[g, c, encode(v)] for (g, c), v in state.scalars.items()]
+            for leaf_path, leaf in leaves.items():  # [Note: state codec]
+                if torch.is_tensor(leaf):
+                    tensors[f"state/{leaf_path}"] = leaf
+                    info["state"][leaf_path] = {
+                        "dtype": tensor_meta(leaf).dtype,
+                        "ranks": [groups.shard_rank],
+                    }
+                else:
+                    info["state"][leaf_path] = {"value": encode(leaf)}
             shard_file = f"shard-{groups.shard_rank:05d}.pt"
             info["files"][shard_file] = write_tensors(partial / shard_file, tensors)
         frozen = {f"param/{s.index}": sh.params[s.index].detach() for s in zp.specs if not s.trainable}
@@ -244,7 +243,7 @@ def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, kee
             info["files"]["frozen.pt"] = write_tensors(partial / "frozen.pt", frozen)
     except Exception as exc:  # any I/O failure must reach every rank, not hang them
         problem = CheckpointError(f"rank {groups.rank} could not write its checkpoint file: {exc}")
-    everyone = _world_objects({"problem": None if problem is None else str(problem), "info": info}, opt)
+    everyone = _world_objects({"problem": None if problem is None else str(problem), "info": info}, groups)
     if groups.rank == 0 and any(e["problem"] for e in everyone):
         shutil.rmtree(partial, ignore_errors=True)
     _raise_first([e["problem"] for e in everyone], problem)
@@ -252,8 +251,7 @@ def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, kee
     snapshot = root / name[0]
     try:
         if groups.rank == 0:
-            manifest = _manifest(opt, sh, zp, everyone, extra)
-            write_json(partial / "manifest.json", manifest)
+            write_json(partial / "manifest.json", _manifest(sh, [e["info"] for e in everyone], extra))
             partial.rename(snapshot)
             _point_latest(root, name[0])
             doomed = _snapshots(root)[:-keep] + list(root.glob(f"snapshot-*{_PARTIAL}"))
@@ -261,25 +259,21 @@ def save(opt: Any, path: str | Path, *, extra: dict[str, Any] | None = None, kee
             threading.Thread(target=_remove, args=(doomed,), daemon=True).start()
     except (OSError, ZeroplanError) as exc:
         problem = CheckpointError(f"rank 0 could not commit {str(snapshot)!r}: {exc}")
-    _raise_first(_world_objects(None if problem is None else str(problem), opt), problem)
+    _raise_first(_world_objects(None if problem is None else str(problem), groups), problem)
     return snapshot
 
 
-def _manifest(
-    opt: Any, sh: Any, zp: ZeroPlan, everyone: list[Any], extra: dict[str, Any] | None
-) -> dict[str, Any]:
+def _manifest(sh: Shards, infos: list[dict[str, Any]], extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest: the plan, every rank's files and state leaves, hyper-parameters and ``extra``."""
+    zp = sh.zp
     files: dict[str, str] = {}
-    flat: dict[str, dict[str, str]] = {}
-    scalars: dict[tuple[int, int], Any] = {}
-    whole: dict[str, Any] = {}
-    for entry in everyone:
-        info = entry["info"]
+    state: dict[str, dict[str, Any]] = {}
+    for info in infos:
         files.update(info["files"])
-        for dtype, keys in info["flat"].items():
-            flat.setdefault(dtype, {}).update(keys)
-        for g, c, values in info["scalars"]:
-            scalars.setdefault((g, c), values)
-        whole.update(info["whole"])
+        for leaf_path, described in info["state"].items():
+            known = state.setdefault(leaf_path, described)
+            if known is not described and "ranks" in described:
+                known["ranks"] = sorted({*known["ranks"], *described["ranks"]})
     return {
         "format": FORMAT,
         "optimizer": sh.optimizer_name,
@@ -289,9 +283,7 @@ def _manifest(
         "stage": int(zp.stage),
         "partition": _partition_document(zp.partition),
         "separate_master": [b.space.dtype for b in sh.buffers if b.separate_master],
-        "flat": flat,
-        "scalars": [[g, c, v] for (g, c), v in scalars.items()],
-        "whole": whole,
+        "state": state,
         "param_groups": encode([hyperparameters(g) for g in sh.param_groups]),
         "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
         "files": files,
@@ -301,7 +293,7 @@ def _manifest(
 
 # --------------------------------------------------------------------------- load
 @torch.no_grad()
-def load(opt: Any, path: str | Path) -> dict[str, Any]:
+def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
     """Load the latest snapshot under ``path`` into ``opt`` and its parameters; collective.
 
     Works at any world size, shard-group size and strategy. Returns the
@@ -313,31 +305,18 @@ def load(opt: Any, path: str | Path) -> dict[str, Any]:
         In every case, on every rank, and the optimizer and parameters are unchanged.
     """
     problem: BaseException | None = None
-    prepared = None
+    loaded, extra = None, None
+    sh = opt.shards()
     try:
-        prepared = _prepare(opt, Path(path))
+        loaded, extra = _prepare(sh, opt.plan_with_cohorts, Path(path))
     except (ZeroplanError, OSError) as exc:
         problem = exc if isinstance(exc, ZeroplanError) else CheckpointError(str(exc))
-    _raise_first(
-        _world_objects(None if problem is None else f"{type(problem).__name__}: {problem}", opt), problem
-    )
-    if prepared is None:  # unreachable: _raise_first raised
+    verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
+    _raise_first(_world_objects(verdict, sh.groups), problem)
+    if loaded is None:  # unreachable: _raise_first raised
         raise RuntimeError("checkpoint load prepared nothing")
-    target, params, state, stateful, masters, manifest = prepared
-    if target.fingerprint() != opt.plan.fingerprint():
-        replanning.adopt_cohorts(opt, target)
-    for param, parts in zip(opt._shards().params, params, strict=True):
-        if len(parts) == 1:  # any layout (frozen parameters keep their own storage)
-            param.data.copy_(parts[0].view(param.shape))
-            continue
-        # A split parameter is a view of its flat buffer: copy each fragment from the mapped
-        # file into place, with no intermediate concatenation.
-        flat, offset = param.data.view(-1), 0
-        for part in parts:
-            flat[offset : offset + part.numel()].copy_(part)
-            offset += part.numel()
-    commit_state(opt, state, stateful, masters, decode(manifest["param_groups"]), manifest["scaler"])
-    return decode(manifest["extra"])
+    opt.restore(loaded)
+    return extra
 
 
 def _saved_param(
@@ -361,21 +340,13 @@ def _saved_param(
 
 
 def _prepare(
-    opt: Any, path: Path
-) -> tuple[
-    ZeroPlan,
-    list[list[torch.Tensor]],
-    ShardState,
-    set[tuple[int, int]],
-    dict[str, torch.Tensor],
-    dict[str, Any],
-]:
-    """Read and check everything this rank needs; change nothing."""
+    sh: Shards, plan_with_cohorts: Callable[[Iterable[int]], ZeroPlan], path: Path
+) -> tuple[LoadedState, dict[str, Any]]:
+    """Read and check everything this rank needs; change nothing. Returns the state and ``extra``."""
     snapshot = _resolve(path)
     manifest = read_json(snapshot / "manifest.json")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{str(snapshot)!r}: unknown checkpoint format {manifest.get('format')!r}")
-    sh = opt._shards()
     if manifest["optimizer"] != sh.optimizer_name:
         raise IncompatiblePlanError(
             f"checkpoint of optimizer {manifest['optimizer']!r}, "
@@ -389,9 +360,9 @@ def _prepare(
                 f"parameter {spec_here.index} ({spec_here.name!r}) is in param group "
                 f"{spec_saved.group} in the checkpoint but in group {spec_here.group} here"
             )
-    target = replanning.plan_with_cohorts(opt, [s.cohort for s in saved.specs])
+    target = plan_with_cohorts([s.cohort for s in saved.specs])
     reshard = plan_reshard(saved, target.partition)
-    shard_rank = opt.process_groups.shard_rank
+    shard_rank = sh.groups.shard_rank
     files: dict[str, TensorFile] = {}
 
     def open_file(name: str) -> TensorFile:
@@ -413,7 +384,7 @@ def _prepare(
             f"{str(snapshot)!r} is missing shard files of saved ranks: {', '.join(missing)}"
         )
 
-    rank, world = opt.process_groups.rank, opt.process_groups.topology.world_size
+    rank, world = sh.groups.rank, sh.groups.topology.world_size
     params = [_saved_param(saved, spec.index, open_file, rank, world) for spec in saved.specs]
     for i, (parts, p) in enumerate(zip(params, sh.params, strict=True)):
         if any(part.dtype != p.dtype for part in parts):
@@ -423,46 +394,48 @@ def _prepare(
 
     copies = reshard.reads(shard_rank)
     device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
+    state: dict[str, dict[str, Any]] = manifest["state"]
     masters: dict[str, torch.Tensor] = {}
-    flat: dict[tuple[int, str], torch.Tensor] = {}
+    leaves: dict[str, Any] = {}
     for space in target.partition.spaces:
-        owned = space.owned[shard_rank]
         mine = [c for c in copies if c.dtype == space.dtype]
-        kinds: list[tuple[str, str, torch.dtype]] = [
-            (f"state/{space.dtype}/{key}", key, getattr(torch, dtype))
-            for key, dtype in manifest["flat"].get(space.dtype, {}).items()
-        ]
+        flat = [p for p in state if p.startswith(f"flat/{space.dtype}/")]
+        kinds = [(f"state/{p}", p, torch_dtype(state[p]["dtype"])) for p in flat]
         if space.dtype in manifest["separate_master"]:
             kinds.insert(0, (f"master/{space.dtype}", "", torch.float32))
-        for name, key, dtype in kinds:
-            out = torch.empty(owned, dtype=dtype, device=device)  # the copies tile it exactly
+        for name, leaf_path, dtype in kinds:
+            out = torch.empty(space.owned[shard_rank], dtype=dtype, device=device)  # the copies tile it
             for c in mine:
                 if c.dst_span.numel:
                     out[c.dst_span.as_slice()] = open_file(f"shard-{c.src_rank:05d}.pt").read(
                         name, c.src_span.start, c.src_span.stop
                     )
-            if key:
-                flat[space.index, key] = out
+            if leaf_path:
+                leaves[leaf_path] = out
             else:
                 masters[space.dtype] = out
-    whole: dict[int, dict[str, Any]] = {}
     if not target.elementwise:
         for t in target.inner_tensors(shard_rank):
-            entry = manifest["whole"].get(str(t.param))
-            if entry is None:
-                continue
-            whole[t.param] = {
-                key: open_file(f"shard-{v['file']:05d}.pt")
-                .tensor(f"whole/{t.param}/{key}")
-                .clone()
-                .to(device)
-                if "file" in v
-                else decode(v["value"])
-                for key, v in entry.items()
-            }
-    scalars = {
-        (g, c): {k: v.to(device) if torch.is_tensor(v) else v for k, v in decode(values).items()}
-        for g, c, values in manifest["scalars"]
+            for leaf_path in (p for p in state if p.startswith(f"whole/{t.param}/")):
+                described = state[leaf_path]
+                if "value" in described:
+                    leaves[leaf_path] = decode(described["value"])
+                    continue
+                stored = open_file(f"shard-{described['ranks'][0]:05d}.pt").tensor(f"state/{leaf_path}")
+                leaves[leaf_path] = stored.to(device, copy=True)
+    for leaf_path in (p for p in state if p.startswith("scalars/")):
+        leaves[leaf_path] = tree_clone(decode(state[leaf_path]["value"]), device)
+    shard_state = decode_state(leaves, target.partition.spaces)
+    stateful = set(shard_state.scalars) | {
+        (target.specs[p].group, target.specs[p].cohort) for p in shard_state.whole
     }
-    stateful = set(scalars) | {(target.specs[p].group, target.specs[p].cohort) for p in whole}
-    return target, params, ShardState(flat=flat, scalars=scalars, whole=whole), stateful, masters, manifest
+    loaded = LoadedState(
+        target=target,
+        state=shard_state,
+        stateful=stateful,
+        masters=masters,
+        param_groups=decode(manifest["param_groups"]),
+        scaler=manifest["scaler"],
+        param_values=params,
+    )
+    return loaded, decode(manifest["extra"])

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from zeroplan.core import ConfigError, Fragment
 from zeroplan.facade.collectives import all_gather_objects
 from zeroplan.facade.state_dicts import MASTER_KEY, Shards, torch_param_groups
+from zeroplan.facade.state_tree import TensorMeta, describe_state, torch_dtype, tree_clone
 
 __all__ = ["consolidated_state_dict"]
 
@@ -26,38 +27,6 @@ __all__ = ["consolidated_state_dict"]
 def _broadcast(buf: torch.Tensor, owner: int, sh: Shards) -> None:
     if sh.zp.topology.shard_size > 1 and buf.numel():
         dist.broadcast(buf, group_src=owner, group=sh.groups.shard)
-
-
-def _local_metadata(sh: Shards) -> dict[str, Any]:
-    """Keys, dtypes and scalar values of this rank's state (small)."""
-    keys: dict[int, list[tuple[str, str]]] = {}
-    scalars: dict[tuple[int, int], dict[str, Any]] = {}
-    order: dict[tuple[int, int], list[str]] = {}
-    whole: dict[int, dict[str, tuple[tuple[int, ...], str] | Any]] = {}
-    for spec, tensor in zip(sh.inner.specs, sh.inner.tensors, strict=True):
-        state = sh.inner.optimizer.state.get(tensor)
-        if not state:
-            continue
-        if spec.param is not None and not sh.zp.elementwise:
-            whole[spec.param] = {
-                k: (tuple(v.shape), str(v.dtype)) if torch.is_tensor(v) else ("value", v)
-                for k, v in state.items()
-            }
-            continue
-        order.setdefault((spec.group, spec.cohort), list(state))
-        for key, value in state.items():
-            if torch.is_tensor(value) and value.dim() == 1:
-                if (key, str(value.dtype)) not in keys.setdefault(spec.space, []):
-                    keys[spec.space].append((key, str(value.dtype)))
-            else:
-                scalars.setdefault((spec.group, spec.cohort), {})[key] = (
-                    value.detach().cpu().clone() if torch.is_tensor(value) else value
-                )
-    return {"keys": keys, "scalars": scalars, "order": order, "whole": whole}
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
 
 
 def _window_chunk(sh: Shards, space: int, key: str | None, start: int, out: torch.Tensor) -> None:
@@ -105,22 +74,27 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
         raise ConfigError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
     dest = to_rank is None or sh.groups.rank == to_rank
     zp, shard_rank = sh.zp, sh.groups.shard_rank
-    everyone = all_gather_objects(_local_metadata(sh), sh.groups.shard)
+    # Every rank's state leaves, described ([Note: state codec]): which per-element keys and dtypes
+    # exist per space, the scalar state per cohort, who holds which whole-parameter state.
+    everyone = all_gather_objects(describe_state(zp, sh.inner, shard_rank), sh.groups.shard)
     keys: dict[int, list[tuple[str, str]]] = {}
     scalars: dict[tuple[int, int], dict[str, Any]] = {}
     order: dict[tuple[int, int], list[str]] = {}
     whole: dict[int, tuple[int, dict[str, Any]]] = {}
-    for q, meta in enumerate(everyone):
-        for space, pairs in meta["keys"].items():
-            for pair in pairs:
-                if pair not in keys.setdefault(space, []):
-                    keys[space].append(pair)
-        for cohort, values in meta["scalars"].items():
-            scalars.setdefault(cohort, values)
-        for cohort, names in meta["order"].items():
+    space_of = {space.dtype: space.index for space in zp.partition.spaces}
+    for q, described in enumerate(everyone):
+        for leaf_path, leaf in described.leaves.items():
+            kind, first, rest = leaf_path.split("/", 2)
+            if kind == "flat":
+                pair = (rest, leaf.dtype)
+                if pair not in keys.setdefault(space_of[first], []):
+                    keys[space_of[first]].append(pair)
+            elif kind == "scalars":
+                scalars.setdefault((int(first), int(rest)), leaf)
+            else:
+                whole.setdefault(int(first), (q, {}))[1][rest] = leaf
+        for cohort, names in described.order.items():
             order.setdefault(cohort, names)
-        for p, entry in meta["whole"].items():
-            whole[p] = (q, entry)
     stateful = set(order)
     device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
     result: dict[int, dict[str, Any]] = {}
@@ -133,7 +107,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
         if buf.separate_master:
             kinds.insert(0, (None, str(buf.master.dtype)))
         for key, dtype_name in kinds:
-            dtype = _dtype(dtype_name)
+            dtype = torch_dtype(dtype_name)
             wanted = space.params if key is None else members
             outputs = (
                 {p: torch.empty(zp.specs[p].shape, dtype=dtype, device=device) for p in wanted}
@@ -161,11 +135,11 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
         owner, entry = whole[p]
         owned_state = sh.inner.optimizer.state.get(_tensor_of(sh, p)) if owner == shard_rank else None
         for key, described in entry.items():
-            if described[0] == "value":
+            if not isinstance(described, TensorMeta):
                 if dest:
-                    result.setdefault(p, {})[key] = described[1]
+                    result.setdefault(p, {})[key] = described
                 continue
-            shape, dtype = described[0], _dtype(described[1])
+            shape, dtype = described.shape, torch_dtype(described.dtype)
             out = torch.empty(shape, dtype=dtype, device=device) if dest else None
             flat = out.view(-1) if out is not None else None
             numel = int(torch.Size(shape).numel())
@@ -185,8 +159,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
         spec = zp.specs[p]
         cohort = (spec.group, spec.cohort)
         entry = result[p]
-        for key, value in scalars.get(cohort, {}).items():
-            entry[key] = value.clone().to(device) if torch.is_tensor(value) else value
+        entry.update(tree_clone(scalars.get(cohort, {}), device))
         names = order.get(cohort)
         if names:
             result[p] = {k: entry[k] for k in names if k in entry} | {

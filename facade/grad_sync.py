@@ -25,16 +25,15 @@ staged, so full gradients are never all resident outside ``no_sync()``.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import NamedTuple
 
 import torch
 
-from zeroplan.core import Bucket, Collective, ConfigError, Stage, ZeroPlan
+from zeroplan.core import Bucket, Collective, Stage, StepOrderError, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers, param_views
 from zeroplan.facade.collectives import CommLog, Pending, all_reduce_replica, reduce_bucket
 from zeroplan.facade.groups import ProcessGroups
@@ -89,6 +88,7 @@ class GradSync:
         buffers: Sequence[SpaceBuffers],
         groups: ProcessGroups,
         overlap: bool,
+        admit: Callable[[str], bool],
         log: CommLog,
         tracker: PeakTracker,
     ) -> None:
@@ -98,10 +98,10 @@ class GradSync:
         self._buffers = buffers
         self._groups = groups
         self._overlap = overlap
+        self._admit = admit
         self._log = log
         self._tracker = tracker
         self._buckets = zp.buckets.buckets
-        self.enabled = True
         self._grad_views: dict[int, torch.Tensor] = {}
         if zp.stage is Stage.OPTIMIZER:
             for buf in buffers:
@@ -132,7 +132,6 @@ class GradSync:
         self._next = 0
         self._inflight: deque[_InFlight] = deque()
         self._replica: list[Pending] = []
-        self.done = False
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (before re-planning)."""
@@ -143,25 +142,16 @@ class GradSync:
     def __del__(self) -> None:
         self.remove_hooks()
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Accumulate gradients locally inside the block (``no_sync``)."""
-        previous, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = previous
-
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         view = self._grad_views.get(index)
         if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
             param.grad = view
-        if not self.enabled:
-            return
-        if self.done or self._ready[index]:
-            raise ConfigError(
+        if not self._admit(self._names[index]):
+            return  # no_sync(): accumulate locally
+        if self._ready[index]:
+            raise StepOrderError(
                 f"parameter {self._names[index]!r} received a second gradient after its reduction "
                 "in this step; call step() (or zero_grad()) between backward passes, or accumulate "
                 "inside `with optimizer.no_sync():`"
@@ -206,9 +196,7 @@ class GradSync:
             self._replica.append(all_reduce_replica(entry.output, self._groups, self._log))
 
     def finish(self) -> None:
-        """Launch every remaining bucket and wait for all reductions of this step."""
-        if self.done:
-            return
+        """Launch every remaining bucket and wait for all reductions of this step (once per step)."""
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
         while self._inflight:
@@ -216,9 +204,26 @@ class GradSync:
         for pending in self._replica:
             pending.wait()
         self._replica = []
-        self.done = True
 
-    def for_each_grad_view(self, fn: Callable[[int, torch.Tensor], None]) -> None:
-        """Call ``fn(index, view)`` for each stage-1 gradient view."""
-        for index, view in self._grad_views.items():
-            fn(index, view)
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Reset every parameter's ``.grad`` as ``torch.optim.Optimizer.zero_grad`` would.
+
+        At stage 1 with ``set_to_none=False`` the gradient buffers are zeroed and
+        the trainable parameters' ``.grad`` stay (or become again) views of them.
+        """
+        keep_views = not set_to_none and bool(self._grad_views)
+        if keep_views:
+            for buf in self._buffers:
+                if buf.grads is not None:
+                    buf.grads.zero_()
+            for index, view in self._grad_views.items():
+                self._params[index].grad = view
+        for index, param in enumerate(self._params):
+            if (keep_views and index in self._grad_views) or param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_()
+                param.grad.requires_grad_(False)
+                param.grad.zero_()

@@ -17,7 +17,7 @@ time). It serves ``refresh_trainable`` and ``add_param_group``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,26 +27,9 @@ from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.collectives import all_gather_objects
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner
+from zeroplan.facade.state_tree import ShardState, is_per_element, torch_dtype, tree_clone
 
 __all__ = ["ShardState", "export_state", "import_state", "move_shards"]
-
-
-class ShardState(NamedTuple):
-    """This rank's optimizer state (see [Note: shard state]).
-
-    Attributes:
-        flat: ``(space, key)`` -> per-element state over the rank's owned elements.
-        scalars: ``(group, cohort)`` -> scalar state shared by the windows.
-        whole: parameter index -> state dict (non-elementwise optimizers).
-    """
-
-    flat: dict[tuple[int, str], torch.Tensor]
-    scalars: dict[tuple[int, int], dict[str, Any]]
-    whole: dict[int, dict[str, Any]]
-
-
-def _is_per_element(value: Any, window: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == window.numel()
 
 
 def export_state(zp: ZeroPlan, inner: Inner, buffers: Sequence[SpaceBuffers]) -> ShardState:
@@ -67,7 +50,7 @@ def export_state(zp: ZeroPlan, inner: Inner, buffers: Sequence[SpaceBuffers]) ->
             continue
         shared = scalars.setdefault((spec.group, spec.cohort), {})
         for key, value in state.items():
-            if _is_per_element(value, tensor):
+            if is_per_element(value, tensor):
                 owned = buffers[spec.space].owned
                 if spec.shard_span.numel == owned:  # one window is the whole shard: no copy
                     flat[spec.space, key] = value
@@ -99,16 +82,8 @@ def import_state(zp: ZeroPlan, inner: Inner, state: ShardState, stateful: set[tu
             if space == spec.space:
                 entry[key] = value[spec.shard_span.as_slice()]
         for key, value in state.scalars.get((spec.group, spec.cohort), {}).items():
-            entry[key] = value.clone() if torch.is_tensor(value) else value
+            entry[key] = tree_clone(value)
         inner.optimizer.state[tensor] = entry
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    if torch.is_tensor(value):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    return value
 
 
 def _move_flat(
@@ -168,19 +143,19 @@ def move_shards(
             (old_zp.partition.spaces[space].dtype, key): str(t.dtype)
             for (space, key), t in old_state.flat.items()
         },
-        "scalars": {k: _to(v, torch.device("cpu")) for k, v in old_state.scalars.items()},
+        "scalars": tree_clone(old_state.scalars, torch.device("cpu")),
     }
     everyone = all_gather_objects(meta, groups.shard)
     flat_kinds = sorted({kind for m in everyone for kind in m["flat"].items()})
     scalars: dict[tuple[int, int], dict[str, Any]] = {}
     for m in everyone:
         for key, value in m["scalars"].items():
-            scalars.setdefault(key, _to(value, device))
+            scalars.setdefault(key, tree_clone(value, device))
     flat: dict[tuple[int, str], torch.Tensor] = {}
     new_index = {b.space.dtype: i for i, b in enumerate(new_buffers)}
     for (dtype_name, key), state_dtype in flat_kinds:
         old_space = old_spaces[dtype_name]
-        dtype = getattr(torch, state_dtype.removeprefix("torch."))
+        dtype = torch_dtype(state_dtype)
         source = old_state.flat.get((old_space.index, key))
         if dtype_name not in new_index:
             target = torch.empty(0, dtype=dtype, device=device)
@@ -193,13 +168,11 @@ def move_shards(
     whole: dict[int, dict[str, Any]] = {}
     if not new_zp.elementwise:
         mine = {t.param for t in new_zp.inner_tensors(groups.shard_rank)}
-        offered = all_gather_objects(
-            {p: _to(st, torch.device("cpu")) for p, st in old_state.whole.items()}, groups.shard
-        )
+        offered = all_gather_objects(tree_clone(old_state.whole, torch.device("cpu")), groups.shard)
         for part in offered:
             for p, st in part.items():
                 if p in mine and new_zp.specs[p].trainable:
-                    whole[p] = _to(st, device)
+                    whole[p] = tree_clone(st, device)
     return ShardState(flat=flat, scalars=scalars, whole=whole), set(scalars) | {
         (new_zp.specs[p].group, new_zp.specs[p].cohort) for p in whole
     }

@@ -22,11 +22,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zeroplan.core import ConfigError, IncompatiblePlanError, ScalerState, ZeroPlan
+from zeroplan.core import ConfigError, IncompatiblePlanError, ScalerState, ZeroPlan, master_dtype
 from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner
-from zeroplan.facade.shard_state import ShardState, export_state
+from zeroplan.facade.shard_state import export_state
+from zeroplan.facade.state_tree import ShardState, decode_state, encode_state, torch_dtype, tree_clone
 
 __all__ = [
     "SHARDED_FORMAT",
@@ -40,7 +41,7 @@ __all__ = [
     "shard_state_from_sharded",
 ]
 
-SHARDED_FORMAT = "zeroplan.sharded/v1"
+SHARDED_FORMAT = "zeroplan.sharded/v2"
 MASTER_KEY = "zeroplan_master"
 
 
@@ -70,14 +71,13 @@ def torch_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str,
 
 
 def is_sharded(state_dict: dict[str, Any]) -> bool:
-    """Whether ``state_dict`` is the sharded form (else it must be a plain torch dict)."""
-    return state_dict.get("format") == SHARDED_FORMAT
+    """Whether ``state_dict`` is the sharded form, of any version (else it must be a plain torch dict)."""
+    return str(state_dict.get("format", "")).startswith(SHARDED_FORMAT.split("/")[0] + "/")
 
 
 def sharded_state_dict(sh: Shards) -> dict[str, Any]:
     """This rank's sharded state dict (see [Note: state dict forms]); tensors are copies."""
     state = export_state(sh.zp, sh.inner, sh.buffers)
-    spaces = sh.zp.partition.spaces
     return {
         "format": SHARDED_FORMAT,
         "fingerprint": sh.zp.fingerprint(),
@@ -89,15 +89,7 @@ def sharded_state_dict(sh: Shards) -> dict[str, Any]:
         "param_groups": torch_param_groups(sh.param_groups),
         "cohorts": [s.cohort for s in sh.zp.specs],
         "master": {b.space.dtype: b.master[: b.owned].clone() for b in sh.buffers if b.separate_master},
-        "flat": {f"{spaces[space].dtype}/{key}": t.clone() for (space, key), t in state.flat.items()},
-        "scalars": [
-            [group, cohort, {k: v.clone() if torch.is_tensor(v) else v for k, v in values.items()}]
-            for (group, cohort), values in state.scalars.items()
-        ],
-        "whole": {
-            str(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
-            for p, entry in state.whole.items()
-        },
+        "state": tree_clone(encode_state(state, sh.zp.partition.spaces)),  # [Note: state codec]
     }
 
 
@@ -110,6 +102,10 @@ def shard_state_from_sharded(
         IncompatiblePlanError: it was saved under another plan, rank or optimizer class.
     """
     zp = sh.zp
+    if state_dict["format"] != SHARDED_FORMAT:
+        raise IncompatiblePlanError(
+            f"sharded state dict of format {state_dict['format']!r}, this version reads {SHARDED_FORMAT!r}"
+        )
     if state_dict.get("optimizer") != sh.optimizer_name:
         raise IncompatiblePlanError(
             f"state dict is of optimizer {state_dict.get('optimizer')!r}, this one runs {sh.optimizer_name!r}"
@@ -130,20 +126,14 @@ def shard_state_from_sharded(
             f"sharded state dict is of shard rank {state_dict.get('shard_rank')}, this is shard rank "
             f"{sh.groups.shard_rank}: load each rank's own state dict"
         )
-    index = {space.dtype: space.index for space in zp.partition.spaces}
-    flat: dict[tuple[int, str], torch.Tensor] = {}
-    for name, tensor in state_dict["flat"].items():
-        dtype, key = name.split("/", 1)
-        flat[index[dtype], key] = tensor
-    scalars = {(g, c): values for g, c, values in state_dict["scalars"]}
-    whole = {int(p): entry for p, entry in state_dict["whole"].items()}
-    for (space, key), tensor in flat.items():
+    state = decode_state(state_dict["state"], zp.partition.spaces)
+    for (space, key), tensor in state.flat.items():
         expected = sh.buffers[space].owned
         if tensor.shape != (expected,):
             raise IncompatiblePlanError(
                 f"state {key!r} has shape {tuple(tensor.shape)}, expected ({expected},)"
             )
-    return ShardState(flat=flat, scalars=scalars, whole=whole), set(scalars), state_dict["master"]
+    return state, set(state.scalars), state_dict["master"]
 
 
 def check_plain(state_dict: dict[str, Any], sh: Shards) -> None:
@@ -226,46 +216,47 @@ def cohorts_of_plain(state_dict: dict[str, Any], zp: ZeroPlan) -> list[int]:
 
 
 def shard_state_from_plain(
-    state_dict: dict[str, Any], sh: Shards
+    state_dict: dict[str, Any], target: ZeroPlan, sh: Shards
 ) -> tuple[ShardState, set[tuple[int, int]], dict[str, torch.Tensor]]:
-    """This rank's share of a validated plain dict, in the current plan's shard coordinates."""
-    zp = sh.zp
+    """This rank's share of a validated plain dict, in ``target``'s shard coordinates.
+
+    ``target`` is this optimizer's plan, possibly with other cohorts
+    (:func:`cohorts_of_plain`); it need not be installed yet.
+    """
     state, masters = _by_position(state_dict)
+    shard_rank = sh.groups.shard_rank
     device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
     flat: dict[tuple[int, str], torch.Tensor] = {}
     scalars: dict[tuple[int, int], dict[str, Any]] = {}
     whole: dict[int, dict[str, Any]] = {}
     master_out: dict[str, torch.Tensor] = {}
-    for space in zp.partition.spaces:
-        buf = sh.buffers[space.index]
-        frags = space.by_rank[sh.groups.shard_rank]
-        if buf.separate_master and any(f.param in masters for f in frags):
-            target = buf.master.new_zeros(buf.owned)
+    for space in target.partition.spaces:
+        owned = space.owned[shard_rank]
+        frags = space.by_rank[shard_rank]
+        master = master_dtype(space.dtype)
+        if master != space.dtype and any(f.param in masters for f in frags):
+            out = torch.zeros(owned, dtype=torch_dtype(master), device=device)
             for f in frags:
                 source = masters.get(f.param)
                 values = source if source is not None else sh.params[f.param].detach()
-                target[f.shard_span.as_slice()] = values.reshape(-1)[f.param_span.as_slice()].to(target.dtype)
-            master_out[space.dtype] = target
+                out[f.shard_span.as_slice()] = values.reshape(-1)[f.param_span.as_slice()].to(out.dtype)
+            master_out[space.dtype] = out
         for f in frags:
-            spec = zp.specs[f.param]
+            spec = target.specs[f.param]
             entry = state.get(f.param)
             if entry is None:
                 continue
-            if not zp.elementwise:
-                whole[f.param] = {
-                    k: v.to(device).clone() if torch.is_tensor(v) else v for k, v in entry.items()
-                }
+            if not target.elementwise:
+                whole[f.param] = tree_clone(entry, device)
                 continue
             shared = scalars.setdefault((spec.group, spec.cohort), {})
             for key, value in entry.items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    target = flat.get((space.index, key))
-                    if target is None:
-                        target = flat[space.index, key] = torch.zeros(
-                            buf.owned, dtype=value.dtype, device=device
-                        )
-                    target[f.shard_span.as_slice()] = value.reshape(-1)[f.param_span.as_slice()].to(device)
+                    out = flat.get((space.index, key))
+                    if out is None:
+                        out = flat[space.index, key] = torch.zeros(owned, dtype=value.dtype, device=device)
+                    out[f.shard_span.as_slice()] = value.reshape(-1)[f.param_span.as_slice()].to(device)
                 else:
-                    shared[key] = value.to(device).clone() if torch.is_tensor(value) else value
-    stateful = {(zp.specs[p].group, zp.specs[p].cohort) for p in state}
+                    shared[key] = tree_clone(value, device)
+    stateful = {(target.specs[p].group, target.specs[p].cohort) for p in state}
     return ShardState(flat=flat, scalars=scalars, whole=whole), stateful, master_out

@@ -1,0 +1,46 @@
+"""Bytes this rank holds, measured from its live tensors, for comparison with ``memory_report``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from zeroplan.facade.installed import Installed
+
+__all__ = ["MeasuredMemory", "measure"]
+
+
+class MeasuredMemory(NamedTuple):
+    """Bytes this rank holds, measured from its tensors (compare with ``memory_report``)."""
+
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optimizer_state_bytes: int
+    buffer_bytes: int
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+def measure(installed: Installed, params: Sequence[torch.Tensor], buffer_peak: int) -> MeasuredMemory:
+    """What ``installed`` and the frozen ``params`` hold now; ``buffer_peak`` is the last step's peak."""
+    managed = {index for buf in installed.buffers for index in buf.space.params}
+    frozen = sum(_nbytes(p) for i, p in enumerate(params) if i not in managed)
+    state = sum(
+        _nbytes(value)
+        for entry in installed.inner.optimizer.state.values()
+        for value in entry.values()
+        if torch.is_tensor(value)
+    )
+    buffers = installed.buffers
+    return MeasuredMemory(
+        params_bytes=sum(_nbytes(b.params) for b in buffers) + frozen,
+        grads_bytes=sum(_nbytes(b.grads) + _nbytes(b.grad_shard) for b in buffers),
+        master_bytes=sum(_nbytes(b.master) for b in buffers if b.separate_master),
+        optimizer_state_bytes=state,
+        buffer_bytes=buffer_peak,
+    )

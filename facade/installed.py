@@ -1,0 +1,100 @@
+"""A plan made real on this rank: flat buffers, the inner optimizer and the gradient sync.
+
+``install`` is the one place where a plan meets live tensors: parameters
+become views of the plan's flat buffers (see [Note: flat buffers]), the inner
+optimizer is built over this rank's master shard and the gradient hooks are
+registered. Re-planning installs a new plan and moves state into it
+(``replanning.replan``); nothing else builds an :class:`Installed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import ZeroPlan
+from zeroplan.facade.buffers import SpaceBuffers, build_buffers
+from zeroplan.facade.collectives import CommLog
+from zeroplan.facade.grad_sync import GradSync, PeakTracker
+from zeroplan.facade.groups import ProcessGroups
+from zeroplan.facade.inner import Inner, build_inner
+from zeroplan.facade.registry import ParamRegistry
+
+__all__ = ["Installed", "broadcast_from_rank_zero", "install"]
+
+
+class Installed(NamedTuple):
+    """What one plan is executed with on this rank (see [Note: optimizer parts]).
+
+    Attributes:
+        zp: the plan.
+        groups: world, shard and replica process groups.
+        buffers: one set of flat buffers per dtype space of the plan.
+        inner: the ``torch.optim`` optimizer over this rank's master shard.
+        sync: the bucketed gradient reduction, hooked to the parameters.
+    """
+
+    zp: ZeroPlan
+    groups: ProcessGroups
+    buffers: tuple[SpaceBuffers, ...]
+    inner: Inner
+    sync: GradSync
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's buffers live (CPU when the plan has no trainable parameter)."""
+        return self.buffers[0].params.device if self.buffers else torch.device("cpu")
+
+
+def install(
+    zp: ZeroPlan,
+    registry: ParamRegistry,
+    groups: ProcessGroups,
+    optimizer_class: type[torch.optim.Optimizer],
+    param_groups: Sequence[dict[str, Any]],
+    *,
+    overlap: bool,
+    admit: Callable[[str], bool],
+    log: CommLog,
+    tracker: PeakTracker,
+) -> Installed:
+    """Allocate ``zp``'s buffers (parameters become views), build the inner optimizer, hook gradients.
+
+    Args:
+        admit: called by each gradient hook with the parameter's name; see
+            ``StepLifecycle.admit_gradient``.
+        log, tracker: where the step's collectives and transient buffers are counted.
+    """
+    buffers = build_buffers(zp, registry.params, groups.shard_rank, registry.device)
+    inner = build_inner(zp, buffers, groups.shard_rank, optimizer_class, param_groups)
+    sync = GradSync(
+        zp=zp,
+        params=registry.params,
+        names=registry.names,
+        buffers=buffers,
+        groups=groups,
+        overlap=overlap,
+        admit=admit,
+        log=log,
+        tracker=tracker,
+    )
+    return Installed(zp=zp, groups=groups, buffers=buffers, inner=inner, sync=sync)
+
+
+@torch.no_grad()
+def broadcast_from_rank_zero(installed: Installed, params: Sequence[torch.Tensor]) -> None:
+    """Start every rank from rank 0's parameter values, as ``DistributedDataParallel`` does."""
+    groups = installed.groups
+    if groups.topology.world_size == 1:
+        return
+    for buf in installed.buffers:
+        dist.broadcast(buf.params, group_src=0, group=groups.world)
+        if buf.separate_master:
+            buf.master[: buf.owned].copy_(buf.region(groups.shard_rank))
+    managed = {index for space in installed.zp.partition.spaces for index in space.params}
+    for index, param in enumerate(params):
+        if index not in managed:
+            dist.broadcast(param.data, group_src=0, group=groups.world)

@@ -1,0 +1,258 @@
+"""The phases of one optimizer step, and the state that lives for one step.
+
+[Note: step lifecycle]
+Every step walks the same phases, forward only::
+
+    IDLE --backward--> ACCUMULATING --reduce--> REDUCED --clip--> CLIPPED
+                                                   |                 |
+                                                   +------step-------+--> STEPPED --> PUBLISHED --> IDLE
+
+* ``IDLE``: no gradient arrived since the last ``step()`` or ``zero_grad()``.
+* ``ACCUMULATING``: backward passes deliver gradients; each bucket is reduced
+  as soon as it is full (inside ``no_sync()`` they stay local).
+* ``REDUCED``: ``clip_grad_norm_``, ``step`` or ``averaged_gradients`` finished
+  the reduction. This rank's *master gradients* (the shard the inner optimizer
+  reads) are averaged over the world and unscaled, and every rank knows
+  whether any gradient overflowed (``found_inf``).
+* ``CLIPPED``: ``clip_grad_norm_`` scaled them; once per step.
+* ``STEPPED``: the inner optimizer updated this rank's shard (not on overflow).
+* ``PUBLISHED``: the updated shards were gathered into every rank's
+  parameters; ``step()`` returns and the next step starts ``IDLE``.
+
+``zero_grad()``, re-planning and loading state return to ``IDLE`` from any
+phase and drop the master gradients. Calls out of order raise
+:class:`~zeroplan.core.StepOrderError` from this module and nowhere else:
+``step``/``clip_grad_norm_``/``averaged_gradients`` before any backward,
+clipping twice, a backward between the reduction and ``step()``.
+
+:class:`StepLifecycle` owns the phase and the per-step state (master
+gradients, overflow flag, the log of collectives and the peak of transient
+buffers); what the last completed step did is kept in :class:`StepRecord`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import CommCost, StepOrderError
+from zeroplan.facade.buffers import param_views
+from zeroplan.facade.collectives import CommLog, all_reduce_shard, gather_space
+from zeroplan.facade.grad_sync import PeakTracker
+from zeroplan.facade.inner import sync_hyperparameters
+from zeroplan.facade.installed import Installed
+
+__all__ = ["Accumulation", "Phase", "StepLifecycle", "StepRecord"]
+
+
+class Phase(enum.Enum):
+    """Where the current step is (see [Note: step lifecycle])."""
+
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"
+    REDUCED = "reduced"
+    CLIPPED = "clipped"
+    STEPPED = "stepped"
+    PUBLISHED = "published"
+
+
+class Accumulation(enum.Enum):
+    """What a backward pass does with finished buckets: reduce them, or keep them local (``no_sync``)."""
+
+    REDUCE = "reduce"
+    LOCAL = "local"
+
+
+class StepRecord(NamedTuple):
+    """What the last completed step did.
+
+    Attributes:
+        comm: its collectives, per (group, collective).
+        clipped: whether ``clip_grad_norm_`` ran in it.
+        buffer_peak: peak bytes of its transient buffers (staging, master gradients).
+    """
+
+    comm: tuple[CommCost, ...] = ()
+    clipped: bool = False
+    buffer_peak: int = 0
+
+
+_REDUCIBLE = (Phase.IDLE, Phase.ACCUMULATING)
+_NO_GRADIENT = (
+    "{call} before any backward pass: no gradient arrived since the last step() or zero_grad(), so it "
+    "would apply nothing (or weight decay alone). Run the backward pass first (opt.backward(loss) or "
+    "loss.backward())"
+)
+
+
+class StepLifecycle:
+    """The phase of the current step and its state; every transition happens here."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.IDLE
+        self.accumulation = Accumulation.REDUCE
+        self.log = CommLog()
+        self.tracker = PeakTracker()
+        self.master_grads: list[torch.Tensor] = []
+        self.found_inf = False
+        self.clipped = False
+        self.last = StepRecord()
+
+    # ------------------------------------------------------------ backward
+    def admit_gradient(self, name: str) -> bool:
+        """Called by the gradient hook of parameter ``name``; returns whether buckets reduce now.
+
+        Raises:
+            StepOrderError: the reduction of this step already finished.
+        """
+        if self.phase not in _REDUCIBLE:
+            raise StepOrderError(
+                f"parameter {name!r} received a gradient after this step's gradients were reduced "
+                f"(phase {self.phase.value}: clip_grad_norm_, averaged_gradients or step already ran); "
+                "call step() (or zero_grad()) between backward passes, or accumulate inside "
+                "`with optimizer.no_sync():`"
+            )
+        self.phase = Phase.ACCUMULATING
+        return self.accumulation is Accumulation.REDUCE
+
+    @contextlib.contextmanager
+    def local_accumulation(self) -> Iterator[None]:
+        """``no_sync()``: backward passes inside the block accumulate gradients without reducing."""
+        previous, self.accumulation = self.accumulation, Accumulation.LOCAL
+        try:
+            yield
+        finally:
+            self.accumulation = previous
+
+    # ------------------------------------------------------------ reduce
+    def reduce(self, inst: Installed, divisor: float, call: str) -> None:
+        """Finish the reduction; average and unscale into the master gradients (``-> REDUCED``).
+
+        A no-op once reduced in this step. ``divisor`` is the world size times
+        the loss scale; ``call`` names the public method for error messages.
+        """
+        if self.phase in (Phase.REDUCED, Phase.CLIPPED):
+            return
+        if self.phase is Phase.IDLE and inst.zp.partition.spaces:
+            raise StepOrderError(_NO_GRADIENT.format(call=call))
+        if self.phase not in _REDUCIBLE:
+            raise StepOrderError(
+                f"{call} in phase {self.phase.value}: the previous step() did not complete; "
+                "call zero_grad() to start a new step"
+            )
+        inst.sync.finish()
+        grads = []
+        for buf in inst.buffers:
+            grad = (
+                self.tracker.alloc(buf.grad_shard.to(buf.master.dtype))
+                if buf.separate_master
+                else buf.grad_shard
+            )
+            grad.div_(divisor)
+            grads.append(grad)
+        self.master_grads = grads
+        self.found_inf = False
+        if inst.zp.loss_scaling:
+            flag = torch.zeros(1, dtype=torch.float32, device=inst.device)
+            for grad, buf in zip(grads, inst.buffers, strict=True):
+                if buf.owned and not bool(torch.isfinite(grad[: buf.owned].sum())):
+                    flag.fill_(1.0)
+            all_reduce_shard(flag, dist.ReduceOp.MAX, inst.groups, self.log)
+            self.found_inf = bool(flag.item() > 0)
+        for spec, tensor in zip(inst.inner.specs, inst.inner.tensors, strict=True):
+            tensor.grad = grads[spec.space][spec.shard_span.as_slice()].view(spec.shape)
+        self.phase = Phase.REDUCED
+
+    def clip(self, inst: Installed, divisor: float, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip the master gradients to a total norm of ``max_norm``; return the norm (``-> CLIPPED``).
+
+        Raises:
+            StepOrderError: already clipped in this step, or no backward ran.
+        """
+        if self.phase is Phase.CLIPPED:
+            raise StepOrderError(
+                "clip_grad_norm_ was already called in this step; clip once between backward and step()"
+            )
+        self.reduce(inst, divisor, "clip_grad_norm_()")
+        local = torch.zeros((), dtype=torch.float32, device=inst.device)
+        for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
+            part = grad[: buf.owned]
+            if part.numel() == 0:
+                continue
+            norm = torch.linalg.vector_norm(part, norm_type).float()
+            local = torch.maximum(local, norm) if norm_type == math.inf else local + norm**norm_type
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        all_reduce_shard(local, op, inst.groups, self.log)
+        total = local if norm_type == math.inf else local ** (1.0 / norm_type)
+        coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for grad in self.master_grads:
+            grad.mul_(coefficient.to(grad.dtype))
+        self.clipped = True
+        self.phase = Phase.CLIPPED
+        return total
+
+    # ------------------------------------------------------------ step
+    def step(self, inst: Installed, divisor: float, param_groups: Sequence[dict[str, Any]]) -> bool:
+        """Reduce if needed, update the shard, publish it, end the step; ``False`` if skipped (overflow)."""
+        self.reduce(inst, divisor, "step()")
+        applied = not self.found_inf
+        if applied:
+            sync_hyperparameters(param_groups, inst.inner.optimizer.param_groups)
+            inst.inner.optimizer.step()
+            self.phase = Phase.STEPPED
+            self._publish(inst)
+            self.phase = Phase.PUBLISHED
+        self.release(inst)
+        self.last = StepRecord(comm=self.log.summary(), clipped=self.clipped, buffer_peak=self.tracker.peak)
+        self.log.clear()
+        self.tracker.reset()
+        self.clipped = False
+        return applied
+
+    def _publish(self, inst: Installed) -> None:
+        """Write updated shards into the parameter buffers and gather them in each shard group."""
+        pending = []
+        for buf in inst.buffers:
+            if buf.separate_master:
+                buf.region(inst.groups.shard_rank).copy_(buf.master[: buf.owned])
+            collective = inst.zp.gather_collective(buf.space)
+            pending += gather_space(buf.params, buf.space, collective, inst.groups, self.log)
+        for p in pending:
+            p.wait()
+
+    def release(self, inst: Installed) -> None:
+        """Drop the master gradients and this step's reduction progress (``-> IDLE``)."""
+        for tensor in inst.inner.tensors:
+            tensor.grad = None
+        for grad, buf in zip(self.master_grads, inst.buffers, strict=False):
+            if buf.separate_master:
+                self.tracker.free(grad)
+        self.master_grads = []
+        self.found_inf = False
+        inst.sync.reset()
+        self.phase = Phase.IDLE
+
+    # ------------------------------------------------------------ inspection
+    @torch.no_grad()
+    def averaged_gradients(
+        self, inst: Installed, divisor: float, params: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        """The master gradients, whole, per parameter (``None`` if frozen); collective, not logged."""
+        self.reduce(inst, divisor, "averaged_gradients()")
+        result: list[torch.Tensor | None] = [None] * len(params)
+        log = CommLog()  # not part of the step's traffic
+        for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
+            full = grad.new_empty(buf.space.numel)
+            full[buf.space.region(inst.groups.shard_rank).as_slice()] = grad[: buf.owned]
+            collective = inst.zp.gather_collective(buf.space)
+            for pending in gather_space(full, buf.space, collective, inst.groups, log):
+                pending.wait()
+            for index, view in param_views(full, buf.space, params).items():
+                result[index] = view.clone()
+        return result

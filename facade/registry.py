@@ -1,0 +1,146 @@
+"""What a ``ZeroOptimizer`` asks the planner to lay out: its parameters and its settings.
+
+[Note: optimizer parts]
+``ZeroOptimizer`` is assembled from typed parts, passed explicitly to the
+modules that work on them (none of them reads the optimizer itself):
+
+* :class:`ParamRegistry` (frozen): the user's parameters, their names, param
+  group membership and cohorts. Re-planning builds a *new* registry and the
+  optimizer swaps it in only after every rank agreed, so a rejected change
+  needs no undo.
+* :class:`PlanSettings` (frozen): everything else the planner is given
+  (topology, stage, strategy, bucket size, ...); fixed at construction.
+* ``Installed`` (``installed.py``): what one plan is executed with: the plan,
+  process groups, flat buffers, the inner optimizer and the gradient sync.
+* ``StepLifecycle`` (``lifecycle.py``): the phase of the current step and the
+  state that lives for one step (see [Note: step lifecycle]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zeroplan.core import ConfigError, ParamSpec, Topology, ZeroPlan, describe_optimizer, plan
+from zeroplan.facade.inputs import ParamList, describe_params
+
+__all__ = ["ParamRegistry", "PlanSettings", "scale_mode"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ParamRegistry:
+    """The parameters an optimizer manages; a parameter's position is its plan index.
+
+    Attributes:
+        params: every parameter, in the order of the user's groups.
+        names: one name per parameter (for error messages and checkpoints).
+        members: per param group, the indices of its parameters.
+        cohorts: per parameter, its cohort: parameters of one group and cohort
+            share scalar optimizer state such as Adam's ``step``.
+        next_cohort: the cohort the next newly trainable parameters get.
+        device: the one device every parameter lives on.
+    """
+
+    params: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+    members: tuple[tuple[int, ...], ...]
+    cohorts: tuple[int, ...]
+    next_cohort: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, inputs: ParamList) -> ParamRegistry:
+        """The registry of freshly collected parameters (every one in cohort 0)."""
+        return cls(
+            params=inputs.params,
+            names=inputs.names,
+            members=tuple(tuple(g["params"]) for g in inputs.groups),
+            cohorts=(0,) * len(inputs.params),
+            next_cohort=1,
+            device=inputs.device,
+        )
+
+    def specs(self) -> tuple[ParamSpec, ...]:
+        """Planner descriptions of the parameters (trainability read from ``requires_grad`` now)."""
+        groups = tuple({"params": members} for members in self.members)
+        return describe_params(self.params, self.names, groups, self.cohorts)
+
+    def with_cohorts(self, cohorts: Sequence[int]) -> ParamRegistry:
+        """The same parameters in other cohorts (e.g. those of a plan being adopted)."""
+        cohorts = tuple(cohorts)
+        return dataclasses.replace(self, cohorts=cohorts, next_cohort=max(cohorts, default=0) + 1)
+
+    def with_newly_trainable(self, trainable: frozenset[int]) -> ParamRegistry:
+        """Parameters that require grad now but are not in ``trainable`` move to a new cohort."""
+        fresh = self.next_cohort
+        cohorts = tuple(
+            fresh if param.requires_grad and index not in trainable else cohort
+            for index, (param, cohort) in enumerate(zip(self.params, self.cohorts, strict=True))
+        )
+        return dataclasses.replace(self, cohorts=cohorts, next_cohort=fresh + 1)
+
+    def with_group(self, inputs: ParamList) -> ParamRegistry:
+        """The registry with one more param group (``inputs``, indexed after the existing ones)."""
+        return dataclasses.replace(
+            self,
+            params=self.params + inputs.params,
+            names=self.names + inputs.names,
+            members=(*self.members, tuple(inputs.groups[0]["params"])),
+            cohorts=self.cohorts + (self.next_cohort,) * len(inputs.params),
+            next_cohort=self.next_cohort + 1,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSettings:
+    """What the planner is told besides the parameters; fixed for the optimizer's lifetime."""
+
+    topology: Topology
+    optimizer_class: type[torch.optim.Optimizer]
+    stage: int
+    strategy: str
+    alignment: int
+    bucket_bytes: int
+    loss_scaling: bool
+    max_inflight_buckets: int
+    policy: str
+
+    @property
+    def optimizer_name(self) -> str:
+        """The inner optimizer's class name (what checkpoints and state dicts record)."""
+        return self.optimizer_class.__name__
+
+    def plan(self, registry: ParamRegistry, groups: Sequence[dict[str, Any]]) -> ZeroPlan:
+        """The plan of ``registry`` with the hyper-parameters of ``groups`` (pure: changes nothing)."""
+        optimizers = tuple(describe_optimizer(self.optimizer_name, strict=False, **g) for g in groups)
+        return plan(
+            registry.specs(),
+            self.topology,
+            stage=self.stage,
+            strategy=self.strategy,
+            optimizer=optimizers,
+            alignment=self.alignment,
+            bucket_bytes=self.bucket_bytes,
+            loss_scaling=self.loss_scaling,
+            max_inflight_buckets=self.max_inflight_buckets,
+            policy=self.policy,
+        )
+
+
+def scale_mode(loss_scale: float | str | None) -> float | str | None:
+    """Validate ``ZeroOptimizer(loss_scale=...)``: ``None``, a static scale or ``"dynamic"``.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if loss_scale is None or loss_scale == "dynamic":
+        return loss_scale
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        if math.isfinite(loss_scale) and loss_scale > 0:
+            return float(loss_scale)
+    raise ConfigError(f"loss_scale must be None, a finite number > 0 or 'dynamic', got {loss_scale!r}")

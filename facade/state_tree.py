@@ -1,0 +1,172 @@
+"""One codec for a rank's shard state, and the tree operations every state path uses.
+
+[Note: state codec]
+A rank's optimizer state (``ShardState``, see [Note: shard state]) crosses a
+boundary in three places: ``state_dict()``, checkpoints and consolidation.
+All three use the same *leaves*, keyed by a path string:
+
+* ``flat/<dtype>/<key>`` — per-element state over the rank's shard of a dtype
+  space (a 1-D tensor, e.g. ``flat/bfloat16/exp_avg``);
+* ``scalars/<group>/<cohort>`` — the scalar state shared by the windows of a
+  (param group, cohort), a dict such as ``{"step": tensor(3.)}``;
+* ``whole/<param>/<key>`` — state of a whole parameter (non-elementwise
+  optimizers), a tensor of any shape or a plain value.
+
+:func:`encode_state` and :func:`decode_state` convert between ``ShardState``
+and leaves; :func:`describe_state` gives the leaves' descriptions (a
+:class:`TensorMeta` for a tensor, the value itself otherwise) without copying
+anything, which is what consolidation exchanges. State values may be nested
+(tuples, lists, dicts of tensors): :func:`tree_clone` walks them with
+``optree``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from zeroplan.core import Space, ZeroPlan
+from zeroplan.facade.inner import Inner
+
+__all__ = [
+    "ShardState",
+    "StateDescription",
+    "TensorMeta",
+    "decode_state",
+    "tensor_meta",
+    "describe_state",
+    "encode_state",
+    "is_per_element",
+    "torch_dtype",
+    "tree_clone",
+]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a name such as ``"bfloat16"`` or ``"torch.float32"``.
+
+    Raises:
+        ValueError: not a torch dtype.
+    """
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+class TensorMeta(NamedTuple):
+    """A tensor described by its shape and dtype name (what ranks exchange instead of data)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def tree_clone(tree: Any, device: torch.device | None = None) -> Any:
+    """``tree`` with every tensor cloned (onto ``device`` if given); other leaves are shared."""
+
+    def clone(leaf: Any) -> Any:
+        if not torch.is_tensor(leaf):
+            return leaf
+        return leaf.detach().clone() if device is None else leaf.detach().to(device, copy=True)
+
+    return optree.tree_map(clone, tree, none_is_leaf=True)
+
+
+def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
+    """The shape and dtype name of ``tensor``."""
+    return TensorMeta(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+
+class ShardState(NamedTuple):
+    """This rank's optimizer state (see [Note: shard state] in ``shard_state``).
+
+    Attributes:
+        flat: ``(space, key)`` -> per-element state over the rank's owned elements.
+        scalars: ``(group, cohort)`` -> scalar state shared by the windows.
+        whole: parameter index -> state dict (non-elementwise optimizers).
+    """
+
+    flat: dict[tuple[int, str], torch.Tensor]
+    scalars: dict[tuple[int, int], dict[str, Any]]
+    whole: dict[int, dict[str, Any]]
+
+
+def is_per_element(value: Any, window: torch.Tensor) -> bool:
+    """Whether an inner optimizer state ``value`` of ``window`` has one element per window element."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == window.numel()
+
+
+def encode_state(state: ShardState, spaces: Sequence[Space]) -> dict[str, Any]:
+    """The leaves of ``state`` (see [Note: state codec]); tensors are shared, not copied."""
+    leaves: dict[str, Any] = {}
+    for (space, key), tensor in state.flat.items():
+        leaves[f"flat/{spaces[space].dtype}/{key}"] = tensor
+    for (group, cohort), values in state.scalars.items():
+        leaves[f"scalars/{group}/{cohort}"] = values
+    for param, entry in state.whole.items():
+        for key, value in entry.items():
+            leaves[f"whole/{param}/{key}"] = value
+    return leaves
+
+
+def decode_state(leaves: Mapping[str, Any], spaces: Sequence[Space]) -> ShardState:
+    """Inverse of :func:`encode_state`; leaves of dtype spaces not in ``spaces`` are dropped.
+
+    Raises:
+        ValueError: a path of no known kind.
+    """
+    index = {space.dtype: space.index for space in spaces}
+    state = ShardState(flat={}, scalars={}, whole={})
+    for path, leaf in leaves.items():
+        kind, first, rest = [*path.split("/", 2), "", ""][:3]
+        if kind == "flat" and rest:
+            if first in index:
+                state.flat[index[first], rest] = leaf
+        elif kind == "scalars" and rest.isdigit() and first.isdigit():
+            state.scalars[int(first), int(rest)] = leaf
+        elif kind == "whole" and first.isdigit() and rest:
+            state.whole.setdefault(int(first), {})[rest] = leaf
+        else:
+            raise ValueError(f"{path!r} is not a shard state path")
+    return state
+
+
+class StateDescription(NamedTuple):
+    """What :func:`encode_state` of this rank's state would hold, without its data.
+
+    Attributes:
+        leaves: path -> :class:`TensorMeta` (tensors, nested ones included) or value.
+        order: per (group, cohort), the inner optimizer's state keys in its own order.
+    """
+
+    leaves: dict[str, Any]
+    order: dict[tuple[int, int], list[str]]
+
+
+def describe_state(zp: ZeroPlan, inner: Inner, shard_rank: int) -> StateDescription:
+    """Describe this rank's state leaves, copying no tensor data (consolidation exchanges this)."""
+    leaves: dict[str, Any] = {}
+    order: dict[tuple[int, int], list[str]] = {}
+    spaces = zp.partition.spaces
+    for spec, tensor in zip(inner.specs, inner.tensors, strict=True):
+        state = inner.optimizer.state.get(tensor)
+        if not state:
+            continue
+        if not zp.elementwise:
+            for key, value in state.items():
+                described = tensor_meta(value) if torch.is_tensor(value) else tree_clone(value)
+                leaves[f"whole/{spec.param}/{key}"] = described
+            continue
+        order.setdefault((spec.group, spec.cohort), list(state))
+        scalars = leaves.setdefault(f"scalars/{spec.group}/{spec.cohort}", {})
+        owned = spaces[spec.space].owned[shard_rank]
+        for key, value in state.items():
+            if is_per_element(value, tensor):
+                meta = TensorMeta((owned,), str(value.dtype).removeprefix("torch."))
+                leaves.setdefault(f"flat/{spaces[spec.space].dtype}/{key}", meta)
+            else:
+                scalars[key] = tree_clone(value, torch.device("cpu"))
+    return StateDescription(leaves=leaves, order=order)
