@@ -5,11 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from models import batch, loss_of, make_model
+from models import DTYPES, batch, loss_of, make_model
 
 from zeroplan.facade import ZeroOptimizer
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def measured_vs_planned(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:

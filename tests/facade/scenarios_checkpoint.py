@@ -9,12 +9,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from models import batch, loss_of, make_model
+from models import DTYPES, batch, loss_of, make_model
 
 from zeroplan.core import ScalerConfig, ZeroplanError
 from zeroplan.facade import ZeroOptimizer, checkpoint
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CLASSES = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
 
 

@@ -238,8 +238,7 @@ def start_from_rank_zero(rank: int, world: int) -> dict[str, Any]:
     opt = ZeroOptimizer(model.parameters(), lr=1e-2, shard_group_size=2, alignment=8)
     same = all(torch.equal(a, b) for a, b in zip(reference, model.parameters(), strict=True))
     masters = all(
-        torch.equal(b.master[: b.owned], b.region(opt.process_groups.shard_rank).float())
-        for b in opt.buffers
+        torch.equal(b.master[: b.owned], b.region(opt.process_groups.shard_rank).float()) for b in opt.buffers
     )
     return {"same": same, "masters": masters}
 

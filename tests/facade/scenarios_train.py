@@ -11,12 +11,11 @@ import math
 from typing import Any
 
 import torch
-from models import Reference, averaged_grads, batch, loss_of, make_model
+from models import DTYPES, Reference, averaged_grads, batch, loss_of, make_model
 
 from zeroplan.core import ScalerConfig
 from zeroplan.facade import ZeroOptimizer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
