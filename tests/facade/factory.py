@@ -76,8 +76,8 @@ def make_optimizer(
     unknown = sorted(settings.keys() - _SETTINGS)
     if unknown:
         raise TypeError(
-            f"make_optimizer got {unknown}, which are not ZeroOptimizer settings: pass hyper-parameters "
-            "as hyper={...}, and the shard group size as shard="
+            f"make_optimizer does not take {unknown}: hyper-parameters go in hyper={{...}}, the shard "
+            "group size is shard=, and other keywords must be ZeroOptimizer settings"
         )
     inner = OPTIMIZERS[optimizer]
     params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
