@@ -34,7 +34,7 @@ class Pools:
 
 @pytest.fixture(scope="session")
 def pools() -> Iterator[Pools]:
-    """``pools(world).run("scenario_module", "function", *args)`` -> per-rank results."""
+    """``pools(world).run(scenarios_train.train, *args)`` -> per-rank results."""
     p = Pools()
     yield p
     p.close()

@@ -20,9 +20,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from factory import make_optimizer
 from models import batch, loss_of, make_model
 
-from zeroplan.facade import ZeroOptimizer, checkpoint
+from zeroplan.facade import checkpoint
 from zeroplan.facade import checkpoint_files as files
 
 
@@ -35,7 +36,7 @@ def run(rank: int, world: int, root: str, point: str, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=20))
     model = make_model(dtype=torch.bfloat16)
-    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, alignment=8, bucket_bytes=1024)
+    opt = make_optimizer(model, hyper={"lr": 1e-2}, bucket_bytes=1024, alignment=8)
     for step in range(2):
         loss_of(model, *batch(step, rank)).backward()
         opt.step()

@@ -1,30 +1,65 @@
-"""Worker processes for multi-process tests: gloo, one thread each, scenarios run by name.
+"""Worker processes for multi-process tests: gloo, one thread each, scenarios passed as functions.
 
 A pool of ``world`` processes is started once per world size and reused by
-many tests; each job names a scenario function ``module.fn(rank, world, *args)``
-in this directory, whose per-rank results come back to the test.
+many tests; each job is a scenario function ``fn(rank, world, *args)`` whose
+per-rank results come back to the test. The workers are spawned, so a job
+travels by reference (module and qualified name) and is imported again in
+each worker: it must be a module-level function of a module the workers can
+import (this directory is on their path).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import multiprocessing as mp
 import os
 import socket
 import sys
 import traceback
+import types
+from collections.abc import Callable
 from datetime import timedelta
+from importlib.machinery import PathFinder
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+_NOT_BY_REFERENCE = (
+    "{name} cannot run in the worker processes: {why}. Workers are spawned and receive a scenario by "
+    "reference (module and qualified name), so define it as a module-level function of a module in "
+    "tests/facade (such as scenarios_train.py) and pass that function to DistPool.run."
+)
+
+
+def scenario_name(fn: Callable[..., Any]) -> str:
+    """``module.qualname`` of a scenario the workers can import, or a TypeError that says why not.
+
+    Checked before anything is sent: a function that does not pickle by reference would fail in the
+    queue's feeder thread and leave every rank waiting until the timeout.
+    """
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"DistPool.run takes a module-level scenario function, got {fn!r}")
+    module, qualname = fn.__module__, fn.__qualname__
+    name = f"{module}.{qualname}"
+    if "<lambda>" in qualname:
+        raise TypeError(_NOT_BY_REFERENCE.format(name=name, why="it is a lambda"))
+    if "<locals>" in qualname:
+        raise TypeError(_NOT_BY_REFERENCE.format(name=name, why="it is defined inside another function"))
+    if module == "__main__" or PathFinder.find_spec(module.partition(".")[0], [HERE, *sys.path]) is None:
+        raise TypeError(_NOT_BY_REFERENCE.format(name=name, why=f"module {module!r} is not importable"))
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if found is not fn:
+        raise TypeError(_NOT_BY_REFERENCE.format(name=name, why=f"{name} names another object"))
+    return name
 
 
 def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, HERE)  # before the first job is unpickled: it imports the scenario's module
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -33,10 +68,9 @@ def _worker(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
         job = inbox.get()
         if job is None:
             break
-        module, fn, args = job
+        fn, args = job
         try:
-            result = getattr(importlib.import_module(module), fn)(rank, world, *args)
-            outbox.put((rank, True, result))
+            outbox.put((rank, True, fn(rank, world, *args)))
         except BaseException:
             outbox.put((rank, False, traceback.format_exc()))
     with contextlib.suppress(Exception):
@@ -66,10 +100,17 @@ class DistPool:
             p.start()
         self.broken = False
 
-    def run(self, module: str, fn: str, *args: Any, timeout: float = 240.0) -> list[Any]:
-        """Run ``module.fn(rank, world, *args)`` on every rank; per-rank results in rank order."""
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
+        """Run ``fn(rank, world, *args)`` on every rank; per-rank results in rank order.
+
+        Raises:
+            TypeError: ``fn`` is not a module-level function the workers can import (nothing is sent).
+            AssertionError: ``fn`` raised on some rank; the message holds each failing rank's traceback.
+            TimeoutError: some rank sent no result within ``timeout`` seconds.
+        """
+        name = scenario_name(fn)
         for box in self._inboxes:
-            box.put((module, fn, args))
+            box.put((fn, args))
         results: list[Any] = [None] * self.world
         failures = []
         for _ in range(self.world):
@@ -77,14 +118,14 @@ class DistPool:
                 rank, ok, value = self._outbox.get(timeout=timeout)
             except Exception:
                 self.broken = True
-                raise TimeoutError(f"{module}.{fn} did not finish on every rank within {timeout} s") from None
+                raise TimeoutError(f"{name} did not finish on every rank within {timeout} s") from None
             if ok:
                 results[rank] = value
             else:
                 failures.append(f"--- rank {rank} ---\n{value}")
         if failures:
             self.broken = True
-            raise AssertionError(f"{module}.{fn} failed:\n" + "\n".join(failures))
+            raise AssertionError(f"{name} failed:\n" + "\n".join(failures))
         return results
 
     def close(self) -> None:

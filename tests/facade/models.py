@@ -9,6 +9,9 @@ from torch import nn
 
 from zeroplan.facade.demo_model import DemoGPT, GPTConfig, build_model
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The parameter dtypes scenarios are configured with, by short name."""
+
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, *, width: int = 24) -> DemoGPT:
     """A tiny GPT with odd sizes (an MLP of ``3 * width + 1``) that exercise padding."""

@@ -5,11 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from models import batch, loss_of, make_model
-
-from zeroplan.facade import ZeroOptimizer
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from factory import OPTIMIZERS, make_optimizer
+from models import DTYPES, batch, loss_of, make_model
 
 
 def measured_vs_planned(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -17,21 +14,18 @@ def measured_vs_planned(rank: int, world: int, cfg: dict[str, Any]) -> dict[str,
     dtype = DTYPES[cfg.get("dtype", "fp32")]
     model = make_model(dtype=dtype)
     model.pos.weight.requires_grad_(False)  # a frozen parameter is counted too
-    cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}[
-        cfg.get("optimizer", "adamw")
-    ]
-    opt = ZeroOptimizer(
-        model.parameters(),
-        cls,
-        lr=1e-3,
+    optimizer = cfg.get("optimizer", "adamw")
+    opt = make_optimizer(
+        model,
+        optimizer=optimizer,
+        hyper={**OPTIMIZERS[optimizer].plain, "lr": 1e-3},  # SGD with momentum: it has state to count
         stage=cfg.get("stage", 2),
-        shard_group_size=cfg.get("shard"),
+        shard=cfg.get("shard"),
         bucket_bytes=cfg.get("bucket_bytes", 1024),
         alignment=8,
         strategy=cfg.get("strategy", "auto"),
         loss_scale="dynamic" if dtype == torch.float16 else None,
         collectives=cfg.get("collectives", "auto"),
-        **({"momentum": 0.9} if cls is torch.optim.SGD else {}),
     )
     clip = cfg.get("clip", False)
     for step in range(2):

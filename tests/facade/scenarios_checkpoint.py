@@ -9,13 +9,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from models import batch, loss_of, make_model
+from factory import OPTIMIZERS, make_optimizer
+from models import DTYPES, batch, loss_of, make_model
 
-from zeroplan.core import ScalerConfig, ZeroplanError
+from zeroplan.core import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, ScalerConfig, ZeroplanError
 from zeroplan.facade import ZeroOptimizer, checkpoint
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CLASSES = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}
 
 
 def _optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> ZeroOptimizer:
@@ -25,19 +23,18 @@ def _optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> ZeroOptimizer:
         frozen = model.pos.weight.detach()
         model.pos.weight = torch.nn.Parameter(frozen.t().contiguous().t(), requires_grad=False)
         assert not model.pos.weight.is_contiguous()
-    cls = CLASSES[cfg.get("optimizer", "adamw")]
-    hyper = {"lr": 1e-2} if cls is not torch.optim.SGD else {"lr": 0.1, "momentum": 0.9}
-    return ZeroOptimizer(
-        model.parameters(),
-        cls,
+    optimizer = cfg.get("optimizer", "adamw")
+    return make_optimizer(
+        model,
+        optimizer=optimizer,
+        hyper=OPTIMIZERS[optimizer].plain,
         stage=cfg.get("stage", 2),
-        shard_group_size=cfg.get("shard"),
-        strategy=cfg.get("strategy", "auto"),
-        alignment=cfg.get("alignment", 8),
+        shard=cfg.get("shard"),
         bucket_bytes=1024,
+        alignment=cfg.get("alignment", 8),
+        strategy=cfg.get("strategy", "auto"),
         loss_scale="dynamic" if cfg.get("dtype") == "fp16" else None,
         scaler=ScalerConfig(initial_scale=2.0**10, growth_interval=2),
-        **hyper,
     )
 
 
@@ -147,7 +144,7 @@ def plain_torch_round_trip(rank: int, world: int, dtype_name: str) -> dict[str, 
     plain = torch_opt.state_dict()
     model = make_model(dtype=dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in torch_model.state_dict().items()})
-    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, alignment=8, bucket_bytes=1024)
+    opt = make_optimizer(model, hyper={"lr": 1e-2}, bucket_bytes=1024, alignment=8)
     opt.load_state_dict(plain)
     back = opt.consolidated_state_dict(to_rank=None)
     state_same = all(
@@ -235,7 +232,9 @@ def bounded_consolidation(rank: int, world: int, chunk_bytes: int) -> dict[str, 
     model = torch.nn.Sequential(
         *[torch.nn.Linear(512, 512) for _ in range(8)]
     )  # ~2.1M params: 25 MB of state
-    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    opt = make_optimizer(
+        model, hyper={"lr": 1e-3}, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=DEFAULT_ALIGNMENT
+    )
     model(torch.randn(4, 512)).sum().backward()
     opt.step()
     opt.zero_grad()

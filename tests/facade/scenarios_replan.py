@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from factory import OPTIMIZERS, make_optimizer
 from models import averaged_grads, batch, loss_of, make_model
 from scenarios_train import rel_err
 
-from zeroplan.facade import ZeroOptimizer
+from zeroplan.core import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES
 
 
 def _reference_step(ref_model: torch.nn.Module, ref_opt: torch.optim.Optimizer, grads: list[Any]) -> None:
@@ -21,8 +22,7 @@ def _reference_step(ref_model: torch.nn.Module, ref_opt: torch.optim.Optimizer, 
 
 def freeze_and_unfreeze(rank: int, world: int, stage: int, dtype_name: str, optimizer: str) -> dict[str, Any]:
     """Train with frozen layers, freeze one more and unfreeze one mid-run; compare with torch.optim."""
-    cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adafactor": torch.optim.Adafactor}[optimizer]
-    hyper = {"lr": 1e-2} if optimizer != "sgd" else {"lr": 0.1, "momentum": 0.9}
+    cls, hyper = OPTIMIZERS[optimizer].cls, OPTIMIZERS[optimizer].plain
     model = make_model()
     ref_model = make_model()
     names = [n for n, _ in model.named_parameters()]
@@ -30,7 +30,7 @@ def freeze_and_unfreeze(rank: int, world: int, stage: int, dtype_name: str, opti
     for (n, p), rp in zip(model.named_parameters(), ref_model.parameters(), strict=True):
         p.requires_grad_(n not in frozen_at_start)
         rp.requires_grad_(n not in frozen_at_start)
-    opt = ZeroOptimizer(model.parameters(), cls, stage=stage, bucket_bytes=1024, alignment=8, **hyper)
+    opt = make_optimizer(model, optimizer=optimizer, hyper=hyper, stage=stage, bucket_bytes=1024, alignment=8)
     ref_opt = cls(ref_model.parameters(), **hyper)
     errors, states = [], []
     for step in range(6):
@@ -73,7 +73,7 @@ def add_group(rank: int, world: int, stage: int) -> dict[str, Any]:
     ref_rest = [p for n, p in ref_model.named_parameters() if not n.startswith("blocks")]
     for p in rest + ref_rest:
         p.requires_grad_(False)
-    opt = ZeroOptimizer(first, torch.optim.AdamW, lr=1e-2, stage=stage, bucket_bytes=1024, alignment=8)
+    opt = make_optimizer(first, hyper={"lr": 1e-2}, stage=stage, bucket_bytes=1024, alignment=8)
     ref_opt = torch.optim.AdamW(ref_first, lr=1e-2)
     errors, groups = [], []
     order = first
@@ -106,7 +106,9 @@ def bad_add_group(rank: int, world: int) -> dict[str, Any]:
     """A bad add_param_group raises everywhere and leaves the optimizer working as before."""
     model = make_model()
     params = list(model.parameters())
-    opt = ZeroOptimizer(params[:-1], lr=1e-2)
+    opt = make_optimizer(
+        params[:-1], hyper={"lr": 1e-2}, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=DEFAULT_ALIGNMENT
+    )
     fingerprint = opt.plan.fingerprint()
     try:
         opt.add_param_group({"params": [params[0]]})  # already managed

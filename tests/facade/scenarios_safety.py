@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from factory import OPTIMIZERS, make_optimizer
 from models import Reference, averaged_grads, batch, loss_of, make_model
 from scenarios_train import rel_err
 from torch import nn
 
-from zeroplan.core import ZeroplanError
-from zeroplan.facade import ZeroOptimizer
+from zeroplan.core import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, ZeroplanError
+from zeroplan.facade import ZeroOptimizer  # directly where construction itself is under test
 
 
 def _error(make: Any) -> str | None:
@@ -81,7 +82,9 @@ def more_ranks_than_params(rank: int, world: int, strategy: str, alignment: int)
     model = nn.Linear(3, 1)
     ref_model = nn.Linear(3, 1)
     ref_model.load_state_dict(model.state_dict())
-    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1, strategy=strategy, alignment=alignment)
+    opt = make_optimizer(
+        model, hyper={"lr": 0.1}, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=alignment, strategy=strategy
+    )
     ref = Reference(ref_model, torch.optim.AdamW, lr=0.1)
     owned = [b.owned for b in opt.buffers]
     errors = []
@@ -135,17 +138,17 @@ def _branchy_grads(model: Branchy, world: int, step: int) -> list[torch.Tensor]:
 def readiness_order(rank: int, world: int, stage: int) -> dict[str, Any]:
     """Different gradient order per rank and unused parameters: reduced gradients stay exact."""
     model = Branchy()
-    opt = ZeroOptimizer(
-        model.parameters(),
-        torch.optim.SGD,
-        lr=0.1,
-        momentum=0.9,
+    sgd = OPTIMIZERS["sgd"]
+    opt = make_optimizer(
+        model,
+        optimizer="sgd",
+        hyper=sgd.plain,
         stage=stage,
         bucket_bytes=64,
         alignment=4,
         max_inflight_buckets=1,
     )
-    ref = Reference(Branchy(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref = Reference(Branchy(), sgd.cls, **sgd.plain)
     grad_errors, errors = [], []
     for step in range(3):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -169,7 +172,9 @@ def readiness_order(rank: int, world: int, stage: int) -> dict[str, Any]:
 def second_backward_is_refused(rank: int, world: int) -> str | None:
     """Two backward passes outside no_sync in one step: a clear error instead of silent corruption."""
     model = make_model()
-    opt = ZeroOptimizer(model.parameters(), lr=0.1)
+    opt = make_optimizer(
+        model, hyper={"lr": 0.1}, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=DEFAULT_ALIGNMENT
+    )
     loss_of(model, *batch(0, rank)).backward()
     try:
         loss_of(model, *batch(1, rank)).backward()
@@ -190,13 +195,12 @@ def determinism(
 ) -> dict[str, Any]:
     """Final parameters and clipped norms for one setting (compared across settings by the test)."""
     model = make_model()
-    opt = ZeroOptimizer(
-        model.parameters(),
-        torch.optim.AdamW,
-        lr=1e-2,
+    opt = make_optimizer(
+        model,
+        hyper={"lr": 1e-2},
         stage=stage,
-        alignment=8,
         bucket_bytes=bucket_bytes,
+        alignment=8,
         overlap_grad_reduce=overlap,
         collectives=collectives,
     )
@@ -213,7 +217,9 @@ def determinism(
 def grads_after_zero_grad(rank: int, world: int, stage: int) -> dict[str, Any]:
     """``zero_grad`` semantics per stage."""
     model = make_model()
-    opt = ZeroOptimizer(model.parameters(), lr=0.1, stage=stage)
+    opt = make_optimizer(
+        model, hyper={"lr": 0.1}, stage=stage, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=DEFAULT_ALIGNMENT
+    )
     loss_of(model, *batch(0, rank)).backward()
     opt.step()
     after_step = [p.grad is None for p in model.parameters()]
@@ -235,11 +241,10 @@ def start_from_rank_zero(rank: int, world: int) -> dict[str, Any]:
     model = make_model(seed=rank, dtype=torch.bfloat16)
     model.pos.weight.requires_grad_(False)  # frozen parameters are synced too
     reference = [p.detach().clone() for p in make_model(seed=0, dtype=torch.bfloat16).parameters()]
-    opt = ZeroOptimizer(model.parameters(), lr=1e-2, shard_group_size=2, alignment=8)
+    opt = make_optimizer(model, hyper={"lr": 1e-2}, shard=2, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=8)
     same = all(torch.equal(a, b) for a, b in zip(reference, model.parameters(), strict=True))
     masters = all(
-        torch.equal(b.master[: b.owned], b.region(opt.process_groups.shard_rank).float())
-        for b in opt.buffers
+        torch.equal(b.master[: b.owned], b.region(opt.process_groups.shard_rank).float()) for b in opt.buffers
     )
     return {"same": same, "masters": masters}
 
@@ -250,11 +255,14 @@ def dropped_optimizer_stays_quiet(rank: int, world: int) -> dict[str, Any]:
     import weakref
 
     model = make_model()
-    first = ZeroOptimizer(model.parameters(), lr=1e-2)
+    first = make_optimizer(
+        model, hyper={"lr": 1e-2}, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=DEFAULT_ALIGNMENT
+    )
     alive = weakref.ref(first)
     del first
     gc.collect()
-    second = ZeroOptimizer(model.parameters(), lr=1e-2, bucket_bytes=512)  # other buckets, other collectives
+    # other buckets, other collectives
+    second = make_optimizer(model, hyper={"lr": 1e-2}, bucket_bytes=512, alignment=DEFAULT_ALIGNMENT)
     loss_of(model, *batch(0, rank)).backward()
     applied = second.step()
     return {"collected": alive() is None, "applied": applied}

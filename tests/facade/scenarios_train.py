@@ -11,17 +11,10 @@ import math
 from typing import Any
 
 import torch
-from models import Reference, averaged_grads, batch, loss_of, make_model
+from factory import OPTIMIZERS, make_optimizer
+from models import DTYPES, Reference, averaged_grads, batch, loss_of, make_model
 
 from zeroplan.core import ScalerConfig
-from zeroplan.facade import ZeroOptimizer
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-OPTIMIZERS = {
-    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
-    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
-    "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
-}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -33,24 +26,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Train TinyGPT with ZeroOptimizer for ``cfg['steps']`` and compare with the reference every step."""
     dtype = DTYPES[cfg.get("dtype", "fp32")]
-    cls, hyper = OPTIMIZERS[cfg.get("optimizer", "adamw")]
-    hyper = {**hyper, **cfg.get("hyper", {})}
+    optimizer = cfg.get("optimizer", "adamw")
+    cls = OPTIMIZERS[optimizer].cls
+    hyper = {**OPTIMIZERS[optimizer].hyper, **cfg.get("hyper", {})}
     steps, accumulate = cfg.get("steps", 4), cfg.get("accumulate", 1)
     same_grads = cfg.get("same_grads", True)
     clip, norm_type = cfg.get("clip"), cfg.get("norm_type", 2.0)
     model = make_model(dtype=dtype)
-    opt = ZeroOptimizer(
-        model.parameters(),
-        cls,
+    opt = make_optimizer(
+        model,
+        optimizer=optimizer,
+        hyper=hyper,
         stage=cfg.get("stage", 2),
-        shard_group_size=cfg.get("shard"),
-        strategy=cfg.get("strategy", "auto"),
+        shard=cfg.get("shard"),
         bucket_bytes=cfg.get("bucket_bytes", 2048),
+        alignment=cfg.get("alignment", 16),
+        strategy=cfg.get("strategy", "auto"),
         overlap_grad_reduce=cfg.get("overlap", True),
         loss_scale=cfg.get("loss_scale"),
-        alignment=cfg.get("alignment", 16),
         collectives=cfg.get("collectives", "auto"),
-        **hyper,
     )
     scheduler = _scheduler(cfg.get("scheduler"), opt, steps)
     ref = ref_sched = None
@@ -132,10 +126,9 @@ def _scheduler(kind: str | None, optimizer: torch.optim.Optimizer, steps: int) -
 def overflow(rank: int, world: int, stage: int) -> dict[str, Any]:
     """fp16 with a dynamic scale: an inf on one rank skips the step everywhere and changes nothing."""
     model = make_model(dtype=torch.float16)
-    opt = ZeroOptimizer(
-        model.parameters(),
-        torch.optim.AdamW,
-        lr=1e-3,
+    opt = make_optimizer(
+        model,
+        hyper={"lr": 1e-3},
         stage=stage,
         bucket_bytes=1024,
         alignment=16,

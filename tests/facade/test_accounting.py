@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import scenarios_accounting
 
 BASE = [
     (2, {"stage": 2}),
@@ -18,7 +19,7 @@ CASES = [(world, {**cfg, "collectives": c}) for world, cfg in BASE for c in ("gl
 
 @pytest.mark.parametrize(("world", "cfg"), CASES)
 def test_measured_equals_planned(pools, world, cfg):
-    for r in pools(world).run("scenarios_accounting", "measured_vs_planned", cfg):
+    for r in pools(world).run(scenarios_accounting.measured_vs_planned, cfg):
         assert r["measured"] == r["planned"]
         assert r["comm"] == r["planned_comm"]
         assert r["state_bytes"] > 0 or r["planned"][3] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import scenarios_checkpoint
 
 CONFIGS = [
     {"optimizer": "adamw", "dtype": "fp32", "stage": 2},
@@ -15,7 +16,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_sharded_state_dict_round_trip_is_bit_exact(pools, cfg):
-    for r in pools(4).run("scenarios_checkpoint", "sharded_round_trip", cfg):
+    for r in pools(4).run(scenarios_checkpoint.sharded_round_trip, cfg):
         assert r["same"]
         assert r["restored_scale"] == r["scale"] and r["twin_final_scale"] == r["final_scale"]
 
@@ -29,7 +30,7 @@ def saved(pools, tmp_path_factory):
         "mics": {"shard": 2, "optimizer": "adafactor", "frozen": True},
     }.items():
         root = str(tmp_path_factory.mktemp(name))
-        pools(4).run("scenarios_checkpoint", "save_reference", cfg, root)
+        pools(4).run(scenarios_checkpoint.save_reference, cfg, root)
         roots[name] = (root, cfg)
     return roots
 
@@ -51,21 +52,21 @@ def saved(pools, tmp_path_factory):
 def test_elastic_load_at_any_world_shard_size_and_strategy(pools, saved, source, world, shard, strategy):
     root, cfg = saved[source]
     cfg = {**cfg, "shard": shard, "strategy": strategy}
-    results = pools(world).run("scenarios_checkpoint", "load_and_compare", cfg, root)
+    results = pools(world).run(scenarios_checkpoint.load_and_compare, cfg, root)
     assert results[0]["state_same"] and results[0]["params_same"]
     assert all(r["extra"] == {"step": 3, "note": ("tuple", 1.5)} for r in results)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_plain_torch_state_dicts_both_ways(pools, dtype):
-    for r in pools(2).run("scenarios_checkpoint", "plain_torch_round_trip", dtype):
+    for r in pools(2).run(scenarios_checkpoint.plain_torch_round_trip, dtype):
         assert r["state_same"] and r["groups_same"]
         assert r["lr"] == 1e-2
         assert r["masters"] == (dtype == "bf16")
 
 
 def test_bounded_memory_consolidation(pools):
-    small = pools(2).run("scenarios_checkpoint", "bounded_consolidation", 1 << 20)
+    small = pools(2).run(scenarios_checkpoint.bounded_consolidation, 1 << 20)
     if not small[0]["supported"]:
         pytest.skip("this kernel cannot reset the peak-RSS counter")
     state = small[0]["state_bytes"]
@@ -78,6 +79,6 @@ def test_bounded_memory_consolidation(pools):
 def test_latest_names_the_committed_snapshot(pools, tmp_path):
     root = tmp_path / "ckpt"
     (tmp_path / "ckpt" / "snapshot-00000001.partial").mkdir(parents=True)  # an interrupted first save
-    for r in pools(2).run("scenarios_checkpoint", "latest_snapshot", str(root)):
+    for r in pools(2).run(scenarios_checkpoint.latest_snapshot, str(root)):
         assert r["before"] is None
         assert r["first"].endswith("snapshot-00000002") and r["second"].endswith("snapshot-00000003")

@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import scenarios_checkpoint
 
 HERE = Path(__file__).parent
 
@@ -18,7 +19,7 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def good(pools, tmp_path_factory):
     root = tmp_path_factory.mktemp("good")
-    pools(2).run("scenarios_checkpoint", "save_reference", {"dtype": "bf16"}, str(root))
+    pools(2).run(scenarios_checkpoint.save_reference, {"dtype": "bf16"}, str(root))
     return root
 
 
@@ -79,7 +80,7 @@ def test_a_bad_checkpoint_is_a_clear_error_and_changes_nothing(pools, good, tmp_
     root = _copy(good, tmp_path)
     if damage is not None:
         damage(root)
-    results = pools(2).run("scenarios_checkpoint", "failed_loads", str(root), case)
+    results = pools(2).run(scenarios_checkpoint.failed_loads, str(root), case)
     for r in results:
         assert r["error"] is not None, case
         assert r["unchanged"], f"{case}: the failed load changed the optimizer or parameters"
@@ -87,7 +88,7 @@ def test_a_bad_checkpoint_is_a_clear_error_and_changes_nothing(pools, good, tmp_
 
 
 def test_bad_state_dicts_are_clear_errors_and_change_nothing(pools):
-    for r in pools(2).run("scenarios_checkpoint", "failed_state_dict_loads"):
+    for r in pools(2).run(scenarios_checkpoint.failed_state_dict_loads):
         assert "another plan" in r["errors"]["other_plan"]
         assert "has shape (3, 3)" in r["errors"]["bad_shape"]
         assert "'state' and 'param_groups'" in r["errors"]["not_a_dict"]
@@ -113,11 +114,11 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(pools, tmp_path, po
     )
     assert done.returncode != 0, "the interrupted save should fail"
     assert (root / "latest").read_text().strip() == "snapshot-00000001"
-    results = pools(2).run("scenarios_checkpoint", "load_and_compare", {"dtype": "bf16"}, str(root))
+    results = pools(2).run(scenarios_checkpoint.load_and_compare, {"dtype": "bf16"}, str(root))
     assert results[0]["state_same"] and results[0]["params_same"]
     assert results[0]["extra"] == {"step": 2}
     for partial in root.glob("*.partial"):
-        bad = pools(2).run("scenarios_checkpoint", "failed_loads", str(root), "partial")
+        bad = pools(2).run(scenarios_checkpoint.failed_loads, str(root), "partial")
         assert all("interrupted save" in r["error"] and r["unchanged"] for r in bad)
         del partial
         break

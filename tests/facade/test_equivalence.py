@@ -9,6 +9,7 @@ two runs that summed in different orders would test the summation order, not the
 from __future__ import annotations
 
 import pytest
+import scenarios_train
 
 FP32_TOL = 1e-6
 
@@ -30,7 +31,7 @@ CASES = [
 
 
 def _train(pools, world, **cfg):
-    return pools(world).run("scenarios_train", "train", cfg)
+    return pools(world).run(scenarios_train.train, cfg)
 
 
 @pytest.mark.parametrize(("world", "shard", "stage", "optimizer", "collectives"), CASES)
@@ -103,7 +104,7 @@ def test_lr_schedulers_drive_the_sharded_step(pools, scheduler):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_fp16_overflow_skips_the_step_and_backs_off(pools, stage):
-    results = pools(2).run("scenarios_train", "overflow", stage)
+    results = pools(2).run(scenarios_train.overflow, stage)
     for r in results:
         assert r["first"] is True
         assert r["applied"] is False

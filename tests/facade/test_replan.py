@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import scenarios_replan
 
 FP32_TOL = 1e-6
 
@@ -11,7 +12,7 @@ FP32_TOL = 1e-6
     ("world", "stage", "optimizer"), [(2, 2, "adamw"), (4, 1, "sgd"), (4, 2, "adafactor"), (3, 2, "adamw")]
 )
 def test_freeze_and_unfreeze_mid_run_keeps_state(pools, world, stage, optimizer):
-    results = pools(world).run("scenarios_replan", "freeze_and_unfreeze", stage, "fp32", optimizer)
+    results = pools(world).run(scenarios_replan.freeze_and_unfreeze, stage, "fp32", optimizer)
     r = results[0]
     assert len(r["errors"]) == 6
     assert max(r["errors"]) < FP32_TOL, r["errors"]
@@ -20,12 +21,12 @@ def test_freeze_and_unfreeze_mid_run_keeps_state(pools, world, stage, optimizer)
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_add_param_group_mid_run(pools, stage):
-    r = pools(4).run("scenarios_replan", "add_group", stage)[0]
+    r = pools(4).run(scenarios_replan.add_group, stage)[0]
     assert max(r["errors"]) < FP32_TOL, r["errors"]
     assert r["groups"][-1] == [1e-2, 3e-3]
 
 
 def test_bad_add_param_group_changes_nothing(pools):
-    for r in pools(2).run("scenarios_replan", "bad_add_group"):
+    for r in pools(2).run(scenarios_replan.bad_add_group):
         assert r["error"] is not None and "already listed" in r["error"], r["error"]
         assert r["same"] and r["applied"]

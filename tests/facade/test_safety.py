@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import scenarios_safety
 
 FP32_TOL = 1e-6
 
 
 def test_every_bad_argument_is_a_clear_error_on_every_rank(pools):
-    results = pools(2).run("scenarios_safety", "bad_arguments")
+    results = pools(2).run(scenarios_safety.bad_arguments)
     expect = {
         "empty": "empty parameter list",
         "duplicate": "already listed",
@@ -35,7 +36,7 @@ def test_every_bad_argument_is_a_clear_error_on_every_rank(pools):
 
 
 def test_ranks_that_disagree_all_get_an_error(pools):
-    results = pools(4).run("scenarios_safety", "disagreeing_ranks")
+    results = pools(4).run(scenarios_safety.disagreeing_ranks)
     for rank, r in enumerate(results):
         assert "different parameters" in r["shapes"], r["shapes"]
         assert "different parameters" in r["order"], r["order"]
@@ -49,7 +50,7 @@ def test_ranks_that_disagree_all_get_an_error(pools):
     ("strategy", "alignment", "owned"), [("flat_even", 8, [0, 0, 0, 4]), ("lpt_whole", 1, [3, 1, 0, 0])]
 )
 def test_more_ranks_than_parameters(pools, strategy, alignment, owned):
-    results = pools(4).run("scenarios_safety", "more_ranks_than_params", strategy, alignment)
+    results = pools(4).run(scenarios_safety.more_ranks_than_params, strategy, alignment)
     assert [r["owned"][0] for r in results] == owned
     assert max(results[0]["errors"]) < FP32_TOL
     for r in results[1:]:
@@ -58,20 +59,20 @@ def test_more_ranks_than_parameters(pools, strategy, alignment, owned):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_gradients_in_any_order_and_unused_parameters(pools, stage):
-    results = pools(4).run("scenarios_safety", "readiness_order", stage)
+    results = pools(4).run(scenarios_safety.readiness_order, stage)
     assert max(results[0]["grad_errors"]) < FP32_TOL, results[0]["grad_errors"]
     assert max(results[0]["errors"]) < FP32_TOL, results[0]["errors"]
 
 
 def test_a_second_backward_without_no_sync_is_refused(pools):
-    results = pools(2).run("scenarios_safety", "second_backward_is_refused")
+    results = pools(2).run(scenarios_safety.second_backward_is_refused)
     assert all(m is not None and "no_sync" in m for m in results), results
 
 
 @pytest.mark.parametrize("collectives", ["gloo", "min_bytes"])
 def test_determinism_overlap_bucket_size_and_norms(pools, collectives):
     runs = {
-        key: pools(2).run("scenarios_safety", "determinism", overlap, bucket, stage, collectives)
+        key: pools(2).run(scenarios_safety.determinism, overlap, bucket, stage, collectives)
         for key, (overlap, bucket, stage) in {
             "overlap": (True, 512, 2),
             "no_overlap": (False, 512, 2),
@@ -93,8 +94,8 @@ def test_determinism_overlap_bucket_size_and_norms(pools, collectives):
 
 @pytest.mark.parametrize("collectives", ["gloo", "min_bytes"])
 def test_bucket_size_changes_gradients_only_by_sum_rounding_at_world_4(pools, collectives):
-    small = pools(4).run("scenarios_safety", "determinism", True, 256, 2, collectives)[0]
-    big = pools(4).run("scenarios_safety", "determinism", True, 1 << 20, 2, collectives)[0]
+    small = pools(4).run(scenarios_safety.determinism, True, 256, 2, collectives)[0]
+    big = pools(4).run(scenarios_safety.determinism, True, 1 << 20, 2, collectives)[0]
     worst = max(
         float((a - b).abs().max() / b.abs().max()) for a, b in zip(small["grads"], big["grads"], strict=True)
     )
@@ -103,7 +104,7 @@ def test_bucket_size_changes_gradients_only_by_sum_rounding_at_world_4(pools, co
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_grad_semantics(pools, stage):
-    r = pools(2).run("scenarios_safety", "grads_after_zero_grad", stage)[0]
+    r = pools(2).run(scenarios_safety.grads_after_zero_grad, stage)[0]
     if stage == 2:
         assert all(r["after_step_none"])  # gradients are sharded: freed once reduced
     else:
@@ -114,10 +115,10 @@ def test_zero_grad_semantics(pools, stage):
 
 
 def test_every_rank_starts_from_rank_zero_parameters(pools):
-    for r in pools(4).run("scenarios_safety", "start_from_rank_zero"):
+    for r in pools(4).run(scenarios_safety.start_from_rank_zero):
         assert r["same"] and r["masters"]
 
 
 def test_a_dropped_optimizer_does_not_reduce_gradients(pools):
-    for r in pools(2).run("scenarios_safety", "dropped_optimizer_stays_quiet"):
+    for r in pools(2).run(scenarios_safety.dropped_optimizer_stays_quiet):
         assert r["collected"] and r["applied"]
