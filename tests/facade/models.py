@@ -81,3 +81,9 @@ class Reference:
             for m, p in zip(self.master, self.model.parameters(), strict=True):
                 p.copy_(m)
         return norm
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max-norm relative difference of two tensors (compared in fp32)."""
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) if b.numel() else 0.0

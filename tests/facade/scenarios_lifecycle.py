@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from models import Reference, batch, loss_of, make_model
-from scenarios_train import rel_err
+from factory import OPTIMIZERS, make_optimizer
+from models import DTYPES, Reference, batch, loss_of, make_model, rel_err
 
 from zeroplan.core import StepOrderError
 from zeroplan.facade import ZeroOptimizer
@@ -59,11 +59,10 @@ def _accepted_step(
 def out_of_order(rank: int, world: int, stage: int, dtype: str) -> dict[str, Any]:
     """Each misuse raises StepOrderError, leaves every tensor as it was, and training then continues
     exactly as the unsharded optimizer's (the reference steps once per accepted step)."""
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    model = make_model(dtype=torch_dtype)
-    hyper = {"lr": 1e-2, "weight_decay": 0.1}
-    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, bucket_bytes=2048, **hyper)
-    ref = Reference(make_model(dtype=torch_dtype), torch.optim.AdamW, **hyper) if rank == 0 else None
+    model = make_model(dtype=DTYPES[dtype])
+    opt = make_optimizer(model, stage=stage)
+    adamw = OPTIMIZERS["adamw"]
+    ref = Reference(make_model(dtype=DTYPES[dtype]), adamw.cls, **adamw.hyper) if rank == 0 else None
     messages: dict[str, str | None] = {}
     unchanged: dict[str, bool] = {}
 
@@ -119,5 +118,4 @@ def frozen_model_steps_quietly(rank: int, world: int) -> bool:
     model = make_model()
     for p in model.parameters():
         p.requires_grad_(False)
-    opt = ZeroOptimizer(model.parameters(), lr=1e-2)
-    return opt.step()
+    return make_optimizer(model).step()

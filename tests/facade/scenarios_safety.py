@@ -6,8 +6,7 @@ from typing import Any
 
 import torch
 from factory import OPTIMIZERS, make_optimizer
-from models import Reference, averaged_grads, batch, loss_of, make_model
-from scenarios_train import rel_err
+from models import Reference, averaged_grads, batch, loss_of, make_model, rel_err
 from torch import nn
 
 from zeroplan.core import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, ZeroplanError

@@ -12,15 +12,9 @@ from typing import Any
 
 import torch
 from factory import OPTIMIZERS, make_optimizer
-from models import DTYPES, Reference, averaged_grads, batch, loss_of, make_model
+from models import DTYPES, Reference, averaged_grads, batch, loss_of, make_model, rel_err
 
 from zeroplan.core import ScalerConfig
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Max-norm relative difference of two tensors (compared in fp32)."""
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) if b.numel() else 0.0
 
 
 def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import scenarios_lifecycle
 
 FP32_TOL = 1e-6
 REFUSED = [
@@ -18,7 +19,7 @@ REFUSED = [
 
 @pytest.mark.parametrize(("stage", "dtype"), [(1, "fp32"), (2, "fp32"), (2, "bf16")])
 def test_out_of_order_calls_are_refused_and_change_nothing(pools, stage, dtype):
-    results = pools(2).run("scenarios_lifecycle", "out_of_order", stage, dtype)
+    results = pools(2).run(scenarios_lifecycle.out_of_order, stage, dtype)
     for rank, result in enumerate(results):
         for name in REFUSED:
             assert result["messages"][name] is not None, (rank, name)
@@ -34,4 +35,4 @@ def test_out_of_order_calls_are_refused_and_change_nothing(pools, stage, dtype):
 
 
 def test_a_plan_without_trainable_parameters_steps_quietly(pools):
-    assert pools(2).run("scenarios_lifecycle", "frozen_model_steps_quietly") == [True, True]
+    assert pools(2).run(scenarios_lifecycle.frozen_model_steps_quietly) == [True, True]
