@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zeroplan.facade.demo_model import DemoGPT, GPTConfig, build_model
+from zeroplan.facade.cli.demo.model import DemoGPT, GPTConfig, build_model
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, *, width: int = 24) -> DemoGPT:

@@ -1,7 +1,7 @@
 """The training of ``zeroplan demo``, in each worker process.
 
 [Note: demo protocol]
-``demo.run`` starts ``world`` processes (spawn, one thread each) on gloo, or on
+``supervisor.run`` starts ``world`` processes (spawn, one thread each) on gloo, or on
 NCCL with one GPU per rank. Every rank builds the same :class:`DemoGPT` and trains
 it with ``ZeroOptimizer(torch.optim.AdamW)`` on its own batches of the sort
 task: ``backward``, ``clip_grad_norm_(1.0)``, ``step``, ``zero_grad``. Rank 0
@@ -17,7 +17,7 @@ time as the reference. Each step starts at a barrier and is timed on every
 rank; the reference is timed on rank 0 while the other ranks wait. At the end
 every rank reports its measured bytes (``measured_memory``, ``last_step_comm``) next to the plan's
 (``memory_report``), rank 0 gathers them, compares the parameters of the two
-runs, prints the tables (``demo_report``) and hands the exit code back.
+runs, prints the tables (``report``) and hands the exit code back.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import CommCost
-from zeroplan.facade.demo_model import GPTConfig, SortTask, build_model, loss_of
-from zeroplan.facade.demo_settings import DemoSettings
-from zeroplan.facade.optimizer import MeasuredMemory, ZeroOptimizer
+from zeroplan.facade import MeasuredMemory, ZeroOptimizer
+from zeroplan.facade.cli.demo.model import GPTConfig, SortTask, build_model, loss_of
+from zeroplan.facade.cli.demo.settings import DemoSettings
 
 __all__ = [
     "Agreement",
@@ -148,7 +148,7 @@ class RankRecord(NamedTuple):
 
 
 class Outcome(NamedTuple):
-    """Everything rank 0 reports at the end (see ``demo_report``)."""
+    """Everything rank 0 reports at the end (see ``report``)."""
 
     settings: DemoSettings
     fingerprint: str
@@ -192,7 +192,7 @@ def worker(rank: int, settings: DemoSettings, rendezvous: str) -> int | None:
         dist.destroy_process_group()
     if outcome is None:
         return None
-    from zeroplan.facade.demo_report import print_report
+    from zeroplan.facade.cli.demo.report import print_report
 
     return print_report(outcome)
 
