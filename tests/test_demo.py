@@ -14,9 +14,9 @@ import pytest
 
 from zeroplan.core import Collective, CommCost
 from zeroplan.facade import MeasuredMemory
+from zeroplan.facade.cli.demo.outcome import CONTROL_FACTOR, FLOOR, Outcome, RankRecord, agreement, tolerance
 from zeroplan.facade.cli.demo.report import print_report, problems
 from zeroplan.facade.cli.demo.settings import DemoSettings
-from zeroplan.facade.cli.demo.train import CONTROL_FACTOR, FLOOR, Outcome, RankRecord, agreement, tolerance
 
 _ENV = {**os.environ, "COLUMNS": "120", "PYTHONWARNINGS": "ignore"}
 
@@ -220,9 +220,9 @@ def test_verdict_accepts_agreement_and_rejects_each_kind_of_disagreement():
 def test_docstring_examples():
     import doctest
 
-    from zeroplan.facade.cli.demo import model, settings, train
+    from zeroplan.facade.cli.demo import model, outcome, settings, train
 
-    for module in (model, settings, train):
+    for module in (model, outcome, settings, train):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from zeroplan.core import CommCost
 from zeroplan.facade import MeasuredMemory
-from zeroplan.facade.cli.demo.train import Outcome, RankRecord, agreement
+from zeroplan.facade.cli.demo.outcome import Outcome, RankRecord, agreement
 
 __all__ = ["comm_rows", "print_report", "problems"]
 
