@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroplan.facade.demo_model import DemoGPT as GPT
-from zeroplan.facade.demo_model import GPTConfig
+from zeroplan.facade.cli.demo.model import DemoGPT as GPT
+from zeroplan.facade.cli.demo.model import GPTConfig
 
 __all__ = ["GPT", "GPT_7M", "GPT_34M", "GPT_TINY", "GPTConfig", "lm_loss", "make_batch"]
 

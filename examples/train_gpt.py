@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.facade import ZeroOptimizer, checkpoint
-from zeroplan.facade.demo_model import GPTConfig, SortTask, build_model, loss_of
+from zeroplan.facade.cli.demo.model import GPTConfig, SortTask, build_model, loss_of
 
 #: (model, batch -> loss): what ``train`` needs from a model family.
 Build = Callable[[argparse.Namespace, torch.device, torch.dtype], tuple[torch.nn.Module, Callable[..., Any]]]

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from train_gpt import parse_args, run
 
-from zeroplan.facade.demo_model import IGNORE, SortTask
+from zeroplan.facade.cli.demo.model import IGNORE, SortTask
 
 
 def build_gpt2(args, device: torch.device, dtype: torch.dtype):

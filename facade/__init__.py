@@ -1,7 +1,9 @@
-"""zeroplan's imperative shell: the sharded optimizer, collectives, checkpoints and the CLI.
+"""zeroplan's imperative shell: the sharded optimizer, collectives and checkpoints.
 
-``ZeroOptimizer`` and friends import torch; they are loaded on first access so
-that ``zeroplan plan`` starts quickly.
+The command line (``zeroplan plan``, ``zeroplan demo`` and the demo's GPT) is the
+subpackage :mod:`zeroplan.facade.cli`. ``ZeroOptimizer`` and friends import torch;
+they are loaded on first access so that ``zeroplan plan``, which imports this
+package, starts quickly.
 """
 
 from __future__ import annotations

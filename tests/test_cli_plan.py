@@ -396,3 +396,17 @@ def test_console_script_matches_the_module_entry_point():
         [script, "plan", "--stage", "4"], capture_output=True, text=True, env=_ENV, timeout=120
     )
     assert_one_line_error(bad, "stage must be 0, 1, 2 or 3, got 4")
+
+
+def test_plan_never_imports_torch():
+    """``zeroplan plan`` (table and JSON) starts in a fraction of a second: no torch, no optimizer."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from zeroplan.facade.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    codes = [main(['plan', '--preset', 'gpt2']), main(['plan', '--preset', 'gpt2', '--json'])]\n"
+        "print(codes, sorted(m for m in sys.modules if m.partition('.')[0] == 'torch'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 0] []"

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from zeroplan.core import Collective, CommCost
-from zeroplan.facade.demo_report import print_report, problems
-from zeroplan.facade.demo_settings import DemoSettings
-from zeroplan.facade.demo_train import CONTROL_FACTOR, FLOOR, Outcome, RankRecord, agreement, tolerance
-from zeroplan.facade.optimizer import MeasuredMemory
+from zeroplan.facade import MeasuredMemory
+from zeroplan.facade.cli.demo.outcome import CONTROL_FACTOR, FLOOR, Outcome, RankRecord, agreement, tolerance
+from zeroplan.facade.cli.demo.report import print_report, problems
+from zeroplan.facade.cli.demo.settings import DemoSettings
 
 _ENV = {**os.environ, "COLUMNS": "120", "PYTHONWARNINGS": "ignore"}
 
@@ -220,9 +220,9 @@ def test_verdict_accepts_agreement_and_rejects_each_kind_of_disagreement():
 def test_docstring_examples():
     import doctest
 
-    from zeroplan.facade import demo_model, demo_settings, demo_train
+    from zeroplan.facade.cli.demo import model, outcome, settings, train
 
-    for module in (demo_model, demo_settings, demo_train):
+    for module in (model, outcome, settings, train):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zeroplan.facade.demo_model import DemoGPT, GPTConfig, build_model
+from zeroplan.facade.cli.demo.model import DemoGPT, GPTConfig, build_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The parameter dtypes scenarios are configured with, by short name."""

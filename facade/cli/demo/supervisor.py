@@ -2,8 +2,8 @@
 
 This module imports no torch, so ``zeroplan demo`` spends no time on it before
 the workers start (see [Note: fast start] for how the workers avoid it). The
-training itself is :mod:`zeroplan.facade.demo_train`; the tables,
-:mod:`zeroplan.facade.demo_report`.
+training itself is :mod:`zeroplan.facade.cli.demo.train`; the tables,
+:mod:`zeroplan.facade.cli.demo.report`.
 
 Each worker reports through a pipe of its own: rank 0 sends the exit code its
 report decided; a worker that raises sends its traceback. When a worker exits with an
@@ -23,7 +23,7 @@ import traceback
 from typing import Any
 
 from zeroplan.core.errors import check_config
-from zeroplan.facade.demo_settings import DemoSettings
+from zeroplan.facade.cli.demo.settings import DemoSettings
 
 __all__ = ["check_devices", "run"]
 
@@ -111,7 +111,7 @@ def _context() -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["zeroplan.facade.demo_train", "torch._dynamo"])
+    ctx.set_forkserver_preload(["zeroplan.facade.cli.demo.train", "torch._dynamo"])
     return ctx
 
 
@@ -145,12 +145,12 @@ def _supervise(workers: list[Any], readers: list[Any]) -> dict[int, tuple[str, A
 
 
 def _worker(rank: int, settings: DemoSettings, rendezvous: str, report: Any) -> None:
-    """Entry point of a worker process: one thread, then ``demo_train.worker``."""
+    """Entry point of a worker process: one thread, then ``train.worker``."""
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported, where it is not preloaded
     try:
-        from zeroplan.facade import demo_train
+        from zeroplan.facade.cli.demo import train
 
-        code = demo_train.worker(rank, settings, rendezvous)
+        code = train.worker(rank, settings, rendezvous)
         if code is not None:
             report.send((_VERDICT, code))
     except KeyboardInterrupt:

@@ -7,8 +7,8 @@ from rich.console import Console
 from rich.table import Table
 
 from zeroplan.core import CommCost
-from zeroplan.facade.demo_train import Outcome, RankRecord, agreement
-from zeroplan.facade.optimizer import MeasuredMemory
+from zeroplan.facade import MeasuredMemory
+from zeroplan.facade.cli.demo.outcome import Outcome, RankRecord, agreement
 
 __all__ = ["comm_rows", "print_report", "problems"]
 

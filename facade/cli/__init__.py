@@ -1,5 +1,9 @@
 """The ``zeroplan`` command line: ``zeroplan plan …`` and ``zeroplan demo …``.
 
+The subcommands are :mod:`zeroplan.facade.cli.plan` and :mod:`zeroplan.facade.cli.demo`;
+``python -m zeroplan.facade.cli`` runs :func:`main` as the console script does. Nothing here
+imports torch, so ``zeroplan plan`` starts quickly.
+
 Bad arguments print one line, ``zeroplan: error: …``, and exit with code 2.
 """
 
@@ -24,12 +28,12 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser with every subcommand registered."""
-    from zeroplan.facade import cli_demo, cli_plan
+    from zeroplan.facade.cli import demo, plan
 
     parser = _Parser(prog="zeroplan", description="Plan and run ZeRO-sharded optimizers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    cli_plan.register(sub)
-    cli_demo.register(sub)
+    plan.register(sub)
+    demo.register(sub)
     return parser
 
 
@@ -46,7 +50,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and closed early
         sys.stderr.close()
         return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

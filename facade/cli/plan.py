@@ -22,7 +22,7 @@ from zeroplan.core import (
     preset_names,
     strategy_names,
 )
-from zeroplan.facade.model_sources import specs_from_hf_config, specs_from_json, specs_from_preset
+from zeroplan.facade.cli.model_sources import specs_from_hf_config, specs_from_json, specs_from_preset
 
 __all__ = ["register", "run"]
 

@@ -1,8 +1,10 @@
 """``zeroplan demo``: train a small GPT with ZeroOptimizer and with torch.optim.AdamW, and compare.
 
-The work is in :mod:`zeroplan.facade.demo`; this module only declares the
-arguments. Bad arguments raise ``ConfigError`` before any process starts (and
-before torch is imported).
+This module only declares the arguments; the work is in
+:mod:`~zeroplan.facade.cli.demo.supervisor` (the processes),
+:mod:`~zeroplan.facade.cli.demo.train` (each rank) and
+:mod:`~zeroplan.facade.cli.demo.report` (the tables). Bad arguments raise
+``ConfigError`` before any process starts (and before torch is imported).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from zeroplan.facade.demo_settings import COLLECTIVES, DTYPES, DemoSettings, make_settings
+from zeroplan.facade.cli.demo.settings import COLLECTIVES, DTYPES, DemoSettings, make_settings
 
 __all__ = ["register", "run"]
 
@@ -58,6 +60,6 @@ def run(args: argparse.Namespace) -> int:
         bucket_mb=args.bucket_mb,
         collectives=args.collectives,
     )
-    from zeroplan.facade import demo  # after the arguments are known to be good
+    from zeroplan.facade.cli.demo import supervisor  # after the arguments are known to be good
 
-    return demo.run(settings)
+    return supervisor.run(settings)
