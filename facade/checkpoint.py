@@ -6,10 +6,15 @@
     path/
       latest                      # name of the committed snapshot (atomic rename)
       snapshot-00000007/
-        manifest.json             # plan, specs, fragments, scalars, hyper-parameters, extra
+        manifest.json             # plan, specs, fragments, state leaves, hyper-parameters, extra
         frozen.pt                 # frozen parameters, if any, whole (written by rank 0)
         shard-00000.pt ...        # per shard rank: its region of the parameters, its fp32
-                                  # masters and optimizer state
+                                  # masters and the tensor leaves of its optimizer state
+
+Optimizer state is written as the leaves of [Note: state codec]: tensors go to
+the shard files under ``state/<leaf path>`` and the manifest records, per
+leaf, its dtype and the ranks whose file holds it, or, for plain values (the
+scalar state of a cohort), the value itself.
 
 Files hold tensors and plain data only (``torch.load(weights_only=True)``) with a
 crc32 per 1 MiB block. Each snapshot is written under ``snapshot-N.partial``;

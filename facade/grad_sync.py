@@ -1,7 +1,10 @@
 """Gradient reduction in buckets, overlapped with backward.
 
 [Note: gradient sync]
-A post-accumulate-grad hook marks a parameter ready. Buckets are launched
+A post-accumulate-grad hook first asks the step lifecycle to admit the
+gradient (see [Note: step lifecycle]: it refuses one that arrives after the
+reduction, and inside ``no_sync()`` it says to keep it local), then marks the
+parameter ready. Buckets are launched
 strictly in the plan's order (the order of collectives must match on every
 rank), each as soon as all of its parameters are ready and every earlier
 bucket has been launched: its gradients are copied into a staging buffer and
@@ -11,7 +14,7 @@ first completes the oldest, which then starts its all-reduce over the replica
 group (MiCS). Under the GLOO policy a bucket is instead all-reduced over the
 whole data-parallel group (see [Note: collective policy]).
 
-``finish()`` (at ``step()`` or clipping) launches what is left: parameters that
+``finish()`` (once per step, when the lifecycle reduces) launches what is left: parameters that
 got no gradient in this step contribute zeros, and gradients accumulated under
 ``no_sync()`` but not touched by the last backward are reduced as they are.
 With ``overlap=False`` nothing launches from hooks and ``finish()`` issues the
