@@ -22,15 +22,9 @@ from typing import NamedTuple
 import torch
 
 from zeroplan.core import Space, Stage, ZeroPlan, master_dtype
+from zeroplan.facade.state_tree import torch_dtype
 
 __all__ = ["SpaceBuffers", "build_buffers", "param_views"]
-
-_DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 
 class SpaceBuffers(NamedTuple):
@@ -70,7 +64,7 @@ def build_buffers(
     """
     result = []
     for space in zp.partition.spaces:
-        dtype = _DTYPES[space.dtype]
+        dtype = torch_dtype(space.dtype)
         full = torch.empty(space.numel, dtype=dtype, device=device)
         views = param_views(full, space, params)
         for index, view in views.items():
@@ -94,7 +88,7 @@ def build_buffers(
         if master_dtype(space.dtype) == space.dtype:
             master = region
         else:
-            master = torch.zeros(shard_numel, dtype=_DTYPES[master_dtype(space.dtype)], device=device)
+            master = torch.zeros(shard_numel, dtype=torch_dtype(master_dtype(space.dtype)), device=device)
             master[:owned].copy_(region)
         result.append(
             SpaceBuffers(

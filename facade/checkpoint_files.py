@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from zeroplan.core import CheckpointError
+from zeroplan.facade.state_tree import dtype_name, torch_dtype
 
 __all__ = [
     "BLOCK_BYTES",
@@ -150,7 +151,7 @@ def encode(value: Any) -> Any:
     if torch.is_tensor(value):
         return {
             "__tensor__": value.detach().cpu().reshape(-1).tolist(),
-            "dtype": str(value.dtype).removeprefix("torch."),
+            "dtype": dtype_name(value.dtype),
             "shape": list(value.shape),
         }
     if isinstance(value, tuple):
@@ -172,7 +173,7 @@ def decode(value: Any) -> Any:
         return [decode(v) for v in value]
     if isinstance(value, dict):
         if "__tensor__" in value:
-            data = torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+            data = torch.tensor(value["__tensor__"], dtype=torch_dtype(value["dtype"]))
             return data.reshape(value["shape"])
         if "__tuple__" in value:
             return tuple(decode(v) for v in value["__tuple__"])

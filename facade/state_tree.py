@@ -23,19 +23,22 @@ anything, which is what consolidation exchanges. State values may be nested
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import optree
 import torch
 
 from zeroplan.core import Space, ZeroPlan
-from zeroplan.facade.inner import Inner
+
+if TYPE_CHECKING:  # inner imports buffers, which imports this module
+    from zeroplan.facade.inner import Inner
 
 __all__ = [
     "ShardState",
     "StateDescription",
     "TensorMeta",
     "decode_state",
+    "dtype_name",
     "tensor_meta",
     "describe_state",
     "encode_state",
@@ -55,6 +58,11 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype")
     return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name :func:`torch_dtype` reads back, e.g. ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 class TensorMeta(NamedTuple):
@@ -77,7 +85,7 @@ def tree_clone(tree: Any, device: torch.device | None = None) -> Any:
 
 def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
     """The shape and dtype name of ``tensor``."""
-    return TensorMeta(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+    return TensorMeta(tuple(tensor.shape), dtype_name(tensor.dtype))
 
 
 class ShardState(NamedTuple):
@@ -165,7 +173,7 @@ def describe_state(zp: ZeroPlan, inner: Inner, shard_rank: int) -> StateDescript
         owned = spaces[spec.space].owned[shard_rank]
         for key, value in state.items():
             if is_per_element(value, tensor):
-                meta = TensorMeta((owned,), str(value.dtype).removeprefix("torch."))
+                meta = TensorMeta((owned,), dtype_name(value.dtype))
                 leaves.setdefault(f"flat/{spaces[spec.space].dtype}/{key}", meta)
             else:
                 scalars[key] = tree_clone(value, torch.device("cpu"))
