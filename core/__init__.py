@@ -27,15 +27,17 @@ from zeroplan.core.errors import (
 )
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
-from zeroplan.core.partition import Fragment, PartitionPlan, Space, plan_from_assignment
+from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
 from zeroplan.core.planner import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
     InnerTensor,
     Stage,
+    WindowOverlap,
     ZeroPlan,
     auto_strategy,
     plan,
+    windows_in,
 )
 from zeroplan.core.presets import preset_names, preset_specs
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
@@ -65,6 +67,7 @@ __all__ = [
     "CommCost",
     "ConfigError",
     "Fragment",
+    "FragmentOverlap",
     "GradCopy",
     "IncompatiblePlanError",
     "InnerTensor",
@@ -83,6 +86,7 @@ __all__ = [
     "Span",
     "Stage",
     "Topology",
+    "WindowOverlap",
     "ZeroPlan",
     "ZeroplanError",
     "auto_strategy",
@@ -112,4 +116,5 @@ __all__ = [
     "specs_from_shapes",
     "strategy_names",
     "update",
+    "windows_in",
 ]
