@@ -222,6 +222,9 @@ class PartitionPlan:
             (empty for frozen parameters).
         spaces: per dtype, the derived layout (see [Note: layout]).
         splits_params: whether any parameter is split across ranks.
+        trainable_indices: indices of the trainable parameters, the ones the
+            plan manages: exactly the parameters of its spaces (zero-size ones
+            included), so also the parameters of the facade's flat buffers.
 
     Raises:
         PlanInvariantError: the fragments do not form a valid layout (the
@@ -236,6 +239,7 @@ class PartitionPlan:
     fragments: tuple[tuple[Fragment, ...], ...]
     spaces: tuple[Space, ...] = field(init=False)
     splits_params: bool = field(init=False)
+    trainable_indices: frozenset[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "specs", check_specs(self.specs))
@@ -259,6 +263,12 @@ class PartitionPlan:
                 )
         object.__setattr__(self, "spaces", _build_spaces(self))
         object.__setattr__(self, "splits_params", any(len(f) > 1 for f in self.fragments))
+        trainable = frozenset(s.index for s in self.specs if s.trainable)
+        require(
+            frozenset(p for space in self.spaces for p in space.params) == trainable,
+            "the spaces must hold exactly the trainable parameters",
+        )
+        object.__setattr__(self, "trainable_indices", trainable)
 
     # ----------------------------------------------------------------- queries
     def owner_ranks(self, param: int) -> tuple[int, ...]:

@@ -208,6 +208,18 @@ class ZeroPlan:
         return self.partition.specs
 
     @property
+    def trainable_indices(self) -> frozenset[int]:
+        """Indices of the parameters the plan manages: the trainable ones, exactly those of its spaces.
+
+        Example:
+            >>> from zeroplan.core.specs import specs_from_shapes
+            >>> specs = specs_from_shapes([(4,), (3,), (0,)], trainable=[True, False, True])
+            >>> sorted(plan(specs, Topology(world_size=2)).trainable_indices)
+            [0, 2]
+        """
+        return self.partition.trainable_indices
+
+    @property
     def policy(self) -> CollectivePolicy:
         """The collective policy (see [Note: collective policy])."""
         return self.buckets.policy
