@@ -43,7 +43,13 @@ from zeroplan.core.presets import preset_names, preset_specs
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
 from zeroplan.core.span import Span
-from zeroplan.core.specs import ParamSpec, check_specs, specs_from_module, specs_from_shapes
+from zeroplan.core.specs import (
+    ParamSpec,
+    check_specs,
+    specs_fingerprint,
+    specs_from_module,
+    specs_from_shapes,
+)
 from zeroplan.core.strategies import (
     PartitionStrategy,
     flat_even,
@@ -112,6 +118,7 @@ __all__ = [
     "preset_specs",
     "register_strategy",
     "send_elements",
+    "specs_fingerprint",
     "specs_from_module",
     "specs_from_shapes",
     "strategy_names",

@@ -24,7 +24,7 @@ from zeroplan.core.fingerprint import digest
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.partition import PartitionPlan, Space
 from zeroplan.core.span import Span
-from zeroplan.core.specs import ParamSpec, check_specs
+from zeroplan.core.specs import ParamSpec, check_specs, specs_fingerprint
 from zeroplan.core.strategies import get_strategy
 from zeroplan.core.topology import Topology
 
@@ -280,6 +280,14 @@ class ZeroPlan:
                     )
                     start = stop
         return tuple(tensors)
+
+    def specs_fingerprint(self) -> str:
+        """Stable digest of the parameters alone (:func:`~zeroplan.core.specs.specs_fingerprint`).
+
+        Ranks compare it before :meth:`fingerprint`, to tell "other parameters"
+        from "same parameters, other settings".
+        """
+        return specs_fingerprint(self.specs)
 
     def fingerprint(self) -> str:
         """Stable digest of everything ranks must agree on."""
