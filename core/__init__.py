@@ -28,21 +28,29 @@ from zeroplan.core.errors import (
 )
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
-from zeroplan.core.partition import Fragment, PartitionPlan, Space, plan_from_assignment
+from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
 from zeroplan.core.planner import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
     InnerTensor,
     Stage,
+    WindowOverlap,
     ZeroPlan,
     auto_strategy,
     plan,
+    windows_in,
 )
 from zeroplan.core.presets import preset_names, preset_specs
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
 from zeroplan.core.span import Span
-from zeroplan.core.specs import ParamSpec, check_specs, specs_from_module, specs_from_shapes
+from zeroplan.core.specs import (
+    ParamSpec,
+    check_specs,
+    specs_fingerprint,
+    specs_from_module,
+    specs_from_shapes,
+)
 from zeroplan.core.strategies import (
     PartitionStrategy,
     flat_even,
@@ -66,6 +74,7 @@ __all__ = [
     "CommCost",
     "ConfigError",
     "Fragment",
+    "FragmentOverlap",
     "GradCopy",
     "IncompatiblePlanError",
     "InnerTensor",
@@ -85,6 +94,7 @@ __all__ = [
     "Span",
     "Stage",
     "Topology",
+    "WindowOverlap",
     "ZeroPlan",
     "ZeroplanError",
     "auto_strategy",
@@ -110,8 +120,10 @@ __all__ = [
     "preset_specs",
     "register_strategy",
     "send_elements",
+    "specs_fingerprint",
     "specs_from_module",
     "specs_from_shapes",
     "strategy_names",
     "update",
+    "windows_in",
 ]

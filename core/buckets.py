@@ -29,6 +29,7 @@ once all its parameters' gradients are ready.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from zeroplan.core.comm import Collective, CollectivePolicy
 from zeroplan.core.errors import PlanInvariantError, check_config, require
@@ -160,6 +161,32 @@ class BucketLayout:
         )
 
 
+class _Part(NamedTuple):
+    """A fragment clipped to one bucket: the gradient elements it copies and their place in the shard."""
+
+    param: int
+    param_span: Span
+    shard_span: Span
+
+
+class _Draft(NamedTuple):
+    """A bucket whose launch position is not known yet."""
+
+    space: int
+    span: Span
+    pieces: tuple[Piece, ...]
+    copies: tuple[GradCopy, ...]
+    params: tuple[int, ...]
+
+    def launch_key(self) -> tuple[int, int, int]:
+        """Sort key of the launch order.
+
+        A bucket is complete when its lowest-index parameter is ready, and
+        backward readies parameters in decreasing index order.
+        """
+        return (-self.params[0], self.space, -self.span.start)
+
+
 def plan_buckets(
     plan: PartitionPlan,
     bucket_bytes: int,
@@ -192,7 +219,7 @@ def plan_buckets(
         type(alignment) is int and alignment >= 1,
         f"alignment must be an int >= 1 (elements), got {alignment!r}",
     )
-    drafts: list[tuple[int, int, Span, tuple[Piece, ...], tuple[GradCopy, ...], tuple[int, ...]]] = []
+    drafts: list[_Draft] = []
     for space in plan.spaces:
         itemsize = plan.specs[space.params[0]].itemsize
         cap = max(alignment, bucket_bytes // itemsize // alignment * alignment)
@@ -202,15 +229,18 @@ def plan_buckets(
         hi = space.numel
         while hi > 0:
             lo = max(0, round_up(hi - cap, alignment))
-            by_rank: dict[int, list[tuple[int, Span, Span]]] = {}
+            bucket = Span(lo, hi)
+            by_rank: dict[int, list[_Part]] = {}
             while run >= 0 and offset_of[runs[run].param] + runs[run].param_span.stop > lo:
                 frag = runs[run]
-                start = offset_of[frag.param] + frag.param_span.start
-                clip = Span(max(start, lo), min(start + frag.param_span.numel, hi))
-                param_span = clip.shift(frag.param_span.start - start)
-                shard_span = clip.shift(frag.shard_offset - start)
-                by_rank.setdefault(frag.rank, []).append((frag.param, param_span, shard_span))
-                if start >= lo:
+                # The fragment's part of the bucket, in parameter elements (the walk guarantees an
+                # overlap; spelled out rather than Span.intersect: this loop runs per fragment and bucket).
+                offset, whole = offset_of[frag.param], frag.param_span
+                param_span = Span(max(lo - offset, whole.start), min(hi - offset, whole.stop))
+                by_rank.setdefault(frag.rank, []).append(
+                    _Part(frag.param, param_span, frag.shard_span_of(param_span))
+                )
+                if offset + whole.start >= lo:
                     run -= 1
                 else:
                     break
@@ -221,37 +251,37 @@ def plan_buckets(
                 # Runs were walked downwards and a rank's shard follows space order (the plan
                 # checks it), so reversing puts the rank's parts in shard order.
                 parts = by_rank[rank][::-1]
-                window = Span(parts[0][2].start, parts[-1][2].stop)
-                if window.numel != sum(part[2].numel for part in parts):  # (hot loop)
+                window = Span(parts[0].shard_span.start, parts[-1].shard_span.stop)
+                if window.numel != sum(part.shard_span.numel for part in parts):  # (hot loop)
                     raise PlanInvariantError(
                         f"bucket [{lo}, {hi}) of space {space.index} is not contiguous in rank {rank}'s shard"
                     )
                 pieces.append(Piece(rank, window, staging))
-                for param, param_span, shard_span in parts:
-                    copies.append(GradCopy(param, param_span, staging + shard_span.start - window.start))
+                for part in parts:
+                    copies.append(
+                        GradCopy(part.param, part.param_span, staging + part.shard_span.start - window.start)
+                    )
                 staging += window.numel
             require(
                 staging == hi - lo, f"bucket [{lo}, {hi}) of space {space.index} covers {staging} elements"
             )
             params = tuple(sorted({c.param for c in copies}))
-            drafts.append((params[0], space.index, Span(lo, hi), tuple(pieces), tuple(copies), params))
+            drafts.append(_Draft(space.index, bucket, tuple(pieces), tuple(copies), params))
             hi = lo
-    # Launch order: a bucket is complete when its lowest-index parameter is ready, and
-    # backward readies parameters in decreasing index order.
-    drafts.sort(key=lambda d: (-d[0], d[1], -d[2].start))
+    drafts.sort(key=_Draft.launch_key)
     buckets = tuple(
         Bucket(
             index=i,
-            space=space,
-            span=span,
-            pieces=pieces,
-            copies=copies,
-            params=params,
+            space=d.space,
+            span=d.span,
+            pieces=d.pieces,
+            copies=d.copies,
+            params=d.params,
             collective=Collective.ALL_REDUCE
             if policy is CollectivePolicy.GLOO
-            else _collective(pieces, plan.shard_size),
+            else _collective(d.pieces, plan.shard_size),
         )
-        for i, (_, space, span, pieces, copies, params) in enumerate(drafts)
+        for i, d in enumerate(drafts)
     )
     return BucketLayout(bucket_bytes=bucket_bytes, alignment=alignment, buckets=buckets, policy=policy)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from zeroplan.core.buckets import Bucket
 from zeroplan.core.comm import Collective, all_reduce_send
@@ -131,6 +131,38 @@ class MemoryReport:
         }
 
 
+class _RankBytes(NamedTuple):
+    """Memory of one shard rank by category (see [Note: what is counted])."""
+
+    params: int
+    grads: int
+    master: int
+    optimizer_state: int
+    buffers: int
+
+
+class _SizedBucket(NamedTuple):
+    """A bucket and the bytes per element of its space."""
+
+    bucket: Bucket
+    itemsize: int
+
+
+class _Elements(NamedTuple):
+    """``numel`` elements of ``itemsize`` bytes (a piece size, a remainder)."""
+
+    numel: int
+    itemsize: int
+
+
+@dataclass(slots=True)
+class _Totals:
+    """Running totals of calls and bytes (mutable: an accumulator, never returned)."""
+
+    calls: int = 0
+    nbytes: int = 0
+
+
 def _staging_peak(zp: ZeroPlan) -> int:
     """Largest total bytes of ``max_inflight_buckets`` consecutive buckets."""
     sizes = [b.numel * DTYPE_ITEMSIZE[zp.partition.spaces[b.space].dtype] for b in zp.buckets.buckets]
@@ -139,20 +171,23 @@ def _staging_peak(zp: ZeroPlan) -> int:
 
 
 class _Tally:
-    """Per-rank totals of (group, collective) -> [calls, bytes], in first-use order."""
+    """Per-rank totals of (group, collective) -> calls and bytes, in first-use order."""
 
     def __init__(self, ranks: int) -> None:
-        self.rows: list[dict[tuple[str, Collective], list[int]]] = [{} for _ in range(ranks)]
+        self.rows: list[dict[tuple[str, Collective], _Totals]] = [{} for _ in range(ranks)]
 
     def add(self, rank: int, group: str, collective: Collective, nbytes: int, calls: int = 1) -> None:
-        entry = self.rows[rank].setdefault((group, collective), [0, 0])
-        entry[0] += calls
-        entry[1] += nbytes
+        row, key = self.rows[rank], (group, collective)
+        entry = row.get(key)
+        if entry is None:
+            entry = row[key] = _Totals()
+        entry.calls += calls
+        entry.nbytes += nbytes
 
     def costs(self, rank: int) -> tuple[CommCost, ...]:
         return tuple(
-            CommCost(group=grp, collective=coll, calls=calls, bytes=nbytes)
-            for (grp, coll), (calls, nbytes) in self.rows[rank].items()
+            CommCost(group=grp, collective=coll, calls=totals.calls, bytes=totals.nbytes)
+            for (grp, coll), totals in self.rows[rank].items()
         )
 
 
@@ -169,33 +204,37 @@ def _traffic(zp: ZeroPlan, clipping: bool) -> _Tally:
     spaces = zp.partition.spaces
     tally = _Tally(world)
     buckets = zp.buckets.buckets
-    sized = [(b, DTYPE_ITEMSIZE[spaces[b.space].dtype]) for b in buckets]
+    sized = [_SizedBucket(b, DTYPE_ITEMSIZE[spaces[b.space].dtype]) for b in buckets]
 
     if zp.stage is Stage.DDP:
         if world > 1:
             _ddp_traffic(tally, sized, world)
     else:
-        # payload[(collective, factor)] = [bytes, calls]; minus[...][s] = what rank s does not send.
-        payload: dict[Collective, list[int]] = {}
-        minus: dict[Collective, list[int]] = {}
+        # payload[collective]: calls and bytes of all its calls; unsent[collective][s]: the bytes
+        # of those that shard rank s does not send.
+        payload: dict[Collective, _Totals] = {}
+        unsent: dict[Collective, list[int]] = {}
 
-        def account(collective: Collective, nbytes: int, calls: int, skip: list[tuple[int, int]]) -> None:
-            entry = payload.setdefault(collective, [0, 0])
-            entry[0] += nbytes
-            entry[1] += calls
-            row = minus.get(collective)
+        def account(collective: Collective, nbytes: int, calls: int) -> list[int]:
+            """Count ``calls`` moving ``nbytes`` in all; the caller adds to the returned unsent row."""
+            entry = payload.get(collective)
+            if entry is None:
+                entry = payload[collective] = _Totals()
+            entry.nbytes += nbytes
+            entry.calls += calls
+            row = unsent.get(collective)
             if row is None:
-                row = minus[collective] = [0] * n
-            for rank, bytes_ in skip:
-                row[rank] += bytes_
+                row = unsent[collective] = [0] * n
+            return row
 
-        world_reduced = []  # GLOO policy: buckets all-reduced over the world group
+        world_reduced: list[_SizedBucket] = []  # GLOO policy: buckets all-reduced over the world group
         for b, isz in sized:
-            pieces = [(p.rank, p.shard_span.numel * isz) for p in b.pieces]
             if b.collective is Collective.ALL_REDUCE:
-                world_reduced.append((b, isz))
+                world_reduced.append(_SizedBucket(b, isz))
             else:
-                account(b.collective, b.numel * isz, 1, pieces)
+                row = account(b.collective, b.numel * isz, 1)
+                for p in b.pieces:  # a reducing rank does not send its own piece
+                    row[p.rank] += p.shard_span.numel * isz
             if zp.stage is Stage.PARAMETERS:
                 # Gathered for forward and again for backward; a sender skips its successor's piece.
                 gather = (
@@ -204,29 +243,32 @@ def _traffic(zp: ZeroPlan, clipping: bool) -> _Tally:
                     else Collective.BROADCAST
                 )
                 calls = 1 if gather is Collective.ALL_GATHER else len(b.pieces)
-                account(gather, 2 * b.numel * isz, 2 * calls, [((q - 1) % n, 2 * nb) for q, nb in pieces])
+                row = account(gather, 2 * b.numel * isz, 2 * calls)
+                for p in b.pieces:
+                    row[(p.rank - 1) % n] += 2 * p.shard_span.numel * isz
         if zp.stage is not Stage.PARAMETERS:
             for space in spaces:
                 isz = DTYPE_ITEMSIZE[space.dtype]
                 gather = zp.gather_collective(space)
                 calls = 1 if gather is Collective.ALL_GATHER else sum(1 for o in space.owned if o)
-                skip = [((q - 1) % n, o * isz) for q, o in enumerate(space.owned)]
-                account(gather, space.numel * isz, calls, skip)
+                row = account(gather, space.numel * isz, calls)
+                for q, owned in enumerate(space.owned):  # a sender skips its successor's region
+                    row[(q - 1) % n] += owned * isz
         # MiCS: each piece is then all-reduced over the replica group; count pieces by size.
-        piece_sizes: list[Counter[tuple[int, int]]] = [Counter() for _ in range(n)]
+        piece_sizes: list[Counter[_Elements]] = [Counter() for _ in range(n)]
         if r > 1:
             for b, isz in sized:
                 if b.collective is Collective.ALL_REDUCE:
                     continue  # already summed over the replicas too
                 for p in b.pieces:
-                    piece_sizes[p.rank][(p.shard_span.numel, isz)] += 1
+                    piece_sizes[p.rank][_Elements(p.shard_span.numel, isz)] += 1
         if world > 1 and world_reduced:
             _ddp_traffic(tally, world_reduced, world)
         for w in range(world):
             s, g = topo.shard_rank(w), topo.replica_rank(w)
-            for collective, (nbytes, calls) in payload.items():
-                if n > 1 and calls:
-                    tally.add(w, "shard", collective, nbytes - minus[collective][s], calls)
+            for collective, totals in payload.items():
+                if n > 1 and totals.calls:
+                    tally.add(w, "shard", collective, totals.nbytes - unsent[collective][s], totals.calls)
             for (numel, isz), count in piece_sizes[s].items():
                 nbytes = count * all_reduce_send(numel, r, g) * isz
                 tally.add(w, "replica", Collective.ALL_REDUCE, nbytes, count)
@@ -243,7 +285,7 @@ def _traffic(zp: ZeroPlan, clipping: bool) -> _Tally:
     return tally
 
 
-def _ddp_traffic(tally: _Tally, sized: list[tuple[Bucket, int]], world: int) -> None:
+def _ddp_traffic(tally: _Tally, sized: list[_SizedBucket], world: int) -> None:
     """Ring all-reduce of every bucket over the world.
 
     Rank ``w`` sends ``2M - chunk(w) - chunk(w+1)`` per bucket of ``M``
@@ -251,11 +293,11 @@ def _ddp_traffic(tally: _Tally, sized: list[tuple[Bucket, int]], world: int) -> 
     """
     total = sum(2 * b.numel * isz for b, isz in sized)
     base = sum(b.numel // world * isz for b, isz in sized)
-    extras = sorted((b.numel % world, isz) for b, isz in sized)
-    keys = [e for e, _ in extras]
+    extras = sorted(_Elements(b.numel % world, isz) for b, isz in sized)
+    keys = [e.numel for e in extras]
     suffix = [0] * (len(extras) + 1)  # suffix[i]: bytes of buckets i.. in remainder order
     for i in range(len(extras) - 1, -1, -1):
-        suffix[i] = suffix[i + 1] + extras[i][1]
+        suffix[i] = suffix[i + 1] + extras[i].itemsize
 
     def chunk_bytes(w: int) -> int:
         return base + suffix[bisect_right(keys, w)]
@@ -276,10 +318,8 @@ def communication(zp: ZeroPlan, rank: int, *, clipping: bool = False) -> tuple[C
     return _traffic(zp, clipping).costs(rank)
 
 
-def _rank_memory(
-    zp: ZeroPlan, shard_rank: int, staging_peak: int, frozen: int
-) -> tuple[int, int, int, int, int]:
-    """(params, grads, master, optimizer state, buffers) bytes of a shard rank."""
+def _rank_memory(zp: ZeroPlan, shard_rank: int, staging_peak: int, frozen: int) -> _RankBytes:
+    """Bytes of a shard rank by category."""
     stage, specs = zp.stage, zp.specs
     params = grads = master = state = 0
     scratch = 0
@@ -304,12 +344,12 @@ def _rank_memory(
                     spec.shape, DTYPE_ITEMSIZE[master_dtype(spec.dtype)]
                 )
         buffers = sum(space.numel * DTYPE_ITEMSIZE[space.dtype] for space in zp.partition.spaces)
-        return params + frozen, grads, master, state, buffers
+        return _RankBytes(params + frozen, grads, master, state, buffers)
     for tensor in zp.inner_tensors(shard_rank):
         dtype = master_dtype(zp.partition.spaces[tensor.space].dtype)
         state += zp.optimizers[tensor.group].state_bytes(tensor.shape, DTYPE_ITEMSIZE[dtype])
     staging = staging_peak * (2 if stage is Stage.PARAMETERS else 1)
-    return params + frozen, grads, master, state, max(staging, scratch)
+    return _RankBytes(params + frozen, grads, master, state, max(staging, scratch))
 
 
 def memory_report(zp: ZeroPlan, *, clipping: bool = False) -> MemoryReport:
@@ -331,16 +371,16 @@ def memory_report(zp: ZeroPlan, *, clipping: bool = False) -> MemoryReport:
     ranks = []
     for rank in range(topo.world_size):
         s = topo.shard_rank(rank)
-        params, grads, master, state, buffers = per_shard[s]
+        memory = per_shard[s]
         ranks.append(
             RankReport(
                 rank=rank,
                 shard_rank=s,
-                params_bytes=params,
-                grads_bytes=grads,
-                master_bytes=master,
-                optimizer_state_bytes=state,
-                buffer_bytes=buffers,
+                params_bytes=memory.params,
+                grads_bytes=memory.grads,
+                master_bytes=memory.master,
+                optimizer_state_bytes=memory.optimizer_state,
+                buffer_bytes=memory.buffers,
                 comm=traffic.costs(rank),
             )
         )

@@ -19,6 +19,11 @@ of the next ranks' shards, in order (``flat_even`` does exactly this). The
 updated shards are gathered into that buffer with one ``all_gather`` when every
 region has the same size and one ``broadcast`` per rank otherwise.
 
+A chunk of rank ``r``'s shard (a span of its shard coordinate, as consolidation
+broadcasts) meets some of ``r``'s fragments; :meth:`Space.fragments_in` clips
+them to it and says where each overlap lies in the shard, in the chunk and in
+the flattened parameter, so the facade slices and never clips by hand.
+
 Strategies only decide ownership: they return ``(param, span, rank)`` pieces
 and :func:`plan_from_assignment` derives every offset, so a strategy cannot
 produce an inconsistent layout by accident.
@@ -26,9 +31,10 @@ produce an inconsistent layout by accident.
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from zeroplan.core.comm import Collective
 from zeroplan.core.errors import ConfigError, PlanInvariantError, check_config, require
@@ -36,7 +42,7 @@ from zeroplan.core.fingerprint import digest
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.specs import ParamSpec, check_specs
 
-__all__ = ["Fragment", "PartitionPlan", "Space", "plan_from_assignment"]
+__all__ = ["Fragment", "FragmentOverlap", "PartitionPlan", "Space", "plan_from_assignment"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,44 @@ class Fragment:
     def shard_span(self) -> Span:
         """The range in the owner's shard coordinate."""
         return Span(self.shard_offset, self.shard_offset + self.param_span.numel)
+
+    def shard_span_of(self, param_span: Span) -> Span:
+        """Where elements ``param_span`` of the parameter (inside this fragment) lie in the owner's shard.
+
+        Example:
+            >>> Fragment(param=3, rank=1, param_span=Span(10, 20), shard_offset=4).shard_span_of(Span(12, 15))
+            Span(start=6, stop=9)
+        """
+        if not self.param_span.contains(param_span):  # (hot loop: no message unless it fails)
+            raise PlanInvariantError(f"{param_span} is not inside fragment {self.param_span} of {self.param}")
+        return param_span.shift(self.shard_offset - self.param_span.start)
+
+    def param_span_of(self, shard_span: Span) -> Span:
+        """The elements of the flattened parameter at ``shard_span`` of the shard (inside this fragment).
+
+        Example:
+            >>> Fragment(param=3, rank=1, param_span=Span(10, 20), shard_offset=4).param_span_of(Span(6, 9))
+            Span(start=12, stop=15)
+        """
+        if not self.shard_span.contains(shard_span):  # (hot loop: no message unless it fails)
+            raise PlanInvariantError(f"{shard_span} is not inside the shard span {self.shard_span} of {self}")
+        return shard_span.shift(self.param_span.start - self.shard_offset)
+
+
+class FragmentOverlap(NamedTuple):
+    """The part of one fragment that falls in a chunk of its owner's shard (:meth:`Space.fragments_in`).
+
+    Attributes:
+        param: index of the parameter.
+        shard_span: the overlap, in the owner's shard coordinate.
+        chunk_span: the overlap relative to the chunk's start: slice the chunk with it.
+        param_span: the overlap, in the flattened parameter's elements: slice the parameter with it.
+    """
+
+    param: int
+    shard_span: Span
+    chunk_span: Span
+    param_span: Span
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,6 +162,52 @@ class Space:
         start = self.region_offsets[rank]
         return Span(start, start + self.owned[rank])
 
+    def fragments_in(self, rank: int, chunk: Span) -> tuple[FragmentOverlap, ...]:
+        """Rank ``rank``'s fragments overlapping ``chunk`` of its shard, clipped to it, in shard order.
+
+        Empty fragments (zero-size parameters) overlap nothing. Costs
+        ``O(log fragments + overlaps)``.
+
+        Args:
+            rank: shard rank.
+            chunk: a span of rank ``rank``'s shard coordinate, inside its
+                allocation ``[0, shard_numel[rank])``.
+
+        Raises:
+            PlanInvariantError: ``rank`` or ``chunk`` is out of range.
+
+        Example:
+            >>> from zeroplan.core.specs import specs_from_shapes
+            >>> plan = plan_from_assignment(
+            ...     specs_from_shapes([(4,), (6,)]), 1, 1, "mine", [(0, Span(0, 4), 0), (1, Span(0, 6), 0)]
+            ... )
+            >>> for part in plan.spaces[0].fragments_in(0, Span(2, 7)):
+            ...     print(part.param, part.shard_span, part.chunk_span, part.param_span)
+            0 Span(start=2, stop=4) Span(start=0, stop=2) Span(start=2, stop=4)
+            1 Span(start=4, stop=7) Span(start=2, stop=5) Span(start=0, stop=3)
+        """
+        require(0 <= rank < len(self.owned), f"rank {rank} outside 0..{len(self.owned) - 1}")
+        require(
+            chunk.stop <= self.shard_numel[rank],
+            f"chunk {chunk} is beyond rank {rank}'s shard of {self.shard_numel[rank]} elements "
+            f"({self.dtype} space)",
+        )
+        frags = self.by_rank[rank]
+        # The last fragment starting at or before the chunk holds its first element, if any.
+        first = bisect_right(frags, chunk.start, key=lambda f: f.shard_offset)
+        overlaps = []
+        for frag in frags[max(first - 1, 0) :]:
+            if frag.shard_offset >= chunk.stop:
+                break
+            shard_span = frag.shard_span.intersect(chunk)
+            if shard_span is not None:
+                overlaps.append(
+                    FragmentOverlap(
+                        frag.param, shard_span, shard_span.shift(-chunk.start), frag.param_span_of(shard_span)
+                    )
+                )
+        return tuple(overlaps)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PartitionPlan:
@@ -132,6 +222,9 @@ class PartitionPlan:
             (empty for frozen parameters).
         spaces: per dtype, the derived layout (see [Note: layout]).
         splits_params: whether any parameter is split across ranks.
+        trainable_indices: indices of the trainable parameters, the ones the
+            plan manages: exactly the parameters of its spaces (zero-size ones
+            included), so also the parameters of the facade's flat buffers.
 
     Raises:
         PlanInvariantError: the fragments do not form a valid layout (the
@@ -146,6 +239,7 @@ class PartitionPlan:
     fragments: tuple[tuple[Fragment, ...], ...]
     spaces: tuple[Space, ...] = field(init=False)
     splits_params: bool = field(init=False)
+    trainable_indices: frozenset[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "specs", check_specs(self.specs))
@@ -169,6 +263,12 @@ class PartitionPlan:
                 )
         object.__setattr__(self, "spaces", _build_spaces(self))
         object.__setattr__(self, "splits_params", any(len(f) > 1 for f in self.fragments))
+        trainable = frozenset(s.index for s in self.specs if s.trainable)
+        require(
+            frozenset(p for space in self.spaces for p in space.params) == trainable,
+            "the spaces must hold exactly the trainable parameters",
+        )
+        object.__setattr__(self, "trainable_indices", trainable)
 
     # ----------------------------------------------------------------- queries
     def owner_ranks(self, param: int) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 from zeroplan.core.buckets import BucketLayout, plan_buckets
 from zeroplan.core.comm import Collective, CollectivePolicy
@@ -23,7 +24,7 @@ from zeroplan.core.fingerprint import digest
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.partition import PartitionPlan, Space
 from zeroplan.core.span import Span
-from zeroplan.core.specs import ParamSpec, check_specs
+from zeroplan.core.specs import ParamSpec, check_specs, specs_fingerprint
 from zeroplan.core.strategies import get_strategy
 from zeroplan.core.topology import Topology
 
@@ -32,9 +33,11 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "InnerTensor",
     "Stage",
+    "WindowOverlap",
     "ZeroPlan",
     "auto_strategy",
     "plan",
+    "windows_in",
 ]
 
 #: Shard allocations and bucket boundaries are multiples of this many elements.
@@ -76,6 +79,59 @@ class InnerTensor:
     shape: tuple[int, ...]
     param: int | None = None
     cohort: int = 0
+
+
+class WindowOverlap(NamedTuple):
+    """The part of one inner tensor's window that falls in a chunk of the shard (:func:`windows_in`).
+
+    Attributes:
+        tensor: position of the inner tensor in the sequence searched.
+        shard_span: the overlap, in the rank's shard coordinate.
+        chunk_span: the overlap relative to the chunk's start: slice the chunk with it.
+        window_span: the overlap relative to the window's start: slice the
+            (flattened) inner tensor, or its per-element state, with it.
+    """
+
+    tensor: int
+    shard_span: Span
+    chunk_span: Span
+    window_span: Span
+
+
+def windows_in(tensors: Sequence[InnerTensor], space: int, chunk: Span) -> tuple[WindowOverlap, ...]:
+    """The windows of ``tensors`` in space ``space`` that overlap ``chunk`` of the shard, clipped to it.
+
+    ``tensors`` is one rank's ``ZeroPlan.inner_tensors(rank)`` (or a sequence
+    in the same order); the overlaps come in that order.
+
+    Args:
+        tensors: the inner tensors of one shard rank.
+        space: index of the dtype space the chunk belongs to.
+        chunk: a span of that rank's shard coordinate.
+
+    Example:
+        >>> tensors = (
+        ...     InnerTensor(space=0, group=0, shard_span=Span(0, 4), shape=(4,)),
+        ...     InnerTensor(space=0, group=1, shard_span=Span(4, 10), shape=(6,)),
+        ... )
+        >>> for part in windows_in(tensors, 0, Span(2, 7)):
+        ...     print(part.tensor, part.chunk_span, part.window_span)
+        0 Span(start=0, stop=2) Span(start=2, stop=4)
+        1 Span(start=2, stop=5) Span(start=0, stop=3)
+    """
+    overlaps = []
+    for position, tensor in enumerate(tensors):
+        if tensor.space != space:
+            continue
+        window = tensor.shard_span
+        shard_span = window.intersect(chunk)
+        if shard_span is not None:
+            overlaps.append(
+                WindowOverlap(
+                    position, shard_span, shard_span.shift(-chunk.start), shard_span.shift(-window.start)
+                )
+            )
+    return tuple(overlaps)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,6 +208,18 @@ class ZeroPlan:
         return self.partition.specs
 
     @property
+    def trainable_indices(self) -> frozenset[int]:
+        """Indices of the parameters the plan manages: the trainable ones, exactly those of its spaces.
+
+        Example:
+            >>> from zeroplan.core.specs import specs_from_shapes
+            >>> specs = specs_from_shapes([(4,), (3,), (0,)], trainable=[True, False, True])
+            >>> sorted(plan(specs, Topology(world_size=2)).trainable_indices)
+            [0, 2]
+        """
+        return self.partition.trainable_indices
+
+    @property
     def policy(self) -> CollectivePolicy:
         """The collective policy (see [Note: collective policy])."""
         return self.buckets.policy
@@ -212,6 +280,14 @@ class ZeroPlan:
                     )
                     start = stop
         return tuple(tensors)
+
+    def specs_fingerprint(self) -> str:
+        """Stable digest of the parameters alone (:func:`~zeroplan.core.specs.specs_fingerprint`).
+
+        Ranks compare it before :meth:`fingerprint`, to tell "other parameters"
+        from "same parameters, other settings".
+        """
+        return specs_fingerprint(self.specs)
 
     def fingerprint(self) -> str:
         """Stable digest of everything ranks must agree on."""

@@ -156,9 +156,9 @@ def plan_reshard(
                         dtype=spec.dtype,
                         param=spec.index,
                         src_rank=a.rank,
-                        src_span=overlap.shift(a.shard_offset - a.param_span.start),
+                        src_span=a.shard_span_of(overlap),
                         dst_rank=b.rank,
-                        dst_span=overlap.shift(b.shard_offset - b.param_span.start),
+                        dst_span=b.shard_span_of(overlap),
                     )
                 )
             if a.param_span.stop <= b.param_span.stop:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from zeroplan.core.errors import require
@@ -34,6 +35,8 @@ class Span:
         Span(start=0, stop=8)
         >>> Span(3, 3).numel
         0
+        >>> list(Span(0, 10).chunks(4))
+        [Span(start=0, stop=4), Span(start=4, stop=8), Span(start=8, stop=10)]
     """
 
     start: int
@@ -69,6 +72,15 @@ class Span:
     def contains(self, other: Span) -> bool:
         """Whether ``other`` lies entirely inside this range."""
         return self.start <= other.start and other.stop <= self.stop
+
+    def chunks(self, size: int) -> Iterator[Span]:
+        """Consecutive sub-ranges of ``size`` elements tiling this range (the last may be shorter).
+
+        An empty range has no chunks.
+        """
+        require(type(size) is int and size >= 1, f"chunk size must be an int >= 1, got {size!r}")
+        stop = self.stop
+        return (Span(start, min(start + size, stop)) for start in range(self.start, stop, size))
 
     def as_slice(self) -> slice:
         """A ``slice`` selecting this range from a flat sequence or tensor."""

@@ -16,8 +16,9 @@ from typing import Any
 
 from zeroplan.core.dtypes import canonical_dtype, itemsize
 from zeroplan.core.errors import ConfigError, check_config
+from zeroplan.core.fingerprint import digest
 
-__all__ = ["ParamSpec", "check_specs", "specs_from_module", "specs_from_shapes"]
+__all__ = ["ParamSpec", "check_specs", "specs_fingerprint", "specs_from_module", "specs_from_shapes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,6 +121,23 @@ def check_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
                 )
         group = spec.group
     return specs
+
+
+def specs_fingerprint(specs: Iterable[ParamSpec]) -> str:
+    """Stable digest of a parameter list: every spec's :meth:`ParamSpec.key`, in order.
+
+    Ranks exchange it to check that they describe the same parameters (order,
+    names, shapes, dtypes, groups, ``requires_grad`` and cohorts) before
+    comparing plans; it does not depend on any planning setting.
+
+    Example:
+        >>> a = specs_from_shapes([(2, 3), (4,)])
+        >>> specs_fingerprint(a) == specs_fingerprint(specs_from_shapes([(2, 3), (4,)]))
+        True
+        >>> specs_fingerprint(a) == specs_fingerprint(specs_from_shapes([(3, 2), (4,)]))
+        False
+    """
+    return digest("specs", [s.key() for s in specs])
 
 
 def specs_from_shapes(

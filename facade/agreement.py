@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from zeroplan.core import ConfigError, IncompatiblePlanError, ZeroPlan, ZeroplanError
-from zeroplan.core.fingerprint import digest
 from zeroplan.facade.collectives import all_gather_objects
 
 __all__ = ["agree"]
@@ -26,7 +25,7 @@ def agree(zp: ZeroPlan | None, world: dist.ProcessGroup, problem: ZeroplanError 
     """
     mine = (
         None if problem is None else f"{type(problem).__name__}: {problem}",
-        None if zp is None else digest("specs", [s.key() for s in zp.specs]),
+        None if zp is None else zp.specs_fingerprint(),
         None if zp is None else zp.fingerprint(),
     )
     rows = all_gather_objects(mine, world)

@@ -138,6 +138,16 @@ def test_balance(strategy_name, specs, shard_size, alignment):
 
 
 @given(specs=param_specs(), shard_size=shard_sizes, alignment=alignments)
+def test_trainable_indices_are_the_members_of_the_spaces(strategy_name, specs, shard_size, alignment):
+    """The managed parameters: trainable specs = union of the spaces' parameters = those with fragments."""
+    p = make_plan(strategy_name, specs, shard_size, alignment)
+    members = [q for space in p.spaces for q in space.params]
+    assert len(members) == len(set(members)), "a parameter is in two spaces"
+    assert p.trainable_indices == frozenset(members) == {s.index for s in specs if s.trainable}
+    assert p.trainable_indices == {q for q, frags in enumerate(p.fragments) if frags}
+
+
+@given(specs=param_specs(), shard_size=shard_sizes, alignment=alignments)
 def test_deterministic_and_fingerprinted(strategy_name, specs, shard_size, alignment):
     """The same inputs give the same plan and fingerprint; another shard size another fingerprint."""
     a = make_plan(strategy_name, specs, shard_size, alignment)

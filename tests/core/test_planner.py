@@ -131,6 +131,28 @@ def test_zero_plan_is_frozen_and_reports_frozen_bytes():
         zp.stage = Stage.DDP  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("strategy", ["flat_even", "lpt_whole", "greedy_whole"])
+def test_trainable_indices_are_the_parameters_of_the_spaces(strategy):
+    specs = (
+        ParamSpec(index=0, name="a", shape=(17, 257)),
+        ParamSpec(index=1, name="frozen", shape=(3,), trainable=False),
+        ParamSpec(index=2, name="empty", shape=(0,), dtype="bf16"),
+        ParamSpec(index=3, name="b", shape=(5,), dtype="bf16"),
+        ParamSpec(index=4, name="frozen_empty", shape=(0,), trainable=False),
+    )
+    zp = plan(specs, Topology(world_size=3), strategy=strategy, alignment=8)
+    assert zp.trainable_indices == zp.partition.trainable_indices == frozenset({0, 2, 3})
+    assert zp.trainable_indices == {p for space in zp.partition.spaces for p in space.params}
+    assert zp.trainable_indices == {s.index for s in zp.specs if s.trainable}
+    assert isinstance(zp.trainable_indices, frozenset)
+    assert "trainable_indices" not in repr(zp.partition)  # derived, kept out of the repr
+
+
+def test_a_fully_frozen_plan_manages_nothing():
+    zp = plan(specs_from_shapes([(4,), (2,)], trainable=[False, False]), Topology(world_size=2))
+    assert zp.trainable_indices == frozenset() and zp.partition.spaces == ()
+
+
 # ----------------------------------------------------------------- inner tensors
 def test_elementwise_inner_tensors_are_one_window_per_space_and_group():
     zp = plan(GROUPED, Topology(world_size=2), alignment=1)

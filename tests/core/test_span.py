@@ -72,3 +72,16 @@ def test_span_is_frozen_and_slotted():
         span.start = 0  # type: ignore[misc]
     assert not hasattr(span, "__dict__")
     assert hash(span) == hash(Span(1, 2)) and span == Span(1, 2)
+
+
+def test_chunks_tile_the_span_in_order():
+    assert list(Span(3, 13).chunks(4)) == [Span(3, 7), Span(7, 11), Span(11, 13)]
+    assert list(Span(0, 8).chunks(4)) == [Span(0, 4), Span(4, 8)]
+    assert list(Span(0, 3).chunks(100)) == [Span(0, 3)]
+    assert list(Span(5, 5).chunks(2)) == []
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.0, None])
+def test_chunks_reject_a_bad_size_at_once(size):
+    with pytest.raises(PlanInvariantError, match="chunk size"):
+        Span(0, 4).chunks(size)  # raised when called, not when iterated

@@ -6,7 +6,17 @@ import dataclasses
 
 import pytest
 
-from zeroplan.core import ConfigError, ParamSpec, check_specs, specs_from_module, specs_from_shapes
+from zeroplan.core import (
+    ConfigError,
+    ParamSpec,
+    Topology,
+    check_specs,
+    plan,
+    specs_fingerprint,
+    specs_from_module,
+    specs_from_shapes,
+)
+from zeroplan.core.fingerprint import digest
 
 
 def test_param_spec_derives_numel_and_canonical_dtype():
@@ -141,3 +151,34 @@ def test_specs_from_module_reads_metadata_only_and_deduplicates_tied_weights():
         ("norm.bias", (257,), "bfloat16", False),
     ]
     assert check_specs(specs) == specs
+
+
+ODD = specs_from_shapes([(17, 257), (3,), ()], dtype="bf16", trainable=[True, False, True])
+
+
+def test_specs_fingerprint_is_the_digest_ranks_have_always_exchanged():
+    # The value ranks of earlier versions computed as digest("specs", keys): pinned.
+    assert specs_fingerprint(ODD) == digest("specs", [s.key() for s in ODD]) == "9375970e614aaca3"
+    assert specs_fingerprint(list(ODD)) == specs_fingerprint(iter(ODD))  # any iterable of specs
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"name": "other"},
+        {"shape": (257, 17)},
+        {"dtype": "fp16"},
+        {"trainable": False},
+        {"cohort": 1},
+    ],
+)
+def test_specs_fingerprint_sees_every_field_of_the_key(change):
+    changed = (dataclasses.replace(ODD[0], **change), *ODD[1:])
+    assert specs_fingerprint(changed) != specs_fingerprint(ODD)
+
+
+def test_zero_plan_specs_fingerprint_ignores_every_planning_setting():
+    a = plan(ODD, Topology(world_size=2), stage=1, alignment=8)
+    b = plan(ODD, Topology(world_size=4, shard_size=2), stage=2, strategy="lpt_whole", bucket_bytes=64)
+    assert a.specs_fingerprint() == b.specs_fingerprint() == specs_fingerprint(ODD)
+    assert a.fingerprint() != b.fingerprint()
