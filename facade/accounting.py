@@ -28,7 +28,7 @@ def _nbytes(tensor: torch.Tensor | None) -> int:
 
 def measure(installed: Installed, params: Sequence[torch.Tensor], buffer_peak: int) -> MeasuredMemory:
     """What ``installed`` and the frozen ``params`` hold now; ``buffer_peak`` is the last step's peak."""
-    managed = {index for buf in installed.buffers for index in buf.space.params}
+    managed = installed.zp.trainable_indices
     frozen = sum(_nbytes(p) for i, p in enumerate(params) if i not in managed)
     state = sum(
         _nbytes(value)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import ConfigError, Fragment
+from zeroplan.core import ConfigError, Space, Span, windows_in
 from zeroplan.facade.collectives import all_gather_objects
 from zeroplan.facade.state_dicts import MASTER_KEY, Shards, torch_param_groups
 from zeroplan.facade.state_tree import TensorMeta, describe_state, torch_dtype, tree_clone
@@ -29,37 +29,26 @@ def _broadcast(buf: torch.Tensor, owner: int, sh: Shards) -> None:
         dist.broadcast(buf, group_src=owner, group=sh.groups.shard)
 
 
-def _window_chunk(sh: Shards, space: int, key: str | None, start: int, out: torch.Tensor) -> None:
-    """Fill ``out`` with this rank's shard elements ``[start, start+len)`` of ``key`` (``None``: master)."""
+def _window_chunk(sh: Shards, space: int, key: str | None, chunk: Span, out: torch.Tensor) -> None:
+    """Fill ``out`` with elements ``chunk`` of this rank's shard of ``key`` (``None``: master)."""
     if key is None:
-        out.copy_(sh.buffers[space].master[start : start + out.numel()])
+        out.copy_(sh.buffers[space].master[chunk.as_slice()])
         return
-    stop = start + out.numel()
-    for spec, tensor in zip(sh.inner.specs, sh.inner.tensors, strict=True):
-        if spec.space != space or spec.shard_span.stop <= start or spec.shard_span.start >= stop:
-            continue
-        lo, hi = max(start, spec.shard_span.start), min(stop, spec.shard_span.stop)
-        entry = sh.inner.optimizer.state.get(tensor)
+    for part in windows_in(sh.inner.specs, space, chunk):
+        entry = sh.inner.optimizer.state.get(sh.inner.tensors[part.tensor])
         if not entry or key not in entry:  # a window that starts fresh: nobody reads these elements
-            out[lo - start : hi - start] = 0
+            out[part.chunk_span.as_slice()] = 0
             continue
-        value = entry[key]
-        out[lo - start : hi - start] = value[lo - spec.shard_span.start : hi - spec.shard_span.start]
+        out[part.chunk_span.as_slice()] = entry[key][part.window_span.as_slice()]
 
 
 def _scatter_chunk(
-    chunk: torch.Tensor, start: int, frags: tuple[Fragment, ...], outputs: dict[int, torch.Tensor]
+    chunk: torch.Tensor, at: Span, space: Space, owner: int, outputs: dict[int, torch.Tensor]
 ) -> None:
-    """Copy a chunk of an owner's shard (from ``start``) into the parameter-shaped outputs."""
-    stop = start + chunk.numel()
-    for frag in frags:
-        span = frag.shard_span
-        if span.stop <= start or span.start >= stop or frag.param not in outputs:
-            continue
-        lo, hi = max(start, span.start), min(stop, span.stop)
-        flat = outputs[frag.param].view(-1)
-        offset = frag.param_span.start - span.start
-        flat[lo + offset : hi + offset] = chunk[lo - start : hi - start]
+    """Copy chunk ``at`` of ``owner``'s shard into the parameter-shaped outputs."""
+    for part in space.fragments_in(owner, at):
+        if part.param in outputs:
+            outputs[part.param].view(-1)[part.param_span.as_slice()] = chunk[part.chunk_span.as_slice()]
 
 
 def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -> dict[str, Any] | None:
@@ -116,14 +105,13 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
             )
             step = max(1, chunk_bytes // torch.empty((), dtype=dtype).element_size())
             for q in range(zp.topology.shard_size):
-                owned = space.owned[q]
-                for start in range(0, owned, step):
-                    chunk = torch.empty(min(step, owned - start), dtype=dtype, device=device)
+                for at in Span(0, space.owned[q]).chunks(step):
+                    chunk = torch.empty(at.numel, dtype=dtype, device=device)
                     if q == shard_rank:
-                        _window_chunk(sh, space.index, key, start, chunk)
+                        _window_chunk(sh, space.index, key, at, chunk)
                     _broadcast(chunk, q, sh)
                     if dest:
-                        _scatter_chunk(chunk, start, space.by_rank[q], outputs)
+                        _scatter_chunk(chunk, at, space, q, outputs)
                     del chunk
             if dest and key is None:
                 masters.update(outputs)
@@ -144,13 +132,13 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
             flat = out.view(-1) if out is not None else None
             numel = int(torch.Size(shape).numel())
             step = max(1, chunk_bytes // torch.empty((), dtype=dtype).element_size())
-            for start in range(0, numel, step):
-                chunk = torch.empty(min(step, numel - start), dtype=dtype, device=device)
+            for at in Span(0, numel).chunks(step):
+                chunk = torch.empty(at.numel, dtype=dtype, device=device)
                 if owned_state is not None:
-                    chunk.copy_(owned_state[key].reshape(-1)[start : start + chunk.numel()])
+                    chunk.copy_(owned_state[key].reshape(-1)[at.as_slice()])
                 _broadcast(chunk, owner, sh)
                 if flat is not None:
-                    flat[start : start + chunk.numel()] = chunk
+                    flat[at.as_slice()] = chunk
             if dest:
                 result.setdefault(p, {})[key] = out
     if not dest:

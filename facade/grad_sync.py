@@ -115,9 +115,8 @@ class GradSync:
         # (or stay alive through its parameters until the cycle collector runs).
         method = weakref.WeakMethod(self._on_grad)
         self._handles = [
-            params[spec.index].register_post_accumulate_grad_hook(partial(_call_weakly, method, spec.index))
-            for spec in zp.specs
-            if spec.trainable
+            params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method, index))
+            for index in sorted(zp.trainable_indices)
         ]
         self.reset()
 

@@ -94,7 +94,7 @@ def broadcast_from_rank_zero(installed: Installed, params: Sequence[torch.Tensor
         dist.broadcast(buf.params, group_src=0, group=groups.world)
         if buf.separate_master:
             buf.master[: buf.owned].copy_(buf.region(groups.shard_rank))
-    managed = {index for space in installed.zp.partition.spaces for index in space.params}
+    managed = installed.zp.trainable_indices
     for index, param in enumerate(params):
         if index not in managed:
             dist.broadcast(param.data, group_src=0, group=groups.world)

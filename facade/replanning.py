@@ -49,7 +49,7 @@ def refresh_trainable(
     world: dist.ProcessGroup,
 ) -> tuple[ParamRegistry, ZeroPlan]:
     """The registry and agreed plan after ``requires_grad`` changed (see [Note: re-planning])."""
-    trainable = frozenset(s.index for s in current.specs if s.trainable)
+    trainable = current.trainable_indices
     candidate = registry.with_newly_trainable(trainable)
     return candidate, agreed_plan(lambda: settings.plan(candidate, hyper), world)
 
@@ -93,12 +93,10 @@ def replan(
     state = export_state(old.zp, old.inner, old.buffers)
     reshard = plan_reshard(old.zp.partition, zp.partition, allow_trainable_change=True)
     old.sync.remove_hooks()
-    for buf in old.buffers:
-        for index in buf.space.params:
-            if not zp.specs[index].trainable:
-                param = params[index]
-                param.data = param.data.clone()
-                param.grad = None
+    for index in sorted(old.zp.trainable_indices - zp.trainable_indices):
+        param = params[index]
+        param.data = param.data.clone()
+        param.grad = None
     new = install(zp)
     moved, stateful = move_shards(
         old_zp=old.zp,
