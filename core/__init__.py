@@ -21,6 +21,7 @@ from zeroplan.core.dtypes import canonical_dtype, itemsize, master_dtype
 from zeroplan.core.errors import (
     CheckpointError,
     ConfigError,
+    ConfigTypeError,
     IncompatiblePlanError,
     PlanInvariantError,
     StepOrderError,
@@ -73,6 +74,7 @@ __all__ = [
     "Copy",
     "CommCost",
     "ConfigError",
+    "ConfigTypeError",
     "Fragment",
     "FragmentOverlap",
     "GradCopy",

@@ -7,6 +7,8 @@ All errors derive from :class:`ZeroplanError`, so callers can catch one type.
 * :class:`ConfigError` — a user-supplied value is wrong (a bad world size, an
   unknown strategy, ...). The message names the field, the value and the fix.
   It also derives from :class:`ValueError` so generic callers still work.
+* :class:`ConfigTypeError` — a ``ConfigError`` that is also a ``TypeError``:
+  an argument of the wrong kind, where ``torch.optim`` raises ``TypeError``.
 * :class:`StepOrderError` — a ``ConfigError`` for optimizer calls out of order
   (``step()`` before any backward, clipping twice, a backward after the
   reduction); see [Note: step lifecycle] in ``zeroplan.facade.lifecycle``.
@@ -24,6 +26,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "ConfigTypeError",
     "check_config",
     "IncompatiblePlanError",
     "PlanInvariantError",
@@ -39,6 +42,10 @@ class ZeroplanError(Exception):
 
 class ConfigError(ZeroplanError, ValueError):
     """A user-supplied argument is invalid; the message says how to fix it."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A user-supplied argument is of the wrong kind (where ``torch.optim`` raises ``TypeError``)."""
 
 
 class StepOrderError(ConfigError):

@@ -11,6 +11,7 @@ needs whole parameters on one rank: a plan that splits parameters is refused.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +105,9 @@ def known_optimizers() -> tuple[str, ...]:
     return tuple(_TABLE)
 
 
-def describe_optimizer(name: str, *, strict: bool = True, **hyper: Any) -> OptimizerSpec:
+def describe_optimizer(
+    name: str, /, settings: Mapping[str, Any] | None = None, *, strict: bool = True, **hyper: Any
+) -> OptimizerSpec:
     """The spec of the ``torch.optim`` optimizer called ``name`` with ``hyper`` settings.
 
     Hyper-parameters that change the state (``momentum``, ``amsgrad``,
@@ -114,7 +117,10 @@ def describe_optimizer(name: str, *, strict: bool = True, **hyper: Any) -> Optim
         name: class name, case-insensitive (``"adamw"`` works).
         strict: raise for unknown names; otherwise return a conservative
             non-elementwise spec with ``known=False``.
-        **hyper: the optimizer's keyword arguments.
+        settings: the optimizer's keyword arguments as a mapping (a param
+            group's settings, which may hold any key, ``name`` and ``strict``
+            included).
+        **hyper: more keyword arguments.
 
     Raises:
         ConfigError: unknown ``name`` with ``strict``.
@@ -133,7 +139,7 @@ def describe_optimizer(name: str, *, strict: bool = True, **hyper: Any) -> Optim
                 "(other optimizers are planned as non-elementwise with unknown state)"
             )
         return OptimizerSpec(name=str(name), elementwise=False, per_element=0, known=False)
-    elementwise, per_element, scalars, factored = _TABLE[canonical](**hyper)
+    elementwise, per_element, scalars, factored = _TABLE[canonical](**{**(settings or {}), **hyper})
     return OptimizerSpec(
         name=canonical,
         elementwise=elementwise,

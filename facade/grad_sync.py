@@ -20,6 +20,7 @@ got no gradient in this step contribute zeros, and gradients accumulated under
 With ``overlap=False`` nothing launches from hooks and ``finish()`` issues the
 very same collectives in the same order, so results are bit-identical.
 
+Sparse gradients (``nn.Embedding(sparse=True)``) are made dense by the hook.
 Stage 1 keeps every ``.grad`` as a view of the full gradient buffer (a
 gradient autograd allocated after ``zero_grad(set_to_none=True)`` is moved
 into it by the hook). Stage 2 frees each ``.grad`` once all its buckets are
@@ -146,6 +147,8 @@ class GradSync:
 
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if param.grad is not None and param.grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
+            param.grad = param.grad.to_dense()  # buckets are dense; the update is the same
         view = self._grad_views.get(index)
         if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)

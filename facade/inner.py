@@ -9,16 +9,26 @@ parameters otherwise), grouped exactly like the user's param groups, so group
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from zeroplan.core import ConfigError, InnerTensor, ZeroPlan
+from zeroplan.core import ConfigError, ConfigTypeError, InnerTensor, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers
 
-__all__ = ["Inner", "build_inner", "check_hyperparameters", "hyperparameters", "sync_hyperparameters"]
+__all__ = [
+    "Inner",
+    "build_inner",
+    "check_hyperparameters",
+    "check_keywords",
+    "comparable_hyperparameters",
+    "hyperparameter_digest",
+    "hyperparameters",
+    "sync_hyperparameters",
+]
 
 
 class Inner(NamedTuple):
@@ -32,6 +42,28 @@ class Inner(NamedTuple):
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's settings: everything but its tensors (``params``) and their names."""
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _comparable(value: Any) -> Any:
+    """``value`` with tensors replaced by their values, so equal settings compare and print equal."""
+    if torch.is_tensor(value):
+        return ("tensor", str(value.dtype), tuple(value.detach().cpu().reshape(-1).tolist()))
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(_comparable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _comparable(v)) for k, v in value.items()))
+    return value
+
+
+def comparable_hyperparameters(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every group's settings in a form that compares by value across ranks (tensors as tuples)."""
+    return [{k: _comparable(v) for k, v in sorted(hyperparameters(g).items())} for g in groups]
+
+
+def hyperparameter_digest(groups: Sequence[dict[str, Any]]) -> int:
+    """A 62-bit digest of every group's settings, equal on ranks that hold equal settings."""
+    text = repr(comparable_hyperparameters(groups)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 2
 
 
 def check_hyperparameters(
@@ -56,6 +88,25 @@ def check_hyperparameters(
             optimizer_class([{"params": [torch.zeros(2, 2)], **extra}], **kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise ConfigError(f"{optimizer_class.__name__} rejects param group {g}: {exc}") from None
+
+
+def check_keywords(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> None:
+    """Refuse keyword arguments ``optimizer_class`` does not take (``weight_decya=0.1``), as torch does.
+
+    Keys inside param-group dicts are not checked: torch lets groups carry extra keys.
+
+    Raises:
+        ConfigTypeError: a keyword the class's constructor does not accept.
+    """
+    signature = inspect.signature(optimizer_class.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values()):
+        return
+    unknown = sorted(set(defaults) - (set(signature) - {"self", "params"}))
+    if unknown:
+        raise ConfigTypeError(
+            f"{optimizer_class.__name__} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"it accepts {', '.join(sorted(set(signature) - {'self', 'params'}))}"
+        )
 
 
 def build_inner(

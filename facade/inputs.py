@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zeroplan.core import ConfigError, ParamSpec, canonical_dtype
+from zeroplan.core import ConfigError, ConfigTypeError, ParamSpec, canonical_dtype
 
 __all__ = ["ParamList", "collect_params", "describe_params"]
 
@@ -34,11 +34,17 @@ class ParamList(NamedTuple):
 
 def _group_dicts(params: Any) -> list[dict[str, Any]]:
     if isinstance(params, torch.Tensor):
-        raise ConfigError(
+        raise ConfigTypeError(
             "params must be an iterable of tensors or of param-group dicts, got a single tensor; "
             "pass [tensor] or model.parameters()"
         )
-    items = list(params)
+    try:
+        items = list(params)
+    except TypeError:
+        raise ConfigTypeError(
+            f"params must be an iterable of tensors or of param-group dicts, got {type(params).__name__}; "
+            "pass model.parameters()"
+        ) from None
     if not items:
         raise ConfigError("ZeroOptimizer got an empty parameter list; pass model.parameters()")
     if not isinstance(items[0], dict):
@@ -74,7 +80,7 @@ def collect_params(params: Any, start: int = 0, seen: Iterable[torch.Tensor] = (
             name, tensor = item if isinstance(item, tuple) and len(item) == 2 else (None, item)
             where = f"param group {g}, position {i}" + (f" ({name})" if name else "")
             if not isinstance(tensor, torch.Tensor):
-                raise ConfigError(f"{where}: expected a tensor, got {type(tensor).__name__}")
+                raise ConfigTypeError(f"{where}: expected a tensor, got {type(tensor).__name__}")
             if tensor.is_sparse or tensor.layout is not torch.strided:
                 raise ConfigError(
                     f"{where}: sparse tensors ({tensor.layout}) cannot be sharded; use dense parameters"

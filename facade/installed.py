@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import ZeroPlan
-from zeroplan.facade.buffers import SpaceBuffers, build_buffers
+from zeroplan.facade.buffers import SpaceBuffers, build_buffers, param_views
 from zeroplan.facade.collectives import CommLog
 from zeroplan.facade.grad_sync import GradSync, PeakTracker
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner, build_inner
 from zeroplan.facade.registry import ParamRegistry
 
-__all__ = ["Installed", "broadcast_from_rank_zero", "install"]
+__all__ = ["Installed", "broadcast_from_rank_zero", "broadcast_values", "install"]
 
 
 class Installed(NamedTuple):
@@ -35,6 +35,8 @@ class Installed(NamedTuple):
         buffers: one set of flat buffers per dtype space of the plan.
         inner: the ``torch.optim`` optimizer over this rank's master shard.
         sync: the bucketed gradient reduction, hooked to the parameters.
+        links: per trainable parameter, its index and the address of its view
+            of the flat buffer (see :meth:`detached`).
     """
 
     zp: ZeroPlan
@@ -42,6 +44,18 @@ class Installed(NamedTuple):
     buffers: tuple[SpaceBuffers, ...]
     inner: Inner
     sync: GradSync
+    links: tuple[tuple[int, int], ...]
+
+    def detached(self, params: Sequence[torch.Tensor]) -> int | None:
+        """The first trainable parameter whose ``.data`` is no longer its view of the flat buffer.
+
+        Such a parameter (e.g. after ``model.to(...)`` copied it) would never
+        see an update again; the step refuses to run (see [Note: step lifecycle]).
+        """
+        for index, address in self.links:
+            if params[index].data_ptr() != address:
+                return index
+        return None
 
     @property
     def device(self) -> torch.device:
@@ -81,7 +95,12 @@ def install(
         log=log,
         tracker=tracker,
     )
-    return Installed(zp=zp, groups=groups, buffers=buffers, inner=inner, sync=sync)
+    links = tuple(
+        (index, view.data_ptr())
+        for buf in buffers
+        for index, view in param_views(buf.params, buf.space, registry.params).items()
+    )
+    return Installed(zp=zp, groups=groups, buffers=buffers, inner=inner, sync=sync, links=links)
 
 
 @torch.no_grad()
@@ -95,6 +114,16 @@ def broadcast_from_rank_zero(installed: Installed, params: Sequence[torch.Tensor
         if buf.separate_master:
             buf.master[: buf.owned].copy_(buf.region(groups.shard_rank))
     managed = installed.zp.trainable_indices
-    for index, param in enumerate(params):
-        if index not in managed:
-            dist.broadcast(param.data, group_src=0, group=groups.world)
+    broadcast_values([p for i, p in enumerate(params) if i not in managed], groups.world)
+
+
+@torch.no_grad()
+def broadcast_values(params: Sequence[torch.Tensor], world: dist.ProcessGroup) -> None:
+    """Give ``params`` rank 0's values on every rank of ``world`` (any memory layout)."""
+    if dist.get_world_size(world) == 1:
+        return
+    for param in params:
+        values = param.data.contiguous()
+        dist.broadcast(values, group_src=0, group=world)
+        if values.data_ptr() != param.data.data_ptr():
+            param.data.copy_(values)

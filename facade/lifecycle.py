@@ -3,17 +3,25 @@
 [Note: step lifecycle]
 Every step walks the same phases, forward only::
 
-    IDLE --backward--> ACCUMULATING --reduce--> REDUCED --clip--> CLIPPED
-                                                   |                 |
-                                                   +------step-------+--> STEPPED --> PUBLISHED --> IDLE
+    IDLE --no_sync backward--> ACCUMULATING --backward--> REDUCING --reduce--> REDUCED --clip--> CLIPPED
+      |                                                      ^                  |                 |
+      +-----------------------backward-----------------------+                  +------step-------+
+                                                                                                  |
+    IDLE <-- PUBLISHED <-- STEPPED <--------------------------------------------------------------+
 
 * ``IDLE``: no gradient arrived since the last ``step()`` or ``zero_grad()``.
-* ``ACCUMULATING``: backward passes deliver gradients; each bucket is reduced
-  as soon as it is full (inside ``no_sync()`` they stay local).
+* ``ACCUMULATING``: backward passes inside ``no_sync()`` accumulate gradients
+  locally.
+* ``REDUCING``: a backward pass outside ``no_sync()`` runs; each bucket is
+  reduced as soon as it is full. A later ``no_sync()`` backward in the same
+  step is refused: its gradients could no longer join the reduction.
 * ``REDUCED``: ``clip_grad_norm_``, ``step`` or ``averaged_gradients`` finished
-  the reduction. This rank's *master gradients* (the shard the inner optimizer
-  reads) are averaged over the world and unscaled, and every rank knows
-  whether any gradient overflowed (``found_inf``).
+  the reduction. First every rank agreed (one small all-reduce, not counted in
+  the step's traffic) that none of its parameters was detached from the flat
+  buffers and that all hold the same hyper-parameters. This rank's *master
+  gradients* (the shard the inner optimizer reads) are then averaged over the
+  world and unscaled, and every rank knows whether any gradient overflowed
+  (``found_inf``).
 * ``CLIPPED``: ``clip_grad_norm_`` scaled them; once per step.
 * ``STEPPED``: the inner optimizer updated this rank's shard (not on overflow).
 * ``PUBLISHED``: the updated shards were gathered into every rank's
@@ -23,7 +31,8 @@ Every step walks the same phases, forward only::
 phase and drop the master gradients. Calls out of order raise
 :class:`~zeroplan.core.StepOrderError` from this module and nowhere else:
 ``step``/``clip_grad_norm_``/``averaged_gradients`` before any backward,
-clipping twice, a backward between the reduction and ``step()``.
+clipping twice, a backward between the reduction and ``step()``, a
+``no_sync()`` backward after a synchronised one.
 
 :class:`StepLifecycle` owns the phase and the per-step state (master
 gradients, overflow flag, the log of collectives and the peak of transient
@@ -41,14 +50,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import CommCost, StepOrderError
+from zeroplan.core import CommCost, ConfigError, StepOrderError
 from zeroplan.facade.buffers import param_views
 from zeroplan.facade.collectives import CommLog, all_reduce_shard, gather_space
 from zeroplan.facade.grad_sync import PeakTracker
-from zeroplan.facade.inner import sync_hyperparameters
+from zeroplan.facade.inner import hyperparameter_digest, sync_hyperparameters
 from zeroplan.facade.installed import Installed
 
-__all__ = ["Accumulation", "Phase", "StepLifecycle", "StepRecord"]
+__all__ = ["Accumulation", "Phase", "StepContext", "StepLifecycle", "StepRecord"]
 
 
 class Phase(enum.Enum):
@@ -56,6 +65,7 @@ class Phase(enum.Enum):
 
     IDLE = "idle"
     ACCUMULATING = "accumulating"
+    REDUCING = "reducing"
     REDUCED = "reduced"
     CLIPPED = "clipped"
     STEPPED = "stepped"
@@ -76,14 +86,32 @@ class StepRecord(NamedTuple):
         comm: its collectives, per (group, collective).
         clipped: whether ``clip_grad_norm_`` ran in it.
         buffer_peak: peak bytes of its transient buffers (staging, master gradients).
+        applied: ``False`` when the update was skipped because a gradient overflowed.
     """
 
     comm: tuple[CommCost, ...] = ()
     clipped: bool = False
     buffer_peak: int = 0
+    applied: bool = True
 
 
-_REDUCIBLE = (Phase.IDLE, Phase.ACCUMULATING)
+class StepContext(NamedTuple):
+    """What a step needs from the optimizer besides its installed plan.
+
+    Attributes:
+        divisor: what summed gradients are divided by (world size times loss scale).
+        param_groups: the user's param groups: hyper-parameters to apply and to agree on.
+        params: every parameter, by plan index.
+        names: their names, for error messages.
+    """
+
+    divisor: float
+    param_groups: Sequence[dict[str, Any]]
+    params: Sequence[torch.Tensor]
+    names: Sequence[str]
+
+
+_REDUCIBLE = (Phase.IDLE, Phase.ACCUMULATING, Phase.REDUCING)
 _NO_GRADIENT = (
     "{call} before any backward pass: no gradient arrived since the last step() or zero_grad(), so it "
     "would apply nothing (or weight decay alone). Run the backward pass first (opt.backward(loss) or "
@@ -109,7 +137,8 @@ class StepLifecycle:
         """Called by the gradient hook of parameter ``name``; returns whether buckets reduce now.
 
         Raises:
-            StepOrderError: the reduction of this step already finished.
+            StepOrderError: the reduction of this step already finished, or a
+                ``no_sync()`` gradient arrives after a synchronised backward began.
         """
         if self.phase not in _REDUCIBLE:
             raise StepOrderError(
@@ -118,8 +147,18 @@ class StepLifecycle:
                 "call step() (or zero_grad()) between backward passes, or accumulate inside "
                 "`with optimizer.no_sync():`"
             )
-        self.phase = Phase.ACCUMULATING
-        return self.accumulation is Accumulation.REDUCE
+        if self.accumulation is Accumulation.LOCAL:
+            if self.phase is Phase.REDUCING:
+                raise StepOrderError(
+                    f"parameter {name!r} received a second gradient, inside no_sync(), after this "
+                    "step's synchronised backward started reducing: it could not join the reduction. "
+                    "Run the no_sync() backward passes first and the synchronised one last, or call "
+                    "step() (or zero_grad()) in between"
+                )
+            self.phase = Phase.ACCUMULATING
+            return False
+        self.phase = Phase.REDUCING
+        return True
 
     @contextlib.contextmanager
     def local_accumulation(self) -> Iterator[None]:
@@ -131,11 +170,11 @@ class StepLifecycle:
             self.accumulation = previous
 
     # ------------------------------------------------------------ reduce
-    def reduce(self, inst: Installed, divisor: float, call: str) -> None:
-        """Finish the reduction; average and unscale into the master gradients (``-> REDUCED``).
+    def reduce(self, inst: Installed, ctx: StepContext, call: str) -> None:
+        """Agree across ranks, finish the reduction, average and unscale (``-> REDUCED``).
 
-        A no-op once reduced in this step. ``divisor`` is the world size times
-        the loss scale; ``call`` names the public method for error messages.
+        A no-op once reduced in this step; ``call`` names the public method for
+        error messages.
         """
         if self.phase in (Phase.REDUCED, Phase.CLIPPED):
             return
@@ -146,6 +185,7 @@ class StepLifecycle:
                 f"{call} in phase {self.phase.value}: the previous step() did not complete; "
                 "call zero_grad() to start a new step"
             )
+        _agree_on_step(inst, ctx, call)
         inst.sync.finish()
         grads = []
         for buf in inst.buffers:
@@ -154,7 +194,7 @@ class StepLifecycle:
                 if buf.separate_master
                 else buf.grad_shard
             )
-            grad.div_(divisor)
+            grad.div_(ctx.divisor)
             grads.append(grad)
         self.master_grads = grads
         self.found_inf = False
@@ -169,7 +209,7 @@ class StepLifecycle:
             tensor.grad = grads[spec.space][spec.shard_span.as_slice()].view(spec.shape)
         self.phase = Phase.REDUCED
 
-    def clip(self, inst: Installed, divisor: float, max_norm: float, norm_type: float) -> torch.Tensor:
+    def clip(self, inst: Installed, ctx: StepContext, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip the master gradients to a total norm of ``max_norm``; return the norm (``-> CLIPPED``).
 
         Raises:
@@ -179,7 +219,7 @@ class StepLifecycle:
             raise StepOrderError(
                 "clip_grad_norm_ was already called in this step; clip once between backward and step()"
             )
-        self.reduce(inst, divisor, "clip_grad_norm_()")
+        self.reduce(inst, ctx, "clip_grad_norm_()")
         local = torch.zeros((), dtype=torch.float32, device=inst.device)
         for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
             part = grad[: buf.owned]
@@ -198,18 +238,27 @@ class StepLifecycle:
         return total
 
     # ------------------------------------------------------------ step
-    def step(self, inst: Installed, divisor: float, param_groups: Sequence[dict[str, Any]]) -> bool:
-        """Reduce if needed, update the shard, publish it, end the step; ``False`` if skipped (overflow)."""
-        self.reduce(inst, divisor, "step()")
+    def step(self, inst: Installed, ctx: StepContext, **kwargs: Any) -> bool:
+        """Reduce if needed, update the shard, publish it, end the step; ``False`` if skipped (overflow).
+
+        ``kwargs`` go to the inner optimizer's ``step``. Settings the inner
+        optimizer writes into its param groups while stepping are copied back
+        into the user's groups.
+        """
+        self.reduce(inst, ctx, "step()")
         applied = not self.found_inf
         if applied:
-            sync_hyperparameters(param_groups, inst.inner.optimizer.param_groups)
-            inst.inner.optimizer.step()
+            inner = inst.inner.optimizer
+            sync_hyperparameters(ctx.param_groups, inner.param_groups)
+            inner.step(**kwargs)
+            sync_hyperparameters(inner.param_groups, ctx.param_groups)
             self.phase = Phase.STEPPED
             self._publish(inst)
             self.phase = Phase.PUBLISHED
         self.release(inst)
-        self.last = StepRecord(comm=self.log.summary(), clipped=self.clipped, buffer_peak=self.tracker.peak)
+        self.last = StepRecord(
+            comm=self.log.summary(), clipped=self.clipped, buffer_peak=self.tracker.peak, applied=applied
+        )
         self.log.clear()
         self.tracker.reset()
         self.clipped = False
@@ -240,12 +289,10 @@ class StepLifecycle:
 
     # ------------------------------------------------------------ inspection
     @torch.no_grad()
-    def averaged_gradients(
-        self, inst: Installed, divisor: float, params: Sequence[torch.Tensor]
-    ) -> list[torch.Tensor | None]:
+    def averaged_gradients(self, inst: Installed, ctx: StepContext) -> list[torch.Tensor | None]:
         """The master gradients, whole, per parameter (``None`` if frozen); collective, not logged."""
-        self.reduce(inst, divisor, "averaged_gradients()")
-        result: list[torch.Tensor | None] = [None] * len(params)
+        self.reduce(inst, ctx, "averaged_gradients()")
+        result: list[torch.Tensor | None] = [None] * len(ctx.params)
         log = CommLog()  # not part of the step's traffic
         for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
             full = grad.new_empty(buf.space.numel)
@@ -253,6 +300,39 @@ class StepLifecycle:
             collective = inst.zp.gather_collective(buf.space)
             for pending in gather_space(full, buf.space, collective, inst.groups, log):
                 pending.wait()
-            for index, view in param_views(full, buf.space, params).items():
+            for index, view in param_views(full, buf.space, ctx.params).items():
                 result[index] = view.clone()
         return result
+
+
+def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:
+    """Every rank raises unless no rank has a detached parameter and all hold the same hyper-parameters.
+
+    One all-reduce (MAX) of three integers over the world: a detached flag and
+    the hyper-parameter digest, once negated, so that equal digests on every
+    rank show as ``max == -max(-digest)``. Control traffic: not logged.
+    """
+    detached = inst.detached(ctx.params)
+    digest = hyperparameter_digest(ctx.param_groups)
+    flags = torch.tensor([int(detached is not None), digest, -digest], dtype=torch.int64, device=inst.device)
+    if inst.groups.topology.world_size > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=inst.groups.world)
+    if detached is not None:
+        raise ConfigError(
+            f"{call}: parameter {ctx.names[detached]!r} no longer shares storage with the optimizer's flat "
+            "buffer: its .data was replaced after the ZeroOptimizer was created (model.to(...), a copy "
+            "assigned to param.data, load_state_dict(assign=True)), so updates would never reach the model. "
+            "Move or convert the model before creating the optimizer, and load weights with "
+            "model.load_state_dict(...) (which copies in place)"
+        )
+    if flags[0] > 0:
+        raise ConfigError(
+            f"{call}: another rank has a parameter detached from the optimizer's flat buffer "
+            "(its .data was replaced after the ZeroOptimizer was created); see the error on that rank"
+        )
+    if int(flags[1]) != -int(flags[2]):
+        raise ConfigError(
+            f"{call}: the ranks hold different hyper-parameters in param_groups (an edit such as "
+            "param_groups[0]['lr'] = ... made on some ranks only, or a scheduler stepped on some ranks "
+            "only); every rank must step with the same settings"
+        )

@@ -25,7 +25,6 @@ from zeroplan.core import (
     MemoryReport,
     ScalerConfig,
     ScalerState,
-    Topology,
     ZeroPlan,
     initial_state,
     memory_report,
@@ -36,11 +35,10 @@ from zeroplan.facade.accounting import MeasuredMemory, measure
 from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.consolidate import consolidated_state_dict
 from zeroplan.facade.groups import ProcessGroups, data_parallel_group, make_groups
-from zeroplan.facade.inner import check_hyperparameters, hyperparameters
-from zeroplan.facade.inputs import collect_params
-from zeroplan.facade.installed import Installed, broadcast_from_rank_zero, install
-from zeroplan.facade.lifecycle import StepLifecycle
-from zeroplan.facade.registry import ParamRegistry, PlanSettings, scale_mode
+from zeroplan.facade.inner import hyperparameters
+from zeroplan.facade.installed import Installed, broadcast_from_rank_zero, broadcast_values, install
+from zeroplan.facade.lifecycle import StepContext, StepLifecycle
+from zeroplan.facade.registry import Configured, configure
 from zeroplan.facade.state_dicts import Shards, sharded_state_dict
 from zeroplan.facade.state_loading import LoadedState
 
@@ -107,41 +105,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._initialized = False
         world = data_parallel_group(process_group)
-        checked: list[Any] = []
+        configured: list[Configured] = []
 
-        def make() -> ZeroPlan:
-            if stage not in (1, 2):
-                raise ConfigError(
-                    f"stage must be 1 or 2, got {stage!r} (stage 3 is planned by zeroplan.core but not "
-                    "executed; use DistributedDataParallel for stage 0)"
-                )
-            mode = scale_mode(loss_scale)
-            inputs = collect_params(params)
-            groups = [{**optimizer_defaults, **group} for group in inputs.groups]
-            check_hyperparameters(optimizer_class, groups)
-            if shard_group_size is not None and (type(shard_group_size) is not int or shard_group_size < 1):
-                raise ConfigError(f"shard_group_size must be an int >= 1, got {shard_group_size!r}")
-            world_size = dist.get_world_size(world)
-            settings = PlanSettings(
-                topology=Topology(world_size=world_size, shard_size=shard_group_size or world_size),
-                optimizer_class=optimizer_class,
+        def make() -> tuple[ZeroPlan, list[dict[str, Any]]]:
+            c = configure(
+                params,
+                optimizer_class,
+                optimizer_defaults,
+                world=world,
                 stage=stage,
+                shard_group_size=shard_group_size,
                 strategy=strategy,
                 alignment=alignment,
                 bucket_bytes=bucket_bytes,
-                loss_scaling=mode is not None,
+                loss_scale=loss_scale,
                 max_inflight_buckets=max_inflight_buckets,
-                policy=("gloo" if dist.get_backend(world) == "gloo" else "min_bytes")
-                if collectives == "auto"
-                else collectives,
+                collectives=collectives,
             )
-            registry = ParamRegistry.of(inputs)
-            checked[:] = [mode, groups, settings, registry]
-            return settings.plan(registry, groups)
+            configured[:] = [c]
+            return c.settings.plan(c.registry, c.groups), c.groups
 
-        zp = replanning.agreed_plan(make, world)
+        zp = replanning.agreed_plan(make, world, loss_scale=repr(loss_scale), scaler=repr(scaler))
         # Nothing below can fail for a user reason: state changes start here.
-        mode, groups, self._settings, self._registry = checked
+        mode, groups, self._settings, self._registry = configured[0]
         params_of = self._registry.params
         super().__init__(
             [{**g, "params": [params_of[i] for i in g["params"]]} for g in groups], optimizer_defaults
@@ -157,6 +143,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._installed = self._install(zp)
         broadcast_from_rank_zero(self._installed, self._registry.params)
         self._initialized = True
+
+    def _context(self) -> StepContext:
+        scale = self.loss_scale if self._installed.zp.loss_scaling else 1.0
+        return StepContext(
+            divisor=self._settings.topology.world_size * scale,
+            param_groups=self.param_groups,
+            params=self._registry.params,
+            names=self._registry.names,
+        )
 
     def _install(self, zp: ZeroPlan) -> Installed:
         installed = install(
@@ -188,11 +183,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _hyper(self) -> list[dict[str, Any]]:
         return [hyperparameters(g) for g in self.param_groups]
-
-    def _divisor(self) -> float:
-        """What summed gradients are divided by: the world size times the loss scale."""
-        scale = self.loss_scale if self._installed.zp.loss_scaling else 1.0
-        return self._settings.topology.world_size * scale
 
     # ------------------------------------------------------------ properties
     @property
@@ -250,18 +240,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not (norm_type == math.inf or norm_type > 0):
             raise ConfigError(f"norm_type must be > 0 or inf, got {norm_type}")
-        return self._lifecycle.clip(self._installed, self._divisor(), max_norm, norm_type)
+        return self._lifecycle.clip(self._installed, self._context(), max_norm, norm_type)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> bool:  # type: ignore[override]
-        """Apply the update; returns ``False`` when it was skipped for inf/NaN gradients."""
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Apply the update; returns what ``closure`` returned (``None`` without one), as ``torch.optim``.
+
+        ``kwargs`` go to the inner optimizer's ``step``. A step whose gradients
+        overflowed (inf/NaN, with loss scaling) is skipped on every rank:
+        :attr:`last_step_skipped` says so.
+        """
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                closure()
-        applied = self._lifecycle.step(self._installed, self._divisor(), self.param_groups)
+                loss = closure()
+        applied = self._lifecycle.step(self._installed, self._context(), **kwargs)
         if self._scaler is not None:
             self._scaler = update(self._scaler, not applied)
-        return applied
+        return loss
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``step()`` skipped its update because a gradient overflowed (inf/NaN)."""
+        return not self._lifecycle.last.applied
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients (stage 1 keeps ``.grad`` as views of its buffer when not set to ``None``)."""
@@ -276,7 +277,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         the master dtype, ``None`` for frozen parameters. It gathers every
         shard on every rank of the shard group: meant for inspection and tests.
         """
-        return self._lifecycle.averaged_gradients(self._installed, self._divisor(), self._registry.params)
+        return self._lifecycle.averaged_gradients(self._installed, self._context())
 
     # ------------------------------------------------------------ accounting
     def measured_memory(self) -> MeasuredMemory:
@@ -390,6 +391,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         registry, zp, group = replanning.add_param_group(
             self._registry, self._settings, self._hyper(), self.defaults, param_group, self._world
         )
-        super().add_param_group({**group, "params": list(registry.params[start:])})
+        new = registry.params[start:]
+        broadcast_values(new, self._world)  # every rank starts from rank 0's values, as at construction
+        super().add_param_group({**group, "params": list(new)})
         self._registry = registry
         self._replan(zp)

@@ -22,14 +22,16 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from zeroplan.core import ConfigError, ParamSpec, Topology, ZeroPlan, describe_optimizer, plan
-from zeroplan.facade.inputs import ParamList, describe_params
+from zeroplan.facade.inner import check_hyperparameters, check_keywords
+from zeroplan.facade.inputs import ParamList, collect_params, describe_params
 
-__all__ = ["ParamRegistry", "PlanSettings", "scale_mode"]
+__all__ = ["Configured", "ParamRegistry", "PlanSettings", "configure", "scale_mode"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -117,7 +119,7 @@ class PlanSettings:
 
     def plan(self, registry: ParamRegistry, groups: Sequence[dict[str, Any]]) -> ZeroPlan:
         """The plan of ``registry`` with the hyper-parameters of ``groups`` (pure: changes nothing)."""
-        optimizers = tuple(describe_optimizer(self.optimizer_name, strict=False, **g) for g in groups)
+        optimizers = tuple(describe_optimizer(self.optimizer_name, g, strict=False) for g in groups)
         return plan(
             registry.specs(),
             self.topology,
@@ -130,6 +132,75 @@ class PlanSettings:
             max_inflight_buckets=self.max_inflight_buckets,
             policy=self.policy,
         )
+
+
+class Configured(NamedTuple):
+    """A validated ``ZeroOptimizer(...)`` call: what construction needs once every rank agreed."""
+
+    mode: float | str | None
+    groups: list[dict[str, Any]]
+    settings: PlanSettings
+    registry: ParamRegistry
+
+
+#: Inner optimizers that cannot work on a shard: they need the whole model or sparse gradients.
+_REFUSED = {
+    "LBFGS": "needs every parameter of the model and a closure re-evaluating the loss within step()",
+    "SparseAdam": "needs sparse gradients, and ZeroOptimizer reduces dense flat buckets",
+}
+
+
+def configure(
+    params: Any,
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_defaults: dict[str, Any],
+    *,
+    world: dist.ProcessGroup,
+    stage: int,
+    shard_group_size: int | None,
+    strategy: str,
+    alignment: int,
+    bucket_bytes: int,
+    loss_scale: float | str | None,
+    max_inflight_buckets: int,
+    collectives: str,
+) -> Configured:
+    """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
+
+    Raises:
+        ConfigError: a bad value (a ``ConfigTypeError``, also a ``TypeError``,
+            for an argument of the wrong kind, as ``torch.optim`` raises).
+    """
+    if type(stage) is not int or stage not in (1, 2):
+        raise ConfigError(
+            f"stage must be 1 or 2, got {stage!r} (stage 3 is planned by zeroplan.core but not "
+            "executed; use DistributedDataParallel for stage 0)"
+        )
+    refused = _REFUSED.get(getattr(optimizer_class, "__name__", ""))
+    if refused is not None:
+        raise ConfigError(f"{optimizer_class.__name__} cannot be sharded: it {refused}")
+    mode = scale_mode(loss_scale)
+    inputs = collect_params(params)
+    groups = [{**optimizer_defaults, **group} for group in inputs.groups]
+    check_hyperparameters(optimizer_class, groups)
+    check_keywords(optimizer_class, optimizer_defaults)
+    if shard_group_size is not None and (type(shard_group_size) is not int or shard_group_size < 1):
+        raise ConfigError(f"shard_group_size must be an int >= 1, got {shard_group_size!r}")
+    world_size = dist.get_world_size(world)
+    if collectives == "auto":
+        collectives = "gloo" if dist.get_backend(world) == "gloo" else "min_bytes"
+    settings = PlanSettings(
+        topology=Topology(world_size=world_size, shard_size=shard_group_size or world_size),
+        optimizer_class=optimizer_class,
+        stage=stage,
+        strategy=strategy,
+        alignment=alignment,
+        bucket_bytes=bucket_bytes,
+        loss_scaling=mode is not None,
+        max_inflight_buckets=max_inflight_buckets,
+        policy=collectives,
+    )
+    return Configured(mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs))
 
 
 def scale_mode(loss_scale: float | str | None) -> float | str | None:

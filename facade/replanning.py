@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from zeroplan.core import ZeroPlan, ZeroplanError, plan_reshard
 from zeroplan.facade.agreement import agree
-from zeroplan.facade.inner import check_hyperparameters
+from zeroplan.facade.inner import check_hyperparameters, comparable_hyperparameters
 from zeroplan.facade.inputs import collect_params
 from zeroplan.facade.installed import Installed
 from zeroplan.facade.registry import ParamRegistry, PlanSettings
@@ -31,14 +31,22 @@ from zeroplan.facade.shard_state import export_state, import_state, move_shards
 __all__ = ["add_param_group", "agreed_plan", "refresh_trainable", "replan"]
 
 
-def agreed_plan(make: Callable[[], ZeroPlan], world: dist.ProcessGroup) -> ZeroPlan:
-    """``make()``'s plan once every rank planned the same; any rank's ``ZeroplanError`` raises everywhere."""
-    zp, problem = None, None
+def agreed_plan(
+    make: Callable[[], tuple[ZeroPlan, list[dict[str, Any]]]], world: dist.ProcessGroup, **shared: Any
+) -> ZeroPlan:
+    """``make()``'s plan once every rank planned the same with the same settings.
+
+    ``make`` returns the plan and the param groups' settings, which every rank
+    must share (with ``shared``, e.g. the loss scale); any rank's
+    ``ZeroplanError`` raises everywhere.
+    """
+    zp, settings, problem = None, None, None
     try:
-        zp = make()
+        zp, groups = make()
+        settings = {"param_groups": comparable_hyperparameters(groups), **shared}
     except ZeroplanError as exc:
         problem = exc
-    return agree(zp, world, problem)
+    return agree(zp, world, problem, settings)
 
 
 def refresh_trainable(
@@ -51,7 +59,7 @@ def refresh_trainable(
     """The registry and agreed plan after ``requires_grad`` changed (see [Note: re-planning])."""
     trainable = current.trainable_indices
     candidate = registry.with_newly_trainable(trainable)
-    return candidate, agreed_plan(lambda: settings.plan(candidate, hyper), world)
+    return candidate, agreed_plan(lambda: (settings.plan(candidate, hyper), list(hyper)), world)
 
 
 def add_param_group(
@@ -69,13 +77,14 @@ def add_param_group(
     """
     added: list[Any] = []
 
-    def make() -> ZeroPlan:
+    def make() -> tuple[ZeroPlan, list[dict[str, Any]]]:
         inputs = collect_params([param_group], start=len(registry.params), seen=registry.params)
         group = {**defaults, **inputs.groups[0]}
         check_hyperparameters(settings.optimizer_class, [group])
         candidate = registry.with_group(inputs)
         added[:] = [candidate, group]
-        return settings.plan(candidate, [*hyper, group])
+        groups = [*hyper, group]
+        return settings.plan(candidate, groups), groups
 
     zp = agreed_plan(make, world)
     candidate, group = added

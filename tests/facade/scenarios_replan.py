@@ -116,7 +116,8 @@ def bad_add_group(rank: int, world: int) -> dict[str, Any]:
         error = f"{type(exc).__name__}: {exc}"
     same = opt.plan.fingerprint() == fingerprint and len(opt.param_groups) == 1
     loss_of(model, *batch(0, rank)).backward()
-    applied = opt.step()
+    opt.step()
+    applied = not opt.last_step_skipped
     return {"error": error, "same": same, "applied": applied}
 
 

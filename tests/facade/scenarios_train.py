@@ -56,7 +56,8 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         reduced = opt.averaged_gradients() if same_grads else None
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip, norm_type)))
-        assert opt.step()
+        opt.step()
+        assert not opt.last_step_skipped
         opt.zero_grad()
         if scheduler is not None:
             scheduler.step()
@@ -130,7 +131,8 @@ def overflow(rank: int, world: int, stage: int) -> dict[str, Any]:
         scaler=ScalerConfig(initial_scale=2.0**12, growth_interval=1000),
     )
     opt.backward(loss_of(model, *batch(0, rank)))
-    first = opt.step()
+    opt.step()
+    first = not opt.last_step_skipped
     opt.zero_grad()
     params = [p.detach().clone() for p in model.parameters()]
     masters = [b.master.clone() for b in opt.buffers]
@@ -140,7 +142,8 @@ def overflow(rank: int, world: int, stage: int) -> dict[str, Any]:
     if rank == world - 1:
         loss = loss * math.inf
     opt.backward(loss)
-    applied = opt.step()
+    opt.step()
+    applied = not opt.last_step_skipped
     opt.zero_grad()
     unchanged = all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
     masters_same = all(torch.equal(a, b.master) for a, b in zip(masters, opt.buffers, strict=True))
@@ -152,7 +155,8 @@ def overflow(rank: int, world: int, stage: int) -> dict[str, Any]:
     )
     backed_off = opt.loss_scale
     opt.backward(loss_of(model, *batch(2, rank)))
-    third = opt.step()
+    opt.step()
+    third = not opt.last_step_skipped
     return {
         "first": first,
         "applied": applied,
