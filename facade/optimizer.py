@@ -38,6 +38,7 @@ from zeroplan.facade.groups import ProcessGroups, data_parallel_group, make_grou
 from zeroplan.facade.inner import hyperparameters
 from zeroplan.facade.installed import Installed, broadcast_from_rank_zero, broadcast_values, install
 from zeroplan.facade.lifecycle import StepContext, StepLifecycle
+from zeroplan.facade.parked import ParkedParam
 from zeroplan.facade.registry import Configured, configure
 from zeroplan.facade.state_dicts import Shards, sharded_state_dict
 from zeroplan.facade.state_loading import LoadedState
@@ -135,6 +136,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._world = world
         self._groups: ProcessGroups = make_groups(world, self._settings.topology)
         self._lifecycle = StepLifecycle()
+        self._parked: dict[int, ParkedParam] = {}  # [Note: parked state]
         self._mode = mode
         self._scaler: ScalerState | None = (
             initial_state(scaler or ScalerConfig()) if mode == "dynamic" else None
@@ -179,7 +181,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if zp.fingerprint() == self._installed.zp.fingerprint():
             return
         self._lifecycle.release(self._installed)
-        self._installed = replanning.replan(self._installed, zp, self._registry.params, self._install)
+        self._installed, self._parked = replanning.replan(
+            self._installed, zp, self._registry.params, self._install, self._parked
+        )
 
     def _hyper(self) -> list[dict[str, Any]]:
         return [hyperparameters(g) for g in self.param_groups]
@@ -367,14 +371,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ re-planning
     def refresh_trainable(self) -> None:
-        """Re-plan after ``requires_grad`` changed; keeps the state of parameters that stay trainable.
+        """Re-plan after ``requires_grad`` changed; no parameter loses its optimizer state.
 
-        Parameters that become trainable start with fresh optimizer state (their
-        own ``step`` counter); parameters that become frozen release their
-        state. Collective: call on every rank.
+        Parameters that become frozen keep their state aside (parked, still
+        sharded) and continue with it when unfrozen, as with ``torch.optim``;
+        parameters trainable for the first time start fresh (their own ``step``
+        counter). Collective: call on every rank.
         """
         self._registry, zp = replanning.refresh_trainable(
-            self._registry, self._settings, self._installed.zp, self._hyper(), self._world
+            self._registry, self._settings, self._installed.zp, self._hyper(), self._world, self._parked
         )
         self._replan(zp)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -77,14 +77,23 @@ class ParamRegistry:
         cohorts = tuple(cohorts)
         return dataclasses.replace(self, cohorts=cohorts, next_cohort=max(cohorts, default=0) + 1)
 
-    def with_newly_trainable(self, trainable: frozenset[int]) -> ParamRegistry:
-        """Parameters that require grad now but are not in ``trainable`` move to a new cohort."""
-        fresh = self.next_cohort
-        cohorts = tuple(
-            fresh if param.requires_grad and index not in trainable else cohort
-            for index, (param, cohort) in enumerate(zip(self.params, self.cohorts, strict=True))
-        )
-        return dataclasses.replace(self, cohorts=cohorts, next_cohort=fresh + 1)
+    def with_newly_trainable(self, trainable: frozenset[int], revived: Collection[int] = ()) -> ParamRegistry:
+        """Parameters that require grad now but are not in ``trainable`` move to new cohorts.
+
+        They share one fresh cohort, except those in ``revived`` (parameters with
+        parked state, see [Note: parked state]), which get one each: each
+        continues with its own parked scalar state.
+        """
+        fresh, following = self.next_cohort, self.next_cohort + 1
+        cohorts = []
+        for index, (param, cohort) in enumerate(zip(self.params, self.cohorts, strict=True)):
+            if param.requires_grad and index not in trainable:
+                if index in revived:
+                    cohort, following = following, following + 1
+                else:
+                    cohort = fresh
+            cohorts.append(cohort)
+        return dataclasses.replace(self, cohorts=tuple(cohorts), next_cohort=following)
 
     def with_group(self, inputs: ParamList) -> ParamRegistry:
         """The registry with one more param group (``inputs``, indexed after the existing ones)."""

@@ -14,7 +14,7 @@ and installation were never modified, nothing needs undoing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,9 +22,11 @@ import torch.distributed as dist
 
 from zeroplan.core import ZeroPlan, ZeroplanError, plan_reshard
 from zeroplan.facade.agreement import agree
+from zeroplan.facade.collectives import all_gather_objects
 from zeroplan.facade.inner import check_hyperparameters, comparable_hyperparameters
 from zeroplan.facade.inputs import collect_params
 from zeroplan.facade.installed import Installed
+from zeroplan.facade.parked import ParkedParam, gather_parked, park, unpark
 from zeroplan.facade.registry import ParamRegistry, PlanSettings
 from zeroplan.facade.shard_state import export_state, import_state, move_shards
 
@@ -55,10 +57,15 @@ def refresh_trainable(
     current: ZeroPlan,
     hyper: Sequence[dict[str, Any]],
     world: dist.ProcessGroup,
+    parked: Collection[int],
 ) -> tuple[ParamRegistry, ZeroPlan]:
-    """The registry and agreed plan after ``requires_grad`` changed (see [Note: re-planning])."""
-    trainable = current.trainable_indices
-    candidate = registry.with_newly_trainable(trainable)
+    """The registry and agreed plan after ``requires_grad`` changed (see [Note: re-planning]).
+
+    ``parked``: this rank's parameters with parked state; every rank learns
+    all of them (a collective), so that all give them the same cohorts.
+    """
+    revived = {p for mine in all_gather_objects(sorted(parked), world) for p in mine}
+    candidate = registry.with_newly_trainable(current.trainable_indices, revived)
     return candidate, agreed_plan(lambda: (settings.plan(candidate, hyper), list(hyper)), world)
 
 
@@ -92,17 +99,30 @@ def add_param_group(
 
 
 def replan(
-    old: Installed, zp: ZeroPlan, params: Sequence[torch.Tensor], install: Callable[[ZeroPlan], Installed]
-) -> Installed:
+    old: Installed,
+    zp: ZeroPlan,
+    params: Sequence[torch.Tensor],
+    install: Callable[[ZeroPlan], Installed],
+    parked: Mapping[int, ParkedParam],
+) -> tuple[Installed, dict[int, ParkedParam]]:
     """Install the agreed plan ``zp`` and move master weights and optimizer state into it.
 
     ``old`` must have no step in progress; its hooks are removed and parameters
-    that become frozen get storage of their own (they leave the old flat buffer).
+    that become frozen get storage of their own (they leave the old flat
+    buffer) and their state is parked; parameters trainable again get their
+    parked state back (see [Note: parked state]). Returns the new installation
+    and this rank's parked state.
     """
+    groups = old.groups
+    frozen = old.zp.trainable_indices - zp.trainable_indices
+    newly = zp.trainable_indices - old.zp.trainable_indices
     state = export_state(old.zp, old.inner, old.buffers)
     reshard = plan_reshard(old.zp.partition, zp.partition, allow_trainable_change=True)
+    still = {p: v for p, v in parked.items() if p not in newly}
+    still.update(park(old.zp, old.buffers, state, frozen, groups.shard_rank))
+    revived = gather_parked(parked, newly, groups) if newly else {}
     old.sync.remove_hooks()
-    for index in sorted(old.zp.trainable_indices - zp.trainable_indices):
+    for index in sorted(frozen):
         param = params[index]
         param.data = param.data.clone()
         param.grad = None
@@ -116,5 +136,6 @@ def replan(
         reshard=reshard,
         groups=new.groups,
     )
+    unpark(zp, new.buffers, moved, stateful, revived, groups.shard_rank, new.device)
     import_state(zp, new.inner, moved, stateful)
-    return new
+    return new, still

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from factory import OPTIMIZERS, make_optimizer
-from models import averaged_grads, batch, loss_of, make_model, rel_err
+from models import DTYPES, Reference, averaged_grads, batch, loss_of, make_model, rel_err
 
 from zeroplan.core import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES
 
@@ -123,3 +123,32 @@ def bad_add_group(rank: int, world: int) -> dict[str, Any]:
 
 def reference_grads(model: torch.nn.Module, world: int, step: int) -> list[torch.Tensor]:
     return averaged_grads(model, world, step)
+
+
+def freeze_then_unfreeze(
+    rank: int, world: int, stage: int, dtype_name: str, optimizer: str, shard: int | None
+) -> dict[str, Any]:
+    """A trained parameter frozen for two steps and unfrozen keeps its moments and its own step
+    (torch.optim semantics), with fp32 masters in bf16; compared with torch.optim every step."""
+    cls, hyper = OPTIMIZERS[optimizer].cls, OPTIMIZERS[optimizer].hyper
+    dtype = DTYPES[dtype_name]
+    model, ref = make_model(dtype=dtype), Reference(make_model(dtype=dtype), cls, **hyper)
+    opt = make_optimizer(model, optimizer=optimizer, stage=stage, shard=shard, bucket_bytes=1024, alignment=8)
+    toggled = [model.blocks[1].fc.weight, model.head.weight]
+    ref_toggled = [ref.model.blocks[1].fc.weight, ref.model.head.weight]
+    errors = []
+    for step in range(7):
+        if step in (2, 4):  # freeze two trained layers, then unfreeze them
+            for p, rp in zip(toggled, ref_toggled, strict=True):  # the reference skips frozen ones
+                p.requires_grad_(step == 4)
+                rp.requires_grad_(step == 4)
+            opt.refresh_trainable()
+        loss_of(model, *batch(step, rank)).backward()
+        grads = opt.averaged_gradients()
+        opt.step()
+        opt.zero_grad()
+        ref.step(world, step, grad_fn=lambda m, w, s, g=grads: g)
+        errors.append(
+            max(rel_err(a, b) for a, b in zip(model.parameters(), ref.model.parameters(), strict=True))
+        )
+    return {"errors": errors}

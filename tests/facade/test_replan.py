@@ -30,3 +30,19 @@ def test_bad_add_param_group_changes_nothing(pools):
     for r in pools(2).run(scenarios_replan.bad_add_group):
         assert r["error"] is not None and "already listed" in r["error"], r["error"]
         assert r["same"] and r["applied"]
+
+
+@pytest.mark.parametrize(
+    ("world", "stage", "dtype", "optimizer", "shard"),
+    [
+        (2, 2, "fp32", "adamw", None),
+        (2, 1, "bf16", "adamw", None),
+        (4, 2, "bf16", "adamw", 2),
+        (2, 2, "fp32", "sgd", None),
+        (2, 2, "fp32", "adafactor", None),
+    ],
+)
+def test_a_temporarily_frozen_parameter_keeps_its_state(pools, world, stage, dtype, optimizer, shard):
+    r = pools(world).run(scenarios_replan.freeze_then_unfreeze, stage, dtype, optimizer, shard)[0]
+    tolerance = FP32_TOL if dtype == "fp32" else 2**-7
+    assert len(r["errors"]) == 7 and max(r["errors"]) < tolerance, r["errors"]
