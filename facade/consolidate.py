@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from zeroplan.core import ConfigError, Space, Span, windows_in
 from zeroplan.facade.collectives import all_gather_objects
+from zeroplan.facade.parked import gather_parked
 from zeroplan.facade.state_dicts import MASTER_KEY, Shards, torch_param_groups
-from zeroplan.facade.state_tree import TensorMeta, describe_state, torch_dtype, tree_clone
+from zeroplan.facade.state_tree import MASTER, TensorMeta, describe_state, torch_dtype, tree_clone
 
 __all__ = ["consolidated_state_dict"]
 
@@ -141,9 +142,24 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
                     flat[at.as_slice()] = chunk
             if dest:
                 result.setdefault(p, {})[key] = out
+    # Parked state of frozen parameters ([Note: parked state]) comes whole, not in bounded chunks.
+    frozen = frozenset(range(len(zp.specs))) - zp.trainable_indices
+    parked = gather_parked(sh.parked, frozen, sh.groups)
     if not dest:
         return None
+    for p, part in parked.items():
+        entry = result[p] = tree_clone(part.scalars, device) | tree_clone(part.whole or {}, device)
+        for key, pieces in part.pieces.items():
+            full = torch.empty(zp.specs[p].shape, dtype=pieces[0][1].dtype, device=device)
+            for span, values in pieces:
+                full.view(-1)[span.as_slice()] = values.to(device)
+            if key == MASTER:
+                masters[p] = full
+            else:
+                entry[key] = full
     for p in list(result):
+        if p in parked:
+            continue
         spec = zp.specs[p]
         cohort = (spec.group, spec.cohort)
         entry = result[p]

@@ -314,6 +314,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             optimizer_name=self._settings.optimizer_name,
             param_groups=self.param_groups,
             scaler=self._scaler,
+            parked=self._parked,
         )
 
     def plan_with_cohorts(self, cohorts: Iterable[int]) -> ZeroPlan:
@@ -366,6 +367,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if loaded.param_values is not None:
             state_loading.copy_param_values(self._registry.params, loaded.param_values)
         state_loading.commit_state(self._installed, loaded, self.param_groups)
+        if loaded.parked is not None:
+            self._parked = loaded.parked
         if loaded.scaler is not None and self._scaler is not None:
             self._scaler = ScalerState(config=self._scaler.config, **loaded.scaler)
 

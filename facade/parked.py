@@ -20,7 +20,6 @@ nothing to park and starts fresh when unfrozen.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any, NamedTuple
 
 import torch
 
@@ -28,27 +27,9 @@ from zeroplan.core import Span, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.collectives import all_gather_objects
 from zeroplan.facade.groups import ProcessGroups
-from zeroplan.facade.state_tree import ShardState, tree_clone
+from zeroplan.facade.state_tree import MASTER, ParkedParam, ShardState, tree_clone
 
 __all__ = ["MASTER", "ParkedParam", "park", "unpark"]
-
-#: The key of fp32 master pieces among a parked parameter's pieces.
-MASTER = "zeroplan_master"
-
-
-class ParkedParam(NamedTuple):
-    """What one rank keeps of a frozen parameter's optimizer state (see [Note: parked state]).
-
-    Attributes:
-        scalars: the scalar state of its cohort when it was frozen (e.g. ``step``).
-        pieces: per state key (and :data:`MASTER`), this rank's pieces as
-            (span of the flattened parameter, values).
-        whole: its whole state (non-elementwise optimizers), on the rank that held it.
-    """
-
-    scalars: dict[str, Any]
-    pieces: dict[str, list[tuple[Span, torch.Tensor]]]
-    whole: dict[str, Any] | None = None
 
 
 def park(

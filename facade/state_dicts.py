@@ -17,17 +17,26 @@ leaves the optimizer exactly as it was.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from zeroplan.core import ConfigError, IncompatiblePlanError, ScalerState, ZeroPlan, master_dtype
+from zeroplan.core import ConfigError, IncompatiblePlanError, ScalerState, Span, ZeroPlan, master_dtype
 from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner
 from zeroplan.facade.shard_state import export_state
-from zeroplan.facade.state_tree import ShardState, decode_state, encode_state, torch_dtype, tree_clone
+from zeroplan.facade.state_tree import (
+    MASTER,
+    ParkedParam,
+    ShardState,
+    decode_state,
+    encode_parked,
+    encode_state,
+    torch_dtype,
+    tree_clone,
+)
 
 __all__ = [
     "SHARDED_FORMAT",
@@ -37,6 +46,7 @@ __all__ = [
     "torch_param_groups",
     "is_sharded",
     "shard_state_from_plain",
+    "parked_from_plain",
     "sharded_state_dict",
     "shard_state_from_sharded",
 ]
@@ -56,6 +66,7 @@ class Shards(NamedTuple):
     optimizer_name: str
     param_groups: list[dict[str, Any]]
     scaler: ScalerState | None
+    parked: Mapping[int, ParkedParam]
 
 
 def torch_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -90,6 +101,7 @@ def sharded_state_dict(sh: Shards) -> dict[str, Any]:
         "cohorts": [s.cohort for s in sh.zp.specs],
         "master": {b.space.dtype: b.master[: b.owned].clone() for b in sh.buffers if b.separate_master},
         "state": tree_clone(encode_state(state, sh.zp.partition.spaces)),  # [Note: state codec]
+        "parked": tree_clone(encode_parked(sh.parked)),  # [Note: parked state]
     }
 
 
@@ -260,3 +272,32 @@ def shard_state_from_plain(
                     shared[key] = tree_clone(value, device)
     stateful = {(target.specs[p].group, target.specs[p].cohort) for p in state}
     return ShardState(flat=flat, scalars=scalars, whole=whole), stateful, master_out
+
+
+def parked_from_plain(state_dict: dict[str, Any], target: ZeroPlan, sh: Shards) -> dict[int, ParkedParam]:
+    """This rank's parked share of the state a plain dict holds for parameters frozen here.
+
+    Each such parameter is parked whole on shard rank ``index % shard_size``
+    (see [Note: parked state]): it is exchanged when it is unfrozen.
+    """
+    state, masters = _by_position(state_dict)
+    shard_size, shard_rank = target.topology.shard_size, sh.groups.shard_rank
+    device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
+    parked: dict[int, ParkedParam] = {}
+    for p, entry in state.items():
+        if target.specs[p].trainable or p % shard_size != shard_rank:
+            continue
+        if not target.elementwise:
+            parked[p] = ParkedParam(scalars={}, pieces={}, whole=tree_clone(entry, device))
+            continue
+        whole = Span(0, target.specs[p].numel)
+        pieces = {
+            key: [(whole, value.detach().reshape(-1).to(device, copy=True))]
+            for key, value in entry.items()
+            if torch.is_tensor(value) and value.dim() > 0
+        }
+        if p in masters:
+            pieces[MASTER] = [(whole, masters[p].detach().reshape(-1).float().to(device, copy=True))]
+        scalars = {k: v for k, v in entry.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+        parked[p] = ParkedParam(scalars=tree_clone(scalars, device), pieces=pieces)
+    return parked

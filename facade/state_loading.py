@@ -22,9 +22,11 @@ from zeroplan.facade.state_dicts import (
     check_plain,
     cohorts_of_plain,
     is_sharded,
+    parked_from_plain,
     shard_state_from_plain,
     shard_state_from_sharded,
 )
+from zeroplan.facade.state_tree import ParkedParam, decode_parked, tree_clone
 
 __all__ = ["LoadedState", "commit_state", "copy_param_values", "read_state_dict"]
 
@@ -43,6 +45,7 @@ class LoadedState(NamedTuple):
         scaler: the dynamic loss scaler's fields, or ``None`` to keep it.
         param_values: per parameter, its saved values as consecutive flat parts
             (checkpoints), or ``None`` to keep the parameters.
+        parked: this rank's parked state of frozen parameters (see [Note: parked state]).
     """
 
     target: ZeroPlan
@@ -52,6 +55,7 @@ class LoadedState(NamedTuple):
     param_groups: list[dict[str, Any]]
     scaler: dict[str, Any] | None
     param_values: list[list[torch.Tensor]] | None = None
+    parked: dict[int, ParkedParam] | None = None
 
 
 def read_state_dict(
@@ -64,12 +68,20 @@ def read_state_dict(
     """
     if is_sharded(state_dict):
         state, stateful, masters = shard_state_from_sharded(state_dict, sh)
-        return LoadedState(sh.zp, state, stateful, masters, state_dict["param_groups"], state_dict["scaler"])
+        parked = tree_clone(
+            decode_parked(state_dict["parked"]), sh.buffers[0].params.device if sh.buffers else None
+        )
+        return LoadedState(
+            sh.zp, state, stateful, masters, state_dict["param_groups"], state_dict["scaler"], parked=parked
+        )
     check_plain(state_dict, sh)
     target = plan_with_cohorts(cohorts_of_plain(state_dict, sh.zp))
     state, stateful, masters = shard_state_from_plain(state_dict, target, sh)
+    parked = parked_from_plain(state_dict, target, sh)
     # A dict without fp32 masters: start them from the parameters.
-    return LoadedState(target, state, stateful, masters or None, state_dict["param_groups"], None)
+    return LoadedState(
+        target, state, stateful, masters or None, state_dict["param_groups"], None, parked=parked
+    )
 
 
 @torch.no_grad()

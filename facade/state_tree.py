@@ -12,8 +12,12 @@ All three use the same *leaves*, keyed by a path string:
 * ``whole/<param>/<key>`` — state of a whole parameter (non-elementwise
   optimizers), a tensor of any shape or a plain value.
 
+* ``parked/<param>/…`` — state of a parameter frozen after training (see
+  [Note: parked state]), in the parameter's own coordinates.
+
 :func:`encode_state` and :func:`decode_state` convert between ``ShardState``
-and leaves; :func:`describe_state` gives the leaves' descriptions (a
+and leaves (:func:`encode_parked` and :func:`decode_parked` for parked
+state); :func:`describe_state` gives the leaves' descriptions (a
 :class:`TensorMeta` for a tensor, the value itself otherwise) without copying
 anything, which is what consolidation exchanges. State values may be nested
 (tuples, lists, dicts of tensors): :func:`tree_clone` walks them with
@@ -28,19 +32,23 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import optree
 import torch
 
-from zeroplan.core import Space, ZeroPlan
+from zeroplan.core import Space, Span, ZeroPlan
 
 if TYPE_CHECKING:  # inner imports buffers, which imports this module
     from zeroplan.facade.inner import Inner
 
 __all__ = [
+    "MASTER",
+    "ParkedParam",
     "ShardState",
     "StateDescription",
     "TensorMeta",
+    "decode_parked",
     "decode_state",
     "dtype_name",
     "tensor_meta",
     "describe_state",
+    "encode_parked",
     "encode_state",
     "is_per_element",
     "torch_dtype",
@@ -102,6 +110,25 @@ class ShardState(NamedTuple):
     whole: dict[int, dict[str, Any]]
 
 
+#: The key of fp32 master pieces among a parked parameter's pieces.
+MASTER = "zeroplan_master"
+
+
+class ParkedParam(NamedTuple):
+    """What one rank keeps of a frozen parameter's optimizer state (see [Note: parked state]).
+
+    Attributes:
+        scalars: the scalar state of its cohort when it was frozen (e.g. ``step``).
+        pieces: per state key (and :data:`MASTER`), this rank's pieces as
+            (span of the flattened parameter, values).
+        whole: its whole state (non-elementwise optimizers), on the rank that held it.
+    """
+
+    scalars: dict[str, Any]
+    pieces: dict[str, list[tuple[Span, torch.Tensor]]]
+    whole: dict[str, Any] | None = None
+
+
 def is_per_element(value: Any, window: torch.Tensor) -> bool:
     """Whether an inner optimizer state ``value`` of ``window`` has one element per window element."""
     return torch.is_tensor(value) and value.dim() == 1 and value.numel() == window.numel()
@@ -140,6 +167,51 @@ def decode_state(leaves: Mapping[str, Any], spaces: Sequence[Space]) -> ShardSta
         else:
             raise ValueError(f"{path!r} is not a shard state path")
     return state
+
+
+def encode_parked(parked: Mapping[int, ParkedParam]) -> dict[str, Any]:
+    """The leaves of this rank's parked state (see [Note: state codec]).
+
+    ``parked/<param>/scalars``, ``parked/<param>/piece/<start>/<key>`` (values of
+    the flattened parameter from ``start``) and ``parked/<param>/whole/<key>``.
+    """
+    leaves: dict[str, Any] = {}
+    for param, part in parked.items():
+        leaves[f"parked/{param}/scalars"] = part.scalars
+        for key, pieces in part.pieces.items():
+            for span, values in pieces:
+                leaves[f"parked/{param}/piece/{span.start}/{key}"] = values
+        for key, value in (part.whole or {}).items():
+            leaves[f"parked/{param}/whole/{key}"] = value
+    return leaves
+
+
+def decode_parked(leaves: Mapping[str, Any]) -> dict[int, ParkedParam]:
+    """Inverse of :func:`encode_parked` (leaves of other kinds are ignored).
+
+    Raises:
+        ValueError: a ``parked/`` path of no known form.
+    """
+    parked: dict[int, ParkedParam] = {}
+    for path, leaf in leaves.items():
+        if not path.startswith("parked/"):
+            continue
+        _, param, kind, *rest = [*path.split("/", 4), ""]
+        if not param.isdigit():
+            raise ValueError(f"{path!r} is not a parked state path")
+        part = parked.setdefault(int(param), ParkedParam(scalars={}, pieces={}))
+        if kind == "scalars":
+            part.scalars.update(leaf)
+        elif kind == "piece" and rest[0].isdigit() and rest[1]:
+            start = int(rest[0])
+            part.pieces.setdefault(rest[1], []).append((Span(start, start + leaf.numel()), leaf))
+        elif kind == "whole" and rest[0]:
+            whole = part.whole if part.whole is not None else {}
+            whole["/".join(r for r in rest if r)] = leaf
+            parked[int(param)] = part._replace(whole=whole)
+        else:
+            raise ValueError(f"{path!r} is not a parked state path")
+    return parked
 
 
 class StateDescription(NamedTuple):

@@ -152,3 +152,41 @@ def freeze_then_unfreeze(
             max(rel_err(a, b) for a, b in zip(model.parameters(), ref.model.parameters(), strict=True))
         )
     return {"errors": errors}
+
+
+def parked_state_survives_state_dicts(rank: int, world: int, form: str) -> dict[str, Any]:
+    """Freeze a trained layer, save (sharded or consolidated), load into a new optimizer (another
+    strategy for the consolidated form), unfreeze: the same as never having saved."""
+    model = make_model()
+    opt = make_optimizer(model, stage=2)
+    toggled = lambda m: m.blocks[1].fc.weight  # noqa: E731
+
+    def train(m: torch.nn.Module, o: Any, steps: range) -> None:
+        for step in steps:
+            loss_of(m, *batch(step, rank)).backward()
+            o.step()
+            o.zero_grad()
+
+    train(model, opt, range(2))
+    toggled(model).requires_grad_(False)
+    opt.refresh_trainable()
+    train(model, opt, range(2, 3))
+    saved = opt.state_dict() if form == "sharded" else opt.consolidated_state_dict(to_rank=None)
+    copy = make_model()
+    copy.load_state_dict(model.state_dict())
+    toggled(copy).requires_grad_(False)
+    strategy = "auto" if form == "sharded" else "greedy_whole"
+    restored = make_optimizer(copy, stage=2, strategy=strategy)
+    restored.load_state_dict(saved)
+    for m, o in ((model, opt), (copy, restored)):
+        toggled(m).requires_grad_(True)
+        o.refresh_trainable()
+        train(m, o, range(3, 5))
+    pairs = zip(model.parameters(), copy.parameters(), strict=True)
+    return {"errors": [rel_err(a, b) for a, b in pairs], "parked_in_dict": _has_parked(saved, form)}
+
+
+def _has_parked(saved: dict[str, Any], form: str) -> bool:
+    if form == "sharded":
+        return any(path.startswith("parked/") for path in saved["parked"])
+    return bool(saved) and all("exp_avg" in entry for entry in saved["state"].values())

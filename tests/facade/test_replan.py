@@ -46,3 +46,11 @@ def test_a_temporarily_frozen_parameter_keeps_its_state(pools, world, stage, dty
     r = pools(world).run(scenarios_replan.freeze_then_unfreeze, stage, dtype, optimizer, shard)[0]
     tolerance = FP32_TOL if dtype == "fp32" else 2**-7
     assert len(r["errors"]) == 7 and max(r["errors"]) < tolerance, r["errors"]
+
+
+@pytest.mark.parametrize("form", ["sharded", "consolidated"])
+def test_parked_state_survives_state_dicts(pools, form):
+    results = pools(2).run(scenarios_replan.parked_state_survives_state_dicts, form)
+    for r in results:
+        assert r["parked_in_dict"]
+        assert max(r["errors"]) <= (0.0 if form == "sharded" else FP32_TOL), r["errors"]
