@@ -8,9 +8,10 @@ gloo workers) and times phases by wrapping methods of the optimizers:
   ZeroRedundancyOptimizer's step splits into ``local step`` and ``broadcast``;
 * ZeroOptimizer: ``hook: stage+launch`` (``GradSync._launch``, run from
   backward hooks; includes waits for older buckets), ``finish`` (reductions
-  still in flight at ``step()``), ``prepare rest`` (``_prepare_grads`` minus
-  ``finish``), ``inner step``, ``publish`` (all-gather of updated parameters),
-  ``step other`` and ``zero_grad``.
+  still in flight at ``step()``), ``prepare rest`` (``StepLifecycle.reduce``
+  minus ``finish``: the step agreement, averaging, overflow check),
+  ``inner step``, ``publish`` (all-gather of updated parameters), ``step other``
+  and ``zero_grad``.
 
 Phases are summed within a step, averaged over ranks, and the median over the
 timed steps is printed (ms). ``--cprofile`` writes rank 0's cProfile stats
@@ -83,11 +84,11 @@ def instrument(runner: Runner, phases: Phases) -> None:
     opt = runner.optimizer
     if runner.zero is not None:
         z = runner.zero
-        phases.wrap(z._sync, "_launch", "hook: stage+launch")
-        phases.wrap(z._sync, "finish", "finish")
-        phases.wrap(z, "_prepare_grads", "_prepare_grads")
-        phases.wrap(z._inner.optimizer, "step", "inner step")
-        phases.wrap(z, "_publish", "publish")
+        phases.wrap(z.installed.sync, "_launch", "hook: stage+launch")
+        phases.wrap(z.installed.sync, "finish", "finish")
+        phases.wrap(z.lifecycle, "reduce", "reduce")
+        phases.wrap(z.inner_optimizer, "step", "inner step")
+        phases.wrap(z.lifecycle, "publish", "publish")
     elif runner.variant.kind == "zero-red":
         phases.wrap(opt, "_local_step", "local step")
         phases.wrap(opt, "_sync_params", "broadcast")
@@ -114,7 +115,7 @@ def _derive(step: dict[str, float]) -> dict[str, float]:
     out = dict(step)
     if "finish" in out:
         for suffix in ("", " [cpu]", " [gloo]"):
-            rest = out.pop("_prepare_grads" + suffix) - out["finish" + suffix]
+            rest = out.pop("reduce" + suffix) - out["finish" + suffix]
             out["prepare rest" + suffix] = rest
             other = out["step" + suffix] - out["finish" + suffix] - rest - out["inner step" + suffix]
             out["step other" + suffix] = other - out["publish" + suffix]

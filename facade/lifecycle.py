@@ -253,7 +253,7 @@ class StepLifecycle:
             inner.step(**kwargs)
             sync_hyperparameters(inner.param_groups, ctx.param_groups)
             self.phase = Phase.STEPPED
-            self._publish(inst)
+            self.publish(inst)
             self.phase = Phase.PUBLISHED
         self.release(inst)
         self.last = StepRecord(
@@ -264,7 +264,7 @@ class StepLifecycle:
         self.clipped = False
         return applied
 
-    def _publish(self, inst: Installed) -> None:
+    def publish(self, inst: Installed) -> None:
         """Write updated shards into the parameter buffers and gather them in each shard group."""
         pending = []
         for buf in inst.buffers:

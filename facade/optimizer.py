@@ -200,6 +200,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._groups
 
     @property
+    def installed(self) -> Installed:
+        """The installed plan: plan, groups, buffers, inner optimizer, gradient sync (for tools)."""
+        return self._installed
+
+    @property
+    def lifecycle(self) -> StepLifecycle:
+        """The step lifecycle ([Note: step lifecycle]); for inspection and profiling tools."""
+        return self._lifecycle
+
+    @property
     def buffers(self) -> tuple[SpaceBuffers, ...]:
         """This rank's flat buffers, one per dtype space of the plan (see [Note: flat buffers])."""
         return self._installed.buffers
