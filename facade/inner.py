@@ -52,7 +52,10 @@ def _comparable(value: Any) -> Any:
         return type(value).__name__, tuple(_comparable(v) for v in value)
     if isinstance(value, dict):
         return tuple(sorted((str(k), _comparable(v)) for k, v in value.items()))
-    return value
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    # Other objects may print their address, which differs between processes: compare their type.
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
 def comparable_hyperparameters(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
