@@ -95,6 +95,24 @@ def test_bad_state_dicts_are_clear_errors_and_change_nothing(pools):
         assert r["unchanged"]
 
 
+ONE_RANK_DICTS = {
+    "sharded": "has shape (3,)",
+    "plain_bad_shape": "has shape (3, 3)",
+    "plain_not_a_dict": "'state' and 'param_groups'",
+    "plain_other_steps": "another plan than rank 0's",
+    "plain_other_lr": "other hyper-parameters",
+}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_RANK_DICTS))
+def test_a_state_dict_rejected_on_one_rank_raises_on_every_rank(pools, case):
+    results = pools(2).run(scenarios_checkpoint.state_dict_bad_on_one_rank, case, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["error"] is not None, f"{case}: rank {rank} loaded a dict another rank rejected"
+        assert r["unchanged"], f"{case}: the failed load changed rank {rank}'s optimizer or parameters"
+    assert any(ONE_RANK_DICTS[case] in r["error"] for r in results), [r["error"] for r in results]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
