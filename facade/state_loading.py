@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zeroplan.core import ConfigError, IncompatiblePlanError, ScalerState, ZeroPlan
+from zeroplan.core import ConfigError, IncompatiblePlanError, ScalerState, ZeroPlan, ZeroplanError
 from zeroplan.facade.agreement import as_zeroplan_error, first_differing, verdicts
 from zeroplan.facade.inner import sync_hyperparameters
 from zeroplan.facade.installed import Installed
@@ -57,6 +57,8 @@ class LoadedState(NamedTuple):
         scaler: the dynamic loss scaler's fields, or ``None`` to keep it.
         param_values: per parameter, its saved values as consecutive flat parts
             (checkpoints), or ``None`` to keep the parameters.
+        source: a digest of what was read that every rank must share (a
+            checkpoint's manifest digest), or ``None``.
     """
 
     target: ZeroPlan
@@ -66,6 +68,7 @@ class LoadedState(NamedTuple):
     param_groups: list[dict[str, Any]]
     scaler: dict[str, Any] | None
     param_values: list[list[torch.Tensor]] | None = None
+    source: str | None = None
 
 
 def read_state_dict(
@@ -114,7 +117,7 @@ def _digest(value: Any) -> str:
 
 
 def agreed_state(
-    read: Callable[[], LoadedState], sh: Shards, *, what: str, source: str | None = None
+    read: Callable[[], LoadedState], sh: Shards, *, what: str, wrap: type[ZeroplanError] = ConfigError
 ) -> LoadedState:
     """``read()``'s state once every rank read it and all read the same (see [Note: load agreement]).
 
@@ -124,24 +127,24 @@ def agreed_state(
         read: reads and validates this rank's state.
         sh: the optimizer's parts.
         what: the input, for messages ("state dict", "checkpoint").
-        source: a digest of the input that must be equal on every rank
-            (``None`` for inputs that differ by rank, such as sharded dicts).
+        wrap: the error class a failure that is no ``ZeroplanError`` becomes.
 
     Raises:
         ZeroplanError: on every rank if any rank's read failed: the failing
-            rank's class, anything else becomes a ``ConfigError``.
-        IncompatiblePlanError: on every rank if ranks read other sources, or
-            state for other plans, hyper-parameters or scaler states.
+            rank's class (``wrap`` for any other exception).
+        IncompatiblePlanError: on every rank if ranks read other sources
+            (``LoadedState.source``), or state for other plans,
+            hyper-parameters or scaler states.
     """
     loaded, problem = None, None
     try:
         loaded = read()
         _check_installable(loaded, sh)
     except Exception as exc:  # any failure must reach every rank before anything changes
-        problem = as_zeroplan_error(exc, ConfigError, f"cannot read the {what}")
+        problem = as_zeroplan_error(exc, wrap, f"cannot read the {what}")
     facts = None
     if loaded is not None and problem is None:
-        facts = (source, loaded.target.fingerprint(), _digest([loaded.param_groups, loaded.scaler]))
+        facts = (loaded.source, loaded.target.fingerprint(), _digest([loaded.param_groups, loaded.scaler]))
     rows = verdicts(problem, sh.groups.world, failed=f"could not read its {what}", facts=facts)
     for column, difference in enumerate(_DIFFERENCES):
         rank = first_differing([row[column] for row in rows])

@@ -168,13 +168,20 @@ def plain_torch_round_trip(rank: int, world: int, dtype_name: str) -> dict[str, 
     }
 
 
-def failed_loads(rank: int, world: int, root: str, case: str) -> dict[str, Any]:
-    """A load that must fail: the error is clear and nothing changes, bit for bit."""
-    cfg: dict[str, Any] = {"dtype": "bf16"}
-    if case == "other_model":
-        model = make_model(dtype=torch.bfloat16, width=32)
-    else:
-        model = make_model(dtype=torch.bfloat16)
+def _fail_on_rank_one(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("injected failure while reading on rank 1 only")
+
+
+def failed_loads(
+    rank: int, world: int, root: str, case: str, cfg: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A load that must fail: the error is clear and nothing changes, bit for bit.
+
+    ``cfg``: the optimizer that loads (default: bf16 AdamW, as ``save_reference`` saved it).
+    """
+    cfg = dict(cfg or {"dtype": "bf16"})
+    dtype = DTYPES[cfg.get("dtype", "fp32")]
+    model = make_model(dtype=dtype, width=32 if case == "other_model" else 24)
     if case == "other_optimizer":
         cfg["optimizer"] = "sgd"
     opt = _optimizer(model, cfg)
@@ -183,11 +190,18 @@ def failed_loads(rank: int, world: int, root: str, case: str) -> dict[str, Any]:
     target = root
     if case == "partial":
         target = next(str(p) for p in Path(root).glob("*.partial"))
+    # A failure that is no ZeroplanError, on one rank only, in the middle of reading.
+    patched = case == "fault_on_one_rank" and rank == 1
+    original = checkpoint.plan_reshard
+    if patched:
+        checkpoint.plan_reshard = _fail_on_rank_one
     try:
         checkpoint.load(opt, target)
         error = None
     except ZeroplanError as exc:
         error = f"{type(exc).__name__}: {exc}"
+    finally:
+        checkpoint.plan_reshard = original
     after = _snapshot(model, opt)
     _train(model, opt, rank, range(2, 3))  # still trains
     return {"error": error, "unchanged": _same(before, after)}
