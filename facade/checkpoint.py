@@ -135,7 +135,7 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
     groups, zp = sh.groups, sh.zp
     leaves = encode_state(export_state(zp, sh.inner, sh.buffers), zp.partition.spaces)
     problem: ZeroplanError | None = None
-    start = None
+    start, encoded_extra = None, None
     if groups.rank == 0:
         try:
             encoded_extra = encode(extra or {})
