@@ -218,9 +218,13 @@ def claim(root: Path) -> None:
             raise
         _claim_by_record(root, lock)
         return
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(_ME).encode(), 0)
-    os.fsync(fd)
+    try:  # the record only names the holder in other jobs' errors; the flock is the lock
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(_ME).encode(), 0)
+        os.fsync(fd)
+    except OSError:
+        os.close(fd)  # releases the flock
+        raise
     _HELD[key] = fd
 
 
