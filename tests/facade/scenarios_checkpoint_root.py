@@ -43,39 +43,48 @@ def save_beside_stray(rank: int, world: int, root: str, stray: str) -> dict[str,
     return {"committed": committed.name, "loaded_same": same}
 
 
-def _job_of_one_rank(rank: int, world: int) -> tuple[torch.nn.Module, Any]:
-    """Every rank its own single-rank job (its own process group): several jobs, one test."""
-    mine = [dist.new_group([r]) for r in range(world)][rank]
-    model = make_model(seed=rank)
-    opt = make_optimizer(model, hyper={"lr": 1e-2}, bucket_bytes=1024, alignment=8, process_group=mine)
-    return model, opt
+def _two_jobs(rank: int, world: int) -> tuple[int, int, torch.nn.Module, Any]:
+    """The ranks split into two jobs of ``world // 2`` ranks, each with its own process group.
+
+    Returns (job, rank in the job, model, optimizer).
+    """
+    size = world // 2
+    groups = [dist.new_group(list(range(job * size, (job + 1) * size))) for job in range(2)]
+    job, mine = divmod(rank, size)
+    model = make_model(seed=job)
+    opt = make_optimizer(model, hyper={"lr": 1e-2}, bucket_bytes=1024, alignment=8, process_group=groups[job])
+    _train(model, opt, mine, range(1))
+    return job, mine, model, opt
 
 
 def two_writers(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Rank 0's job saves to ``root``; then rank 1's job (another process) tries to save there too."""
-    model, opt = _job_of_one_rank(rank, world)
-    _train(model, opt, 0, range(1))
+    """Job 0 saves to ``root`` and starts another save; then job 1 tries to save there too."""
+    job, mine, model, opt = _two_jobs(rank, world)
     saved: list[str] = []
-    if rank == 0:
+    in_progress = Path(root) / "snapshot-00000005.partial"
+    if job == 0:
         saved.append(checkpoint.save(opt, root).name)
+        if mine == 0:  # as if job 0 were half way through its next save
+            in_progress.mkdir()
     dist.barrier()
-    error = None
-    if rank == 1:
+    result: dict[str, Any] = {"job": job, "error": None}
+    if job == 1:
         before = _snapshot(model, opt)
         try:
             saved.append(checkpoint.save(opt, root).name)
         except ZeroplanError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        unchanged = _same(before, _snapshot(model, opt))
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        result["unchanged"] = _same(before, _snapshot(model, opt))
+    _await_cleanup()
     dist.barrier()
-    if rank == 0:  # the first job goes on saving (and deleting its own old snapshots)
-        _train(model, opt, 0, range(1, 2))
+    result["partial_kept"] = in_progress.is_dir()
+    dist.barrier()
+    if job == 0:  # job 0 goes on saving, and deletes its own old snapshots and partials
+        _train(model, opt, mine, range(1, 2))
         saved.append(checkpoint.save(opt, root).name)
         _await_cleanup()
     dist.barrier()
-    result: dict[str, Any] = {"saved": saved, "error": error}
-    if rank == 1:
-        result["unchanged"] = unchanged
+    result["saved"] = saved
     return result
 
 

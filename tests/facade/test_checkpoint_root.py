@@ -35,14 +35,20 @@ def test_a_stray_folder_beside_the_snapshots_never_costs_the_new_one(pools, tmp_
         assert sorted(p.name for p in root.glob("snapshot-*")) == sorted([committed, stray])
 
 
-def test_a_second_job_writing_the_same_root_is_refused(pools, tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_second_job_writing_the_same_root_is_refused(pools, tmp_path, world):
+    """Two jobs (of one rank, or of two) on one root: the second raises on each of its ranks."""
     root = tmp_path / "ckpt"
-    first, second = pools(2).run(scenarios_checkpoint_root.two_writers, str(root))
-    assert second["saved"] == [] and second["unchanged"]
-    assert "another job" in second["error"] and "writer.lock" in second["error"], second["error"]
-    assert first["saved"] == ["snapshot-00000001", "snapshot-00000002"] and first["error"] is None
-    assert (root / "latest").read_text().strip() == "snapshot-00000002"
-    assert sorted(p.name for p in root.glob("snapshot-*")) == ["snapshot-00000002"]
+    results = pools(world).run(scenarios_checkpoint_root.two_writers, str(root))
+    for r in results:
+        assert r["partial_kept"], "the second job deleted the first job's save in progress"
+        if r["job"] == 1:
+            assert r["saved"] == [] and r["unchanged"]
+            assert "another job" in r["error"] and "writer.lock" in r["error"], r["error"]
+        else:
+            assert r["saved"] == ["snapshot-00000001", "snapshot-00000006"] and r["error"] is None
+    assert (root / "latest").read_text().strip() == "snapshot-00000006"
+    assert sorted(p.name for p in root.glob("snapshot-*")) == ["snapshot-00000006"]
 
 
 def _free_port() -> int:
