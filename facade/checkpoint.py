@@ -5,16 +5,18 @@
 
     path/
       latest                      # name of the committed snapshot (atomic rename)
+      writer.lock                 # the one job that writes here (see [Note: checkpoint root])
       snapshot-00000007/
-        manifest.json             # plan, specs, fragments, state leaves, hyper-parameters, extra
+        manifest.json             # plan, specs, fragments, state leaves, hyper-parameters, extra,
+                                  # and the digest that seals it (see [Note: manifest integrity])
         frozen.pt                 # frozen parameters, if any, whole (written by rank 0)
         shard-00000.pt ...        # per shard rank: its region of the parameters, its fp32
                                   # masters and the tensor leaves of its optimizer state
 
 Optimizer state is written as the leaves of [Note: state codec]: tensors go to
 the shard files under ``state/<leaf path>`` and the manifest records, per
-leaf, its dtype and the ranks whose file holds it, or, for plain values (the
-scalar state of a cohort), the value itself.
+leaf, its dtype, the ranks whose file holds it and (``whole/`` leaves) its
+shape, or, for plain values (the scalar state of a cohort), the value itself.
 
 Files hold tensors and plain data only (``torch.load(weights_only=True)``) with a
 crc32 per 1 MiB block. Each snapshot is written under ``snapshot-N.partial``;
@@ -23,12 +25,18 @@ manifest, rename the directory and point ``latest`` at it. Every shard rank
 writes an equal share, parameters included, so saving runs in parallel. A save interrupted
 at any point leaves the previous snapshot as ``latest`` and no directory that
 loads as valid (a ``.partial`` one has no manifest and is never referenced).
+Snapshot names are numbers, other names in the root are left alone, and only
+the holder of ``writer.lock`` deletes (see [Note: checkpoint root]).
 
-``load(opt, path)`` rebuilds the saved partition from the manifest, asks the
+``load(opt, path)`` follows ``latest`` only to a snapshot of ``path`` itself,
+checks the manifest's digest and form and cross-checks it against the data
+files (see [Note: manifest integrity]), rebuilds the saved partition, asks the
 core for a reshard plan to the running optimizer's plan (any world size, shard
 size or strategy), and each rank reads, memory-mapped, only the pieces that
 plan assigns it, verifying their blocks. Everything is read and checked before
-anything changes, and all ranks agree on success before any of them commits.
+anything changes; any exception on any rank becomes an error that every rank
+agrees on before any of them commits (see [Note: load agreement] in
+``state_loading``).
 
 ``torch.distributed.checkpoint`` is not used: its metadata file is a pickle of
 its own classes, which the "plain data only" requirement rules out; the
@@ -37,155 +45,75 @@ resharding it would provide is the core's reshard plan here.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from zeroplan.core import (
     CheckpointError,
     ConfigError,
     IncompatiblePlanError,
-    ParamSpec,
     PartitionPlan,
-    Span,
     ZeroPlan,
     ZeroplanError,
     compare_specs,
-    plan_from_assignment,
     plan_reshard,
 )
-from zeroplan.facade.checkpoint_files import TensorFile, decode, encode, read_json, write_json, write_tensors
-from zeroplan.facade.collectives import all_gather_objects
-from zeroplan.facade.groups import ProcessGroups
+from zeroplan.facade.agreement import as_zeroplan_error, verdicts
+from zeroplan.facade.checkpoint_files import TensorFile, decode, encode, write_json, write_tensors
+from zeroplan.facade.checkpoint_manifest import (
+    FORMAT,
+    check_against_partition,
+    check_frozen_file,
+    check_shard_file,
+    partition_document,
+    partition_from,
+    read_manifest,
+    seal,
+)
+from zeroplan.facade.checkpoint_root import PARTIAL, claim, cleanup, next_name, resolve
+from zeroplan.facade.checkpoint_root import point_latest as _point_latest  # crash tests patch it here
 from zeroplan.facade.inner import hyperparameters
 from zeroplan.facade.shard_state import export_state
 from zeroplan.facade.state_dicts import Shards
-from zeroplan.facade.state_loading import LoadedState
+from zeroplan.facade.state_loading import LoadedState, agreed_state
 from zeroplan.facade.state_tree import decode_state, encode_state, tensor_meta, torch_dtype, tree_clone
 
 if TYPE_CHECKING:
     from zeroplan.facade.optimizer import ZeroOptimizer
 
-__all__ = ["latest", "load", "save"]
-
-FORMAT = "zeroplan.checkpoint/v2"
-_PARTIAL = ".partial"
-
-
-# --------------------------------------------------------------------------- helpers
-def _world_objects(obj: Any, groups: ProcessGroups) -> list[Any]:
-    return all_gather_objects(obj, groups.world)
-
-
-def _raise_first(statuses: list[Any], mine: BaseException | None) -> None:
-    """Raise on every rank if any rank failed (the failing rank re-raises its own error)."""
-    if mine is not None:
-        raise mine
-    for rank, status in enumerate(statuses):
-        if status is not None:
-            raise CheckpointError(f"rank {rank} failed: {status}")
-
-
-def _snapshots(path: Path) -> list[Path]:
-    return sorted(p for p in path.glob("snapshot-*") if p.is_dir() and not p.name.endswith(_PARTIAL))
-
-
-def _resolve(path: Path) -> Path:
-    """The committed snapshot ``path`` refers to (a checkpoint root or a snapshot directory)."""
-    if path.name.endswith(_PARTIAL):
-        raise CheckpointError(f"{str(path)!r} is an interrupted save, not a checkpoint")
-    if (path / "latest").is_file():
-        name = (path / "latest").read_text().strip()
-        snapshot = path / name
-        if not snapshot.is_dir():
-            raise CheckpointError(f"{str(path)!r}: 'latest' names {name!r}, which does not exist")
-        return snapshot
-    if (path / "manifest.json").is_file():
-        return path
-    raise CheckpointError(f"no zeroplan checkpoint at {str(path)!r} (no 'latest' and no manifest.json)")
-
-
-def _partition_document(partition: PartitionPlan) -> dict[str, Any]:
-    return {
-        "strategy": partition.strategy,
-        "alignment": partition.alignment,
-        "shard_size": partition.shard_size,
-        "fingerprint": partition.fingerprint(),
-        "specs": [[s.name, list(s.shape), s.dtype, s.group, s.trainable, s.cohort] for s in partition.specs],
-        "fragments": [
-            [[f.rank, f.param_span.start, f.param_span.stop] for f in frags] for frags in partition.fragments
-        ],
-    }
-
-
-def _partition_from(document: dict[str, Any]) -> PartitionPlan:
-    specs = tuple(
-        ParamSpec(
-            index=i,
-            name=name,
-            shape=tuple(shape),
-            dtype=dtype,
-            group=group,
-            trainable=trainable,
-            cohort=cohort,
-        )
-        for i, (name, shape, dtype, group, trainable, cohort) in enumerate(document["specs"])
-    )
-    pieces = [
-        (p, Span(start, stop), rank)
-        for p, frags in enumerate(document["fragments"])
-        for rank, start, stop in frags
-    ]
-    partition = plan_from_assignment(
-        specs, document["shard_size"], document["alignment"], document["strategy"], pieces
-    )
-    if partition.fingerprint() != document["fingerprint"]:
-        raise CheckpointError(
-            "the manifest's partition does not match its fingerprint: the manifest is corrupted"
-        )
-    return partition
-
-
-def _remove(paths: list[Path]) -> None:
-    for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _point_latest(root: Path, name: str) -> None:
-    """Atomically make ``root/latest`` name snapshot ``name``."""
-    temporary = root / "latest.tmp"
-    with open(temporary, "w") as handle:
-        handle.write(name)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, root / "latest")
+__all__ = ["FORMAT", "latest", "load", "save"]
 
 
 def latest(path: str | Path) -> Path | None:
-    """The committed snapshot under ``path``, or ``None`` if there is none (yet).
+    """The committed snapshot under ``path``, or ``None`` if none was committed there (yet).
 
-    An interrupted first save (only a ``.partial`` directory) counts as none,
-    so a job can start from scratch. A damaged checkpoint is not hidden: this
-    does not read its files, ``load`` verifies them.
+    ``None`` means there is nothing to resume from: ``path`` does not exist,
+    or holds neither ``latest`` nor a manifest (an interrupted first save
+    leaves only a ``.partial`` directory), so a job can start from scratch. A
+    damaged checkpoint is not hidden: a ``latest`` that names a missing
+    snapshot, or anything but a snapshot of ``path`` itself, raises. The
+    snapshot's files are not read; ``load`` verifies them.
+
+    Raises:
+        CheckpointError: ``latest`` is damaged (see [Note: checkpoint root]).
     """
     root = Path(path)
-    try:
-        return _resolve(root)
-    except CheckpointError:
+    if not (root / "latest").is_file() and not (root / "manifest.json").is_file():
         return None
+    return resolve(root)
 
 
 # --------------------------------------------------------------------------- save
 @torch.no_grad()
 def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None = None, keep: int = 1) -> Path:
     """Save ``opt``, its parameters and ``extra`` to ``path``; collective.
+
+    Rank 0 becomes the one writer of ``path`` at the first save and stays it
+    while its process lives (see [Note: checkpoint root]).
 
     Args:
         opt: the optimizer; every parameter it manages is saved.
@@ -197,33 +125,29 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
         The committed snapshot directory.
 
     Raises:
-        CheckpointError: a rank could not write; the previous snapshot stays ``latest``.
+        CheckpointError: on every rank, if another job writes to ``path`` or a
+            rank could not write; the previous snapshot stays ``latest``.
     """
     if not (type(keep) is int and keep >= 1):
         raise ConfigError(f"keep must be an int >= 1, got {keep!r}")
     root = Path(path)
     sh = opt.shards()
     groups, zp = sh.groups, sh.zp
-    name: list[Any] = [None]
-    if groups.rank == 0:
-        with contextlib.suppress(OSError):
-            root.mkdir(parents=True, exist_ok=True)
-        existing = [
-            int(p.name.split("-")[1].split(".")[0])
-            for p in root.glob("snapshot-*")
-            if p.name.split("-")[1].split(".")[0].isdigit()
-        ]
-        name = [f"snapshot-{max(existing, default=0) + 1:08d}"]
-    dist.broadcast_object_list(name, group_src=0, group=groups.world)
-    partial = root / (name[0] + _PARTIAL)
-    problem: BaseException | None = None
     leaves = encode_state(export_state(zp, sh.inner, sh.buffers), zp.partition.spaces)
-    try:
-        if groups.rank == 0:
-            partial.mkdir(parents=True)
-    except OSError as exc:
-        problem = CheckpointError(f"cannot create {str(partial)!r}: {exc}")
-    _raise_first(_world_objects(None if problem is None else str(problem), groups), problem)
+    problem: ZeroplanError | None = None
+    start, encoded_extra = None, None
+    if groups.rank == 0:
+        try:
+            encoded_extra = encode(extra or {})
+            root.mkdir(parents=True, exist_ok=True)
+            claim(root)
+            start = next_name(root)
+            (root / (start + PARTIAL)).mkdir()
+        except Exception as exc:  # every failure must reach every rank, not hang them
+            problem = as_zeroplan_error(exc, CheckpointError, f"cannot start a snapshot in {str(root)!r}")
+    failed = "could not start the snapshot"
+    name: str = verdicts(problem, groups.world, failed=failed, facts=start, error=CheckpointError)[0]
+    partial = root / (name + PARTIAL)
 
     info: dict[str, Any] = {"files": {}, "state": {}}
     try:
@@ -235,10 +159,11 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
             for leaf_path, leaf in leaves.items():  # [Note: state codec]
                 if torch.is_tensor(leaf):
                     tensors[f"state/{leaf_path}"] = leaf
-                    info["state"][leaf_path] = {
-                        "dtype": tensor_meta(leaf).dtype,
-                        "ranks": [groups.shard_rank],
-                    }
+                    meta = tensor_meta(leaf)
+                    described: dict[str, Any] = {"dtype": meta.dtype, "ranks": [groups.shard_rank]}
+                    if leaf_path.startswith("whole/"):
+                        described["shape"] = list(meta.shape)
+                    info["state"][leaf_path] = described
                 else:
                     info["state"][leaf_path] = {"value": encode(leaf)}
             shard_file = f"shard-{groups.shard_rank:05d}.pt"
@@ -247,31 +172,32 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
         if groups.rank == 0 and frozen:
             info["files"]["frozen.pt"] = write_tensors(partial / "frozen.pt", frozen)
     except Exception as exc:  # any I/O failure must reach every rank, not hang them
-        problem = CheckpointError(f"rank {groups.rank} could not write its checkpoint file: {exc}")
-    everyone = _world_objects({"problem": None if problem is None else str(problem), "info": info}, groups)
-    if groups.rank == 0 and any(e["problem"] for e in everyone):
-        shutil.rmtree(partial, ignore_errors=True)
-    _raise_first([e["problem"] for e in everyone], problem)
-
-    snapshot = root / name[0]
+        problem = as_zeroplan_error(exc, CheckpointError, f"cannot write into {str(partial)!r}")
     try:
-        if groups.rank == 0:
-            write_json(partial / "manifest.json", _manifest(sh, [e["info"] for e in everyone], extra))
+        failed = "could not write its checkpoint file"
+        infos = verdicts(problem, groups.world, failed=failed, facts=info, error=CheckpointError)
+    except ZeroplanError:
+        if groups.rank == 0:  # our own partial: nothing references it
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+    snapshot = root / name
+    if groups.rank == 0:
+        try:
+            write_json(partial / "manifest.json", seal(_manifest(sh, infos, encoded_extra)))
             partial.rename(snapshot)
-            _point_latest(root, name[0])
-            doomed = _snapshots(root)[:-keep] + list(root.glob(f"snapshot-*{_PARTIAL}"))
-            # Old snapshots are no longer referenced: delete them without holding up training.
-            threading.Thread(target=_remove, args=(doomed,), daemon=True).start()
-    except (OSError, ZeroplanError) as exc:
-        problem = CheckpointError(f"rank 0 could not commit {str(snapshot)!r}: {exc}")
-    _raise_first(_world_objects(None if problem is None else str(problem), groups), problem)
+            _point_latest(root, name)
+            cleanup(root, keep, name)
+        except Exception as exc:
+            problem = as_zeroplan_error(exc, CheckpointError, f"rank 0 could not commit {str(snapshot)!r}")
+    verdicts(problem, groups.world, failed="could not commit the snapshot", error=CheckpointError)
     return snapshot
 
 
-def _manifest(sh: Shards, infos: list[dict[str, Any]], extra: dict[str, Any] | None) -> dict[str, Any]:
+def _manifest(sh: Shards, infos: list[dict[str, Any]], extra: Any) -> dict[str, Any]:
     """The manifest: the plan, every rank's files and state leaves, hyper-parameters and ``extra``."""
     zp = sh.zp
-    files: dict[str, str] = {}
+    files: dict[str, int] = {}
     state: dict[str, dict[str, Any]] = {}
     for info in infos:
         files.update(info["files"])
@@ -286,13 +212,13 @@ def _manifest(sh: Shards, infos: list[dict[str, Any]], extra: dict[str, Any] | N
         "world_size": zp.topology.world_size,
         "shard_size": zp.topology.shard_size,
         "stage": int(zp.stage),
-        "partition": _partition_document(zp.partition),
+        "partition": partition_document(zp.partition),
         "separate_master": [b.space.dtype for b in sh.buffers if b.separate_master],
         "state": state,
         "param_groups": encode([hyperparameters(g) for g in sh.param_groups]),
         "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
         "files": files,
-        "extra": encode(extra or {}),
+        "extra": extra,
     }
 
 
@@ -305,23 +231,23 @@ def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
     ``extra`` saved with it.
 
     Raises:
-        CheckpointError: missing, incomplete, truncated or corrupted files.
-        IncompatiblePlanError: a checkpoint of another model or optimizer class.
+        CheckpointError: missing, incomplete, truncated, corrupted or edited
+            files, a ``latest`` that names no snapshot of ``path``, or any
+            other failure while reading.
+        IncompatiblePlanError: a checkpoint of another model or optimizer
+            class, or ranks that read different snapshots.
         In every case, on every rank, and the optimizer and parameters are unchanged.
     """
-    problem: BaseException | None = None
-    loaded, extra = None, None
     sh = opt.shards()
-    try:
-        loaded, extra = _prepare(sh, opt.plan_with_cohorts, Path(path))
-    except (ZeroplanError, OSError) as exc:
-        problem = exc if isinstance(exc, ZeroplanError) else CheckpointError(str(exc))
-    verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
-    _raise_first(_world_objects(verdict, sh.groups), problem)
-    if loaded is None:  # unreachable: _raise_first raised
-        raise RuntimeError("checkpoint load prepared nothing")
-    opt.restore(loaded)
-    return extra
+    extra: list[dict[str, Any]] = []
+
+    def read() -> LoadedState:
+        loaded, saved_extra = _prepare(sh, opt.plan_with_cohorts, Path(path))
+        extra.append(saved_extra)
+        return loaded
+
+    opt.restore(agreed_state(read, sh, what="checkpoint", wrap=CheckpointError))
+    return extra[0]
 
 
 def _saved_param(
@@ -348,16 +274,15 @@ def _prepare(
     sh: Shards, plan_with_cohorts: Callable[[Iterable[int]], ZeroPlan], path: Path
 ) -> tuple[LoadedState, dict[str, Any]]:
     """Read and check everything this rank needs; change nothing. Returns the state and ``extra``."""
-    snapshot = _resolve(path)
-    manifest = read_json(snapshot / "manifest.json")
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{str(snapshot)!r}: unknown checkpoint format {manifest.get('format')!r}")
+    snapshot = resolve(path)
+    manifest = read_manifest(snapshot)  # [Note: manifest integrity]
     if manifest["optimizer"] != sh.optimizer_name:
         raise IncompatiblePlanError(
             f"checkpoint of optimizer {manifest['optimizer']!r}, "
             f"but this ZeroOptimizer wraps {sh.optimizer_name!r}"
         )
-    saved = _partition_from(manifest["partition"])
+    saved = partition_from(manifest["partition"])
+    check_against_partition(manifest, saved, snapshot)
     compare_specs(saved, sh.zp.partition, allow_trainable_change=False)
     for spec_saved, spec_here in zip(saved.specs, sh.zp.specs, strict=True):
         if spec_saved.group != spec_here.group:
@@ -390,6 +315,11 @@ def _prepare(
         )
 
     rank, world = sh.groups.rank, sh.groups.topology.world_size
+    # Cross-check the files whose checksums this rank verifies against the manifest.
+    for q in range(rank, saved.shard_size, world):
+        check_shard_file(open_file(f"shard-{q:05d}.pt"), q, saved, manifest)
+    if rank == 0 and "frozen.pt" in manifest["files"]:
+        check_frozen_file(open_file("frozen.pt"), saved)
     params = [_saved_param(saved, spec.index, open_file, rank, world) for spec in saved.specs]
     for i, (parts, p) in enumerate(zip(params, sh.params, strict=True)):
         if any(part.dtype != p.dtype for part in parts):
@@ -412,9 +342,14 @@ def _prepare(
             out = torch.empty(space.owned[shard_rank], dtype=dtype, device=device)  # the copies tile it
             for c in mine:
                 if c.dst_span.numel:
-                    out[c.dst_span.as_slice()] = open_file(f"shard-{c.src_rank:05d}.pt").read(
+                    piece = open_file(f"shard-{c.src_rank:05d}.pt").read(
                         name, c.src_span.start, c.src_span.stop
                     )
+                    if piece.dtype != dtype:  # never cast silently (its checking rank reports why)
+                        raise CheckpointError(
+                            f"{str(snapshot)!r}: {name!r} of shard {c.src_rank} is {piece.dtype}"
+                        )
+                    out[c.dst_span.as_slice()] = piece
             if leaf_path:
                 leaves[leaf_path] = out
             else:
@@ -442,5 +377,6 @@ def _prepare(
         param_groups=decode(manifest["param_groups"]),
         scaler=manifest["scaler"],
         param_values=params,
+        source=manifest["digest"],
     )
     return loaded, decode(manifest["extra"])

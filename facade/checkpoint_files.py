@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from zeroplan.core import CheckpointError
-from zeroplan.facade.state_tree import dtype_name, torch_dtype
+from zeroplan.facade.state_tree import TensorMeta, dtype_name, tensor_meta, torch_dtype
 
 __all__ = [
     "BLOCK_BYTES",
@@ -74,6 +74,26 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     return path.stat().st_size
 
 
+def _contents(path: Path, loaded: Any) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """The tensors and checksums of a loaded file, after checking that they are what we write."""
+    not_ours = f"checkpoint file {str(path)!r} is not a zeroplan tensor file"
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("tensors"), dict):
+        raise CheckpointError(not_ours)
+    tensors, crc = loaded["tensors"], loaded.get("crc")
+    if not isinstance(crc, dict):
+        raise CheckpointError(not_ours)
+    for name, tensor in tensors.items():
+        if not (isinstance(name, str) and torch.is_tensor(tensor)):
+            raise CheckpointError(
+                f"{not_ours}: its entry {name!r} is a {type(tensor).__name__}, not a tensor "
+                "(the file was crafted or damaged): restore it from a copy or load another snapshot"
+            )
+        checksums = crc.get(name)
+        if not (isinstance(checksums, list) and all(type(c) is int for c in checksums)):
+            raise CheckpointError(f"{not_ours}: the checksums of {name!r} are missing or not integers")
+    return tensors, crc
+
+
 class TensorFile:
     """A checkpoint file opened lazily (memory-mapped) whose reads are checksum-verified."""
 
@@ -92,15 +112,16 @@ class TensorFile:
             raise CheckpointError(
                 f"checkpoint file {str(path)!r} is unreadable (truncated or corrupted): {exc}"
             ) from None
-        if not isinstance(loaded, dict) or "tensors" not in loaded or "crc" not in loaded:
-            raise CheckpointError(f"checkpoint file {str(path)!r} is not a zeroplan tensor file")
-        self._tensors: dict[str, torch.Tensor] = loaded["tensors"]
-        self._crc: dict[str, list[int]] = loaded["crc"]
+        self._tensors, self._crc = _contents(path, loaded)
         self._verified: set[tuple[str, int]] = set()
 
     def names(self) -> list[str]:
         """Names of the tensors in the file."""
         return list(self._tensors)
+
+    def meta(self, name: str) -> TensorMeta:
+        """Shape and dtype of tensor ``name`` (no data is read)."""
+        return tensor_meta(self._get(name))
 
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` verified whole (it is read completely)."""

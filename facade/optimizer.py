@@ -358,10 +358,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Load a sharded dict (same plan) or a plain ``torch.optim`` dict (any plan).
 
         A plain dict (from ``torch.optim`` or :meth:`consolidated_state_dict`)
-        is sliced by every rank; call it on every rank. Invalid dicts raise and
-        change nothing.
+        is sliced by every rank; call it on every rank. Collective: every rank
+        validates its dict, then all agree (see [Note: load agreement] in
+        ``state_loading``), so a dict rejected on one rank raises on every rank
+        and changes nothing on any.
+
+        Raises:
+            ConfigError, IncompatiblePlanError: on every rank, if any rank's
+                dict is invalid or the ranks' dicts disagree.
         """
-        self.restore(state_loading.read_state_dict(state_dict, self.shards(), self.plan_with_cohorts))
+        sh = self.shards()
+        self.restore(
+            state_loading.agreed_state(
+                lambda: state_loading.read_state_dict(state_dict, sh, self.plan_with_cohorts),
+                sh,
+                what="state dict",
+            )
+        )
 
     @torch.no_grad()
     def restore(self, loaded: LoadedState) -> None:

@@ -47,11 +47,16 @@ def _train(model: torch.nn.Module, opt: ZeroOptimizer, rank: int, steps: range) 
 
 def _snapshot(model: torch.nn.Module, opt: ZeroOptimizer) -> dict[str, Any]:
     """Everything that must survive a failed load, bit for bit (local view)."""
+    inner = opt.inner_optimizer
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "masters": [b.master.clone() for b in opt.buffers],
-        "state": copy.deepcopy(opt.inner_optimizer.state_dict()),
+        "state": copy.deepcopy(inner.state_dict()),
+        "inner_state": [
+            copy.deepcopy(dict(inner.state.get(t, {}))) for g in inner.param_groups for t in g["params"]
+        ],
         "scale": opt.loss_scale,
+        "scaler": opt.scaler_state,
         "groups": copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]),
     }
 
@@ -163,13 +168,20 @@ def plain_torch_round_trip(rank: int, world: int, dtype_name: str) -> dict[str, 
     }
 
 
-def failed_loads(rank: int, world: int, root: str, case: str) -> dict[str, Any]:
-    """A load that must fail: the error is clear and nothing changes, bit for bit."""
-    cfg: dict[str, Any] = {"dtype": "bf16"}
-    if case == "other_model":
-        model = make_model(dtype=torch.bfloat16, width=32)
-    else:
-        model = make_model(dtype=torch.bfloat16)
+def _fail_on_rank_one(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("injected failure while reading on rank 1 only")
+
+
+def failed_loads(
+    rank: int, world: int, root: str, case: str, cfg: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A load that must fail: the error is clear and nothing changes, bit for bit.
+
+    ``cfg``: the optimizer that loads (default: bf16 AdamW, as ``save_reference`` saved it).
+    """
+    cfg = dict(cfg or {"dtype": "bf16"})
+    dtype = DTYPES[cfg.get("dtype", "fp32")]
+    model = make_model(dtype=dtype, width=32 if case == "other_model" else 24)
     if case == "other_optimizer":
         cfg["optimizer"] = "sgd"
     opt = _optimizer(model, cfg)
@@ -178,11 +190,18 @@ def failed_loads(rank: int, world: int, root: str, case: str) -> dict[str, Any]:
     target = root
     if case == "partial":
         target = next(str(p) for p in Path(root).glob("*.partial"))
+    # A failure that is no ZeroplanError, on one rank only, in the middle of reading.
+    patched = case == "fault_on_one_rank" and rank == 1
+    original = checkpoint.plan_reshard
+    if patched:
+        checkpoint.plan_reshard = _fail_on_rank_one
     try:
         checkpoint.load(opt, target)
         error = None
     except ZeroplanError as exc:
         error = f"{type(exc).__name__}: {exc}"
+    finally:
+        checkpoint.plan_reshard = original
     after = _snapshot(model, opt)
     _train(model, opt, rank, range(2, 3))  # still trains
     return {"error": error, "unchanged": _same(before, after)}
@@ -207,6 +226,45 @@ def failed_state_dict_loads(rank: int, world: int) -> dict[str, Any]:
         except ZeroplanError as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
     return {"errors": errors, "unchanged": _same(before, _snapshot(model, opt))}
+
+
+def _bad_on_rank_one(case: str, opt: ZeroOptimizer, rank: int) -> dict[str, Any]:
+    """The dict each rank loads in ``state_dict_bad_on_one_rank``: valid on rank 0, not on rank 1."""
+    if case == "sharded":  # each rank's own dict; rank 1's has a state tensor of the wrong size
+        sd = opt.state_dict()
+        if rank == 1:
+            key = next(k for k in sd["state"] if k.startswith("flat/"))
+            sd["state"][key] = torch.zeros(3)
+        return sd
+    plain = opt.consolidated_state_dict(to_rank=None)
+    del plain["state"][0]  # parameter 0 starts fresh: a new cohort, so loading re-plans
+    if case == "plain_bad_shape" and rank == 1:
+        plain["state"][1]["exp_avg"] = torch.zeros(3, 3)
+    if case == "plain_not_a_dict" and rank == 1:
+        plain = {"x": 1}
+    if case == "plain_other_steps" and rank == 1:  # valid, but another plan than rank 0's dict
+        plain["state"][1]["step"] = plain["state"][1]["step"] + 1
+    if case == "plain_other_lr" and rank == 1:  # valid, but other hyper-parameters
+        plain["param_groups"][0]["lr"] = 0.5
+    return plain
+
+
+def state_dict_bad_on_one_rank(rank: int, world: int, case: str) -> dict[str, Any]:
+    """``load_state_dict`` with a dict only rank 1 rejects (or that differs on rank 1): every rank raises."""
+    dtype = "fp16" if case == "sharded" else "bf16"  # fp16: the loss scaler must stay unchanged too
+    model = make_model(dtype=DTYPES[dtype])
+    opt = _optimizer(model, {"dtype": dtype})
+    _train(model, opt, rank, range(2))
+    sd = _bad_on_rank_one(case, opt, rank)
+    before = _snapshot(model, opt)
+    try:
+        opt.load_state_dict(sd)
+        error = None
+    except ZeroplanError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    after = _snapshot(model, opt)
+    _train(model, opt, rank, range(2, 3))  # still trains, in step on every rank
+    return {"error": error, "unchanged": _same(before, after)}
 
 
 def _peak_rss() -> int:
