@@ -15,8 +15,11 @@
 
 Optimizer state is written as the leaves of [Note: state codec]: tensors go to
 the shard files under ``state/<leaf path>`` and the manifest records, per
-leaf, its dtype, the ranks whose file holds it and (``whole/`` leaves) its
-shape, or, for plain values (the scalar state of a cohort), the value itself.
+leaf, its dtype, the ranks whose file holds it and (``whole/`` and
+``parked/`` leaves) its shape, or, for plain values (the scalar state of a
+cohort), the value itself. Parked state of frozen parameters (pieces in
+parameter coordinates) loads at any world size: shard rank ``index % shard
+size`` takes a parameter's pieces, which are exchanged when it is unfrozen.
 
 Files hold tensors and plain data only (``torch.load(weights_only=True)``) with a
 crc32 per 1 MiB block. Each snapshot is written under ``snapshot-N.partial``;
@@ -80,7 +83,15 @@ from zeroplan.facade.inner import hyperparameters
 from zeroplan.facade.shard_state import export_state
 from zeroplan.facade.state_dicts import Shards
 from zeroplan.facade.state_loading import LoadedState, agreed_state
-from zeroplan.facade.state_tree import decode_state, encode_state, tensor_meta, torch_dtype, tree_clone
+from zeroplan.facade.state_tree import (
+    decode_parked,
+    decode_state,
+    encode_parked,
+    encode_state,
+    tensor_meta,
+    torch_dtype,
+    tree_clone,
+)
 
 if TYPE_CHECKING:
     from zeroplan.facade.optimizer import ZeroOptimizer
@@ -134,6 +145,7 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
     sh = opt.shards()
     groups, zp = sh.groups, sh.zp
     leaves = encode_state(export_state(zp, sh.inner, sh.buffers), zp.partition.spaces)
+    leaves.update(encode_parked(sh.parked))  # [Note: parked state]
     problem: ZeroplanError | None = None
     start, encoded_extra = None, None
     if groups.rank == 0:
@@ -161,7 +173,7 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
                     tensors[f"state/{leaf_path}"] = leaf
                     meta = tensor_meta(leaf)
                     described: dict[str, Any] = {"dtype": meta.dtype, "ranks": [groups.shard_rank]}
-                    if leaf_path.startswith("whole/"):
+                    if not leaf_path.startswith("flat/"):
                         described["shape"] = list(meta.shape)
                     info["state"][leaf_path] = described
                 else:
@@ -365,6 +377,18 @@ def _prepare(
                 leaves[leaf_path] = stored.to(device, copy=True)
     for leaf_path in (p for p in state if p.startswith("scalars/")):
         leaves[leaf_path] = tree_clone(decode(state[leaf_path]["value"]), device)
+    # Parked state of frozen parameters: each parameter's, whole, on shard rank ``index % shard size``
+    # (see [Note: parked state]); it is exchanged when the parameter is unfrozen.
+    parked_leaves: dict[str, Any] = {}
+    for leaf_path, described in state.items():
+        kind, param = [*leaf_path.split("/", 2), ""][:2]
+        if kind != "parked" or int(param) % target.topology.shard_size != shard_rank:
+            continue
+        if "value" in described:
+            parked_leaves[leaf_path] = tree_clone(decode(described["value"]), device)
+            continue
+        stored = open_file(f"shard-{described['ranks'][0]:05d}.pt").tensor(f"state/{leaf_path}")
+        parked_leaves[leaf_path] = stored.to(device, copy=True)
     shard_state = decode_state(leaves, target.partition.spaces)
     stateful = set(shard_state.scalars) | {
         (target.specs[p].group, target.specs[p].cohort) for p in shard_state.whole
@@ -377,6 +401,7 @@ def _prepare(
         param_groups=decode(manifest["param_groups"]),
         scaler=manifest["scaler"],
         param_values=params,
+        parked=decode_parked(parked_leaves),
         source=manifest["digest"],
     )
     return loaded, decode(manifest["extra"])

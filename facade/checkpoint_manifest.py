@@ -166,7 +166,7 @@ def _check_leaf(path: Path, leaf: str, described: Any, shard_size: int) -> None:
     """A state leaf's description has its kind's form (see [Note: checkpoint layout])."""
     kind = leaf.split("/", 1)[0]
     problem = None
-    if not isinstance(described, dict) or kind not in ("flat", "scalars", "whole"):
+    if not isinstance(described, dict) or kind not in ("flat", "scalars", "whole", "parked"):
         problem = "is no state leaf"
     elif "value" in described:
         problem = "must be a tensor" if kind == "flat" else None
@@ -180,7 +180,7 @@ def _check_leaf(path: Path, leaf: str, described: Any, shard_size: int) -> None:
         and all(type(q) is int and 0 <= q < shard_size for q in described["ranks"])
     ):
         problem = f"has ranks {described.get('ranks')!r}, not shard ranks of 0..{shard_size - 1}"
-    elif kind == "whole" and not (
+    elif kind in ("whole", "parked") and not (
         isinstance(described.get("shape"), list)
         and all(type(n) is int and n >= 0 for n in described["shape"])
     ):
@@ -210,6 +210,8 @@ def check_against_partition(document: dict[str, Any], saved: PartitionPlan, snap
     for leaf in document["state"]:
         kind, first, _ = [*leaf.split("/", 2), "", ""][:3]
         known = first in dtypes if kind == "flat" else first.isdigit() and int(first) < len(saved.specs)
+        if kind == "parked" and known and saved.specs[int(first)].trainable:
+            known = False  # parked state belongs to frozen parameters only
         if kind != "scalars" and not known:
             raise CheckpointError(
                 f"{str(snapshot)!r}: state leaf {leaf!r} names no saved {kind} space or parameter"

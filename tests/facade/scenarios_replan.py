@@ -190,3 +190,38 @@ def _has_parked(saved: dict[str, Any], form: str) -> bool:
     if form == "sharded":
         return any(path.startswith("parked/") for path in saved["parked"])
     return bool(saved) and all("exp_avg" in entry for entry in saved["state"].values())
+
+
+def parked_state_survives_checkpoints(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
+    """Save with a trained layer frozen at one world size; load at another (``phase``), unfreeze and
+    train: the same as a run that never stopped (recorded by the save phase in ``root``)."""
+    from zeroplan.facade import checkpoint
+
+    def train(m: torch.nn.Module, o: Any, steps: range) -> None:
+        for step in steps:
+            loss_of(m, *batch(step, 0)).backward()  # every rank the same batch: any world gives one result
+            o.step()
+            o.zero_grad()
+
+    model = make_model()
+    if phase == "save":
+        opt = make_optimizer(model, stage=2)
+        train(model, opt, range(2))
+        model.blocks[1].fc.weight.requires_grad_(False)
+        opt.refresh_trainable()
+        train(model, opt, range(2, 3))
+        checkpoint.save(opt, root)
+        if rank == 0:
+            torch.save(model.state_dict(), f"{root}/model.pt")
+        model.blocks[1].fc.weight.requires_grad_(True)
+        opt.refresh_trainable()
+        train(model, opt, range(3, 5))
+        return {"params": [p.detach().clone() for p in model.parameters()]}
+    model.load_state_dict(torch.load(f"{root}/model.pt"))
+    model.blocks[1].fc.weight.requires_grad_(False)
+    opt = make_optimizer(model, stage=2, strategy="greedy_whole")
+    checkpoint.load(opt, root)
+    model.blocks[1].fc.weight.requires_grad_(True)
+    opt.refresh_trainable()
+    train(model, opt, range(3, 5))
+    return {"params": [p.detach().clone() for p in model.parameters()]}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import scenarios_replan
+from models import rel_err
 
 FP32_TOL = 1e-6
 
@@ -54,3 +55,12 @@ def test_parked_state_survives_state_dicts(pools, form):
     for r in results:
         assert r["parked_in_dict"]
         assert max(r["errors"]) <= (0.0 if form == "sharded" else FP32_TOL), r["errors"]
+
+
+def test_parked_state_survives_elastic_checkpoints(pools, tmp_path):
+    root = str(tmp_path / "ckpt")
+    uninterrupted = pools(2).run(scenarios_replan.parked_state_survives_checkpoints, root, "save")[0]
+    resumed = pools(4).run(scenarios_replan.parked_state_survives_checkpoints, root, "load")
+    for r in resumed:
+        errors = [rel_err(a, b) for a, b in zip(r["params"], uninterrupted["params"], strict=True)]
+        assert max(errors) < FP32_TOL, errors
