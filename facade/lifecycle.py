@@ -345,7 +345,9 @@ def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:
             "buffer: its .data was replaced after the ZeroOptimizer was created (model.to(...), a copy "
             "assigned to param.data, load_state_dict(assign=True)), so updates would never reach the model. "
             "Move or convert the model before creating the optimizer, and load weights with "
-            "model.load_state_dict(...) (which copies in place)"
+            "model.load_state_dict(...) (which copies in place). With Hugging Face transformers, use "
+            "zeroplan.facade.hf.ZeroTrainer instead of Trainer(optimizers=(ZeroOptimizer(...), ...)): "
+            "Trainer and Accelerate move the model and wrap it in DistributedDataParallel"
         )
     if flags[0] > 0:
         raise ConfigError(
