@@ -15,13 +15,15 @@ Every step walks the same phases, forward only::
 * ``REDUCING``: a backward pass outside ``no_sync()`` runs; each bucket is
   reduced as soon as it is full. A later ``no_sync()`` backward in the same
   step is refused: its gradients could no longer join the reduction.
-* ``REDUCED``: ``clip_grad_norm_``, ``step`` or ``averaged_gradients`` finished
-  the reduction. First every rank agreed (one small all-reduce, not counted in
-  the step's traffic) that none of its parameters was detached from the flat
-  buffers and that all hold the same hyper-parameters. This rank's *master
-  gradients* (the shard the inner optimizer reads) are then averaged over the
-  world and unscaled, and every rank knows whether any gradient overflowed
-  (``found_inf``).
+* ``REDUCED``: ``clip_grad_norm_``, ``step``, ``grad_norm`` or
+  ``averaged_gradients`` finished the reduction. First every rank agreed (one
+  small all-reduce, not counted in the step's traffic) that none of its
+  parameters was detached from the flat buffers and that all hold the same
+  hyper-parameters. This rank's *master gradients* (the shard the inner
+  optimizer reads) are then averaged over the world and unscaled, and every
+  rank knows whether any gradient overflowed (``found_inf``). ``grad_norm``
+  and ``averaged_gradients`` only read them: the phase stays ``REDUCED`` (or
+  ``CLIPPED``), and their collectives are not counted in the step's traffic.
 * ``CLIPPED``: ``clip_grad_norm_`` scaled them; once per step.
 * ``STEPPED``: the inner optimizer updated this rank's shard (not on overflow).
 * ``PUBLISHED``: the updated shards were gathered into every rank's
@@ -30,7 +32,7 @@ Every step walks the same phases, forward only::
 ``zero_grad()``, re-planning and loading state return to ``IDLE`` from any
 phase and drop the master gradients. Calls out of order raise
 :class:`~zeroplan.core.StepOrderError` from this module and nowhere else:
-``step``/``clip_grad_norm_``/``averaged_gradients`` before any backward,
+``step``/``clip_grad_norm_``/``grad_norm``/``averaged_gradients`` before any backward,
 clipping twice, a backward between the reduction and ``step()``, a
 ``no_sync()`` backward after a synchronised one.
 
@@ -143,8 +145,8 @@ class StepLifecycle:
         if self.phase not in _REDUCIBLE:
             raise StepOrderError(
                 f"parameter {name!r} received a gradient after this step's gradients were reduced "
-                f"(phase {self.phase.value}: clip_grad_norm_, averaged_gradients or step already ran); "
-                "call step() (or zero_grad()) between backward passes, or accumulate inside "
+                f"(phase {self.phase.value}: clip_grad_norm_, grad_norm, averaged_gradients or step already "
+                "ran); call step() (or zero_grad()) between backward passes, or accumulate inside "
                 "`with optimizer.no_sync():`"
             )
         if self.accumulation is Accumulation.LOCAL:
@@ -220,22 +222,26 @@ class StepLifecycle:
                 "clip_grad_norm_ was already called in this step; clip once between backward and step()"
             )
         self.reduce(inst, ctx, "clip_grad_norm_()")
-        local = torch.zeros((), dtype=torch.float32, device=inst.device)
-        for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
-            part = grad[: buf.owned]
-            if part.numel() == 0:
-                continue
-            norm = torch.linalg.vector_norm(part, norm_type).float()
-            local = torch.maximum(local, norm) if norm_type == math.inf else local + norm**norm_type
-        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        all_reduce_shard(local, op, inst.groups, self.log)
-        total = local if norm_type == math.inf else local ** (1.0 / norm_type)
+        total = _total_norm(self.master_grads, inst, norm_type, self.log)
         coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for grad in self.master_grads:
             grad.mul_(coefficient.to(grad.dtype))
         self.clipped = True
         self.phase = Phase.CLIPPED
         return total
+
+    def grad_norm(self, inst: Installed, ctx: StepContext, norm_type: float) -> torch.Tensor:
+        """The total norm of the master gradients, as :meth:`clip` computes it, without scaling them.
+
+        Reduces first if needed (``-> REDUCED``); after :meth:`clip` it is the
+        norm of the clipped gradients. Its all-reduce is inspection traffic,
+        not part of the step's (as ``averaged_gradients``).
+
+        Raises:
+            StepOrderError: no backward ran in this step.
+        """
+        self.reduce(inst, ctx, "grad_norm()")
+        return _total_norm(self.master_grads, inst, norm_type, CommLog())
 
     # ------------------------------------------------------------ step
     def step(self, inst: Installed, ctx: StepContext, **kwargs: Any) -> bool:
@@ -305,6 +311,22 @@ class StepLifecycle:
         return result
 
 
+def _total_norm(
+    master_grads: Sequence[torch.Tensor], inst: Installed, norm_type: float, log: CommLog
+) -> torch.Tensor:
+    """The norm of the whole model's gradient from this rank's master gradients: one all-reduce."""
+    local = torch.zeros((), dtype=torch.float32, device=inst.device)
+    for grad, buf in zip(master_grads, inst.buffers, strict=True):
+        part = grad[: buf.owned]
+        if part.numel() == 0:
+            continue
+        norm = torch.linalg.vector_norm(part, norm_type).float()
+        local = torch.maximum(local, norm) if norm_type == math.inf else local + norm**norm_type
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    all_reduce_shard(local, op, inst.groups, log)
+    return local if norm_type == math.inf else local ** (1.0 / norm_type)
+
+
 def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:
     """Every rank raises unless no rank has a detached parameter and all hold the same hyper-parameters.
 
@@ -323,7 +345,9 @@ def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:
             "buffer: its .data was replaced after the ZeroOptimizer was created (model.to(...), a copy "
             "assigned to param.data, load_state_dict(assign=True)), so updates would never reach the model. "
             "Move or convert the model before creating the optimizer, and load weights with "
-            "model.load_state_dict(...) (which copies in place)"
+            "model.load_state_dict(...) (which copies in place). With Hugging Face transformers, use "
+            "zeroplan.facade.hf.ZeroTrainer instead of Trainer(optimizers=(ZeroOptimizer(...), ...)): "
+            "Trainer and Accelerate move the model and wrap it in DistributedDataParallel"
         )
     if flags[0] > 0:
         raise ConfigError(

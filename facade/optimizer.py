@@ -257,6 +257,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._lifecycle.clip(self._installed, self._context(), max_norm, norm_type)
 
     @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm, as :meth:`clip_grad_norm_` returns it, without clipping.
+
+        At stage 2 no rank holds whole gradients (``.grad`` is ``None`` after
+        backward), so code that logs or inspects them reads this instead of
+        ``torch.nn.utils.clip_grad_norm_(params, inf)``. Reduces gradients if
+        backward left any pending, then one all-reduce of a scalar; identical on
+        every rank; collective. Between backward and :meth:`step`, as often as
+        needed; after :meth:`clip_grad_norm_` it is the norm of the clipped
+        gradients. For the gradients themselves, see :meth:`averaged_gradients`.
+        """
+        norm_type = float(norm_type)
+        if not (norm_type == math.inf or norm_type > 0):
+            raise ConfigError(f"norm_type must be > 0 or inf, got {norm_type}")
+        return self._lifecycle.grad_norm(self._installed, self._context(), norm_type)
+
+    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Apply the update; returns what ``closure`` returned (``None`` without one), as ``torch.optim``.
 

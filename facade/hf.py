@@ -1,0 +1,277 @@
+"""Hugging Face ``transformers.Trainer`` on a ``ZeroOptimizer``: :class:`ZeroTrainer` (extra ``hf``).
+
+[Note: Trainer integration]
+``Trainer`` assumes DDP: it moves the model to ``args.device`` (on CPU,
+``cpu:0``: every tensor is copied), lets Accelerate wrap it in
+``DistributedDataParallel`` (gradients reduced twice), clips and logs the norm
+of ``.grad`` (``None`` at stage 2), accumulates gradients inside the DDP
+wrapper's ``no_sync`` and saves ``optimizer.state_dict()`` from rank 0 only.
+:class:`ZeroTrainer` changes exactly those points and nothing else:
+
+* ``create_optimizer`` builds a ``ZeroOptimizer`` over the param groups
+  ``Trainer`` builds from ``args`` (weight decay on ``get_decay_parameter_names``,
+  ``0.0`` on the rest, trainable parameters only) around the optimizer class
+  and keyword arguments of ``args.optim`` (``get_optimizer_cls_and_kwargs``) or
+  ``optimizer_cls_and_kwargs``. It runs after ``Trainer`` moved the model and
+  before Accelerate sees it, so the parameters stay views of its buffers.
+* ``_wrap_model`` hands the model to Accelerate in evaluation mode, which
+  applies autocast and ``torch.compile`` but neither moves it nor wraps it in
+  DDP, and marks it prepared, so ``accelerator.prepare`` leaves it alone.
+* ``training_step`` runs the backward passes of every micro-batch but the last
+  inside ``opt.no_sync()`` (the micro-batches after which ``Trainer`` does not
+  step), and first copies rank 0's buffers to every rank as DDP did
+  (:func:`~zeroplan.facade.broadcast_buffers`, unless
+  ``args.ddp_broadcast_buffers`` is ``False``).
+* ``_clip_grad_norm`` is ``opt.clip_grad_norm_(args.max_grad_norm)`` and the
+  logged ``grad_norm`` without clipping is ``opt.grad_norm()``.
+* Checkpoints: every rank saves the optimizer (parameters, fp32 masters,
+  state) with ``zeroplan.facade.checkpoint`` into ``zeroplan/`` inside
+  ``Trainer``'s ``checkpoint-N`` folder, which also holds the model, scheduler,
+  RNG and trainer state as usual; ``train(resume_from_checkpoint=...)`` loads
+  it back on every rank, so a resumed run continues exactly.
+
+What cannot work is refused when the trainer is built: an optimizer passed in
+``optimizers``, fp16 mixed precision (Accelerate's ``GradScaler`` unscales
+``.grad``), DeepSpeed, FSDP, ``DataParallel`` over several GPUs of one process,
+a data-parallel group other than the processes ``Trainer`` shards the data over
+(on CPU ``TrainingArguments(use_cpu=True)`` makes ``Trainer`` distributed),
+optimizers that ``Trainer`` builds from the model itself (GaLore, LOMO,
+layer-wise and factory optimizers) and a loss scale in ``zero_kwargs``. A plain
+``Trainer`` given a ``ZeroOptimizer`` fails at its first step with an error that
+names :class:`ZeroTrainer` (the model it moved no longer shares the optimizer's
+storage).
+
+[Note: Accelerate]
+In a hand-written ``accelerate`` loop the same points apply (see the README):
+move the model to ``accelerator.device`` *before* building the optimizer; pass
+the model to ``accelerator.prepare_model(model, device_placement=False,
+evaluation_mode=True)`` (autocast and compile, no DDP, no move), never to
+``prepare``; prepare the data loader; keep the optimizer out of ``prepare``
+(``save_state`` would save one rank's shard); accumulate inside
+``opt.no_sync()`` (``accelerator.accumulate`` only knows DDP's ``no_sync``: the
+second backward raises ``StepOrderError``); clip with ``opt.clip_grad_norm_``
+(``accelerator.clip_grad_norm_`` reads ``.grad``, ``None`` at stage 2, and
+returns 0); checkpoint with ``zeroplan.facade.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+try:
+    from transformers import Trainer
+    from transformers.trainer import SCHEDULER_NAME
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "zeroplan.facade.hf needs transformers and accelerate: pip install 'zeroplan[hf]'"
+    ) from exc
+
+from zeroplan.core import CheckpointError, ConfigError
+from zeroplan.facade import checkpoint
+from zeroplan.facade.module_buffers import broadcast_buffers
+from zeroplan.facade.optimizer import ZeroOptimizer
+
+__all__ = ["CHECKPOINT_DIR", "ZeroTrainer"]
+
+#: The folder inside each of ``Trainer``'s ``checkpoint-N`` folders that holds the optimizer.
+CHECKPOINT_DIR = "zeroplan"
+
+#: ``ZeroOptimizer`` settings ``zero_kwargs`` may hold (hyper-parameters come from ``args``).
+ZERO_SETTINGS = frozenset(
+    {
+        "stage",
+        "process_group",
+        "shard_group_size",
+        "strategy",
+        "bucket_bytes",
+        "overlap_grad_reduce",
+        "alignment",
+        "max_inflight_buckets",
+        "collectives",
+    }
+)
+
+_PASSED_OPTIMIZER = (
+    "ZeroTrainer builds its ZeroOptimizer from args (optimizer class, learning rate, weight decay and "
+    "its decay/no-decay param groups) and zero_kwargs; pass optimizers=(None, None), choose the "
+    "optimizer with args.optim or optimizer_cls_and_kwargs, and the schedule with args.lr_scheduler_type "
+    "(or override create_scheduler)"
+)
+_FROM_MODEL = (
+    "ZeroTrainer cannot shard args.optim={optim!r}: Trainer builds it from the model itself ({keys}), "
+    "not from param groups; choose an optimizer class such as 'adamw_torch' or pass "
+    "optimizer_cls_and_kwargs=(cls, kwargs)"
+)
+
+
+def _check_zero_kwargs(zero_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    settings = dict(zero_kwargs or {})
+    if "loss_scale" in settings or "scaler" in settings:
+        raise ConfigError(
+            "zero_kwargs: ZeroTrainer applies no loss scale (Trainer calls loss.backward(), not "
+            "opt.backward(loss)); train with fp32 or bf16 parameters, or bf16=True mixed precision"
+        )
+    unknown = sorted(settings.keys() - ZERO_SETTINGS)
+    if unknown:
+        raise ConfigError(
+            f"zero_kwargs: {unknown} are not ZeroOptimizer settings ZeroTrainer passes on; allowed: "
+            f"{sorted(ZERO_SETTINGS)}. Hyper-parameters (learning rate, betas, weight decay) come from "
+            "TrainingArguments"
+        )
+    return settings
+
+
+class ZeroTrainer(Trainer):
+    """A ``transformers.Trainer`` whose optimizer is a ``ZeroOptimizer`` (see [Note: Trainer integration]).
+
+    Takes every argument of ``Trainer`` and ``zero_kwargs``, the settings of the
+    ``ZeroOptimizer`` (``stage``, ``shard_group_size``, ``bucket_bytes``, ...).
+    Launch with ``torchrun``; the model is neither moved after the optimizer
+    exists nor wrapped in DDP.
+
+    Args:
+        *args: positional arguments of ``Trainer`` (``model``, ``args``, ...).
+        zero_kwargs: ``ZeroOptimizer`` settings; hyper-parameters come from ``args``.
+        **kwargs: keyword arguments of ``Trainer``; ``optimizers`` may only hold ``None``.
+
+    Raises:
+        ConfigError: an optimizer was passed, or ``args``/``zero_kwargs`` ask for
+            what cannot work (fp16 mixed precision, DeepSpeed, FSDP, several GPUs
+            per process, an optimizer built from the model, a loss scale).
+
+    Example::
+
+        trainer = ZeroTrainer(model=model, args=TrainingArguments(..., max_grad_norm=1.0),
+                              train_dataset=data, zero_kwargs={"stage": 2})
+        trainer.train()                                   # or resume_from_checkpoint=True
+    """
+
+    def __init__(self, *args: Any, zero_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        self.zero_kwargs = _check_zero_kwargs(zero_kwargs)
+        self._zero: ZeroOptimizer | None = None
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers[0] is not None:
+            raise ConfigError(f"optimizers: {_PASSED_OPTIMIZER}")
+        if optimizers[1] is not None:
+            raise ConfigError(
+                f"optimizers: a scheduler needs the optimizer, built later; {_PASSED_OPTIMIZER}"
+            )
+        super().__init__(*args, **kwargs)
+        refused = {
+            "fp16 mixed precision (GradScaler reads .grad); use bf16=True": self.args.fp16,
+            "DeepSpeed": self.is_deepspeed_enabled,
+            "FSDP": self.is_fsdp_enabled or bool(self.args.fsdp),
+            "several GPUs per process (DataParallel); launch one process per GPU": self.args.n_gpu > 1,
+        }
+        for what, present in refused.items():
+            if present:
+                raise ConfigError(f"ZeroTrainer does not support {what}")
+        ranks = dist.get_world_size(self.zero_kwargs.get("process_group")) if dist.is_initialized() else 1
+        if ranks != self.args.world_size:
+            raise ConfigError(
+                f"the ZeroOptimizer would average gradients over {ranks} ranks but Trainer shards the data "
+                f"over {self.args.world_size} ({self.args.parallel_mode.value}): every rank would train on "
+                "the same batches. On CPU, pass TrainingArguments(use_cpu=True) under torchrun; "
+                "zero_kwargs['process_group'] must span every process"
+            )
+        self._buffers_from_rank_zero = self.args.ddp_broadcast_buffers is not False
+
+    @property
+    def zero_optimizer(self) -> ZeroOptimizer:
+        """The ``ZeroOptimizer`` (``self.optimizer`` may be Accelerate's wrapper around it)."""
+        if self._zero is None:
+            raise ConfigError("the ZeroOptimizer is built by train() or create_optimizer(); none exists yet")
+        return self._zero
+
+    # ------------------------------------------------------------ optimizer
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """Build the ``ZeroOptimizer`` over ``Trainer``'s decay/no-decay groups (once)."""
+        if self.optimizer is None:
+            opt_model = self.model if model is None else model
+            if self.optimizer_cls_and_kwargs is not None:
+                optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+            else:
+                optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+            built_from_model = sorted({"params", "model", "optimizer_dict"} & optimizer_kwargs.keys())
+            if built_from_model or not isinstance(optimizer_cls, type):
+                keys = ", ".join(built_from_model) or "a factory"
+                raise ConfigError(_FROM_MODEL.format(optim=str(self.args.optim), keys=keys))
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [(n, p) for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                {"params": [(n, p) for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
+            self._zero = ZeroOptimizer(
+                [g for g in groups if g["params"]], optimizer_cls, **self.zero_kwargs, **optimizer_kwargs
+            )
+            self.optimizer = self._zero
+        return self.optimizer
+
+    # ------------------------------------------------------------ model
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        if self._zero is None and not training:
+            return super()._wrap_model(model, training, dataloader)
+        # Autocast and torch.compile only: no device placement (the optimizer owns the parameters'
+        # storage) and no DDP (the optimizer reduces gradients). Accelerate then sees it as prepared.
+        return self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> tuple[nn.Module, Any]:
+        model, dataloader = super()._prepare_for_training(*args, **kwargs)
+        ddp = nn.parallel.DistributedDataParallel
+        if isinstance(model, ddp) or isinstance(self.accelerator.unwrap_model(model), ddp):
+            raise ConfigError(
+                "Accelerate wrapped the model in DistributedDataParallel despite ZeroTrainer; this version "
+                "of accelerate/transformers is not supported by zeroplan.facade.hf"
+            )
+        return model, dataloader
+
+    # ------------------------------------------------------------ step
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        """``Trainer.training_step``, inside ``no_sync()`` unless the optimizer steps after it."""
+        opt = self.zero_optimizer
+        if self._buffers_from_rank_zero:
+            broadcast_buffers(self.model, opt.process_groups.world)
+        step = functools.partial(super().training_step, model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:
+            return step()
+        with opt.no_sync():
+            return step()
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        del model
+        return self.zero_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        del model
+        return self.zero_optimizer.grad_norm() if grad_norm is None else grad_norm
+
+    # ------------------------------------------------------------ checkpoints
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        checkpoint.save(self.zero_optimizer, Path(output_dir) / CHECKPOINT_DIR)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        if checkpoint_dir is None:
+            return
+        root = Path(checkpoint_dir) / CHECKPOINT_DIR
+        if checkpoint.latest(root) is None:
+            raise CheckpointError(
+                f"{checkpoint_dir!r} holds no zeroplan optimizer checkpoint ({CHECKPOINT_DIR}/): it was not "
+                "saved by ZeroTrainer (or with save_only_model=True). A plain torch.optim state dict loads "
+                "with trainer.zero_optimizer.load_state_dict(...) after create_optimizer()"
+            )
+        checkpoint.load(self.zero_optimizer, root)
+        scheduler = Path(checkpoint_dir) / SCHEDULER_NAME
+        if scheduler.is_file():
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

@@ -1,0 +1,242 @@
+"""Training runs with Hugging Face ``Trainer`` and ``accelerate``, launched by ``tests/facade/test_hf.py``.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/facade/hf_runs.py OUT RUN [RUN ...]
+
+Each run trains the same tiny random GPT-2 (no downloads) on the same in-memory
+data, then every rank saves what the tests compare to ``OUT/RUN.rankR.pt``:
+the losses and gradient norms ``Trainer`` logged (or the loop computed), the
+learning rates, and the final parameters. ``ERROR`` runs save the message of the
+error they raised instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch
+import torch.distributed as dist
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.utils import logging as hf_logging
+
+from zeroplan.facade import ZeroOptimizer
+from zeroplan.facade.hf import ZeroTrainer
+
+VOCAB, LENGTH, EXAMPLES = 61, 12, 48
+STEPS = 6
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:
+    """A 2-layer GPT-2 without dropout (odd vocabulary: padded shards), the same on every rank."""
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config).to(dtype)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+class Data(torch.utils.data.Dataset):
+    """Arithmetic sequences modulo ``VOCAB``: learnable, deterministic, in memory."""
+
+    def __len__(self) -> int:
+        return EXAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        start, stride = (7 * i) % VOCAB, 1 + i % 5
+        ids = (start + stride * torch.arange(LENGTH)) % VOCAB
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def training_args(out: Path, **overrides: Any) -> TrainingArguments:
+    settings: dict[str, Any] = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 4,
+        "max_steps": STEPS,
+        "learning_rate": 3e-3,
+        "weight_decay": 0.1,
+        "warmup_steps": 2,
+        "max_grad_norm": 0.0,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+    }
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def _history(trainer: Trainer) -> dict[str, list[float]]:
+    steps = [h for h in trainer.state.log_history if "loss" in h and "train_loss" not in h]
+    return {
+        "losses": [h["loss"] for h in steps],
+        "grad_norms": [h.get("grad_norm") for h in steps],
+        "lrs": [h["learning_rate"] for h in steps],
+        "steps": [h["step"] for h in steps],
+    }
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- Trainer runs
+def trainer_run(
+    out: Path,
+    *,
+    zero: dict[str, Any] | None,
+    resume_from: str | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """``Trainer`` + ``torch.optim.AdamW`` under DDP (``zero=None``) or ``ZeroTrainer(zero_kwargs=zero)``."""
+    model = make_model(seed, dtype)
+    args = training_args(out, **overrides)
+    data = {"train_dataset": Data(), "eval_dataset": Data() if "eval_strategy" in overrides else None}
+    if zero is None:
+        trainer: Trainer = Trainer(model=model, args=args, **data)
+    else:
+        trainer = ZeroTrainer(model=model, args=args, zero_kwargs=zero, **data)
+    trainer.train(resume_from_checkpoint=resume_from)
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    wrapped = type(trainer.model_wrapped).__name__
+    return {**_history(trainer), "eval_losses": evals, "params": _params(model), "wrapped": wrapped}
+
+
+def plain_trainer_with_zero_optimizer(out: Path) -> dict[str, Any]:
+    """What a new user tries first: ``Trainer(optimizers=(ZeroOptimizer(...), scheduler))``."""
+    model = make_model()
+    opt = ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    trainer = Trainer(model=model, args=training_args(out), train_dataset=Data(), optimizers=(opt, scheduler))
+    trainer.train()
+    return {"trained": True}
+
+
+# --------------------------------------------------------------------------- accelerate runs
+def accelerate_run(*, zero: bool, accumulate: int, clip: float | None) -> dict[str, Any]:
+    """An ``accelerate`` loop: DDP + ``torch.optim.AdamW``, or ``ZeroOptimizer`` as the README says."""
+    from accelerate import Accelerator
+    from transformers import get_linear_schedule_with_warmup
+
+    accelerator = Accelerator(cpu=True)
+    model = make_model()
+    loader = torch.utils.data.DataLoader(Data(), batch_size=4)
+    hyper = {"lr": 3e-3, "weight_decay": 0.1}
+    if zero:
+        model.to(accelerator.device)  # before the optimizer exists: it owns the parameters' storage
+        opt: Any = ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, **hyper)
+        model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)  # no DDP
+        loader = accelerator.prepare(loader)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), **hyper)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+    scheduler = get_linear_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=STEPS)
+    losses, norms = [], []
+    batches = (batch for _ in range(STEPS * accumulate) for batch in loader)
+    for _ in range(STEPS):
+        total = torch.zeros(())
+        for micro in range(accumulate):
+            last = micro == accumulate - 1
+            if last:
+                context: Any = contextlib.nullcontext()
+            else:
+                context = opt.no_sync() if zero else accelerator.no_sync(model)
+            with context:
+                loss = model(**next(batches)).loss / accumulate
+                accelerator.backward(loss)
+            total += loss.detach()
+        if zero:
+            norm = opt.clip_grad_norm_(clip) if clip else opt.grad_norm()
+        else:
+            norm = accelerator.clip_grad_norm_(model.parameters(), clip or math.inf)
+        norms.append(float(norm))
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+        losses.append(float(accelerator.reduce(total, "mean")))
+    return {"losses": losses, "grad_norms": norms, "params": _params(accelerator.unwrap_model(model))}
+
+
+# --------------------------------------------------------------------------- the runs
+def runs(out: Path) -> dict[str, Callable[[], dict[str, Any]]]:
+    """Every run by name; ``*_resumed`` runs read the checkpoints of the run before them."""
+    gas = {"gradient_accumulation_steps": 2}
+    clip = {"max_grad_norm": 0.5, "gradient_accumulation_steps": 2}
+    save = {"save_strategy": "steps", "save_steps": 3}
+    evaluate = {"eval_strategy": "steps", "eval_steps": 3}
+    bf16 = torch.bfloat16
+    resumed: dict[str, Any] = {"zero": {"stage": 2}, "seed": 1}
+    return {
+        "ddp": lambda: trainer_run(out / "ddp", zero=None),
+        "zero": lambda: trainer_run(out / "zero", zero={"stage": 2}),
+        "ddp_gas": lambda: trainer_run(out / "ddp_gas", zero=None, **gas),
+        "zero_gas": lambda: trainer_run(out / "zero_gas", zero={"stage": 2}, **gas),
+        "ddp_clip": lambda: trainer_run(out / "ddp_clip", zero=None, **clip, **evaluate),
+        "zero_clip": lambda: trainer_run(out / "zero_clip", zero={"stage": 2}, **clip, **save, **evaluate),
+        "zero1_clip": lambda: trainer_run(out / "zero1_clip", zero={"stage": 1}, **clip),
+        # Another initial model: what the resumed run ends with comes from the checkpoint alone.
+        "zero_clip_resumed": lambda: trainer_run(
+            out / "zero_clip_resumed",
+            **resumed,
+            resume_from=str(out / "zero_clip" / "checkpoint-3"),
+            **clip,
+            **evaluate,
+        ),
+        # bf16 parameters: the fp32 masters must come back from the checkpoint, not from the bf16 model.
+        "zero_bf16": lambda: trainer_run(out / "zero_bf16", zero={"stage": 2}, dtype=bf16, **clip, **save),
+        "zero_bf16_resumed": lambda: trainer_run(
+            out / "zero_bf16_resumed",
+            **resumed,
+            dtype=bf16,
+            resume_from=str(out / "zero_bf16" / "checkpoint-3"),
+            **clip,
+        ),
+        "accelerate_ddp": lambda: accelerate_run(zero=False, accumulate=2, clip=None),
+        "accelerate_zero": lambda: accelerate_run(zero=True, accumulate=2, clip=None),
+        "accelerate_ddp_clip": lambda: accelerate_run(zero=False, accumulate=2, clip=0.5),
+        "accelerate_zero_clip": lambda: accelerate_run(zero=True, accumulate=2, clip=0.5),
+        "ERROR_plain_trainer": lambda: plain_trainer_with_zero_optimizer(out / "plain"),
+    }
+
+
+def main(argv: list[str]) -> int:
+    out, names = Path(argv[0]), argv[1:]
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    rank = dist.get_rank()
+    table = runs(out)
+    for name in names:
+        try:
+            result = table[name]()
+        except Exception as exc:
+            if not name.startswith("ERROR"):
+                raise
+            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        torch.save(result, out / f"{name}.rank{rank}.pt")
+        gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,164 @@
+"""``ZeroTrainer`` and the ``accelerate`` recipe against ``Trainer``/``accelerate`` + AdamW under DDP.
+
+All runs go through one ``torchrun --nproc-per-node 2`` launch of ``hf_runs.py``
+(gloo, a tiny random GPT-2, no downloads); see that file for the runs. Without
+clipping the reduction order is DDP's (per-bucket sum of two ranks, then
+divided by a power of two), so fp32 runs are bit-identical. With clipping the
+global norm is summed in another order (per shard rather than per parameter),
+which moves it by about 5e-7 relative; Adam then amplifies that rounding on
+the few elements whose exact gradient is zero (the key biases of attention),
+so those runs agree within 1e-6.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+TOL = 1e-6
+HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate"))
+pytestmark = pytest.mark.skipif(not HAS_HF, reason="needs transformers and accelerate (pip install '.[hf]')")
+
+RUNS = (
+    "ddp", "zero", "ddp_gas", "zero_gas", "ddp_clip", "zero_clip", "zero1_clip", "zero_clip_resumed",
+    "zero_bf16", "zero_bf16_resumed", "accelerate_ddp", "accelerate_zero", "accelerate_ddp_clip",
+    "accelerate_zero_clip", "ERROR_plain_trainer",
+)  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
+    """Every run of ``hf_runs.py``, per rank (one torchrun launch)."""
+    import torch
+
+    out = tmp_path_factory.mktemp("hf")
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(_free_port()), str(HERE / "hf_runs.py"), str(out), *RUNS,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    loaded = {
+        name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)] for name in RUNS
+    }
+    loaded["_dir"] = out  # type: ignore[assignment]
+    return loaded
+
+
+def _max_abs(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [("zero", "ddp"), ("zero_gas", "ddp_gas"),
+                                              ("accelerate_zero", "accelerate_ddp")])  # fmt: skip
+def test_fp32_training_is_bit_identical_to_ddp_with_adamw(results, ours, theirs):
+    mine, ref = results[ours][0], results[theirs][0]
+    assert len(mine["losses"]) == 6
+    assert mine["losses"] == ref["losses"]
+    assert _max_abs(mine["params"], ref["params"]) == 0.0
+    # The logged norm is opt.grad_norm() (Trainer: clip_grad_norm_(params, inf) on the DDP model).
+    assert _rel(mine["grad_norms"], ref["grad_norms"]) <= TOL
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [("zero_clip", "ddp_clip"), ("zero1_clip", "ddp_clip"),
+                                              ("accelerate_zero_clip", "accelerate_ddp_clip")])  # fmt: skip
+def test_clipping_and_accumulation_match_ddp_with_adamw(results, ours, theirs):
+    mine, ref = results[ours][0], results[theirs][0]
+    assert len(mine["losses"]) == 6
+    assert max(abs(x - y) for x, y in zip(mine["losses"], ref["losses"], strict=True)) <= TOL
+    assert _rel(mine["grad_norms"], ref["grad_norms"]) <= TOL  # pre-clip norms, > 0.5: clipping was active
+    assert min(ref["grad_norms"]) > 0.5
+    assert _max_abs(mine["params"], ref["params"]) <= TOL
+    if mine.get("eval_losses"):
+        assert max(abs(x - y) for x, y in zip(mine["eval_losses"], ref["eval_losses"], strict=True)) <= TOL
+
+
+@pytest.mark.parametrize("run", ["zero_clip", "zero_bf16"])
+def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(results, run):
+    uninterrupted, resumed = results[run], results[f"{run}_resumed"]
+    for rank in range(2):
+        assert resumed[rank]["steps"] == [1, 2, 3, 4, 5, 6]  # 1-3 from the checkpoint's trainer state
+        assert resumed[rank]["losses"][3:] == uninterrupted[rank]["losses"][3:]
+        assert resumed[rank]["grad_norms"][3:] == uninterrupted[rank]["grad_norms"][3:]
+        assert _max_abs(resumed[rank]["params"], uninterrupted[rank]["params"]) == 0.0
+    folder = results["_dir"] / run / "checkpoint-3"
+    assert (folder / "zeroplan" / "latest").is_file() and (folder / "scheduler.pt").is_file()
+    assert not (folder / "optimizer.pt").exists()
+
+
+def test_every_rank_ends_with_the_same_unwrapped_model(results):
+    for name in ("zero", "zero_gas", "zero_clip", "zero1_clip", "zero_bf16", "accelerate_zero_clip"):
+        assert _max_abs(results[name][0]["params"], results[name][1]["params"]) == 0.0, name
+    for name in ("zero", "zero_clip", "zero_bf16_resumed"):
+        assert results[name][0]["wrapped"] == "GPT2LMHeadModel", name
+    assert results["ddp"][0]["wrapped"] == "DistributedDataParallel"
+
+
+def test_plain_trainer_with_zero_optimizer_fails_and_names_zero_trainer(results):
+    for rank in range(2):
+        error = results["ERROR_plain_trainer"][rank].get("error")
+        assert error is not None, results["ERROR_plain_trainer"][rank]
+        assert error.startswith("ConfigError") and "ZeroTrainer" in error, error
+
+
+# --------------------------------------------------------------------------- in this process
+@pytest.fixture(scope="module")
+def hf():
+    import torch
+    from transformers import TrainingArguments
+
+    from zeroplan.facade import hf as module
+
+    def args(tmp_path: Path, **kw: Any) -> TrainingArguments:
+        return TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+
+    return module, args, torch
+
+
+def test_zero_trainer_refuses_what_cannot_work(hf, tmp_path):
+    module, args, torch = hf
+    from zeroplan.core import ConfigError
+
+    model = torch.nn.Linear(3, 3)
+    cases = [
+        ({"optimizers": (torch.optim.SGD(model.parameters()), None)}, "ZeroTrainer builds its ZeroOptimizer"),
+        ({"zero_kwargs": {"loss_scale": "dynamic"}}, "applies no loss scale"),
+        ({"zero_kwargs": {"lr": 1.0}}, "not ZeroOptimizer settings"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            module.ZeroTrainer(model=model, args=args(tmp_path), **kwargs)
+    trainer = module.ZeroTrainer(
+        model=model, args=args(tmp_path), optimizer_cls_and_kwargs=(torch.optim.AdamW, {"optimizer_dict": {}})
+    )
+    with pytest.raises(ConfigError, match="builds it from the model itself"):
+        trainer.create_optimizer()
+    with pytest.raises(ConfigError, match="built by train"):
+        trainer.zero_optimizer  # noqa: B018
