@@ -114,6 +114,7 @@ class GradSync:
                 self._grad_views.update(param_views(buf.grads, buf.space, params))
         # The hooks hold the sync weakly: a dropped optimizer must not keep reducing gradients
         # (or stay alive through its parameters until the cycle collector runs).
+        self._trainable = sorted(zp.trainable_indices)
         method = weakref.WeakMethod(self._on_grad)
         self._handles = [
             params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method, index))
@@ -209,6 +210,16 @@ class GradSync:
         for pending in self._replica:
             pending.wait()
         self._replica = []
+
+    def written_back(self) -> int | None:
+        """After :meth:`finish` at stage 2: a parameter whose ``.grad`` reappeared after it was released.
+
+        Something wrote a gradient after this optimizer reduced it (a
+        ``DistributedDataParallel`` wrapper does), which the step would ignore.
+        """
+        if self._grad_views:  # stage 1: .grad stays a view of the gradient buffer by design
+            return None
+        return next((i for i in self._trainable if self._params[i].grad is not None), None)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Reset every parameter's ``.grad`` as ``torch.optim.Optimizer.zero_grad`` would.

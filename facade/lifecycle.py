@@ -187,8 +187,8 @@ class StepLifecycle:
                 f"{call} in phase {self.phase.value}: the previous step() did not complete; "
                 "call zero_grad() to start a new step"
             )
-        _agree_on_step(inst, ctx, call)
         inst.sync.finish()
+        _agree_on_step(inst, ctx, call)
         grads = []
         for buf in inst.buffers:
             grad = (
@@ -328,15 +328,22 @@ def _total_norm(
 
 
 def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:
-    """Every rank raises unless no rank has a detached parameter and all hold the same hyper-parameters.
+    """Every rank raises unless no rank's gradients or parameters went astray and all share settings.
 
-    One all-reduce (MAX) of three integers over the world: a detached flag and
-    the hyper-parameter digest, once negated, so that equal digests on every
-    rank show as ``max == -max(-digest)``. Control traffic: not logged.
+    After the reduction finished, one all-reduce (MAX) of four integers over
+    the world: a detached-parameter flag, a written-back-gradient flag and the
+    hyper-parameter digest, once negated, so that equal digests on every rank
+    show as ``max == -max(-digest)``. Control traffic: not logged. Nothing the
+    step changes (parameters, masters, optimizer state) has been touched yet.
     """
     detached = inst.detached(ctx.params)
+    rewritten = inst.sync.written_back()
     digest = hyperparameter_digest(ctx.param_groups)
-    flags = torch.tensor([int(detached is not None), digest, -digest], dtype=torch.int64, device=inst.device)
+    flags = torch.tensor(
+        [int(detached is not None), int(rewritten is not None), digest, -digest],
+        dtype=torch.int64,
+        device=inst.device,
+    )
     if inst.groups.topology.world_size > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=inst.groups.world)
     if detached is not None:
@@ -349,12 +356,20 @@ def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:
             "zeroplan.facade.hf.ZeroTrainer instead of Trainer(optimizers=(ZeroOptimizer(...), ...)): "
             "Trainer and Accelerate move the model and wrap it in DistributedDataParallel"
         )
-    if flags[0] > 0:
+    if rewritten is not None:
         raise ConfigError(
-            f"{call}: another rank has a parameter detached from the optimizer's flat buffer "
-            "(its .data was replaced after the ZeroOptimizer was created); see the error on that rank"
+            f"{call}: parameter {ctx.names[rewritten]!r} has a .grad again after ZeroOptimizer reduced and "
+            "released it, so that gradient would be ignored: the model is probably wrapped in "
+            "DistributedDataParallel (which writes reduced gradients back), or .grad was set by hand. "
+            "Do not wrap the model: ZeroOptimizer reduces gradients itself. With Hugging Face "
+            "transformers use zeroplan.facade.hf.ZeroTrainer; with accelerate, do not prepare() the model"
         )
-    if int(flags[1]) != -int(flags[2]):
+    if flags[0] > 0 or flags[1] > 0:
+        raise ConfigError(
+            f"{call}: another rank has a parameter detached from the optimizer's flat buffer or a gradient "
+            "written back after the reduction; see the error on that rank"
+        )
+    if int(flags[2]) != -int(flags[3]):
         raise ConfigError(
             f"{call}: the ranks hold different hyper-parameters in param_groups (an edit such as "
             "param_groups[0]['lr'] = ... made on some ranks only, or a scheduler stepped on some ranks "

@@ -219,3 +219,15 @@ def sparse_gradients(rank: int, world: int, stage: int) -> dict[str, Any]:
     return {
         "errors": [rel_err(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True)]
     }
+
+
+def wrapped_in_ddp(rank: int, world: int) -> dict[str, Any]:
+    """A model wrapped in DistributedDataParallel writes gradients back after the stage-2 reduction
+    released them; the step would ignore them (clipping too), so it refuses, on every rank."""
+    model = make_model()
+    opt = make_optimizer(model, stage=2)
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    loss_of(wrapped, *batch(0, rank)).backward()
+    before = _everything(opt, model)
+    error = _error(opt.step)
+    return {"error": error, "unchanged": _same(before, _everything(opt, model))}

@@ -77,3 +77,10 @@ def test_refused_constructions(pools):
 def test_sparse_gradients_train_like_torch_sgd(pools, stage):
     results = pools(2).run(scenarios_contract.sparse_gradients, stage)
     assert max(results[0]["errors"]) < FP32_TOL, results[0]["errors"]
+
+
+def test_a_model_wrapped_in_ddp_is_refused_at_stage_2(pools):
+    results = pools(2).run(scenarios_contract.wrapped_in_ddp)
+    for result in results:
+        assert result["error"] is not None and "DistributedDataParallel" in result["error"], result
+        assert result["unchanged"]
