@@ -102,6 +102,15 @@ def first_differing(facts: list[Any]) -> int | None:
     return next((rank for rank, row in enumerate(facts) if row != facts[0]), None)
 
 
+#: What it means when a rank's parameter digest, or its plan fingerprint, differs from rank 0's.
+_PLAN_MISMATCH = (
+    "describes different parameters than rank 0 (their order, shapes, dtypes, groups or requires_grad "
+    "differ); build the same model on every rank and pass its parameters in the same order",
+    "planned differently from rank 0 with the same parameters: pass the same stage, shard_group_size, "
+    "strategy, bucket_bytes, alignment and optimizer settings on every rank",
+)
+
+
 def agree(
     zp: ZeroPlan | None,
     world: dist.ProcessGroup,
@@ -118,20 +127,10 @@ def agree(
     """
     facts = None if zp is None else (zp.specs_fingerprint(), zp.fingerprint(), settings)
     rows = verdicts(problem, world, failed="rejected the optimizer settings", facts=facts, error=ConfigError)
-    rank = first_differing([specs for specs, _, _ in rows])
-    if rank is not None:
-        raise IncompatiblePlanError(
-            f"rank {rank} describes different parameters than rank 0 (their order, shapes, dtypes, "
-            "groups or requires_grad differ); build the same model on every rank and pass its "
-            "parameters in the same order"
-        )
-    rank = first_differing([fingerprint for _, fingerprint, _ in rows])
-    if rank is not None:
-        raise IncompatiblePlanError(
-            f"rank {rank} planned differently from rank 0 with the same parameters: pass the same "
-            "stage, shard_group_size, strategy, bucket_bytes, alignment and optimizer settings "
-            "on every rank"
-        )
+    for position, message in enumerate(_PLAN_MISMATCH):
+        rank = first_differing([row[position] for row in rows])
+        if rank is not None:
+            raise IncompatiblePlanError(f"rank {rank} {message}")
     rank = first_differing([theirs for _, _, theirs in rows])
     if rank is not None:
         raise ConfigError(
