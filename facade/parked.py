@@ -19,11 +19,11 @@ nothing to park and starts fresh when unfrozen.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 
 import torch
 
-from zeroplan.core import Span, ZeroPlan
+from zeroplan.core import Fragment, Span, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.collectives import all_gather_objects
 from zeroplan.facade.groups import ProcessGroups
@@ -79,14 +79,24 @@ def gather_parked(
     merged: dict[int, ParkedParam] = {}
     for theirs in all_gather_objects(mine, groups.shard):
         for p, part in theirs.items():
-            known = merged.setdefault(p, ParkedParam(scalars=dict(part.scalars), pieces={}, whole=None))
-            for key, pieces in part.pieces.items():
-                known.pieces.setdefault(key, []).extend(pieces)
-            if part.whole is not None:
-                merged[p] = known._replace(whole=part.whole)
-            if part.scalars and not known.scalars:
-                merged[p] = merged[p]._replace(scalars=dict(part.scalars))
+            known = merged.get(p, ParkedParam(scalars={}, pieces={}))
+            pieces = dict(known.pieces)
+            for key, more in part.pieces.items():
+                pieces[key] = [*pieces.get(key, []), *more]
+            merged[p] = ParkedParam(
+                scalars=known.scalars or dict(part.scalars),
+                pieces=pieces,
+                whole=part.whole if part.whole is not None else known.whole,
+            )
     return merged
+
+
+def _placed(pieces: list[tuple[Span, torch.Tensor]], frag: Fragment) -> Iterator[tuple[Span, torch.Tensor]]:
+    """Where parked ``pieces`` land in fragment ``frag``: (span of the shard, values)."""
+    for span, values in pieces:
+        overlap = span.intersect(frag.param_span)
+        if overlap is not None:
+            yield frag.shard_span_of(overlap), values[overlap.shift(-span.start).as_slice()]
 
 
 def unpark(
@@ -114,26 +124,14 @@ def unpark(
         space = zp.partition.space_of(p)
         if space is None:
             continue
-        owned = space.owned[shard_rank]
-        buf = buffers[space.index]
-        for key, pieces in part.pieces.items():
-            for frag in zp.partition.fragments[p]:
-                if frag.rank != shard_rank:
-                    continue
-                for span, values in pieces:
-                    overlap = span.intersect(frag.param_span)
-                    if overlap is None:
-                        continue
-                    source = values[overlap.shift(-span.start).as_slice()].to(device)
-                    target_span = frag.shard_span_of(overlap)
-                    if key == MASTER:
-                        buf.master[target_span.as_slice()] = source
-                        continue
-                    target = state.flat.get((space.index, key))
-                    if target is None:
-                        target = state.flat[space.index, key] = torch.zeros(
-                            owned, dtype=values.dtype, device=device
-                        )
-                    target[target_span.as_slice()] = source
+        owned, master = space.owned[shard_rank], buffers[space.index].master
+        for frag in (f for f in zp.partition.fragments[p] if f.rank == shard_rank):
+            for key, pieces in part.pieces.items():
+                if key != MASTER and (space.index, key) not in state.flat:
+                    dtype = pieces[0][1].dtype
+                    state.flat[space.index, key] = torch.zeros(owned, dtype=dtype, device=device)
+                target = master if key == MASTER else state.flat[space.index, key]
+                for shard_span, values in _placed(pieces, frag):
+                    target[shard_span.as_slice()] = values.to(device)
         state.scalars[spec.group, spec.cohort] = tree_clone(part.scalars, device)
         stateful.add((spec.group, spec.cohort))
