@@ -13,11 +13,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from zeroplan.core import ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers, build_buffers
-from zeroplan.facade.collectives import CommLog
+from zeroplan.facade.collectives import CommLog, broadcast
 from zeroplan.facade.grad_sync import GradSync, PeakTracker
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner, build_inner
@@ -91,10 +90,10 @@ def broadcast_from_rank_zero(installed: Installed, params: Sequence[torch.Tensor
     if groups.topology.world_size == 1:
         return
     for buf in installed.buffers:
-        dist.broadcast(buf.params, group_src=0, group=groups.world)
+        broadcast(buf.params, 0, groups.world)
         if buf.separate_master:
             buf.master[: buf.owned].copy_(buf.region(groups.shard_rank))
     managed = installed.zp.trainable_indices
     for index, param in enumerate(params):
         if index not in managed:
-            dist.broadcast(param.data, group_src=0, group=groups.world)
+            broadcast(param.data, 0, groups.world)
