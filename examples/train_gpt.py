@@ -7,8 +7,10 @@
 What it shows, in order of appearance in ``train``:
 
 * ``torch.distributed.init_process_group`` from torchrun's environment: gloo on
-  CPU, NCCL with one GPU per process on CUDA. The model is *not* wrapped in DDP:
-  ``ZeroOptimizer`` reduces the gradients itself.
+  CPU, NCCL with one GPU per process on CUDA, and a collective timeout
+  (``--timeout``, 300 s): a rank that fails without its process ending leaves
+  the others waiting that long, not torch's default 30 minutes. The model is
+  *not* wrapped in DDP: ``ZeroOptimizer`` reduces the gradients itself.
 * bf16 parameters; ``ZeroOptimizer`` keeps fp32 master weights for its shard only.
 * gradient accumulation: ``opt.no_sync()`` around every micro-batch but the last,
   whose backward reduces the accumulated sum, overlapped with the backward pass.
@@ -34,6 +36,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -67,25 +70,38 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--ckpt-every", type=int, default=50, help="save every N steps (default 50)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     p.add_argument("--stop-at", type=int, default=None, help="stop after this step, as if preempted")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a rank waits in a collective for the others before it fails (default 300)",
+    )
     args = p.parse_args(argv)
     for name in ("steps", "global_batch", "micro_batches", "ckpt_every", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.timeout > 0:
+        p.error("--timeout must be > 0 seconds")
     if args.resume and args.ckpt_dir is None:
         p.error("--resume needs --ckpt-dir")
     return args
 
 
-def setup() -> tuple[int, int, torch.device]:
-    """Join the process group torchrun describes; returns (rank, world, device)."""
+def setup(timeout: timedelta) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes; returns (rank, world, device).
+
+    ``timeout`` bounds every wait in a collective (zeroplan's shard and replica
+    groups get it too): when one rank fails and its process stays alive, the
+    others raise after that long instead of torch's default 30 minutes.
+    """
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -144,7 +160,7 @@ def log(rank: int, message: str) -> None:
 
 def train(args: argparse.Namespace, build: Build = build_gpt) -> float:
     """Join the process group and train; returns the last logged loss (on every rank)."""
-    rank, world, device = setup()
+    rank, world, device = setup(timedelta(seconds=args.timeout))
     if args.global_batch % (world * args.micro_batches):
         raise SystemExit(
             f"--global-batch {args.global_batch} must be a multiple of world {world} x --micro-batches "
@@ -231,8 +247,10 @@ def run(args: argparse.Namespace, build: Build = build_gpt) -> None:
     try:
         train(args, build)
     finally:
-        # Free the optimizer while torch is fully alive: its gradient hooks refer back to it, so only
-        # the cycle collector frees it, and at interpreter exit its gloo groups can abort the process.
+        # Free the optimizer, then the groups, while torch is fully alive: destroying a gloo group joins
+        # its threads. Left to interpreter exit, a gloo thread still releasing this loop's own last
+        # collective (the loss all-reduce) can abort the process; zeroplan's collectives are released
+        # before they return ([Note: retiring a collective] in zeroplan.facade.collectives).
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

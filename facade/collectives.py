@@ -5,12 +5,40 @@ decides *when*, these decide *how*. Every call is recorded in a :class:`CommLog`
 with the bytes :func:`zeroplan.core.send_elements` assigns to it, computed from
 the sizes of the tensors actually passed, so measured traffic can be compared
 with the plan's.
+
+[Note: retiring a collective]
+gloo runs a collective on a worker thread of the process group, and that
+thread lets go of the collective (and of the tensors it was given) a little
+*after* ``work.wait()`` has returned. While C++ holds a tensor, torch holds
+a reference to its Python object, and whoever drops the last C++ reference
+drops that one too, which takes the GIL. When Python dropped its ``Work``
+first, that is the worker thread; if the interpreter is finalizing by then
+(a script that ends right after ``step()``), taking the GIL ends the thread
+inside a ``noexcept`` destructor and the process dies with SIGABRT,
+"terminate called without an active exception", after all its work is done.
+
+So a collective is not finished when its work is. :func:`launch` gives the
+backend fresh aliases of the tensors (views nothing else refers to) and
+:meth:`Pending.wait` waits for the work, drops it, then waits, with the GIL
+released, until the backend has dropped its reference to each alias's
+Python object; the aliases themselves are freed later, by Python. Weaker
+signals are not enough: the C++ reference count falls just *before* the
+worker takes the GIL, and an alias freed by the worker thread is seen gone
+while that thread still has to take the GIL again. When ``wait()``
+returns, no backend thread has anything of the facade's left to release,
+so returning from ``step()`` (or any collective method) and exiting is
+safe. The blocking helpers (:func:`all_reduce_shard`, :func:`broadcast`,
+:func:`all_gather_objects`) go through the same path.
 """
 
 from __future__ import annotations
 
+import pickle
+import sys
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,25 +49,112 @@ from zeroplan.facade.groups import ProcessGroups
 __all__ = [
     "CommLog",
     "Pending",
-    "all_reduce_replica",
     "all_gather_objects",
+    "all_reduce",
+    "all_reduce_replica",
     "all_reduce_shard",
+    "broadcast",
     "gather_space",
+    "launch",
     "reduce_bucket",
 ]
+
+_RELEASE_POLL_S = 1e-5
+_RELEASE_LIMIT_S = 10.0
+"""How long :meth:`Pending.wait` waits for the backend to let go of a finished collective's tensors.
+
+It normally takes microseconds; past the limit the tensors are left to the backend (some other C++
+owner keeps them alive, so the backend's release cannot be the one that touches Python)."""
+
+
+class Pending:
+    """An asynchronous collective and what to do once it completed; :meth:`wait` consumes it.
+
+    See [Note: retiring a collective]. Build it with :func:`launch`.
+    """
+
+    __slots__ = ("_after", "_held", "_work")
+
+    def __init__(
+        self,
+        work: dist.Work | None,
+        after: Callable[[], None] | None = None,
+        held: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> None:
+        self._work = work
+        self._after = after
+        self._held = tuple(held)
+
+    def wait(self) -> None:
+        """Block until the collective completed and the backend let go of its tensors, then run ``after``.
+
+        A second call does nothing.
+        """
+        work, self._work = self._work, None
+        held, self._held = self._held, ()
+        after, self._after = self._after, None
+        if work is not None:
+            work.wait()
+            del work  # the backend's reference is now the last one, or already gone
+            _await_release(held)
+        if after is not None:
+            after()
+
+
+def _await_release(held: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Wait, with the GIL released, until the backend dropped every alias it was given.
+
+    ``given`` and its ``twin`` are alike views, referenced alike, but only ``given`` went to the
+    backend, and torch adds one reference to ``given``'s Python object while C++ holds it. The
+    backend's thread removes that reference, under the GIL, as its last use of Python for the
+    tensor; equal reference counts mean it is done.
+    """
+    deadline = time.monotonic() + _RELEASE_LIMIT_S
+    for given, twin in held:
+        while sys.getrefcount(given) > sys.getrefcount(twin) and time.monotonic() < deadline:
+            time.sleep(_RELEASE_POLL_S)
+
+
+def launch(
+    start: Callable[..., dist.Work | None], *tensors: Any, after: Callable[[], None] | None = None
+) -> Pending:
+    """``start(*aliases)`` with a fresh alias of each tensor (or list of tensors); its :class:`Pending`.
+
+    ``start`` issues one collective with ``async_op=True`` (see [Note: retiring a collective]).
+    """
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def alias(t: torch.Tensor) -> torch.Tensor:
+        held.append((t.view(t.shape), t.view(t.shape)))
+        return held[-1][0]
+
+    args = [[alias(t) for t in x] if isinstance(x, list) else alias(x) for x in tensors]
+    return Pending(start(*args), after, held)
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     """Every rank's ``obj`` (picklable, small: verdicts and metadata), in group rank order.
 
-    Not logged: control traffic is not part of a step's planned bytes.
+    ``torch.distributed.all_gather_object``'s protocol (sizes, then padded bytes),
+    with collectives retired as [Note: retiring a collective] says. Not logged:
+    control traffic is not part of a step's planned bytes.
     """
     size = dist.get_world_size(group)
     if size == 1:
         return [obj]
-    out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    device = torch.device(dist.distributed_c10d._get_object_coll_device(group))
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = torch.zeros(size, dtype=torch.int64, device=device)
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    launch(partial(dist.all_gather, group=group, async_op=True), list(sizes.split(1)), mine).wait()
+    lengths = sizes.tolist()
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    gathered = torch.empty(size, longest, dtype=torch.uint8, device=device)
+    launch(partial(dist.all_gather, group=group, async_op=True), list(gathered.unbind()), padded).wait()
+    rows = gathered.cpu()
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
 
 class CommLog:
@@ -70,20 +185,6 @@ class CommLog:
         self._totals.clear()
 
 
-class Pending(NamedTuple):
-    """An asynchronous collective and what to do once it completed."""
-
-    work: dist.Work | None
-    after: Callable[[], None] | None = None
-
-    def wait(self) -> None:
-        """Block until the collective completed, then run ``after``."""
-        if self.work is not None:
-            self.work.wait()
-        if self.after is not None:
-            self.after()
-
-
 def reduce_bucket(
     staging: torch.Tensor, output: torch.Tensor | None, bucket: Bucket, groups: ProcessGroups, log: CommLog
 ) -> Pending:
@@ -104,7 +205,7 @@ def reduce_bucket(
         if world == 1:
             return Pending(None, after)
         log.record("world", Collective.ALL_REDUCE, [staging.numel()] * world, groups.rank, itemsize)
-        return Pending(dist.all_reduce(staging, group=groups.world, async_op=True), after)
+        return launch(partial(dist.all_reduce, group=groups.world, async_op=True), staging, after=after)
     if n == 1:
         if output is not None:
             output.copy_(staging)
@@ -113,20 +214,18 @@ def reduce_bucket(
         if output is None:
             raise RuntimeError(f"bucket {bucket.index} is reduce-scattered but rank {s} has no piece of it")
         log.record("shard", bucket.collective, [staging.numel() // n] * n, s, itemsize)
-        work = dist.reduce_scatter_single(output, staging, group=groups.shard, async_op=True)
-        return Pending(work)
+        return launch(partial(dist.reduce_scatter_single, group=groups.shard, async_op=True), output, staging)
     if bucket.collective is Collective.REDUCE:
         owner = bucket.pieces[0].rank
         sizes = [staging.numel() if q == owner else 0 for q in range(n)]
         log.record("shard", bucket.collective, sizes, s, itemsize)
-        work = dist.reduce(staging, group_dst=owner, group=groups.shard, async_op=True)
-        if output is None:
-            return Pending(work)
-        return Pending(work, lambda: output.copy_(staging))
+        after = None if output is None else (lambda: output.copy_(staging))  # type: ignore[union-attr]
+        reduce = partial(dist.reduce, group_dst=owner, group=groups.shard, async_op=True)
+        return launch(reduce, staging, after=after)
     inputs = list(staging.split(list(bucket.piece_sizes(n))))
     log.record("shard", bucket.collective, [t.numel() for t in inputs], s, itemsize)
     target = output if output is not None else staging.new_empty(0)
-    return Pending(dist.reduce_scatter(target, inputs, group=groups.shard, async_op=True))
+    return launch(partial(dist.reduce_scatter, group=groups.shard, async_op=True), target, inputs)
 
 
 def all_reduce_replica(piece: torch.Tensor, groups: ProcessGroups, log: CommLog) -> Pending:
@@ -137,7 +236,7 @@ def all_reduce_replica(piece: torch.Tensor, groups: ProcessGroups, log: CommLog)
     log.record(
         "replica", Collective.ALL_REDUCE, [piece.numel()] * r, groups.replica_rank, piece.element_size()
     )
-    return Pending(dist.all_reduce(piece, group=groups.replica, async_op=True))
+    return launch(partial(dist.all_reduce, group=groups.replica, async_op=True), piece)
 
 
 def all_reduce_shard(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGroups, log: CommLog) -> None:
@@ -146,7 +245,17 @@ def all_reduce_shard(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGrou
     if n == 1:
         return
     log.record("shard", Collective.ALL_REDUCE, [value.numel()] * n, groups.shard_rank, value.element_size())
-    dist.all_reduce(value, op=op, group=groups.shard)
+    launch(partial(dist.all_reduce, op=op, group=groups.shard, async_op=True), value).wait()
+
+
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> None:
+    """Blocking all-reduce of a small control tensor over ``group`` (not logged: not a step's bytes)."""
+    launch(partial(dist.all_reduce, op=op, group=group, async_op=True), tensor).wait()
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
+    """Blocking broadcast of ``tensor`` from ``group`` rank ``src`` (not logged: setup and state moves)."""
+    launch(partial(dist.broadcast, group_src=src, group=group, async_op=True), tensor).wait()
 
 
 def gather_space(
@@ -164,7 +273,7 @@ def gather_space(
     if collective is Collective.ALL_GATHER:
         mine = full[space.region(s).as_slice()]
         log.record("shard", Collective.ALL_GATHER, [mine.numel()] * n, s, itemsize)
-        return [Pending(dist.all_gather_single(full, mine, group=groups.shard, async_op=True))]
+        return [launch(partial(dist.all_gather_single, group=groups.shard, async_op=True), full, mine)]
     pending = []
     for q in range(n):
         region = full[space.region(q).as_slice()]
@@ -172,5 +281,6 @@ def gather_space(
             continue
         sizes = [region.numel() if p == q else 0 for p in range(n)]
         log.record("shard", Collective.BROADCAST, sizes, s, itemsize)
-        pending.append(Pending(dist.broadcast(region, group_src=q, group=groups.shard, async_op=True)))
+        start = partial(dist.broadcast, group_src=q, group=groups.shard, async_op=True)
+        pending.append(launch(start, region))
     return pending

@@ -14,10 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zeroplan.core import ConfigError, Space, Span, windows_in
-from zeroplan.facade.collectives import all_gather_objects
+from zeroplan.facade.collectives import all_gather_objects, broadcast
 from zeroplan.facade.parked import gather_parked
 from zeroplan.facade.state_dicts import MASTER_KEY, Shards, torch_param_groups
 from zeroplan.facade.state_tree import MASTER, TensorMeta, describe_state, torch_dtype, tree_clone
@@ -27,7 +26,7 @@ __all__ = ["consolidated_state_dict"]
 
 def _broadcast(buf: torch.Tensor, owner: int, sh: Shards) -> None:
     if sh.zp.topology.shard_size > 1 and buf.numel():
-        dist.broadcast(buf, group_src=owner, group=sh.groups.shard)
+        broadcast(buf, owner, sh.groups.shard)
 
 
 def _window_chunk(sh: Shards, space: int, key: str | None, chunk: Span, out: torch.Tensor) -> None:

@@ -8,13 +8,15 @@ is global.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from zeroplan.core import ConfigError, Topology
 
-__all__ = ["ProcessGroups", "data_parallel_group", "make_groups"]
+__all__ = ["ProcessGroups", "data_parallel_group", "group_timeout", "make_groups"]
 
 
 class ProcessGroups(NamedTuple):
@@ -60,25 +62,41 @@ def data_parallel_group(process_group: dist.ProcessGroup | None) -> dist.Process
     return process_group if process_group is not None else dist.group.WORLD
 
 
+def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
+    """The collective timeout ``group`` was created with (``init_process_group(timeout=...)``).
+
+    ``None`` when this torch does not say; ``new_group`` then uses its own default.
+    """
+    try:
+        backend = group._get_backend(torch.device(group._device_types[0]))
+        timeout = backend.options._timeout
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
+
+
 def make_groups(world: dist.ProcessGroup, topology: Topology) -> ProcessGroups:
     """Create the shard and replica groups of ``topology`` inside ``world``.
 
     Every rank of ``world`` must call this with the same topology: each call
     of ``new_group`` is collective, and all groups are created in the same
-    order on every rank.
+    order on every rank. They get ``world``'s timeout: ``new_group`` would
+    otherwise give them torch's default (30 minutes on gloo, 10 on NCCL),
+    whatever the job passed to ``init_process_group``.
     """
     rank = dist.get_rank(world)
     if topology.shard_size == topology.world_size:
         return ProcessGroups(world=world, shard=world, replica=None, topology=topology, rank=rank)
     global_rank = [dist.get_global_rank(world, r) for r in range(topology.world_size)]
+    timeout = group_timeout(world)
     shard = replica = None
     for ranks in topology.shard_groups():
-        group = dist.new_group([global_rank[r] for r in ranks])
+        group = dist.new_group([global_rank[r] for r in ranks], timeout=timeout)
         if rank in ranks:
             shard = group
     if topology.replica_size > 1:
         for ranks in topology.replica_groups():
-            group = dist.new_group([global_rank[r] for r in ranks])
+            group = dist.new_group([global_rank[r] for r in ranks], timeout=timeout)
             if rank in ranks:
                 replica = group
     if shard is None:  # cannot happen: the shard groups partition the world

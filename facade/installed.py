@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from zeroplan.core import ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers, build_buffers, param_views
-from zeroplan.facade.collectives import CommLog
+from zeroplan.facade.collectives import CommLog, broadcast
 from zeroplan.facade.grad_sync import GradSync, PeakTracker
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner, build_inner
@@ -110,7 +110,7 @@ def broadcast_from_rank_zero(installed: Installed, params: Sequence[torch.Tensor
     if groups.topology.world_size == 1:
         return
     for buf in installed.buffers:
-        dist.broadcast(buf.params, group_src=0, group=groups.world)
+        broadcast(buf.params, 0, groups.world)
         if buf.separate_master:
             buf.master[: buf.owned].copy_(buf.region(groups.shard_rank))
     managed = installed.zp.trainable_indices
@@ -124,6 +124,6 @@ def broadcast_values(params: Sequence[torch.Tensor], world: dist.ProcessGroup) -
         return
     for param in params:
         values = param.data.contiguous()
-        dist.broadcast(values, group_src=0, group=world)
+        broadcast(values, 0, world)
         if values.data_ptr() != param.data.data_ptr():
             param.data.copy_(values)

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from zeroplan.core import CommCost, ConfigError, StepOrderError
 from zeroplan.facade.buffers import param_views
-from zeroplan.facade.collectives import CommLog, all_reduce_shard, gather_space
+from zeroplan.facade.collectives import CommLog, all_reduce, all_reduce_shard, gather_space
 from zeroplan.facade.grad_sync import PeakTracker
 from zeroplan.facade.inner import hyperparameter_digest, sync_hyperparameters
 from zeroplan.facade.installed import Installed
@@ -345,7 +345,7 @@ def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:
         device=inst.device,
     )
     if inst.groups.topology.world_size > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=inst.groups.world)
+        all_reduce(flags, dist.ReduceOp.MAX, inst.groups.world)  # control traffic: not logged
     if detached is not None:
         raise ConfigError(
             f"{call}: parameter {ctx.names[detached]!r} no longer shares storage with the optimizer's flat "

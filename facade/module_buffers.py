@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeroplan.facade.collectives import broadcast
+
 __all__ = ["broadcast_buffers"]
 
 
@@ -52,7 +54,7 @@ def broadcast_buffers(module: nn.Module, group: dist.ProcessGroup | None = None)
         members = by_kind[key]
         flat = torch.cat([b.reshape(-1) for b in members])
         wire = flat.view(torch.uint8) if flat.dtype is torch.bool else flat  # gloo has no bool
-        dist.broadcast(wire, group=group, group_src=0)
+        broadcast(wire, 0, group)  # retired safely: [Note: retiring a collective]
         offset = 0
         for b in members:
             b.copy_(flat[offset : offset + b.numel()].view_as(b))

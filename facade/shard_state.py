@@ -20,11 +20,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zeroplan.core import ReshardPlan, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers
-from zeroplan.facade.collectives import all_gather_objects
+from zeroplan.facade.collectives import all_gather_objects, broadcast
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner
 from zeroplan.facade.state_tree import ShardState, is_per_element, torch_dtype, tree_clone
@@ -103,11 +102,11 @@ def _move_flat(
         elif q == s:
             buf = source if source is not None else target.new_zeros(old_owned[q])
             if old_owned[q]:
-                dist.broadcast(buf, group_src=q, group=groups.shard)
+                broadcast(buf, q, groups.shard)
         else:
             buf = target.new_empty(old_owned[q])
             if old_owned[q]:
-                dist.broadcast(buf, group_src=q, group=groups.shard)
+                broadcast(buf, q, groups.shard)
         for c in mine:
             if c.src_rank == q and c.dst_span.numel:
                 target[c.dst_span.as_slice()] = buf[c.src_span.as_slice()]  # type: ignore[index]
