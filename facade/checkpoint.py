@@ -340,7 +340,7 @@ def _prepare(
             )
 
     copies = reshard.reads(shard_rank)
-    device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
+    device = sh.device
     state: dict[str, dict[str, Any]] = manifest["state"]
     masters: dict[str, torch.Tensor] = {}
     leaves: dict[str, Any] = {}

@@ -85,7 +85,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
         for cohort, names in described.order.items():
             order.setdefault(cohort, names)
     stateful = set(order)
-    device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
+    device = sh.device
     result: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
 

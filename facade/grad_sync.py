@@ -118,7 +118,7 @@ class GradSync:
         method = weakref.WeakMethod(self._on_grad)
         self._handles = [
             params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method, index))
-            for index in sorted(zp.trainable_indices)
+            for index in self._trainable
         ]
         self.reset()
 

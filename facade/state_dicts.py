@@ -68,6 +68,11 @@ class Shards(NamedTuple):
     scaler: ScalerState | None
     parked: Mapping[int, ParkedParam]
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's buffers live (CPU when the plan has no trainable parameter)."""
+        return self.buffers[0].params.device if self.buffers else torch.device("cpu")
+
 
 def torch_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Groups without their tensors, ``params`` as the integer ids torch uses."""
@@ -237,7 +242,7 @@ def shard_state_from_plain(
     """
     state, masters = _by_position(state_dict)
     shard_rank = sh.groups.shard_rank
-    device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
+    device = sh.device
     flat: dict[tuple[int, str], torch.Tensor] = {}
     scalars: dict[tuple[int, int], dict[str, Any]] = {}
     whole: dict[int, dict[str, Any]] = {}
@@ -282,7 +287,7 @@ def parked_from_plain(state_dict: dict[str, Any], target: ZeroPlan, sh: Shards) 
     """
     state, masters = _by_position(state_dict)
     shard_size, shard_rank = target.topology.shard_size, sh.groups.shard_rank
-    device = sh.buffers[0].params.device if sh.buffers else torch.device("cpu")
+    device = sh.device
     parked: dict[int, ParkedParam] = {}
     for p, entry in state.items():
         if target.specs[p].trainable or p % shard_size != shard_rank:

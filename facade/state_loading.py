@@ -85,9 +85,7 @@ def read_state_dict(
     """
     if is_sharded(state_dict):
         state, stateful, masters = shard_state_from_sharded(state_dict, sh)
-        parked = tree_clone(
-            decode_parked(state_dict["parked"]), sh.buffers[0].params.device if sh.buffers else None
-        )
+        parked = tree_clone(decode_parked(state_dict["parked"]), sh.device)
         return LoadedState(
             sh.zp, state, stateful, masters, state_dict["param_groups"], state_dict["scaler"], parked=parked
         )
