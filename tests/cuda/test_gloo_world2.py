@@ -30,6 +30,7 @@ FP32_TOL = 1e-6
 # they match the exact fp32 average to a few units of bf16's precision (2**-7), as on CPU
 # (tests/facade/test_equivalence.py); given them, the fp32 master step is exact in both dtypes.
 GRAD_TOL = {"fp32": FP32_TOL, "bf16": 8 * 2**-7}
+WARMUP = 1  # probed steps not checked (first pinned host buffers and allocations)
 
 
 def run_world2(*args: str, timeout: float = 300.0) -> list[dict[str, Any]]:
@@ -63,7 +64,25 @@ def check_train(ranks: list[dict[str, Any]], dtype: str, device: str = "cuda") -
     assert all(r["params_sha256"] == first["params_sha256"] for r in ranks)
 
 
+def check_overlap(ranks: list[dict[str, Any]]) -> None:
+    """See [Note: overlap probe] in ``world2_overlap.py``."""
+    for rank, result in enumerate(ranks):
+        assert result["overlap"]["buckets"] > 2, result["overlap"]
+        for s in result["overlap"]["steps"][WARMUP:]:
+            assert s["launched_before_stall"] >= 2, (rank, s)  # launched from backward hooks ...
+            assert s["reduced_while_busy"], (rank, s)  # ... and done while backward still ran
+            # The first launch precedes the stall in stream order: at least the stall before the end.
+            assert s["stall_ms"] - 1.0 <= s["first_launch_ms_before_backward_end"] <= s["backward_ms"], s
+        for s in result["no_overlap"]["steps"]:  # the control: the probe sees no reduction at all
+            assert s["launched_in_backward"] == 0, (rank, s)
+            assert not s["reduced_while_busy"], (rank, s)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [1, 2])
 def test_world_2_on_one_gpu_over_gloo_matches_adamw(stage, dtype):
     check_train(run_world2("train", "--stage", str(stage), "--dtype", dtype), dtype)
+
+
+def test_bucket_reductions_run_while_backward_computes():
+    check_overlap(run_world2("overlap"))

@@ -1,17 +1,19 @@
 """Two processes on one GPU, gloo, CUDA tensors: the launcher of the world-2 scenarios.
 
     python tests/cuda/world2.py train --stage 2 --dtype bf16    # prints one JSON line
+    python tests/cuda/world2.py overlap
 
 Both ranks use ``cuda:0`` and ``init_process_group("gloo")``: NCCL refuses two
 ranks on one device, while gloo all-reduces and broadcasts CUDA tensors
 (through pinned host memory), which is all the GLOO collective policy uses.
-The scenarios are in ``world2_train.py``; each returns
+The scenarios are in ``world2_train.py`` and ``world2_overlap.py``; each returns
 plain data per rank, printed as ``{"ranks": [rank 0's, rank 1's]}``.
 
 Nothing here can hang: ``init_process_group`` and every collective have a
 timeout, results are awaited with a deadline, and ranks still alive then are
 killed. A hidden ``--device cpu`` runs the same scenarios on CPU tensors, to
-check the code path on a machine without a GPU. Exit 2 without CUDA otherwise.
+check the code path on a machine without a GPU; the CUDA-only measurements are
+then stand-ins (see ``world2_overlap.py``). Exit 2 without CUDA otherwise.
 """
 
 from __future__ import annotations
@@ -44,9 +46,13 @@ def _free_port() -> int:
 
 def _scenario(name: str) -> Any:
     sys.path.insert(0, HERE)
-    from world2_train import train
+    if name == "train":
+        from world2_train import train
 
-    return {"train": train}[name]
+        return train
+    from world2_overlap import overlap
+
+    return overlap
 
 
 def _worker(rank: int, port: int, device_kind: str, name: str, cfg: dict, out: Any, timeout_s: float) -> None:
@@ -118,7 +124,7 @@ def run(name: str, cfg: dict[str, Any], *, device: str = "cuda", timeout_s: floa
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", choices=["train"])
+    p.add_argument("scenario", choices=["train", "overlap"])
     p.add_argument("--stage", type=int, choices=[1, 2], default=2)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds for the whole run")
