@@ -61,9 +61,9 @@ from zeroplan.facade.cli.demo.model import GPTConfig, build_model
 MIB = 2**20
 HYPER = {"lr": 3e-4, "weight_decay": 0.1, "betas": (0.9, 0.95), "fused": True}
 SIZES = {
-    #: 163,087,872 parameters (GPT-2 small's shape, untied head).
+    #: 163,109,376 parameters (GPT-2 small's shape, untied head).
     "163m": GPTConfig(vocab=50304, width=768, layers=12, heads=12, context=1024, qkv_bias=True),
-    #: 406,351,872 parameters (GPT-2 medium's shape, untied head).
+    #: 406,382,592 parameters (GPT-2 medium's shape, untied head).
     "406m": GPTConfig(vocab=50304, width=1024, layers=24, heads=16, context=1024, qkv_bias=True),
     #: For smoke runs.
     "tiny": GPTConfig(vocab=256, width=64, layers=2, heads=2, context=32, qkv_bias=True),
