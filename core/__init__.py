@@ -30,6 +30,17 @@ from zeroplan.core.errors import (
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
 from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
+from zeroplan.core.peak import (
+    BackwardPeak,
+    PeakPhase,
+    StagingLayout,
+    StepPeak,
+    backward_peak,
+    grad_shard_dtype,
+    staging_layout,
+    step_peak,
+    step_transient,
+)
 from zeroplan.core.planner import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
@@ -64,6 +75,15 @@ from zeroplan.core.strategies import (
 from zeroplan.core.topology import Topology
 
 __all__ = [
+    "BackwardPeak",
+    "PeakPhase",
+    "StagingLayout",
+    "StepPeak",
+    "backward_peak",
+    "grad_shard_dtype",
+    "staging_layout",
+    "step_peak",
+    "step_transient",
     "DEFAULT_ALIGNMENT",
     "DEFAULT_BUCKET_BYTES",
     "Bucket",

@@ -9,17 +9,23 @@ the facade's measured accounting can be compared with it exactly:
 
 * ``params`` — the full parameter buffers (stages 0-2) or the rank's parameter
   shards (stage 3), plus frozen parameters, which every rank keeps whole.
-* ``grads`` — stage 0: every gradient; stage 1: the full gradient buffer plus
-  the rank's reduced gradient shard; stages 2-3: the reduced shard only.
+* ``grads`` — stage 0: every gradient; stage 1: the full gradient buffer (the
+  rank reduces into its own region of it, in place); stages 2-3: the reduced
+  shard only, in fp32 for bf16/fp16 parameters (reduced straight into it).
 * ``master`` — fp32 copies of the parameters the rank steps (bf16/fp16 only).
 * ``optimizer_state`` — the inner optimizer's state for what the rank steps.
 * ``buffers`` — stage 0: DDP's flat bucket copy of all gradients. Otherwise the
-  peak of the gradient staging buffers (``max_inflight_buckets`` consecutive
-  buckets) or of the fp32 gradient scratch of the step (bf16/fp16), whichever
-  is larger (they are never alive together); stage 3 adds parameter gathers.
+  peak of the gradient staging buffers (at most ``max_inflight_buckets``
+  consecutive buckets) or, at stage 1 with bf16/fp16 parameters, of the fp32
+  copy of the reduced shard the step uses, whichever is larger (they are never
+  alive together); stage 3 adds parameter gathers.
 
-Autograd's own transient gradient tensors before they are copied into staging
-are not counted (no framework can bound them), nor are activations.
+``total_bytes`` sums these. ``peak_bytes`` is what the rank holds at the
+step's peak: the persistent categories (all but ``buffers``) plus the
+transient memory of the backward (staging, autograd's gradients not staged
+yet) or of the step (the inner optimizer's temporaries), whichever is larger
+(see [Note: the step's peak] in :mod:`zeroplan.core.peak`). Activations are
+not counted.
 
 Traffic follows the cost model of :mod:`zeroplan.core.comm`, per collective and
 process group (``shard``, ``replica`` or, for stage 0, ``world``).
@@ -36,6 +42,7 @@ from zeroplan.core.buckets import Bucket
 from zeroplan.core.comm import Collective, all_reduce_send
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import require
+from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, grad_shard_dtype, step_peak
 from zeroplan.core.planner import Stage, ZeroPlan
 
 __all__ = ["CommCost", "MemoryReport", "RankReport", "communication", "memory_report"]
@@ -62,7 +69,14 @@ class CommCost:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankReport:
-    """Memory and traffic of one world rank (see [Note: what is counted])."""
+    """Memory and traffic of one world rank (see [Note: what is counted]).
+
+    Attributes:
+        backward_transient_bytes: transient bytes at the backward's peak.
+        step_transient_bytes: transient bytes at the peak inside ``step()``.
+        peak_bytes: persistent bytes plus the larger transient.
+        peak_phase: where the peak happens.
+    """
 
     rank: int
     shard_rank: int
@@ -72,8 +86,12 @@ class RankReport:
     optimizer_state_bytes: int
     buffer_bytes: int
     comm: tuple[CommCost, ...]
+    backward_transient_bytes: int = 0
+    step_transient_bytes: int = 0
     total_bytes: int = field(init=False)
     comm_bytes_per_step: int = field(init=False)
+    peak_bytes: int = field(init=False)
+    peak_phase: PeakPhase = field(init=False)
 
     def __post_init__(self) -> None:
         parts = (
@@ -82,10 +100,15 @@ class RankReport:
             self.master_bytes,
             self.optimizer_state_bytes,
             self.buffer_bytes,
+            self.backward_transient_bytes,
+            self.step_transient_bytes,
         )
         require(min(parts) >= 0, f"negative byte count in report of rank {self.rank}: {parts}")
-        object.__setattr__(self, "total_bytes", sum(parts))
+        object.__setattr__(self, "total_bytes", sum(parts[:5]))
         object.__setattr__(self, "comm_bytes_per_step", sum(c.bytes for c in self.comm))
+        transient = StepPeak(self.backward_transient_bytes, self.step_transient_bytes)
+        object.__setattr__(self, "peak_bytes", sum(parts[:4]) + transient.bytes)
+        object.__setattr__(self, "peak_phase", transient.phase)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready mapping (the CLI's ``--json`` per-rank record)."""
@@ -98,6 +121,8 @@ class RankReport:
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "buffer_bytes": self.buffer_bytes,
             "total_bytes": self.total_bytes,
+            "peak_bytes": self.peak_bytes,
+            "peak_phase": self.peak_phase.value,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "comm": [
                 {"group": c.group, "collective": c.collective.value, "calls": c.calls, "bytes": c.bytes}
@@ -161,13 +186,6 @@ class _Totals:
 
     calls: int = 0
     nbytes: int = 0
-
-
-def _staging_peak(zp: ZeroPlan) -> int:
-    """Largest total bytes of ``max_inflight_buckets`` consecutive buckets."""
-    sizes = [b.numel * DTYPE_ITEMSIZE[zp.partition.spaces[b.space].dtype] for b in zp.buckets.buckets]
-    k = zp.max_inflight_buckets
-    return max((sum(sizes[i : i + k]) for i in range(len(sizes))), default=0)
 
 
 class _Tally:
@@ -318,25 +336,28 @@ def communication(zp: ZeroPlan, rank: int, *, clipping: bool = False) -> tuple[C
     return _traffic(zp, clipping).costs(rank)
 
 
-def _rank_memory(zp: ZeroPlan, shard_rank: int, staging_peak: int, frozen: int) -> _RankBytes:
-    """Bytes of a shard rank by category."""
+def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _RankBytes:
+    """Bytes of a shard rank by category; ``staging``: its peak of staging buffers."""
     stage, specs = zp.stage, zp.specs
     params = grads = master = state = 0
     scratch = 0
     for space in zp.partition.spaces:
         isz = DTYPE_ITEMSIZE[space.dtype]
         low = space.dtype in LOW_PRECISION
-        full, shard = space.numel * isz, space.shard_numel[shard_rank] * isz
+        full = space.numel * isz
+        shard = space.shard_numel[shard_rank]
         if stage is Stage.DDP:
             params += full
             grads += full
             master += space.numel * _FP32 if low else 0
             continue
-        params += shard if stage is Stage.PARAMETERS else full
-        grads += shard + (full if stage is Stage.OPTIMIZER else 0)
-        if low:
-            master += space.shard_numel[shard_rank] * _FP32
-            scratch += space.shard_numel[shard_rank] * _FP32
+        params += shard * isz if stage is Stage.PARAMETERS else full
+        if stage is Stage.OPTIMIZER:
+            grads += full  # reduced in place: the rank's region is its shard
+            scratch += space.owned[shard_rank] * _FP32 if low else 0
+        else:
+            grads += shard * DTYPE_ITEMSIZE[grad_shard_dtype(zp, space)]
+        master += shard * _FP32 if low else 0
     if stage is Stage.DDP:
         for spec in specs:
             if spec.trainable:
@@ -348,14 +369,19 @@ def _rank_memory(zp: ZeroPlan, shard_rank: int, staging_peak: int, frozen: int) 
     for tensor in zp.inner_tensors(shard_rank):
         dtype = master_dtype(zp.partition.spaces[tensor.space].dtype)
         state += zp.optimizers[tensor.group].state_bytes(tensor.shape, DTYPE_ITEMSIZE[dtype])
-    staging = staging_peak * (2 if stage is Stage.PARAMETERS else 1)
+    staging *= 2 if stage is Stage.PARAMETERS else 1
     return _RankBytes(params + frozen, grads, master, state, max(staging, scratch))
 
 
-def memory_report(zp: ZeroPlan, *, clipping: bool = False) -> MemoryReport:
+def memory_report(zp: ZeroPlan, *, clipping: bool = False, overlap: bool = True) -> MemoryReport:
     """Memory per rank and traffic per step of every world rank of ``zp``.
 
     Ranks in one replica group hold identical shards and are computed once.
+
+    Args:
+        zp: the plan.
+        clipping: include the all-reduce of ``ZeroOptimizer.clip_grad_norm_``.
+        overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce`` (changes the backward's peak).
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
@@ -364,9 +390,11 @@ def memory_report(zp: ZeroPlan, *, clipping: bool = False) -> MemoryReport:
         [16388, 16388]
     """
     topo = zp.topology
-    peak = _staging_peak(zp)
     frozen = zp.frozen_bytes
-    per_shard = [_rank_memory(zp, s, peak, frozen) for s in range(topo.shard_size)]
+    n = topo.shard_size
+    staging = [0] * n if zp.stage is Stage.DDP else [p.staging for p in backward_peak(zp, overlap=overlap)]
+    per_shard = [_rank_memory(zp, s, staging[s], frozen) for s in range(n)]
+    transients = step_peak(zp, overlap=overlap, ddp_buffer=[m.buffers for m in per_shard])
     traffic = _traffic(zp, clipping)
     ranks = []
     for rank in range(topo.world_size):
@@ -382,6 +410,8 @@ def memory_report(zp: ZeroPlan, *, clipping: bool = False) -> MemoryReport:
                 optimizer_state_bytes=memory.optimizer_state,
                 buffer_bytes=memory.buffers,
                 comm=traffic.costs(rank),
+                backward_transient_bytes=transients[s].backward,
+                step_transient_bytes=transients[s].step,
             )
         )
     return MemoryReport(

@@ -26,6 +26,12 @@ def _nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
+def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages under ``tensors`` (a view adds nothing to its base)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 def measure(installed: Installed, params: Sequence[torch.Tensor], buffer_peak: int) -> MeasuredMemory:
     """What ``installed`` and the frozen ``params`` hold now; ``buffer_peak`` is the last step's peak."""
     managed = installed.zp.trainable_indices
@@ -39,7 +45,7 @@ def measure(installed: Installed, params: Sequence[torch.Tensor], buffer_peak: i
     buffers = installed.buffers
     return MeasuredMemory(
         params_bytes=sum(_nbytes(b.params) for b in buffers) + frozen,
-        grads_bytes=sum(_nbytes(b.grads) + _nbytes(b.grad_shard) for b in buffers),
+        grads_bytes=_storage_bytes([t for b in buffers for t in (b.grads, b.grad_shard) if t is not None]),
         master_bytes=sum(_nbytes(b.master) for b in buffers if b.separate_master),
         optimizer_state_bytes=state,
         buffer_bytes=buffer_peak,

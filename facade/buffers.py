@@ -6,7 +6,9 @@ For every dtype space of the plan this rank allocates:
 * ``params`` — the full rank-major parameter buffer; each trainable parameter's
   ``.data`` becomes a view of it (no second full copy);
 * ``grads`` — stage 1 only: the full gradient buffer, parameter ``.grad`` views;
-* ``grad_shard`` — this rank's reduced gradients (``shard_numel`` elements);
+* ``grad_shard`` — this rank's reduced gradients: at stage 1 its region of
+  ``grads`` (reduced in place), otherwise ``shard_numel`` elements of
+  ``grad_shard_dtype`` (fp32 for bf16/fp16 parameters);
 * ``master`` — what the inner optimizer steps: an fp32 copy of this rank's
   region for bf16/fp16 parameters, or the region of ``params`` itself when the
   parameters already have the master dtype (no copy).
@@ -21,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from zeroplan.core import Space, Stage, ZeroPlan, master_dtype
+from zeroplan.core import Space, Stage, ZeroPlan, grad_shard_dtype, master_dtype
 from zeroplan.facade.state_tree import torch_dtype
 
 __all__ = ["SpaceBuffers", "build_buffers", "param_views"]
@@ -84,7 +86,12 @@ def build_buffers(
         region = full[space.region(shard_rank).as_slice()]
         owned = space.owned[shard_rank]
         shard_numel = space.shard_numel[shard_rank]
-        grad_shard = torch.zeros(shard_numel, dtype=dtype, device=device)
+        if grads is not None:
+            grad_shard = grads[space.region(shard_rank).as_slice()]
+        else:
+            grad_shard = torch.zeros(
+                shard_numel, dtype=torch_dtype(grad_shard_dtype(zp, space)), device=device
+            )
         if master_dtype(space.dtype) == space.dtype:
             master = region
         else:

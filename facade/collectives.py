@@ -192,7 +192,9 @@ def reduce_bucket(
 
     ``staging`` holds the bucket's gradients laid out piece after piece, in rank
     order (see [Note: buckets] in ``zeroplan.core.buckets``); it is scratch
-    space afterwards. ``output`` is ``None`` when this rank owns no piece.
+    space afterwards. ``output`` is ``None`` when this rank owns no piece; it
+    may be the piece's own window of ``staging``, where a reduce or all-reduce
+    leaves it anyway.
     """
     n = groups.topology.shard_size
     s = groups.shard_rank
@@ -201,14 +203,16 @@ def reduce_bucket(
         world = groups.topology.world_size
         piece = bucket.piece_of(s)
         keep = None if output is None or piece is None else staging[piece.staging_span.as_slice()]
-        after = None if keep is None else (lambda: output.copy_(keep))  # type: ignore[union-attr]
+        after = None if keep is None else _copier(output, keep)
         if world == 1:
             return Pending(None, after)
         log.record("world", Collective.ALL_REDUCE, [staging.numel()] * world, groups.rank, itemsize)
         return launch(partial(dist.all_reduce, group=groups.world, async_op=True), staging, after=after)
     if n == 1:
         if output is not None:
-            output.copy_(staging)
+            copy = _copier(output, staging)
+            if copy is not None:
+                copy()
         return Pending(None)
     if bucket.collective is Collective.REDUCE_SCATTER:
         if output is None:
@@ -219,13 +223,21 @@ def reduce_bucket(
         owner = bucket.pieces[0].rank
         sizes = [staging.numel() if q == owner else 0 for q in range(n)]
         log.record("shard", bucket.collective, sizes, s, itemsize)
-        after = None if output is None else (lambda: output.copy_(staging))  # type: ignore[union-attr]
+        after = None if output is None else _copier(output, staging)
         reduce = partial(dist.reduce, group_dst=owner, group=groups.shard, async_op=True)
         return launch(reduce, staging, after=after)
     inputs = list(staging.split(list(bucket.piece_sizes(n))))
     log.record("shard", bucket.collective, [t.numel() for t in inputs], s, itemsize)
     target = output if output is not None else staging.new_empty(0)
     return launch(partial(dist.reduce_scatter, group=groups.shard, async_op=True), target, inputs)
+
+
+def _copier(output: torch.Tensor, source: torch.Tensor) -> Callable[[], None] | None:
+    """``output.copy_(source)`` to run later, or ``None`` when ``output`` is ``source``'s own memory."""
+    same = output.data_ptr() == source.data_ptr() and output.dtype == source.dtype
+    if same and output.shape == source.shape:
+        return None
+    return partial(output.copy_, source)
 
 
 def all_reduce_replica(piece: torch.Tensor, groups: ProcessGroups, log: CommLog) -> Pending:

@@ -4,27 +4,38 @@
 A post-accumulate-grad hook first asks the step lifecycle to admit the
 gradient (see [Note: step lifecycle]: it refuses one that arrives after the
 reduction, and inside ``no_sync()`` it says to keep it local), then marks the
-parameter ready. Buckets are launched
-strictly in the plan's order (the order of collectives must match on every
-rank), each as soon as all of its parameters are ready and every earlier
-bucket has been launched: its gradients are copied into a staging buffer and
-its reduce-scatter (or reduce) over the shard group starts asynchronously. At
-most ``max_inflight_buckets`` staging buffers are alive; launching one more
-first completes the oldest, which then starts its all-reduce over the replica
-group (MiCS). Under the GLOO policy a bucket is instead all-reduced over the
-whole data-parallel group (see [Note: collective policy]).
+parameter ready and *pumps*: every ready gradient that belongs to one of the
+``max_inflight_buckets`` buckets next to launch is copied into that bucket's
+staging buffer (opened on its first gradient), and buckets whose gradients are
+all staged are launched, strictly in the plan's order (the order of
+collectives must match on every rank): its reduce-scatter (or reduce) over the
+shard group starts asynchronously. Opening a staging buffer first completes
+the oldest reduction in flight while the buffers alive would span more than
+``max_inflight_buckets`` buckets; a completed reduction then starts its
+all-reduce over the replica group (MiCS). Under the GLOO policy a bucket is
+instead all-reduced over the whole data-parallel group (see [Note: collective
+policy]). This is the schedule ``zeroplan.core.peak`` plans the memory of
+([Note: the step's peak]).
 
-``finish()`` (once per step, when the lifecycle reduces) launches what is left: parameters that
-got no gradient in this step contribute zeros, and gradients accumulated under
-``no_sync()`` but not touched by the last backward are reduced as they are.
-With ``overlap=False`` nothing launches from hooks and ``finish()`` issues the
-very same collectives in the same order, so results are bit-identical.
+Stage 2 frees each ``.grad`` once all its buckets are staged, so a gradient
+outlives its arrival only while its bucket is beyond the window. bf16/fp16
+gradients are reduced in their dtype into room at the end of the staging
+buffer (``StagingLayout.reduced``), summed over replicas there, and cast into
+the fp32 gradient shard, so the step needs no fp32 copy. Stage 1 keeps every
+``.grad`` as a view of the full gradient buffer (a gradient autograd allocated
+after ``zero_grad(set_to_none=True)`` is moved into it by the hook) and
+reduces each bucket into the rank's own region of that buffer, in place: after
+the reduction, ``.grad`` of the elements this rank owns holds the averaged
+gradient, the others the local one.
+
+``finish()`` (once per step, when the lifecycle reduces) stages and launches
+what is left: parameters that got no gradient in this step contribute zeros,
+and gradients accumulated under ``no_sync()`` but not touched by the last
+backward are reduced as they are. With ``overlap=False`` nothing is staged
+from hooks and ``finish()`` issues the very same collectives in the same
+order, so results are bit-identical.
 
 Sparse gradients (``nn.Embedding(sparse=True)``) are made dense by the hook.
-Stage 1 keeps every ``.grad`` as a view of the full gradient buffer (a
-gradient autograd allocated after ``zero_grad(set_to_none=True)`` is moved
-into it by the hook). Stage 2 frees each ``.grad`` once all its buckets are
-staged, so full gradients are never all resident outside ``no_sync()``.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from zeroplan.core import Bucket, Collective, Stage, StepOrderError, ZeroPlan
+from zeroplan.core import Bucket, Collective, GradCopy, Stage, StepOrderError, ZeroPlan, staging_layout
 from zeroplan.facade.buffers import SpaceBuffers, param_views
 from zeroplan.facade.collectives import CommLog, Pending, all_reduce_replica, reduce_bucket
 from zeroplan.facade.groups import ProcessGroups
@@ -77,6 +88,7 @@ class _InFlight(NamedTuple):
     bucket: Bucket
     staging: torch.Tensor
     pending: Pending
+    reduced: torch.Tensor | None
     output: torch.Tensor | None
 
 
@@ -106,6 +118,14 @@ class GradSync:
         self._log = log
         self._tracker = tracker
         self._buckets = zp.buckets.buckets
+        self._keep_grads = zp.stage is not Stage.OPTIMIZER
+        self._layouts = [staging_layout(zp, b, groups.shard_rank) for b in self._buckets]
+        self._copies: list[dict[int, list[GradCopy]]] = []
+        for bucket in self._buckets:
+            by_param: dict[int, list[GradCopy]] = {}
+            for copy in bucket.copies:
+                by_param.setdefault(copy.param, []).append(copy)
+            self._copies.append(by_param)
         self._grad_views: dict[int, torch.Tensor] = {}
         if zp.stage is Stage.OPTIMIZER:
             for buf in buffers:
@@ -130,10 +150,14 @@ class GradSync:
             self._tracker.free(entry.staging)
         for pending in getattr(self, "_replica", ()):
             pending.wait()
+        for staging in getattr(self, "_open", {}).values():
+            self._tracker.free(staging)
         self._ready = [False] * len(self._zp.specs)
-        self._missing = [len(b.params) for b in self._buckets]
+        self._queued: list[deque[int]] = [deque() for _ in self._buckets]
+        self._staged = [0] * len(self._buckets)
         self._unstaged = [len(self._zp.buckets.buckets_of(s.index)) for s in self._zp.specs]
         self._next = 0
+        self._open: dict[int, torch.Tensor] = {}
         self._inflight: deque[_InFlight] = deque()
         self._replica: list[Pending] = []
 
@@ -162,49 +186,100 @@ class GradSync:
                 "in this step; call step() (or zero_grad()) between backward passes, or accumulate "
                 "inside `with optimizer.no_sync():`"
             )
-        self._ready[index] = True
-        for b in self._zp.buckets.buckets_of(index):
-            self._missing[b] -= 1
+        self._mark_ready(index)
         if self._overlap:
-            while self._next < len(self._buckets) and self._missing[self._next] == 0:
-                self._launch(self._buckets[self._next])
+            self._pump()
 
-    # ------------------------------------------------------------- launching
-    def _launch(self, bucket: Bucket) -> None:
-        while len(self._inflight) >= self._zp.max_inflight_buckets:
-            self._retire(self._inflight.popleft())
-        buf = self._buffers[bucket.space]
-        staging = self._tracker.alloc(
-            torch.empty(bucket.numel, dtype=buf.params.dtype, device=buf.params.device)
-        )
-        for copy in bucket.copies:
+    def _mark_ready(self, index: int) -> None:
+        """Queue parameter ``index``'s gradient on each of its buckets."""
+        self._ready[index] = True
+        if self._unstaged[index] == 0 and self._keep_grads:  # in no bucket (no elements)
+            self._params[index].grad = None
+        for b in self._zp.buckets.buckets_of(index):
+            self._queued[b].append(index)
+
+    # ------------------------------------------------------------- staging
+    def _pump(self) -> None:
+        """Stage queued gradients of the buckets next to launch; launch full buckets in order.
+
+        The schedule of [Note: the step's peak] in ``zeroplan.core.peak``, which plans its memory.
+        """
+        k = self._zp.max_inflight_buckets
+        while True:
+            nxt = self._next
+            for b in range(nxt, min(nxt + k, len(self._buckets))):
+                queue = self._queued[b]
+                while queue:
+                    self._stage(b, queue.popleft())
+            if nxt < len(self._buckets) and self._staged[nxt] == len(self._copies[nxt]):
+                self._launch(nxt)
+                continue
+            return
+
+    def _stage(self, b: int, index: int) -> None:
+        """Copy parameter ``index``'s parts of bucket ``b`` into its staging buffer (opening it)."""
+        staging = self._open.get(b)
+        if staging is None:
+            k = self._zp.max_inflight_buckets
+            while self._inflight and b - self._inflight[0].bucket.index >= k:
+                self._retire(self._inflight.popleft())
+            buf = self._buffers[self._buckets[b].space]
+            staging = self._open[b] = self._tracker.alloc(
+                torch.empty(self._layouts[b].numel, dtype=buf.params.dtype, device=buf.params.device)
+            )
+        grad = self._params[index].grad
+        for copy in self._copies[b][index]:
             target = staging[copy.staging_offset : copy.staging_offset + copy.param_span.numel]
-            grad = self._params[copy.param].grad
             if grad is None:
                 target.zero_()
             else:
                 target.copy_(grad.reshape(-1)[copy.param_span.as_slice()])
-        if self._zp.stage is not Stage.OPTIMIZER:
-            for index in bucket.params:
-                self._unstaged[index] -= 1
-                if self._unstaged[index] == 0:
-                    self._params[index].grad = None
+        self._staged[b] += 1
+        self._unstaged[index] -= 1
+        if self._unstaged[index] == 0 and self._keep_grads:
+            self._params[index].grad = None
+
+    # ------------------------------------------------------------- launching
+    def _launch(self, b: int) -> None:
+        bucket = self._buckets[b]
+        staging = self._open.pop(b)
+        buf = self._buffers[bucket.space]
         piece = bucket.piece_of(self._groups.shard_rank)
         output = buf.grad_shard[piece.shard_span.as_slice()] if piece is not None else None
-        pending = reduce_bucket(staging, output, bucket, self._groups, self._log)
-        self._inflight.append(_InFlight(bucket, staging, pending, output))
+        layout = self._layouts[b]
+        reduced = output if layout.reduced is None else staging[layout.reduced.as_slice()]
+        grads = staging[: bucket.numel]
+        pending = reduce_bucket(grads, reduced, bucket, self._groups, self._log)
+        self._inflight.append(_InFlight(bucket, staging, pending, reduced, output))
         self._next += 1
 
     def _retire(self, entry: _InFlight) -> None:
         entry.pending.wait()
+        if entry.reduced is None or entry.output is None:
+            self._tracker.free(entry.staging)
+            return
+        summed = entry.bucket.collective is Collective.ALL_REDUCE  # already over the replicas too
+        replica = None if summed else all_reduce_replica(entry.reduced, self._groups, self._log)
+        if entry.reduced is entry.output:
+            if replica is not None:
+                self._replica.append(replica)
+        else:  # an fp32 shard of bf16/fp16 gradients: sum over replicas in the staging, then cast
+            if replica is not None:
+                replica.wait()
+            entry.output.copy_(entry.reduced)
         self._tracker.free(entry.staging)
-        if entry.output is not None and entry.bucket.collective is not Collective.ALL_REDUCE:
-            self._replica.append(all_reduce_replica(entry.output, self._groups, self._log))
 
     def finish(self) -> None:
-        """Launch every remaining bucket and wait for all reductions of this step (once per step)."""
-        while self._next < len(self._buckets):
-            self._launch(self._buckets[self._next])
+        """Stage and launch everything left, wait for all reductions of this step (once per step).
+
+        Parameters that got no gradient in this step contribute zeros; gradients
+        accumulated under ``no_sync()`` but untouched by the last backward are
+        reduced as they are.
+        """
+        for index in self._trainable:
+            if not self._ready[index]:
+                self._mark_ready(index)
+        self._pump()
         while self._inflight:
             self._retire(self._inflight.popleft())
         for pending in self._replica:

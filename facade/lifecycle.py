@@ -191,11 +191,9 @@ class StepLifecycle:
         _agree_on_step(inst, ctx, call)
         grads = []
         for buf in inst.buffers:
-            grad = (
-                self.tracker.alloc(buf.grad_shard.to(buf.master.dtype))
-                if buf.separate_master
-                else buf.grad_shard
-            )
+            shard = buf.grad_shard  # stage 1 with bf16/fp16 parameters: copied to fp32 for the step
+            cast = shard.dtype != buf.master.dtype
+            grad = self.tracker.alloc(shard.to(buf.master.dtype)) if cast else shard
             grad.div_(ctx.divisor)
             grads.append(grad)
         self.master_grads = grads
@@ -286,7 +284,7 @@ class StepLifecycle:
         for tensor in inst.inner.tensors:
             tensor.grad = None
         for grad, buf in zip(self.master_grads, inst.buffers, strict=False):
-            if buf.separate_master:
+            if grad is not buf.grad_shard:
                 self.tracker.free(grad)
         self.master_grads = []
         self.found_inf = False

@@ -323,10 +323,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The planner's report for this optimizer's plan (no communication).
 
         ``clipping`` adds the all-reduce of :meth:`clip_grad_norm_` to the traffic;
-        by default it is counted if the last completed step clipped.
+        by default it is counted if the last completed step clipped. Its
+        ``peak_bytes`` follows this optimizer's ``overlap_grad_reduce``.
         """
         clipped = self._lifecycle.last.clipped if clipping is None else clipping
-        return memory_report(self._installed.zp, clipping=clipped)
+        return memory_report(self._installed.zp, clipping=clipped, overlap=self._overlap)
 
     # ------------------------------------------------------------ state dicts
     def shards(self) -> Shards:

@@ -118,6 +118,7 @@ def _groups(ranks: tuple[RankReport, ...]) -> list[tuple[int, int, RankReport]]:
             r.master_bytes,
             r.optimizer_state_bytes,
             r.buffer_bytes,
+            r.peak_bytes,
             r.comm_bytes_per_step,
         )
 
@@ -151,13 +152,15 @@ def _print_table(
         f"(planned in {elapsed:.3f} s)"
     )
     table = Table(title="memory per rank (GiB) and traffic per step (GiB sent)")
-    for column in ("ranks", "params", "grads", "master", "optim state", "buffers", "total", "sent/step"):
+    columns = ("ranks", "params", "grads", "master", "optim state", "buffers", "total")
+    columns += ("peak", "at", "sent/step")
+    for column in columns:
         table.add_column(column, justify="right")
     groups = _groups(report.ranks)
     shown = groups if len(groups) <= rows else [*groups[: rows - 1], groups[-1]]
     for i, (first, last, r) in enumerate(shown):
         if len(groups) > rows and i == rows - 1:
-            table.add_row("…", *[""] * 7)
+            table.add_row("…", *[""] * (len(columns) - 1))
         table.add_row(
             str(first) if first == last else f"{first}-{last}",
             _gib(r.params_bytes),
@@ -166,6 +169,8 @@ def _print_table(
             _gib(r.optimizer_state_bytes),
             _gib(r.buffer_bytes),
             _gib(r.total_bytes),
+            _gib(r.peak_bytes),
+            r.peak_phase.value,
             _gib(r.comm_bytes_per_step),
         )
     console.print(table)

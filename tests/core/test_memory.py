@@ -45,8 +45,8 @@ def _extras(stage: int, psi: int, n: int, p: int, tensors: int, inner: int) -> f
     """What zeroplan keeps beyond the paper's formula (see memory.py's [Note: what is counted])."""
     if stage == 0:
         return SCALAR * tensors  # one `step` per parameter, every rank steps all of them
-    reduced_grad_shard = p * psi / n if stage == 1 else 0
-    return reduced_grad_shard + SCALAR * inner
+    fp32_grad_shard = (4 - p) * psi / n if stage >= 2 else 0  # bf16/fp16 reduced into fp32
+    return fp32_grad_shard + SCALAR * inner
 
 
 def _counted(r: RankReport) -> int:
@@ -153,12 +153,16 @@ def test_buffers_are_the_larger_of_staging_and_fp32_scratch():
         )
         return memory_report(zp).ranks[0].buffer_bytes
 
-    # 1 KiB buckets: 2 in flight = 2 KiB < fp32 scratch of a 1024-element shard = 4 KiB.
-    assert buffers(2, 1024) == 4096
-    assert buffers(2, 1024, inflight=8) == 8192
+    # Stage 1, 1 KiB buckets: 2 in flight = 2 KiB < fp32 copy of the 1024 reduced elements = 4 KiB.
+    assert buffers(1, 1024) == 4096
+    assert buffers(1, 1024, inflight=8) == 8192
+    # Stage 2 reduces into fp32 (no copy): staging only, each bucket with room for the rank's
+    # bf16 piece (256 B of a 1 KiB bucket reduce-scattered over 4 ranks).
+    assert buffers(2, 1024) == 2 * (1024 + 256)
     # One 8 KiB bucket: staging wins; stage 3 doubles it (parameter gathers).
-    assert buffers(2, 2**20) == 8192
-    assert buffers(3, 2**20) == 16384
+    assert buffers(1, 2**20) == 8192
+    assert buffers(2, 2**20) == 8192 + 2048
+    assert buffers(3, 2**20) == 2 * (8192 + 2048)
     # Stage 0: DDP's flat bucket copy of every gradient.
     assert buffers(0, 1024) == 8192
 
@@ -197,7 +201,8 @@ def test_hand_computed_traffic_stage_2():
 
 def test_hand_computed_memory_stage_1_and_2():
     r1, r2 = _small(1)[0], _small(2)[0]
-    assert (r1.params_bytes, r1.grads_bytes, r1.master_bytes, r1.optimizer_state_bytes) == (48, 72, 0, 52)
+    # stage 1 reduces in place into its full gradient buffer: no separate shard
+    assert (r1.params_bytes, r1.grads_bytes, r1.master_bytes, r1.optimizer_state_bytes) == (48, 48, 0, 52)
     assert (r2.params_bytes, r2.grads_bytes, r2.master_bytes, r2.optimizer_state_bytes) == (48, 24, 0, 52)
     assert r1.buffer_bytes == r2.buffer_bytes == 32  # two 16-byte buckets in flight
     assert r2.total_bytes == 48 + 24 + 52 + 32

@@ -1,0 +1,305 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# What is alive at the step's peak: staging, autograd gradients, the step's temporaries.
+"""The transient memory of one training step, read off a :class:`ZeroPlan`.
+
+[Note: the step's peak]
+Between steps a rank holds its persistent buffers (parameters, gradient
+buffers, fp32 masters, optimizer state: ``memory_report``'s categories). During
+a step it also holds, at the most:
+
+* **backward** — the gradients autograd allocated that are not staged yet, and
+  the staging buffers of the buckets being filled or reduced. The facade's
+  gradient hook follows the schedule :func:`backward_peak` simulates
+  (``facade/grad_sync.py`` does the same, step for step):
+
+  - a gradient is copied into the staging buffer of each of its buckets as
+    soon as it arrives, if that bucket is among the ``max_inflight_buckets``
+    next to launch; otherwise it waits (its ``.grad`` stays alive) until the
+    window reaches the bucket;
+  - opening a staging buffer first completes the oldest reduction in flight
+    while the buffers alive would span more than ``max_inflight_buckets``
+    buckets, so at most that many consecutive buckets are ever alive;
+  - a bucket is launched, in plan order, once all its gradients are copied;
+  - at stage 2 a ``.grad`` is freed once all its buckets are staged; at stage
+    1 the hook moves it into the full gradient buffer at once.
+
+  Gradients are assumed to arrive in decreasing parameter order (autograd's
+  order for a model whose parameters are registered in the order the forward
+  uses them; the bucket order assumes the same). With
+  ``overlap_grad_reduce=False`` nothing is staged before the backward ends.
+* **step** — at stage 1 with bf16/fp16 parameters, the fp32 copy of the
+  reduced gradient shard; and the inner optimizer's temporaries, which depend on
+  its implementation (:meth:`OptimizerSpec.step_temporary_bytes`). Parameter
+  groups are stepped one after the other, so the largest group counts.
+
+Activations, the loss and the batch are the user's and are not planned. Stage
+0 describes ``DistributedDataParallel`` and stage 3 is not executed yet: their
+peaks are estimates (see :func:`step_peak`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from enum import Enum
+from typing import NamedTuple
+
+from zeroplan.core.buckets import Bucket
+from zeroplan.core.comm import Collective
+from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
+from zeroplan.core.partition import Space
+from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.span import Span
+
+__all__ = [
+    "BackwardPeak",
+    "PeakPhase",
+    "StagingLayout",
+    "StepPeak",
+    "backward_peak",
+    "grad_shard_dtype",
+    "staging_layout",
+    "step_peak",
+    "step_transient",
+]
+
+
+class PeakPhase(str, Enum):
+    """The part of a step where a rank's memory peaks."""
+
+    BACKWARD = "backward"
+    STEP = "step"
+
+
+class StagingLayout(NamedTuple):
+    """One rank's staging buffer of one bucket (elements of the bucket's dtype).
+
+    Attributes:
+        numel: elements to allocate: the bucket's gradients, then, when
+            ``reduced`` lies past them, room for the reduced piece.
+        reduced: where the rank's reduced piece lands when it cannot be
+            written straight into the gradient shard (an fp32 shard of
+            bf16/fp16 gradients): reduced there, summed over replicas, then
+            copied (cast) into the shard. ``None``: straight into the shard.
+    """
+
+    numel: int
+    reduced: Span | None
+
+
+class BackwardPeak(NamedTuple):
+    """The most transient bytes of one rank during backward (see [Note: the step's peak]).
+
+    Attributes:
+        staging: staging buffers alive at once.
+        total: staging buffers and autograd gradients alive at once.
+    """
+
+    staging: int
+    total: int
+
+
+class StepPeak(NamedTuple):
+    """Transient bytes of one rank by phase, and the largest."""
+
+    backward: int
+    step: int
+
+    @property
+    def phase(self) -> PeakPhase:
+        """Where the peak happens (backward on a tie)."""
+        return PeakPhase.STEP if self.step > self.backward else PeakPhase.BACKWARD
+
+    @property
+    def bytes(self) -> int:
+        """Transient bytes at the peak."""
+        return max(self.backward, self.step)
+
+
+def grad_shard_dtype(zp: ZeroPlan, space: Space) -> str:
+    """The dtype of a rank's reduced-gradient shard of ``space``.
+
+    Stage 1 reduces in place into the full gradient buffer (the space's
+    dtype); stages 2 and 3 keep the shard in the master dtype, so bf16/fp16
+    gradients are reduced straight into fp32 and the step needs no copy.
+    """
+    if zp.stage in (Stage.GRADIENTS, Stage.PARAMETERS):
+        return master_dtype(space.dtype)
+    return space.dtype
+
+
+def staging_layout(zp: ZeroPlan, bucket: Bucket, shard_rank: int) -> StagingLayout:
+    """Shard rank ``shard_rank``'s staging buffer of ``bucket`` (see :class:`StagingLayout`).
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(64,)], dtype="bfloat16"), Topology(world_size=2), alignment=8)
+        >>> staging_layout(zp, zp.buckets.buckets[0], 1)   # 64 gradients, then the rank's 32
+        StagingLayout(numel=96, reduced=Span(start=64, stop=96))
+    """
+    space = zp.partition.spaces[bucket.space]
+    piece = bucket.piece_of(shard_rank)
+    if piece is None or grad_shard_dtype(zp, space) == space.dtype:
+        return StagingLayout(bucket.numel, None)
+    scattered = bucket.collective in (Collective.REDUCE_SCATTER, Collective.REDUCE_SCATTER_V)
+    if scattered and zp.topology.shard_size > 1:
+        tail = Span(bucket.numel, bucket.numel + piece.shard_span.numel)
+        return StagingLayout(tail.stop, tail)
+    return StagingLayout(bucket.numel, piece.staging_span)
+
+
+class _Alive(NamedTuple):
+    """A moment of the simulated backward: buckets whose staging is alive, and gradient bytes alive."""
+
+    buckets: tuple[int, ...]
+    grads: int
+
+
+def _backward_moments(zp: ZeroPlan, overlap: bool) -> list[_Alive]:
+    """The moments at which the backward's transient memory can peak, in the schedule of the Note.
+
+    Rank-independent: only the staging sizes differ between ranks. Each gradient
+    is queued on its buckets when it arrives, so the walk costs one visit per
+    (parameter, bucket) pair and ``max_inflight_buckets`` per arrival.
+    """
+    buckets = zp.buckets.buckets
+    k = zp.max_inflight_buckets
+    specs = zp.specs
+    keep_grads = zp.stage is not Stage.OPTIMIZER  # stage 1 moves .grad into the buffer at once
+    nbytes = [s.numel * DTYPE_ITEMSIZE[s.dtype] for s in specs]
+    unstaged = [len(zp.buckets.buckets_of(s.index)) for s in specs]
+    queued: list[deque[int]] = [deque() for _ in buckets]
+    staged = [0] * len(buckets)
+    opened: set[int] = set()
+    inflight: deque[int] = deque()
+    moments: list[_Alive] = []
+    grads = 0
+    nxt = 0
+
+    def pump() -> None:
+        nonlocal grads, nxt
+        while True:
+            for b in range(nxt, min(nxt + k, len(buckets))):
+                while queued[b]:
+                    p = queued[b].popleft()
+                    if b not in opened:
+                        while inflight and b - inflight[0] >= k:
+                            inflight.popleft()
+                        opened.add(b)
+                        moments.append(_Alive((*inflight, *sorted(opened)), grads))
+                    staged[b] += 1
+                    unstaged[p] -= 1
+                    if unstaged[p] == 0 and keep_grads:
+                        grads -= nbytes[p]
+            if nxt < len(buckets) and staged[nxt] == len(buckets[nxt].params):
+                opened.discard(nxt)
+                inflight.append(nxt)
+                nxt += 1
+                continue
+            return
+
+    for spec in sorted((s for s in specs if s.trainable), key=lambda s: -s.index):
+        grads += nbytes[spec.index]
+        moments.append(_Alive((*inflight, *sorted(opened)), grads))
+        if not keep_grads or unstaged[spec.index] == 0:
+            grads -= nbytes[spec.index]
+        for b in zp.buckets.buckets_of(spec.index):
+            queued[b].append(spec.index)
+        if overlap:
+            pump()
+    pump()
+    return moments
+
+
+def backward_peak(zp: ZeroPlan, *, overlap: bool = True) -> tuple[BackwardPeak, ...]:
+    """Per shard rank, the most transient bytes during backward (see [Note: the step's peak]).
+
+    Args:
+        zp: a stage 1 or 2 plan (stage 0 and 3: see :func:`step_peak`).
+        overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce``.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(256,)] * 4), Topology(world_size=2), alignment=8, bucket_bytes=1024)
+        >>> backward_peak(zp)[0]   # two 1 KiB buckets staged, one 1 KiB gradient arriving
+        BackwardPeak(staging=2048, total=3072)
+    """
+    moments = _backward_moments(zp, overlap)
+    spaces = zp.partition.spaces
+    buckets = zp.buckets.buckets
+    isz = [DTYPE_ITEMSIZE[spaces[b.space].dtype] for b in buckets]
+    held = [sum(buckets[b].numel * isz[b] for b in m.buckets) for m in moments]
+    with_grads = (h + m.grads for h, m in zip(held, moments, strict=True))
+    top = BackwardPeak(max(held, default=0), max(with_grads, default=0))
+    # Room for a reduced piece (bf16/fp16 at stage 2) is the only per-rank part: only the moments
+    # holding one of a rank's enlarged buckets can exceed the rank-independent maximum.
+    extra: list[dict[int, int]] = [{} for _ in range(zp.topology.shard_size)]
+    for b in buckets:
+        for piece in b.pieces:
+            more = staging_layout(zp, b, piece.rank).numel - b.numel
+            if more:
+                extra[piece.rank][b.index] = more * isz[b.index]
+    holding: dict[int, list[int]] = {}
+    if any(extra):
+        for position, moment in enumerate(moments):
+            for b in moment.buckets:
+                holding.setdefault(b, []).append(position)
+    result = []
+    for mine in extra:
+        staging, total = top
+        for position in {m for b in mine for m in holding.get(b, ())}:
+            more = sum(mine.get(b, 0) for b in moments[position].buckets)
+            staging = max(staging, held[position] + more)
+            total = max(total, held[position] + more + moments[position].grads)
+        result.append(BackwardPeak(staging, total))
+    return tuple(result)
+
+
+def step_transient(zp: ZeroPlan, shard_rank: int) -> int:
+    """Transient bytes of shard rank ``shard_rank`` inside ``step()``.
+
+    The fp32 copies of reduced bf16/fp16 gradients (stage 1 only: later
+    stages reduce into fp32) and the inner optimizer's temporaries of its
+    largest param group (stage 0: over every trainable parameter).
+    """
+    copies = 0
+    if zp.stage is Stage.OPTIMIZER:
+        for space in zp.partition.spaces:
+            if space.dtype in LOW_PRECISION:
+                copies += space.owned[shard_rank] * DTYPE_ITEMSIZE[master_dtype(space.dtype)]
+    groups: dict[int, dict[str, list[tuple[int, ...]]]] = {}  # group -> dtype -> shapes, in step order
+    if zp.stage is Stage.DDP:
+        for spec in zp.specs:
+            if spec.trainable:
+                groups.setdefault(spec.group, {}).setdefault(master_dtype(spec.dtype), []).append(spec.shape)
+    else:
+        for tensor in zp.inner_tensors(shard_rank):
+            dtype = master_dtype(zp.partition.spaces[tensor.space].dtype)
+            groups.setdefault(tensor.group, {}).setdefault(dtype, []).append(tensor.shape)
+    per_group = (
+        sum(
+            zp.optimizers[g].step_temporary_bytes_of_shapes(shapes, DTYPE_ITEMSIZE[d])
+            for d, shapes in by_dtype.items()
+        )
+        for g, by_dtype in groups.items()
+    )
+    temporaries = max(per_group, default=0)
+    return copies + temporaries
+
+
+def step_peak(zp: ZeroPlan, *, overlap: bool = True, ddp_buffer: Sequence[int] = ()) -> tuple[StepPeak, ...]:
+    """Per shard rank, the transient bytes of backward and step (see [Note: the step's peak]).
+
+    Stages 1 and 2 follow the facade's schedule exactly. Stage 0 is an
+    estimate of ``DistributedDataParallel``: its flat bucket copy
+    (``ddp_buffer[rank]`` bytes) during backward. Stage 3, not executed yet, is
+    an estimate: the stage-2 backward plus one gathered copy of its staging.
+    """
+    n = zp.topology.shard_size
+    if zp.stage is Stage.DDP:
+        backward = [ddp_buffer[r] if r < len(ddp_buffer) else 0 for r in range(n)]
+    else:
+        peaks = backward_peak(zp, overlap=overlap)
+        extra = [p.staging if zp.stage is Stage.PARAMETERS else 0 for p in peaks]
+        backward = [p.total + e for p, e in zip(peaks, extra, strict=True)]
+    return tuple(StepPeak(backward[r], step_transient(zp, r)) for r in range(n))

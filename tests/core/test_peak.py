@@ -1,0 +1,111 @@
+"""The step's peak: the backward schedule, staging layouts, the step's transients, hand-computed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zeroplan.core import (
+    BackwardPeak,
+    PeakPhase,
+    Span,
+    Topology,
+    backward_peak,
+    describe_optimizer,
+    memory_report,
+    plan,
+    specs_from_shapes,
+    staging_layout,
+    step_transient,
+)
+
+
+def _plan(shapes, *, stage=2, world=2, bucket_bytes=1024, dtype="fp32", **kwargs):
+    return plan(
+        specs_from_shapes(shapes, dtype=dtype),
+        Topology(world_size=world),
+        stage=stage,
+        alignment=8,
+        bucket_bytes=bucket_bytes,
+        **kwargs,
+    )
+
+
+def test_stage_2_holds_a_window_of_staging_and_the_arriving_gradient():
+    # Four 1 KiB parameters, one per bucket: staging of 2 buckets + the gradient being staged.
+    zp = _plan([(256,)] * 4)
+    assert backward_peak(zp) == (BackwardPeak(2048, 3072),) * 2
+    # A window of 3: three buckets alive at once.
+    assert backward_peak(_plan([(256,)] * 4, max_inflight_buckets=3))[0] == BackwardPeak(3072, 4096)
+
+
+def test_without_overlap_every_gradient_waits_for_the_end_of_backward():
+    zp = _plan([(256,)] * 4)
+    # All four gradients alive when the first bucket opens at finish().
+    assert backward_peak(zp, overlap=False)[0] == BackwardPeak(2048, 4 * 1024 + 1024)
+
+
+def test_stage_1_moves_each_gradient_into_its_buffer_at_once():
+    zp = _plan([(256,)] * 4, stage=1)
+    # The arriving gradient is alive while the window holds 2 buckets; it is freed before staging.
+    assert backward_peak(zp)[0] == BackwardPeak(2048, 3072)
+    assert backward_peak(zp, overlap=False)[0] == BackwardPeak(2048, 3072)
+
+
+def test_a_parameter_larger_than_the_window_stays_alive_until_all_its_buckets_are_staged():
+    # 4096 fp32 elements in 1 KiB buckets: 16 buckets; its 16 KiB gradient lives through all of them.
+    zp = _plan([(4096,)])
+    assert len(zp.buckets.buckets) == 16
+    assert backward_peak(zp)[0] == BackwardPeak(2048, 16384 + 2048)
+
+
+def test_bf16_stage_2_stages_room_for_the_reduced_piece():
+    zp = _plan([(512,)], dtype="bf16", bucket_bytes=2**20, policy="min_bytes")
+    (bucket,) = zp.buckets.buckets
+    assert [staging_layout(zp, bucket, r) for r in (0, 1)] == [
+        (512 + 256, Span(512, 768)),
+        (512 + 256, Span(512, 768)),
+    ]
+    # Under the GLOO policy every rank all-reduces the bucket and keeps its piece in place.
+    gloo = _plan([(512,)], dtype="bf16", bucket_bytes=2**20, policy="gloo")
+    assert staging_layout(gloo, gloo.buckets.buckets[0], 1) == (512, Span(256, 512))
+    # fp32 gradients are reduced straight into the fp32 shard; stage 1 into its own region.
+    assert staging_layout(_plan([(512,)]), _plan([(512,)]).buckets.buckets[0], 1).reduced is None
+    stage1 = _plan([(512,)], dtype="bf16", stage=1)
+    assert all(staging_layout(stage1, b, 0).reduced is None for b in stage1.buckets.buckets)
+
+
+def test_step_transient_adds_the_fp32_copy_at_stage_1_only():
+    sgd = describe_optimizer("SGD", device="cpu")  # for-loop SGD without momentum: no temporaries
+    assert sgd.step_temporary_bytes([1024, 8], 4) == 0
+    stage1 = _plan([(1024,)], dtype="bf16", stage=1, optimizer=sgd)
+    stage2 = _plan([(1024,)], dtype="bf16", stage=2, optimizer=sgd)
+    assert [step_transient(stage1, r) for r in (0, 1)] == [512 * 4, 512 * 4]
+    assert [step_transient(stage2, r) for r in (0, 1)] == [0, 0]
+
+
+def test_step_transient_is_the_inner_optimizers_temporaries_of_the_rank_and_its_largest_group():
+    adamw = describe_optimizer("AdamW", {"foreach": True}, device="cpu")
+    specs = specs_from_shapes([(1024,), (64,)])
+    grouped = tuple(dataclasses.replace(s, group=i) for i, s in enumerate(specs))
+    zp = plan(grouped, Topology(world_size=2), alignment=8, optimizer=(adamw, adamw))
+    for rank in (0, 1):
+        sizes: dict[int, list[int]] = {}
+        for tensor in zp.inner_tensors(rank):
+            sizes.setdefault(tensor.group, []).append(tensor.shard_span.numel)
+        expected = max(adamw.step_temporary_bytes(v, 4) for v in sizes.values())
+        assert expected > 0
+        assert step_transient(zp, rank) == expected
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_peak_is_persistent_plus_the_larger_transient(stage):
+    zp = _plan([(17, 257), (31,), (1000, 7)], stage=stage, dtype="bf16", optimizer="AdamW")
+    for r in memory_report(zp).ranks:
+        persistent = r.params_bytes + r.grads_bytes + r.master_bytes + r.optimizer_state_bytes
+        assert r.peak_bytes == persistent + max(r.backward_transient_bytes, r.step_transient_bytes)
+        larger = PeakPhase.STEP if r.step_transient_bytes > r.backward_transient_bytes else PeakPhase.BACKWARD
+        assert r.peak_phase is larger
+        record = r.as_dict()
+        assert (record["peak_bytes"], record["peak_phase"]) == (r.peak_bytes, r.peak_phase.value)

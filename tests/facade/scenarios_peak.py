@@ -1,0 +1,62 @@
+"""A training step's peak memory measured by torch's ``MemTracker``, next to the plan's ``peak_bytes``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from zeroplan.facade import ZeroOptimizer
+
+#: A Linear stack: activations (batch x width per layer) are under 1% of the parameters' bytes.
+WIDTH, DEPTH, BATCH = 192, 6, 2
+
+
+def _total(tracker: MemTracker, kind: str) -> int:
+    return sum(snap["Total"] for snap in tracker.get_tracker_snapshot(kind).values())
+
+
+def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The tracker is entered before the model exists, so it sees every storage of the rank; it is
+    re-entered around each whole step (forward, backward, ``step()``, ``zero_grad()``), which
+    restarts its peak. The third step's peak is compared: by then optimizer state exists."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg["dtype"]]
+    inner = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[cfg["optimizer"]]
+    tracker = MemTracker()
+    with tracker:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))).to(dtype)
+        opt = ZeroOptimizer(
+            model.parameters(),
+            inner,
+            stage=cfg["stage"],
+            shard_group_size=cfg.get("shard"),
+            bucket_bytes=cfg.get("bucket_bytes", 40_000),
+            alignment=16,
+            collectives=cfg.get("collectives", "auto"),
+            overlap_grad_reduce=cfg.get("overlap", True),
+            loss_scale="dynamic" if dtype == torch.float16 else None,
+            **cfg.get("hyper", {"lr": 1e-3}),
+        )
+        x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    peaks = []
+    for _ in range(3):
+        tracker.reset_mod_stats()
+        with tracker:
+            loss = model(x).float().square().mean()
+            opt.backward(loss)
+            del loss
+            if cfg.get("clip"):
+                opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            peaks.append(_total(tracker, "peak"))
+    report = opt.memory_report().ranks[opt.process_groups.rank]
+    return {
+        "measured": peaks,
+        "planned": report.peak_bytes,
+        "phase": report.peak_phase.value,
+        "persistent": _total(tracker, "current"),
+    }
