@@ -27,6 +27,7 @@ from zeroplan.core.errors import (
     StepOrderError,
     ZeroplanError,
 )
+from zeroplan.core.implementations import Implementation, resolve_implementation
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
 from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
@@ -61,6 +62,7 @@ from zeroplan.core.strategies import (
     register_strategy,
     strategy_names,
 )
+from zeroplan.core.temporaries import StepTemporaries
 from zeroplan.core.topology import Topology
 
 __all__ = [
@@ -78,6 +80,7 @@ __all__ = [
     "Fragment",
     "FragmentOverlap",
     "GradCopy",
+    "Implementation",
     "IncompatiblePlanError",
     "InnerTensor",
     "MemoryReport",
@@ -88,6 +91,7 @@ __all__ = [
     "Piece",
     "PlanInvariantError",
     "StepOrderError",
+    "StepTemporaries",
     "RankReport",
     "ReshardPlan",
     "ScalerConfig",
@@ -121,6 +125,7 @@ __all__ = [
     "preset_names",
     "preset_specs",
     "register_strategy",
+    "resolve_implementation",
     "send_elements",
     "specs_fingerprint",
     "specs_from_module",
