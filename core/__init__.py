@@ -53,6 +53,7 @@ from zeroplan.core.specs import (
     specs_from_module,
     specs_from_shapes,
 )
+from zeroplan.core.step_tables import step_temporaries
 from zeroplan.core.strategies import (
     PartitionStrategy,
     flat_even,
@@ -130,6 +131,7 @@ __all__ = [
     "specs_fingerprint",
     "specs_from_module",
     "specs_from_shapes",
+    "step_temporaries",
     "strategy_names",
     "update",
     "windows_in",
