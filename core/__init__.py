@@ -27,6 +27,7 @@ from zeroplan.core.errors import (
     StepOrderError,
     ZeroplanError,
 )
+from zeroplan.core.implementations import Implementation, resolve_implementation
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
 from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
@@ -63,6 +64,7 @@ from zeroplan.core.specs import (
     specs_from_module,
     specs_from_shapes,
 )
+from zeroplan.core.step_tables import step_temporaries
 from zeroplan.core.strategies import (
     PartitionStrategy,
     flat_even,
@@ -72,6 +74,7 @@ from zeroplan.core.strategies import (
     register_strategy,
     strategy_names,
 )
+from zeroplan.core.temporaries import StepTemporaries
 from zeroplan.core.topology import Topology
 
 __all__ = [
@@ -98,6 +101,7 @@ __all__ = [
     "Fragment",
     "FragmentOverlap",
     "GradCopy",
+    "Implementation",
     "IncompatiblePlanError",
     "InnerTensor",
     "MemoryReport",
@@ -108,6 +112,7 @@ __all__ = [
     "Piece",
     "PlanInvariantError",
     "StepOrderError",
+    "StepTemporaries",
     "RankReport",
     "ReshardPlan",
     "ScalerConfig",
@@ -141,10 +146,12 @@ __all__ = [
     "preset_names",
     "preset_specs",
     "register_strategy",
+    "resolve_implementation",
     "send_elements",
     "specs_fingerprint",
     "specs_from_module",
     "specs_from_shapes",
+    "step_temporaries",
     "strategy_names",
     "update",
     "windows_in",

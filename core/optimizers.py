@@ -1,21 +1,28 @@
 # zeroplan.core — pure planning: no torch, no I/O.
-# What the planner needs to know about an inner optimizer: its state and whether it is elementwise.
-"""``OptimizerSpec``: the state an optimizer keeps and how it may be sharded.
+# What the planner needs to know about an inner optimizer: state, step temporaries, elementwise-ness.
+"""``OptimizerSpec``: the state an optimizer keeps, what its step allocates, how it may be sharded.
 
 An *elementwise* optimizer (SGD, Adam, AdamW, ...) updates each element from
 that element's gradient and state alone, so any split of a parameter is exact.
 A *non-elementwise* one (Adafactor's factored moments, Muon's orthogonalisation)
 needs whole parameters on one rank: a plan that splits parameters is refused.
+
+The temporaries of ``step()`` depend on the implementation torch runs (see
+[Note: implementation resolution] in :mod:`zeroplan.core.implementations`) and
+are described in [Note: step temporaries] (:mod:`zeroplan.core.temporaries`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zeroplan.core.errors import ConfigError
+from zeroplan.core.errors import ConfigError, check_config
+from zeroplan.core.implementations import Implementation, resolve_implementation
+from zeroplan.core.step_tables import UNKNOWN_TEMPORARIES, step_temporaries
+from zeroplan.core.temporaries import StepTemporaries
 
 __all__ = ["OptimizerSpec", "describe_optimizer", "known_optimizers"]
 
@@ -36,11 +43,19 @@ class OptimizerSpec:
             or more dimensions (one full-size statistic below that).
         known: whether the description comes from zeroplan's table; unknown
             optimizers are treated as non-elementwise with unknown state size.
+        implementation: how torch steps a param group (for-loop, foreach or fused).
+        temporaries: what that step allocates beyond the state; a spec built
+            without it gets :data:`~zeroplan.core.step_tables.UNKNOWN_TEMPORARIES`,
+            more than any torch optimizer allocates.
 
     Example:
         >>> spec = describe_optimizer("AdamW")
         >>> spec.state_bytes((10, 10), 4)   # exp_avg + exp_avg_sq + step
         804
+        >>> str(spec.implementation)   # torch's default for CUDA parameters
+        'foreach'
+        >>> spec.step_temporary_bytes([100, 28], 4)   # _foreach_sqrt(exp_avg_sqs)
+        512
     """
 
     name: str
@@ -49,6 +64,18 @@ class OptimizerSpec:
     scalars: int = 0
     factored: bool = False
     known: bool = True
+    implementation: Implementation = Implementation.FOR_LOOP
+    temporaries: StepTemporaries = UNKNOWN_TEMPORARIES
+
+    def __post_init__(self) -> None:
+        check_config(
+            isinstance(self.implementation, Implementation),
+            f"OptimizerSpec.implementation must be an Implementation, got {self.implementation!r}",
+        )
+        check_config(
+            isinstance(self.temporaries, StepTemporaries),
+            f"OptimizerSpec.temporaries must be a StepTemporaries, got {self.temporaries!r}",
+        )
 
     def state_bytes(self, shape: tuple[int, ...], itemsize: int) -> int:
         """Bytes of state for one stepped tensor of ``shape`` (state dtype ``itemsize``)."""
@@ -60,6 +87,40 @@ class OptimizerSpec:
             else:
                 full += numel
         return full * itemsize + self.scalars * SCALAR_BYTES
+
+    def step_temporary_bytes(self, numels: Sequence[int], itemsize: int) -> int:
+        """Peak bytes of temporaries while stepping ONE param group of flat tensors with these ``numels``.
+
+        The tensors are 1-d (the flat windows an elementwise optimizer steps),
+        of one dtype of ``itemsize`` bytes, stepped in this order (the
+        for-loop's peak depends on it). Shaped tensors (Adafactor, Muon):
+        :meth:`step_temporary_bytes_of_shapes`. Param groups are stepped one
+        after the other, so a step's peak is the largest of its groups'.
+
+        Raises:
+            ConfigError: a numel that is not an int >= 0, or a bad ``itemsize``.
+
+        Example:
+            >>> loop = describe_optimizer("AdamW", device="cpu")
+            >>> loop.step_temporary_bytes([3072, 1024], 4)   # sqrt + denom of the largest
+            24576
+            >>> loop.step_temporary_bytes([1024, 3072], 4)   # ... plus the previous denom, still held
+            28672
+        """
+        check_config(
+            all(type(n) is int and n >= 0 for n in numels), f"numels must be ints >= 0, got {list(numels)!r}"
+        )
+        return self.temporaries.bytes([(n,) for n in numels], itemsize)
+
+    def step_temporary_bytes_of_shapes(self, shapes: Sequence[tuple[int, ...]], itemsize: int) -> int:
+        """:meth:`step_temporary_bytes` for tensors of these ``shapes`` (whole parameters).
+
+        Example:
+            >>> muon = describe_optimizer("Muon")   # nesterov: fp32 update, bf16 iterates, Gram matrices
+            >>> muon.step_temporary_bytes_of_shapes([(10, 100)], 4)
+            8400
+        """
+        return self.temporaries.bytes(shapes, itemsize)
 
 
 def _sgd(momentum: float = 0.0, **_: Any) -> tuple[bool, int, int, bool]:
@@ -105,13 +166,54 @@ def known_optimizers() -> tuple[str, ...]:
     return tuple(_TABLE)
 
 
+#: Optimizers whose weight decay allocates ``grad + weight_decay * param`` (unless decoupled).
+_COUPLED_DECAY = frozenset(
+    {"SGD", "Adam", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD"}
+)
+#: Optimizers that take ``decoupled_weight_decay`` (AdamW always decouples).
+_DECOUPLABLE = frozenset({"Adam", "NAdam", "RAdam"})
+
+
+def _temporaries(name: str, implementation: Implementation, hyper: Mapping[str, Any]) -> StepTemporaries:
+    """Read the hyper-parameters that change the step's temporaries (torch 2.13's defaults otherwise)."""
+    decay = hyper.get("weight_decay", 0)
+    decay_nonzero = not (isinstance(decay, (int, float)) and decay == 0)  # a tensor counts as non-zero
+    coupled = name in _COUPLED_DECAY and not (name in _DECOUPLABLE and hyper.get("decoupled_weight_decay"))
+    momentum = hyper.get("momentum", 0)
+    return step_temporaries(
+        name,
+        implementation,
+        maximize=bool(hyper.get("maximize", False)),
+        decay=coupled and decay_nonzero,
+        momentum=not (isinstance(momentum, (int, float)) and momentum == 0),
+        nesterov=bool(hyper.get("nesterov", name == "Muon")),
+        ns_steps=int(hyper.get("ns_steps", 5)),
+    )
+
+
+def _guess_implementation(name: str, hyper: Mapping[str, Any], device: str) -> Implementation:
+    """torch's rules applied to an optimizer outside torch, whose settings may mean something else."""
+    flags = {k: hyper[k] for k in ("foreach", "fused") if isinstance(hyper.get(k), bool)}
+    if flags.get("foreach") and flags.get("fused"):
+        flags = {}
+    return resolve_implementation(name, flags, device=device)
+
+
 def describe_optimizer(
-    name: str, /, settings: Mapping[str, Any] | None = None, *, strict: bool = True, **hyper: Any
+    name: str,
+    /,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    strict: bool = True,
+    device: str = "cuda",
+    **hyper: Any,
 ) -> OptimizerSpec:
-    """The spec of the ``torch.optim`` optimizer called ``name`` with ``hyper`` settings.
+    """The spec of the ``torch.optim`` optimizer called ``name`` with ``hyper`` settings on ``device``.
 
     Hyper-parameters that change the state (``momentum``, ``amsgrad``,
-    ``centered``) are read; others are ignored.
+    ``centered``) or the step's temporaries (``foreach``, ``fused``,
+    ``maximize``, ``weight_decay``, ``decoupled_weight_decay``, ``nesterov``,
+    ``ns_steps``, ``differentiable``) are read; others are ignored.
 
     Args:
         name: class name, case-insensitive (``"adamw"`` works).
@@ -120,17 +222,30 @@ def describe_optimizer(
         settings: the optimizer's keyword arguments as a mapping (a param
             group's settings, which may hold any key, ``name`` and ``strict``
             included).
+        device: the parameters' device type, ``"cpu"`` or ``"cuda"`` (other torch
+            device types work too), which decides torch's default
+            implementation. The default, ``"cuda"``, describes the usual
+            training setup; the facade passes its parameters' device.
         **hyper: more keyword arguments.
 
     Raises:
-        ConfigError: unknown ``name`` with ``strict``.
+        ConfigError: unknown ``name`` with ``strict``, or ``foreach``/``fused``
+            settings torch refuses (see :func:`~zeroplan.core.implementations.resolve_implementation`).
 
     Example:
         >>> describe_optimizer("sgd", momentum=0.9).per_element
         1
         >>> describe_optimizer("Adafactor").elementwise
         False
+        >>> [str(describe_optimizer("Adam", device=d).implementation) for d in ("cpu", "cuda")]
+        ['for_loop', 'foreach']
+        >>> describe_optimizer("Adam", fused=True).step_temporary_bytes([1000], 4)
+        0
+        >>> lion = describe_optimizer("Lion", strict=False, device="cpu")   # unknown: conservative
+        >>> lion.step_temporary_bytes([1000], 4) > describe_optimizer("RAdam").step_temporary_bytes([1000], 4)
+        True
     """
+    merged = {**(settings or {}), **hyper}
     canonical = _ALIASES.get(str(name).lower())
     if canonical is None:
         if strict:
@@ -138,12 +253,21 @@ def describe_optimizer(
                 f"unknown optimizer {name!r}; known: {', '.join(_TABLE)} "
                 "(other optimizers are planned as non-elementwise with unknown state)"
             )
-        return OptimizerSpec(name=str(name), elementwise=False, per_element=0, known=False)
-    elementwise, per_element, scalars, factored = _TABLE[canonical](**{**(settings or {}), **hyper})
+        return OptimizerSpec(
+            name=str(name),
+            elementwise=False,
+            per_element=0,
+            known=False,
+            implementation=_guess_implementation(str(name), merged, device),
+        )
+    elementwise, per_element, scalars, factored = _TABLE[canonical](**merged)
+    implementation = resolve_implementation(canonical, merged, device=device)
     return OptimizerSpec(
         name=canonical,
         elementwise=elementwise,
         per_element=per_element,
         scalars=scalars,
         factored=factored,
+        implementation=implementation,
+        temporaries=_temporaries(canonical, implementation, merged),
     )

@@ -128,7 +128,10 @@ class PlanSettings:
 
     def plan(self, registry: ParamRegistry, groups: Sequence[dict[str, Any]]) -> ZeroPlan:
         """The plan of ``registry`` with the hyper-parameters of ``groups`` (pure: changes nothing)."""
-        optimizers = tuple(describe_optimizer(self.optimizer_name, g, strict=False) for g in groups)
+        device = registry.device.type  # the inner optimizer steps buffers on the parameters' device
+        optimizers = tuple(
+            describe_optimizer(self.optimizer_name, g, strict=False, device=device) for g in groups
+        )
         return plan(
             registry.specs(),
             self.topology,
