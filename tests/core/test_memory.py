@@ -18,6 +18,7 @@ from zeroplan.core import (
     communication,
     memory_report,
     plan,
+    preset_specs,
     send_elements,
     specs_from_shapes,
 )
@@ -106,7 +107,7 @@ def test_summed_over_ranks_sharded_bytes_are_the_model_plus_padding(strategy):
     assert 0 <= padding < n * alignment
     assert sum(r.master_bytes for r in report.ranks) == 4 * (psi + padding)
     assert sum(r.params_bytes for r in report.ranks) == 2 * (psi + padding)
-    assert sum(r.grads_bytes for r in report.ranks) == 2 * (psi + padding)
+    assert sum(r.grads_bytes for r in report.ranks) == 4 * (psi + padding)  # bf16 reduced into fp32
     inner = sum(len(zp.inner_tensors(s)) for s in range(n))
     assert sum(r.optimizer_state_bytes for r in report.ranks) == 8 * psi + SCALAR * inner
 
@@ -124,7 +125,7 @@ def test_ranks_that_own_nothing_have_no_master_or_state():
         (0, 0, 0),
         (0, 0, 0),
         (0, 0, 0),
-        (16, 2 * 3 * 4 + SCALAR, 8),
+        (16, 2 * 3 * 4 + SCALAR, 16),  # its bf16 gradients are reduced into an fp32 shard of 4
     ]
     assert all(r.params_bytes == 6 for r in report.ranks)
 
@@ -156,9 +157,10 @@ def test_buffers_are_the_larger_of_staging_and_fp32_scratch():
     # Stage 1, 1 KiB buckets: 2 in flight = 2 KiB < fp32 copy of the 1024 reduced elements = 4 KiB.
     assert buffers(1, 1024) == 4096
     assert buffers(1, 1024, inflight=8) == 8192
-    # Stage 2 reduces into fp32 (no copy): staging only, each bucket with room for the rank's
-    # bf16 piece (256 B of a 1 KiB bucket reduce-scattered over 4 ranks).
-    assert buffers(2, 1024) == 2 * (1024 + 256)
+    # Stage 2 reduces into fp32 (no copy): staging only. A 1 KiB bucket lies in one rank's shard
+    # and is reduced to it in place; the 8 KiB one below is reduce-scattered, and each rank's
+    # staging has room for its 2 KiB bf16 piece.
+    assert buffers(2, 1024) == 2048
     # One 8 KiB bucket: staging wins; stage 3 doubles it (parameter gathers).
     assert buffers(1, 2**20) == 8192
     assert buffers(2, 2**20) == 8192 + 2048
@@ -408,3 +410,15 @@ def test_unknown_collective_policy_is_a_config_error():
 
     with pytest.raises(ConfigError, match="unknown collective policy 'fast'"):
         plan(specs_from_shapes([(4,)]), Topology(world_size=2), policy="fast")
+
+
+def test_stage_1_at_shard_size_8_is_the_zero_papers_4_psi_plus_12_psi_over_n():
+    # The ZeRO paper's P_os with mixed precision: 2Ψ bf16 parameters, 2Ψ bf16 gradients, 12Ψ/N of fp32
+    # master and Adam moments. Stage 1 reduces in place into its gradient buffer, so nothing else is
+    # kept between steps but padding and Adam's `step` scalars.
+    specs = preset_specs("llama-7b", dtype="bf16")
+    psi, n = sum(s.numel for s in specs), 8
+    report = memory_report(plan(specs, Topology(world_size=n), stage=1, optimizer="AdamW"))
+    paper = 4 * psi + 12 * psi / n
+    for r in report.ranks:
+        assert abs(_counted(r) / paper - 1) < 0.02, (r.rank, _counted(r) / paper)
