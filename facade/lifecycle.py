@@ -215,6 +215,7 @@ class StepLifecycle:
         Raises:
             StepOrderError: already clipped in this step, or no backward ran.
         """
+        norm_type = _norm_type(norm_type)
         if self.phase is Phase.CLIPPED:
             raise StepOrderError(
                 "clip_grad_norm_ was already called in this step; clip once between backward and step()"
@@ -238,6 +239,7 @@ class StepLifecycle:
         Raises:
             StepOrderError: no backward ran in this step.
         """
+        norm_type = _norm_type(norm_type)
         self.reduce(inst, ctx, "grad_norm()")
         return _total_norm(self.master_grads, inst, norm_type, CommLog())
 
@@ -307,6 +309,14 @@ class StepLifecycle:
             for index, view in param_views(full, buf.space, ctx.params).items():
                 result[index] = view.clone()
         return result
+
+
+def _norm_type(value: float) -> float:
+    """``value`` as a float norm type, refused unless it is > 0 or inf."""
+    norm_type = float(value)
+    if not (norm_type == math.inf or norm_type > 0):
+        raise ConfigError(f"norm_type must be > 0 or inf, got {norm_type}")
+    return norm_type
 
 
 def _total_norm(

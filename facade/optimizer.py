@@ -10,7 +10,6 @@ do the work.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -21,7 +20,6 @@ from zeroplan.core import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
     CommCost,
-    ConfigError,
     MemoryReport,
     ScalerConfig,
     ScalerState,
@@ -38,6 +36,7 @@ from zeroplan.facade.groups import ProcessGroups, data_parallel_group, make_grou
 from zeroplan.facade.inner import hyperparameters
 from zeroplan.facade.installed import Installed, broadcast_from_rank_zero, broadcast_values, install
 from zeroplan.facade.lifecycle import StepContext, StepLifecycle
+from zeroplan.facade.memory_check import check_device_memory
 from zeroplan.facade.parked import ParkedParam
 from zeroplan.facade.registry import Configured, configure
 from zeroplan.facade.state_dicts import Shards, sharded_state_dict
@@ -72,6 +71,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         collectives: ``"min_bytes"`` (reduce-scatter / all-gather), ``"gloo"``
             (all-reduce / broadcasts, faster on gloo) or ``"auto"`` (by backend);
             see [Note: collective policy] in ``zeroplan.core.comm``.
+        strict_memory: raise, not warn, when the planned peak does not fit the GPU.
         **optimizer_defaults: hyper-parameters of the inner optimizer (``lr``, ...).
 
     Raises:
@@ -102,6 +102,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         alignment: int = DEFAULT_ALIGNMENT,
         max_inflight_buckets: int = 2,
         collectives: str = "auto",
+        strict_memory: bool = False,
         **optimizer_defaults: Any,
     ) -> None:
         self._initialized = False
@@ -124,7 +125,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 collectives=collectives,
             )
             configured[:] = [c]
-            return c.settings.plan(c.registry, c.groups), c.groups
+            zp = c.settings.plan(c.registry, c.groups)
+            check_device_memory(zp, c, world, overlap=overlap_grad_reduce, strict=strict_memory)
+            return zp, c.groups
 
         zp = replanning.agreed_plan(make, world, loss_scale=repr(loss_scale), scaler=repr(scaler))
         # Nothing below can fail for a user reason: state changes start here.
@@ -251,9 +254,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         rank, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
         Once per step, between backward and :meth:`step`.
         """
-        norm_type = float(norm_type)
-        if not (norm_type == math.inf or norm_type > 0):
-            raise ConfigError(f"norm_type must be > 0 or inf, got {norm_type}")
         return self._lifecycle.clip(self._installed, self._context(), max_norm, norm_type)
 
     @torch.no_grad()
@@ -268,9 +268,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         needed; after :meth:`clip_grad_norm_` it is the norm of the clipped
         gradients. For the gradients themselves, see :meth:`averaged_gradients`.
         """
-        norm_type = float(norm_type)
-        if not (norm_type == math.inf or norm_type > 0):
-            raise ConfigError(f"norm_type must be > 0 or inf, got {norm_type}")
         return self._lifecycle.grad_norm(self._installed, self._context(), norm_type)
 
     @torch.no_grad()

@@ -1,0 +1,33 @@
+"""``ZeroOptimizer`` compares the plan's peak with the device's free memory at construction
+([Note: device memory check]). CPU is not checked, so these tests replace the free-memory probe."""
+
+from __future__ import annotations
+
+import scenarios_memory_check
+
+
+def test_a_peak_that_fits_says_nothing(pools):
+    for r in pools(2).run(scenarios_memory_check.construct, {"free": 2**40, "short_rank": 0, "strict": True}):
+        assert r == {"error": None, "warnings": [], "unchanged": True}
+
+
+def test_strict_raises_on_every_rank_when_one_rank_is_short(pools):
+    # 64 KiB free: nothing fits (the parameters alone are 120 KiB).
+    results = pools(2).run(scenarios_memory_check.construct, {"free": 2**16, "short_rank": 1, "strict": True})
+    for r in results:
+        assert r["error"] is not None and r["unchanged"], r
+        assert "rank 1: the plan's peak is" in r["error"], r["error"]
+        assert "strict_memory=True" in r["error"]
+        assert "the largest part is the" in r["error"]
+        assert "no stage, shard group size or fused optimizer fits" in r["error"]
+
+
+def test_without_strict_the_short_rank_warns_and_training_goes_on(pools):
+    # 128 KiB free: stage 1 with the default (for-loop) AdamW does not fit, something else does.
+    cfg = {"free": 2**17, "short_rank": 0, "strict": False}
+    results = pools(2).run(scenarios_memory_check.construct, cfg)
+    assert results[0]["error"] is None and len(results[0]["warnings"]) == 1
+    assert results[1] == {"error": None, "warnings": [], "unchanged": True}
+    message = results[0]["warnings"][0]
+    assert message.startswith("rank 0: the plan's peak is"), message
+    assert "would fit, with a planned peak of" in message, message
