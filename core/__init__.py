@@ -15,6 +15,13 @@ group and no torch are needed::
     True
 """
 
+from zeroplan.core.activations import (
+    ActivationMemory,
+    Recompute,
+    TransformerDims,
+    activation_memory,
+    dims_from_config,
+)
 from zeroplan.core.buckets import Bucket, BucketLayout, GradCopy, Piece, plan_buckets
 from zeroplan.core.comm import Collective, CollectivePolicy, send_elements
 from zeroplan.core.dtypes import canonical_dtype, itemsize, master_dtype
@@ -53,7 +60,7 @@ from zeroplan.core.planner import (
     plan,
     windows_in,
 )
-from zeroplan.core.presets import preset_names, preset_specs
+from zeroplan.core.presets import preset_dims, preset_names, preset_specs
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
 from zeroplan.core.span import Span
@@ -78,6 +85,12 @@ from zeroplan.core.temporaries import StepTemporaries
 from zeroplan.core.topology import Topology
 
 __all__ = [
+    "ActivationMemory",
+    "Recompute",
+    "TransformerDims",
+    "activation_memory",
+    "dims_from_config",
+    "preset_dims",
     "BackwardPeak",
     "PeakPhase",
     "StagingLayout",
