@@ -34,6 +34,15 @@ from zeroplan.core.errors import (
     StepOrderError,
     ZeroplanError,
 )
+from zeroplan.core.fit import (
+    FitReport,
+    Option,
+    RankFit,
+    Recommendation,
+    fit_report,
+    recommend,
+    shard_sizes,
+)
 from zeroplan.core.implementations import Implementation, resolve_implementation
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
@@ -86,11 +95,18 @@ from zeroplan.core.topology import Topology
 
 __all__ = [
     "ActivationMemory",
+    "FitReport",
+    "Option",
+    "RankFit",
+    "Recommendation",
     "Recompute",
     "TransformerDims",
     "activation_memory",
     "dims_from_config",
+    "fit_report",
     "preset_dims",
+    "recommend",
+    "shard_sizes",
     "BackwardPeak",
     "PeakPhase",
     "StagingLayout",
