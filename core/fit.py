@@ -351,11 +351,20 @@ def _explain(best: Option | None, options: Sequence[Option], device: int, activa
         other = _cheapest(mine)
         if other is None:
             smallest = min(mine, key=lambda o: o.fit.need_bytes)
-            text += f"; {stage_label(stage)} does not fit (needs {gib(smallest.fit.need_bytes)} at the least)"
+            text += (
+                f"; {stage_label(stage)} does not fit (needs {gib(smallest.fit.need_bytes)} at the least, "
+                f"with shard groups of {smallest.fit.shard_size})"
+            )
         elif _cost(other, least)[0]:
-            text += f"; {stage_label(stage)} fits but sends {gib(other.fit.comm_bytes_per_step)} per step"
+            text += (
+                f"; {stage_label(stage)} fits but sends {gib(other.fit.comm_bytes_per_step)} per step "
+                f"(shard groups of {other.fit.shard_size})"
+            )
         else:
-            text += f"; {stage_label(stage)} fits too but needs {gib(other.fit.need_bytes)}"
+            text += (
+                f"; {stage_label(stage)} fits too but needs {gib(other.fit.need_bytes)} "
+                f"(shard groups of {other.fit.shard_size})"
+            )
     return text
 
 
@@ -436,14 +445,14 @@ def recommend(
     Example:
         >>> from zeroplan.core import specs_from_shapes
         >>> specs = specs_from_shapes([(4096, 4096)] * 8, dtype="bf16")
-        >>> r = recommend(specs, 4, device_bytes=2**30)
+        >>> r = recommend(specs, 4, device_bytes=1000 * 2**20)
         >>> r.best.label
         'stage 2 with shard groups of 4, AdamW(fused=True)'
         >>> print(r.reason.replace("; ", ";\\n"))
-        stage 2 with shard groups of 4, AdamW(fused=True): fits with 152.0 MiB to spare (needs ...
+        stage 2 with shard groups of 4, AdamW(fused=True): fits with 128.0 MiB to spare (needs 872.0 MiB ...
         fused=True saves 24.0 MiB over foreach;
-        stage 1 does not fit (needs 1.00 GiB at the least);
-        stage 3 (planned, not executed yet) fits but sends 576.0 MiB per step
+        stage 1 does not fit (needs 1.00 GiB at the least, with shard groups of 4);
+        stage 3 (planned, not executed yet) fits but sends 576.0 MiB per step (shard groups of 4)
         >>> recommend(specs, 4, device_bytes=2**29, activation_bytes=2**26).reason
         'nothing fits in 512.0 MiB: the least any configuration needs is 816.0 MiB (stage 3 ...'
     """
