@@ -15,6 +15,13 @@ group and no torch are needed::
     True
 """
 
+from zeroplan.core.activations import (
+    ActivationMemory,
+    Recompute,
+    TransformerDims,
+    activation_memory,
+    dims_from_config,
+)
 from zeroplan.core.buckets import Bucket, BucketLayout, GradCopy, Piece, plan_buckets
 from zeroplan.core.comm import Collective, CollectivePolicy, send_elements
 from zeroplan.core.dtypes import canonical_dtype, itemsize, master_dtype
@@ -26,6 +33,15 @@ from zeroplan.core.errors import (
     PlanInvariantError,
     StepOrderError,
     ZeroplanError,
+)
+from zeroplan.core.fit import (
+    FitReport,
+    Option,
+    RankFit,
+    Recommendation,
+    fit_report,
+    recommend,
+    shard_sizes,
 )
 from zeroplan.core.implementations import Implementation, resolve_implementation
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
@@ -53,7 +69,7 @@ from zeroplan.core.planner import (
     plan,
     windows_in,
 )
-from zeroplan.core.presets import preset_names, preset_specs
+from zeroplan.core.presets import preset_dims, preset_names, preset_specs
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
 from zeroplan.core.span import Span
@@ -78,6 +94,19 @@ from zeroplan.core.temporaries import StepTemporaries
 from zeroplan.core.topology import Topology
 
 __all__ = [
+    "ActivationMemory",
+    "FitReport",
+    "Option",
+    "RankFit",
+    "Recommendation",
+    "Recompute",
+    "TransformerDims",
+    "activation_memory",
+    "dims_from_config",
+    "fit_report",
+    "preset_dims",
+    "recommend",
+    "shard_sizes",
     "BackwardPeak",
     "PeakPhase",
     "StagingLayout",

@@ -5,6 +5,8 @@ The subcommands are :mod:`zeroplan.facade.cli.plan` and :mod:`zeroplan.facade.cl
 imports torch, so ``zeroplan plan`` starts quickly.
 
 Bad arguments print one line, ``zeroplan: error: …``, and exit with code 2.
+``zeroplan plan --recommend`` exits with code 1 when no configuration fits
+(see [Note: fit options] in :mod:`zeroplan.facade.cli.fit`).
 """
 
 from __future__ import annotations

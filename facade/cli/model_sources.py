@@ -9,9 +9,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zeroplan.core import ConfigError, ParamSpec, canonical_dtype, preset_specs, specs_from_module
+from zeroplan.core import (
+    ConfigError,
+    ParamSpec,
+    TransformerDims,
+    canonical_dtype,
+    dims_from_config,
+    preset_specs,
+    specs_from_module,
+)
 
-__all__ = ["specs_from_hf_config", "specs_from_json", "specs_from_preset"]
+__all__ = ["dims_from_hf_config", "specs_from_hf_config", "specs_from_json", "specs_from_preset"]
 
 
 def specs_from_preset(name: str, dtype: str) -> tuple[ParamSpec, ...]:
@@ -65,14 +73,8 @@ def _entry_spec(i: int, entry: Any, dtype: str, path: Path) -> ParamSpec:
     )
 
 
-def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
-    """Specs of a Hugging Face model built from ``config.json`` on the meta device.
-
-    No weights are downloaded or allocated. Needs ``transformers``.
-
-    Raises:
-        ConfigError: ``transformers`` is missing or the config cannot be read.
-    """
+def _read_hf_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """The file and the values of a HF ``config.json`` (``path`` may be its folder)."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     try:
@@ -85,6 +87,35 @@ def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
         raise ConfigError(
             f"{str(file)!r} must be a JSON object with a string 'model_type' (a HF config.json)"
         )
+    return file, values
+
+
+def dims_from_hf_config(path: str | Path) -> TransformerDims:
+    """Layers, hidden size, heads and vocabulary written in a HF ``config.json``.
+
+    Read from the file's keys (``num_hidden_layers`` or ``n_layer``, ...: see
+    :func:`zeroplan.core.dims_from_config`); ``transformers`` is not needed, and
+    its defaults for keys the file leaves out are not used.
+
+    Raises:
+        ConfigError: the file cannot be read, or lacks one of the dimensions.
+    """
+    file, values = _read_hf_config(path)
+    try:
+        return dims_from_config(values)
+    except ConfigError as exc:
+        raise ConfigError(f"{str(file)!r}: {exc}; add it, or pass --activation-bytes") from None
+
+
+def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
+    """Specs of a Hugging Face model built from ``config.json`` on the meta device.
+
+    No weights are downloaded or allocated. Needs ``transformers``.
+
+    Raises:
+        ConfigError: ``transformers`` is missing or the config cannot be read.
+    """
+    file, values = _read_hf_config(path)
     model_type = values.pop("model_type")
     wanted = canonical_dtype(dtype)
     # Validate the file and the dtype first: importing torch and transformers takes seconds.

@@ -11,9 +11,11 @@ from typing import Any
 
 from zeroplan.core import (
     ConfigError,
+    FitReport,
     MemoryReport,
     ParamSpec,
     RankReport,
+    Recommendation,
     Topology,
     describe_optimizer,
     known_optimizers,
@@ -22,6 +24,7 @@ from zeroplan.core import (
     preset_names,
     strategy_names,
 )
+from zeroplan.facade.cli import fit as fitting
 from zeroplan.facade.cli.model_sources import specs_from_hf_config, specs_from_json, specs_from_preset
 
 __all__ = ["register", "run"]
@@ -50,6 +53,7 @@ def register(sub: Any) -> None:
     p.add_argument("--loss-scaling", action="store_true", help="plan the fp16 overflow check")
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON document")
     p.add_argument("--rows", type=int, default=16, help="most rank rows in the table (default 16)")
+    fitting.add_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -68,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bucket-mb must be a finite number > 0, got {args.bucket_mb}")
     if args.rows < 1:
         raise ConfigError(f"--rows must be >= 1, got {args.rows}")
+    settings = fitting.fit_settings(args)  # checked before planning: see [Note: fit options]
     specs, source = _specs(args)
     topology = Topology(
         world_size=args.world,
@@ -87,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     )
     report = memory_report(zp)
     elapsed = time.perf_counter() - started
+    fit = fitting.assess(report, settings)
+    advice = fitting.recommendation(args, specs, settings)
+    status = 1 if advice is not None and advice.best is None else 0
     if args.json:
         document = report.as_dict()
         document.update(
@@ -97,22 +105,29 @@ def run(args: argparse.Namespace) -> int:
             splits_params=zp.partition.splits_params,
             planning_seconds=round(elapsed, 4),
         )
+        fitting.update_document(document, settings, fit, advice)
         json.dump(document, sys.stdout, indent=1)
         sys.stdout.write("\n")
-        return 0
-    _print_table(report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), elapsed, args.rows)
-    return 0
+        return status
+    _print_table(
+        report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), elapsed, args.rows, fit
+    )
+    if settings.active or advice is not None:
+        _print_fit(settings, fit, advice)
+    return status
 
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:,.3f}"
 
 
-def _groups(ranks: tuple[RankReport, ...]) -> list[tuple[int, int, RankReport]]:
-    """Consecutive ranks with identical figures, as (first, last, report)."""
+def _groups(ranks: tuple[RankReport, ...], fit: FitReport | None = None) -> list[tuple[int, int, RankReport]]:
+    """Consecutive ranks with identical figures (their fit's too), as (first, last, report)."""
 
-    def key(r: RankReport) -> tuple[int, ...]:
+    def key(r: RankReport) -> tuple[object, ...]:
+        need = () if fit is None else (fit.ranks[r.rank].need_bytes, fit.ranks[r.rank].phase)
         return (
+            *need,
             r.params_bytes,
             r.grads_bytes,
             r.master_bytes,
@@ -139,6 +154,7 @@ def _print_table(
     buckets: int,
     elapsed: float,
     rows: int,
+    fit: FitReport | None = None,
 ) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -153,14 +169,20 @@ def _print_table(
     )
     table = Table(title="memory per rank (GiB) and traffic per step (GiB sent)")
     columns = ("ranks", "params", "grads", "master", "optim state", "buffers", "total")
-    columns += ("peak", "at", "sent/step")
+    columns += ("peak", "at")
+    columns += ("need", "need at", "fits") if fit is not None else ()
+    columns += ("sent/step",)
     for column in columns:
         table.add_column(column, justify="right")
-    groups = _groups(report.ranks)
+    groups = _groups(report.ranks, fit)
     shown = groups if len(groups) <= rows else [*groups[: rows - 1], groups[-1]]
     for i, (first, last, r) in enumerate(shown):
         if len(groups) > rows and i == rows - 1:
             table.add_row("…", *[""] * (len(columns) - 1))
+        need: tuple[str, ...] = ()
+        if fit is not None:
+            f = fit.ranks[first]  # a group shares its need
+            need = (_gib(f.need_bytes), f.phase.value, "yes" if f.fits else "no")
         table.add_row(
             str(first) if first == last else f"{first}-{last}",
             _gib(r.params_bytes),
@@ -171,6 +193,7 @@ def _print_table(
             _gib(r.total_bytes),
             _gib(r.peak_bytes),
             r.peak_phase.value,
+            *need,
             _gib(r.comm_bytes_per_step),
         )
     console.print(table)
@@ -180,3 +203,19 @@ def _print_table(
     for c in report.ranks[0].comm:
         comm.add_row(c.group, c.collective.value, f"{c.calls:,}", _gib(c.bytes))
     console.print(comm)
+
+
+def _print_fit(settings: fitting.FitSettings, fit: FitReport | None, advice: Recommendation | None) -> None:
+    """The activations, whether the plan fits, and the recommendation (see [Note: fit options])."""
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    console.print(fitting.activations_line(settings))
+    if fit is not None:
+        console.print(f"fit in {fitting.gib(fit.device_bytes)}: {fit.summary()}")
+    if advice is None:
+        return
+    console.print(fitting.grid(advice))
+    console.print(f"[bold]recommendation[/]: {advice.reason}")
+    if advice.best is None:
+        console.print(fitting.hint(settings))

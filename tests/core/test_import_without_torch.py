@@ -40,6 +40,9 @@ _NO_TORCH = textwrap.dedent(
     report = memory_report(zp, clipping=True)
     assert len(report.ranks) == 64 and report.ranks[0].total_bytes > 0
     plan_reshard(flat_even(specs, 8, 128), lpt_whole(specs, 4, 128))
+    from zeroplan.core import activation_memory, preset_dims, recommend
+    act = activation_memory(preset_dims("llama-7b"), micro_batch=1, seq_len=4096, recompute="selective")
+    assert recommend(specs, 64, device_bytes=80 * 2**30, activation_bytes=act.total_bytes).best is not None
     update(initial_state(ScalerConfig()), True)
     leaked = sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))
     assert not leaked, leaked

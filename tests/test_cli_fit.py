@@ -1,0 +1,271 @@
+"""``zeroplan plan --device-memory … --recommend``: does it fit, end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from zeroplan.core import (
+    ConfigError,
+    Topology,
+    activation_memory,
+    describe_optimizer,
+    fit_report,
+    memory_report,
+    plan,
+    preset_dims,
+    preset_specs,
+    recommend,
+)
+from zeroplan.facade.cli.fit import parse_size
+from zeroplan.facade.cli.model_sources import dims_from_hf_config
+
+GiB = 2**30
+_ENV = {**os.environ, "COLUMNS": "160", "PYTHONWARNINGS": "ignore"}
+
+
+def zeroplan(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``zeroplan plan ARGS`` in a fresh interpreter."""
+    command = [sys.executable, "-m", "zeroplan.facade.cli", "plan", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=_ENV, timeout=300)
+
+
+def flat(text: str) -> str:
+    """``text`` with every run of whitespace (rich's line wrapping included) made one space."""
+    return " ".join(text.split())
+
+
+def llama_activations(recompute: str = "none") -> int:
+    dims = preset_dims("llama-7b")
+    return activation_memory(dims, micro_batch=1, seq_len=4096, recompute=recompute).total_bytes
+
+
+LLAMA = ("--preset", "llama-7b", "--world", "64", "--device-memory", "80GiB", "--micro-batch", "1")
+LLAMA += ("--seq-len", "4096", "--recommend")
+
+
+@pytest.fixture(scope="module")
+def llama_runs():
+    """The llama-7b runs (a few seconds each), started together."""
+    runs = {
+        "none": LLAMA,
+        "selective": (*LLAMA, "--recompute", "selective"),
+        "json": (*LLAMA, "--recompute", "selective", "--json"),
+    }
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {key: pool.submit(zeroplan, *args) for key, args in runs.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+# ----------------------------------------------------------------- the recommender on a preset
+def test_llama_7b_at_4096_tokens_without_recomputation_fits_nowhere(llama_runs):
+    out = llama_runs["none"]
+    assert out.returncode == 1, out.stderr  # nothing fits: status 1, not a usage error
+    assert out.stderr == ""
+    expected = recommend(
+        preset_specs("llama-7b", "bf16"), 64, device_bytes=80 * GiB, activation_bytes=llama_activations()
+    )
+    assert expected.best is None
+    text = flat(out.stdout)
+    assert f"recommendation: {flat(expected.reason)}" in text
+    assert "nothing fits in 80.00 GiB: the least any configuration needs is" in text
+    assert "to fit: --recompute selective or full, a smaller --micro-batch or --seq-len" in text
+    assert "activations: 97.57 GiB per rank (micro-batch 1 x 4,096 tokens, recompute none;" in text
+
+
+def test_llama_7b_with_selective_recomputation_gets_stage_2(llama_runs):
+    out = llama_runs["selective"]
+    assert out.returncode == 0, out.stderr
+    expected = recommend(
+        preset_specs("llama-7b", "bf16"),
+        64,
+        device_bytes=80 * GiB,
+        activation_bytes=llama_activations("selective"),
+    )
+    assert (expected.best.fit.stage, expected.best.fit.shard_size) == (2, 64)
+    text = flat(out.stdout)
+    assert f"recommendation: {flat(expected.reason)}" in text
+    assert "recommendation: stage 2 with shard groups of 64: fits with 48.00 GiB to spare" in text
+    assert "stage 3 (planned, not executed yet) fits but sends" in text
+    # The table of the planned configuration gains the need and whether it fits; the grid covers
+    # every stage and shard size.
+    assert "need at" in out.stdout and "fits" in out.stdout
+    assert "fit in 80.00 GiB: stage 2, shard groups of 64: every rank fits" in text
+    assert "by stage and shard size, device 80.00 GiB" in text
+    assert "stage 3 (planned)" in out.stdout
+    after = out.stdout.split("stage 3 (planned) ┃")[1].splitlines()
+    grid = [line for line in after if line.startswith("│") and line.count("│") == 5]
+    assert [line.split("│")[1].strip() for line in grid] == ["1", "2", "4", "8", "16", "32", "64"]
+
+
+def test_json_fields(llama_runs):
+    out = llama_runs["json"]
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout)
+    activations = llama_activations("selective")
+    assert document["activations"]["source"] == "korthikanti2022"
+    assert document["activations"]["total_bytes"] == activations
+    assert document["activations"]["recompute"] == "selective"
+    assert document["device_bytes"] == 80 * GiB
+    zp = plan(
+        preset_specs("llama-7b", "bf16"), Topology(world_size=64), optimizer=describe_optimizer("AdamW")
+    )
+    fit = fit_report(memory_report(zp), activation_bytes=activations, device_bytes=80 * GiB)
+    assert document["fit"] == fit.as_dict()
+    for record, rank in zip(document["ranks"], fit.ranks, strict=True):
+        assert {k: record[k] for k in ("need_bytes", "need_phase", "spare_bytes", "fits")} == rank.as_dict()
+    advice = document["recommendation"]
+    expected = recommend(
+        preset_specs("llama-7b", "bf16"), 64, device_bytes=80 * GiB, activation_bytes=activations
+    )
+    assert advice == json.loads(json.dumps(expected.as_dict()))
+    assert len(advice["options"]) == 3 * 7 * 2  # stages x divisors of 64 x (foreach, fused)
+    assert advice["best"]["stage"] == 2 and advice["best"]["planned_only"] is False
+    assert all(o["planned_only"] == (o["stage"] == 3) for o in advice["options"])
+
+
+# ----------------------------------------------------------------- other sources and options
+def test_activation_bytes_with_a_shapes_file(tmp_path):
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps([[1024, 1024], [17, 257]]))
+    out = zeroplan(
+        "--shapes", str(path), "--world", "2", "--device-memory", "16MiB", "--activation-bytes", "4M"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "activations: 4.0 MiB per rank (--activation-bytes)" in out.stdout
+    assert "of 16.0 MiB at the backward" in flat(out.stdout)
+    document = json.loads(
+        zeroplan(
+            "--shapes",
+            str(path),
+            "--world",
+            "2",
+            "--device-memory",
+            "1MiB",
+            "--activation-bytes",
+            "0",
+            "--json",
+        ).stdout
+    )
+    assert document["activations"] == {"source": "--activation-bytes", "total_bytes": 0}
+    assert document["fit"]["fits"] is False and document["fit"]["activation_bytes"] == 0
+
+
+def test_seq_len_alone_reports_the_activations_and_keeps_the_table():
+    out = zeroplan("--preset", "gpt2", "--seq-len", "1024", "--micro-batch", "8", "--recompute", "selective")
+    assert out.returncode == 0, out.stderr
+    assert "activations: 3.95 GiB per rank (micro-batch 8 x 1,024 tokens, recompute selective;" in out.stdout
+    assert "need at" not in out.stdout and "recommendation" not in out.stdout
+    plain = zeroplan("--preset", "gpt2")
+    assert plain.stdout.splitlines()[2:] == out.stdout.splitlines()[2 : len(plain.stdout.splitlines())]
+
+
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
+GPT2_CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1000}
+
+
+def test_dims_of_a_hf_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GPT2_CONFIG))
+    dims = dims_from_hf_config(tmp_path)
+    assert (dims.layers, dims.hidden, dims.heads, dims.vocab) == (2, 64, 2, 1000)
+
+
+@needs_transformers
+def test_hf_config_activations(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**GPT2_CONFIG, "bos_token_id": 0, "eos_token_id": 0}))
+    args = ("--hf-config", str(tmp_path), "--world", "2", "--device-memory", "1GiB", "--seq-len", "128")
+    out = zeroplan(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout)
+    expected = activation_memory(dims_from_hf_config(tmp_path), micro_batch=1, seq_len=128)
+    assert document["activations"]["total_bytes"] == expected.total_bytes
+    assert document["activations"]["layers"] == 2 and document["fit"]["fits"] is True
+
+
+# ----------------------------------------------------------------- sizes and bad input
+def test_sizes():
+    assert (
+        parse_size("80GiB") == parse_size("80G") == parse_size("80gib") == parse_size("81920MiB") == 80 * GiB
+    )
+    assert parse_size("80GB") == 80 * 10**9
+    assert parse_size("40G") == 40 * GiB
+    assert parse_size("123") == parse_size("123B") == 123
+    assert parse_size(" 1.5 KiB ") == 1536
+    for bad in ("", "GiB", "80XB", "-5GiB", "eighty", "1e9", "80 G B"):
+        with pytest.raises(ConfigError, match="invalid size"):
+            parse_size(bad)
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert out.stdout == "" and "Traceback" not in out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zeroplan: error: "), out.stderr
+    assert needle in lines[0], lines[0]
+
+
+BAD = [
+    (["--device-memory", "80XB"], "argument --device-memory: invalid size '80XB'"),
+    (["--device-memory=-5GiB"], "invalid size '-5GiB'"),
+    (["--device-memory", "0", "--activation-bytes", "0"], "--device-memory must be at least 1 byte, got 0"),
+    (["--seq-len", "128", "--micro-batch", "-1"], "--micro-batch must be >= 1, got -1"),
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--seq-len", "1.5"], "argument --seq-len: invalid int value: '1.5'"),
+    (["--recommend"], "--recommend needs --device-memory SIZE"),
+    (["--recommend", "--seq-len", "128"], "--recommend needs --device-memory SIZE"),
+    (["--device-memory", "80GiB"], "--device-memory needs the activations: pass --seq-len N"),
+    (["--micro-batch", "4"], "--micro-batch needs --seq-len N"),
+    (["--recompute", "selective"], "--recompute needs --seq-len N"),
+    (["--seq-len", "128", "--recompute", "some"], "argument --recompute: invalid choice: 'some'"),
+    (["--seq-len", "128", "--activation-bytes", "1G"], "--activation-bytes replaces --seq-len"),
+    (["--activation-bytes", "lots"], "argument --activation-bytes: invalid size 'lots'"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_runs():
+    with ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1) as pool:
+        futures = {" ".join(args): pool.submit(zeroplan, *args) for args, _ in BAD}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@pytest.mark.parametrize(("args", "needle"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_fit_arguments_are_one_line_errors(bad_runs, args, needle):
+    assert_one_line_error(bad_runs[" ".join(args)], needle)
+
+
+def test_seq_len_needs_model_dimensions(tmp_path):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text("[[4, 4]]")
+    assert_one_line_error(
+        zeroplan("--shapes", str(shapes), "--seq-len", "128"), "which a shapes file does not give"
+    )
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "vocab_size": 10}))
+    # Read before transformers is imported, so this runs (fast) without it.
+    assert_one_line_error(
+        zeroplan("--hf-config", str(config), "--seq-len", "128"),
+        "the config has no num_attention_heads / n_head / num_heads",
+    )
+
+
+def test_recommend_never_imports_torch():
+    code = (
+        "import contextlib, io, sys\n"
+        "from zeroplan.facade.cli import main\n"
+        "args = ['plan', '--preset', 'gpt2', '--device-memory', '8GiB', '--seq-len', '256', '--recommend']\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    codes = [main(args), main([*args, '--json'])]\n"
+        "print(codes, sorted(m for m in sys.modules if m.partition('.')[0] == 'torch'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 0] []"
