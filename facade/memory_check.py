@@ -15,23 +15,13 @@ is shared by the ranks of a host and is not checked.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import (
-    ConfigError,
-    Implementation,
-    RankReport,
-    Topology,
-    ZeroPlan,
-    describe_optimizer,
-    memory_report,
-)
+from zeroplan.core import ConfigError, RankReport, ZeroPlan, memory_report
+from zeroplan.core.fit import recommend
 from zeroplan.facade.registry import Configured
 
 __all__ = ["check_device_memory", "device_memory_problem", "free_bytes"]
@@ -64,34 +54,27 @@ def _largest_part(r: RankReport) -> tuple[str, int]:
     return name, parts[name]
 
 
-def _fused(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{**g, "fused": True, "foreach": None} for g in groups]
-
-
-def _alternatives(configured: Configured, rank: int, overlap: bool) -> list[tuple[str, int, int]]:
-    """(description, peak bytes of ``rank``, bytes it sends per step) of other configurations."""
-    settings, registry, groups = configured.settings, configured.registry, configured.groups
-    world = settings.topology.world_size
-    name, device = settings.optimizer_name, registry.device.type
-    try:
-        fused = [describe_optimizer(name, g, strict=False, device=device) for g in _fused(groups)]
-        current = [describe_optimizer(name, g, strict=False, device=device) for g in groups]
-        can_fuse = all(f.implementation is Implementation.FUSED for f in fused) and any(
-            c.implementation is not Implementation.FUSED for c in current
-        )
-    except ConfigError:  # no fused implementation of this optimizer on this device
-        can_fuse = False
-    options = []
-    for stage in (1, 2):
-        for shard in sorted({d for d in range(1, world + 1) if world % d == 0}):
-            for fused in (False, True) if can_fuse else (False,):
-                topology = Topology(world_size=world, shard_size=shard)
-                changed = dataclasses.replace(settings, stage=stage, topology=topology)
-                zp = changed.plan(registry, _fused(groups) if fused else groups)
-                r = memory_report(zp, overlap=overlap).ranks[rank]
-                label = f"stage={stage}, shard_group_size={shard}" + (", fused=True" if fused else "")
-                options.append((label, r.peak_bytes, r.comm_bytes_per_step))
-    return options
+def _advice(configured: Configured, available: int) -> str:
+    """The cheapest executed configuration that fits ``available`` bytes (``core.fit.recommend``)."""
+    settings, groups = configured.settings, configured.groups
+    recommendation = recommend(
+        configured.registry.specs(),
+        settings.topology.world_size,
+        device_bytes=available,
+        optimizer=settings.optimizer_name,
+        settings=groups[0] if groups else None,  # the implementation (fused, foreach) of the first group
+        stages=(1, 2),
+        strategy=settings.strategy,
+        alignment=settings.alignment,
+        bucket_bytes=settings.bucket_bytes,
+        loss_scaling=settings.loss_scaling,
+        max_inflight_buckets=settings.max_inflight_buckets,
+        policy=settings.policy,
+    )
+    best = recommendation.best
+    if best is None:
+        return "no stage 1 or 2 configuration fits; use more ranks or a smaller model"
+    return f"{best.label} would fit, with a planned peak of {_size(best.fit.need_bytes)}"
 
 
 def device_memory_problem(zp: ZeroPlan, configured: Configured, rank: int, *, overlap: bool) -> str | None:
@@ -107,12 +90,7 @@ def device_memory_problem(zp: ZeroPlan, configured: Configured, rank: int, *, ov
     if report.peak_bytes <= available:
         return None
     part, nbytes = _largest_part(report)
-    fitting = [o for o in _alternatives(configured, rank, overlap) if o[1] <= available]
-    if fitting:
-        label, best, _ = min(fitting, key=lambda o: (o[2], o[1]))  # least traffic, then least memory
-        advice = f"{label} would fit, with a planned peak of {_size(best)}"
-    else:
-        advice = "no stage, shard group size or fused optimizer fits; use more ranks or a smaller model"
+    advice = _advice(configured, available)
     peak, phase = _size(report.peak_bytes), report.peak_phase.value
     return (
         f"rank {rank}: the plan's peak is {peak} (in the {phase}, before activations), but "

@@ -19,7 +19,7 @@ def test_strict_raises_on_every_rank_when_one_rank_is_short(pools):
         assert "rank 1: the plan's peak is" in r["error"], r["error"]
         assert "strict_memory=True" in r["error"]
         assert "the largest part is the" in r["error"]
-        assert "no stage, shard group size or fused optimizer fits" in r["error"]
+        assert "no stage 1 or 2 configuration fits" in r["error"]
 
 
 def test_without_strict_the_short_rank_warns_and_training_goes_on(pools):
