@@ -32,6 +32,9 @@ a step it also holds, at the most:
   its implementation (:meth:`OptimizerSpec.step_temporary_bytes`). Parameter
   groups are stepped one after the other, so the largest group counts.
 
+Clipping, the overflow check and the parameter gather allocate nothing
+beyond scalars at stages 1 and 2 (norms are reduced to one number; updated
+shards are gathered into the parameter buffer in place), so they add no phase.
 Activations, the loss and the batch are the user's and are not planned. Stage
 0 describes ``DistributedDataParallel`` and stage 3 is not executed yet: their
 peaks are estimates (see :func:`step_peak`).
