@@ -34,15 +34,7 @@ from zeroplan.core.errors import (
     StepOrderError,
     ZeroplanError,
 )
-from zeroplan.core.fit import (
-    FitReport,
-    Option,
-    RankFit,
-    Recommendation,
-    fit_report,
-    recommend,
-    shard_sizes,
-)
+from zeroplan.core.fit import FitReport, RankFit, fit_report
 from zeroplan.core.implementations import Implementation, resolve_implementation
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
@@ -70,6 +62,7 @@ from zeroplan.core.planner import (
     windows_in,
 )
 from zeroplan.core.presets import preset_dims, preset_names, preset_specs
+from zeroplan.core.recommend import Option, Recommendation, recommend, shard_sizes
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
 from zeroplan.core.span import Span

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import ConfigError, RankReport, ZeroPlan, memory_report
-from zeroplan.core.fit import recommend
+from zeroplan.core.recommend import recommend
 from zeroplan.facade.registry import Configured
 
 __all__ = ["check_device_memory", "device_memory_problem", "free_bytes"]
@@ -55,7 +55,7 @@ def _largest_part(r: RankReport) -> tuple[str, int]:
 
 
 def _advice(configured: Configured, available: int) -> str:
-    """The cheapest executed configuration that fits ``available`` bytes (``core.fit.recommend``)."""
+    """The cheapest executed configuration that fits ``available`` bytes (``core.recommend.recommend``)."""
     settings, groups = configured.settings, configured.groups
     recommendation = recommend(
         configured.registry.specs(),

@@ -17,7 +17,8 @@ from zeroplan.core import (
     shard_sizes,
     specs_from_shapes,
 )
-from zeroplan.core.fit import TRAFFIC_TOLERANCE, gib
+from zeroplan.core.fit import gib
+from zeroplan.core.recommend import TRAFFIC_TOLERANCE
 
 MiB = 2**20
 

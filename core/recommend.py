@@ -1,0 +1,269 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# Which configuration is the cheapest that fits a device?
+"""The cheapest configuration that fits each rank's device (see :mod:`zeroplan.core.fit` for the fit).
+
+[Note: the cheapest configuration]
+:func:`recommend` plans stages 1, 2 and 3 at every shard size that divides the
+world (all divisors: each is a valid :class:`~zeroplan.core.topology.Topology`
+and a world has few), with the inner optimizer as given and, where torch has a
+fused kernel for it, with ``fused=True`` added (no step temporaries). Among the
+configurations in which every rank fits, the cheapest sends the fewest bytes
+per step (the busiest rank's ``comm_bytes_per_step``; within
+:data:`TRAFFIC_TOLERANCE` of the fewest counts as fewest, because stages 1 and
+2 send ``2M(1 - 1/world)`` at every shard size, up to a few bytes of padding),
+then needs the least memory (the busiest rank), then has the lower stage, the
+optimizer as given, and the smaller shard group. Stage 3 sends more than
+stages 1 and 2, so it is chosen only when they do not fit; it is planned, not
+executed by the facade yet, and a recommendation of it says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeroplan.core.errors import ConfigError, check_config, require
+from zeroplan.core.fit import FitReport, fit_report, gib, stage_label
+from zeroplan.core.implementations import Implementation
+from zeroplan.core.memory import memory_report
+from zeroplan.core.optimizers import describe_optimizer
+from zeroplan.core.planner import Stage, plan
+from zeroplan.core.specs import ParamSpec
+from zeroplan.core.topology import Topology
+
+__all__ = ["TRAFFIC_TOLERANCE", "Option", "Recommendation", "recommend", "shard_sizes"]
+
+#: Relative difference in bytes per step below which two configurations count as sending the same.
+TRAFFIC_TOLERANCE = 1e-3
+
+
+def shard_sizes(world_size: int) -> tuple[int, ...]:
+    """Every shard-group size of ``world_size`` ranks: its divisors, ascending.
+
+    Example:
+        >>> shard_sizes(24)
+        (1, 2, 3, 4, 6, 8, 12, 24)
+    """
+    check_config(
+        type(world_size) is int and world_size >= 1, f"world size must be an int >= 1, got {world_size!r}"
+    )
+    small = [d for d in range(1, int(world_size**0.5) + 1) if world_size % d == 0]
+    return tuple(sorted({*small, *(world_size // d for d in small)}))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Option:
+    """One configuration the recommender assessed.
+
+    Attributes:
+        fit: its fit (stage, shard size, need, traffic).
+        optimizer: the inner optimizer's name.
+        implementation: how torch steps it.
+        fused: whether the recommender added ``fused=True`` to the optimizer's settings.
+    """
+
+    fit: FitReport
+    optimizer: str
+    implementation: Implementation
+    fused: bool = False
+
+    @property
+    def label(self) -> str:
+        """``"stage 2 with shard groups of 8"``, with ``AdamW(fused=True)`` when fused was added."""
+        text = f"{stage_label(self.fit.stage)} with shard groups of {self.fit.shard_size}"
+        return f"{text}, {self.optimizer}(fused=True)" if self.fused else text
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping."""
+        return {
+            **self.fit.as_dict(),
+            "optimizer": self.optimizer,
+            "implementation": self.implementation.value,
+            "fused": self.fused,
+            "planned_only": self.fit.stage == Stage.PARAMETERS,
+        }
+
+
+def _cost(option: Option, least_traffic: int) -> tuple[int, ...]:
+    """Sort key of [Note: the cheapest configuration], for options that fit."""
+    same = option.fit.comm_bytes_per_step <= least_traffic * (1 + TRAFFIC_TOLERANCE)
+    return (
+        0 if same else option.fit.comm_bytes_per_step,
+        option.fit.need_bytes,
+        option.fit.stage,
+        int(option.fused),
+        option.fit.shard_size,
+    )
+
+
+def _cheapest(options: Sequence[Option]) -> Option | None:
+    fitting = [o for o in options if o.fit.fits]
+    if not fitting:
+        return None
+    least = min(o.fit.comm_bytes_per_step for o in fitting)
+    return min(fitting, key=lambda o: _cost(o, least))
+
+
+def _explain(best: Option | None, options: Sequence[Option], device: int, activations: int) -> str:
+    """The reason of a recommendation: what the choice needs, and why not each other stage."""
+    if best is None:
+        least = min(options, key=lambda o: (o.fit.need_bytes, o.fit.comm_bytes_per_step))
+        text = (
+            f"nothing fits in {gib(device)}: the least any configuration needs is "
+            f"{gib(least.fit.need_bytes)} ({least.label}), {gib(least.fit.need_bytes - device)} more"
+        )
+        if activations:
+            text += f"; the activations take {gib(activations)} of it"
+        return text
+    fit = best.fit
+    text = (
+        f"{best.label}: fits with {gib(fit.worst.spare_bytes)} to spare (needs {gib(fit.need_bytes)} of "
+        f"{gib(device)}, at the {fit.worst.phase.value}), sending {gib(fit.comm_bytes_per_step)} per step"
+    )
+    same_place = [
+        o
+        for o in options
+        if o.fit.stage == fit.stage and o.fit.shard_size == fit.shard_size and o.fused != best.fused
+    ]
+    if best.fused and same_place:
+        saved = same_place[0].fit.need_bytes - fit.need_bytes
+        text += f"; fused=True saves {gib(saved)} over {same_place[0].implementation.value}"
+    elif same_place:
+        text += f"; fused=True does not lower its peak ({fit.worst.phase.value})"
+    least = min(o.fit.comm_bytes_per_step for o in options if o.fit.fits)
+    for stage in sorted({o.fit.stage for o in options} - {fit.stage}):
+        mine = [o for o in options if o.fit.stage == stage]
+        other = _cheapest(mine)
+        if other is None:
+            smallest = min(mine, key=lambda o: o.fit.need_bytes)
+            text += (
+                f"; {stage_label(stage)} does not fit (needs {gib(smallest.fit.need_bytes)} at the least, "
+                f"with shard groups of {smallest.fit.shard_size})"
+            )
+        elif _cost(other, least)[0]:
+            text += (
+                f"; {stage_label(stage)} fits but sends {gib(other.fit.comm_bytes_per_step)} per step "
+                f"(shard groups of {other.fit.shard_size})"
+            )
+        else:
+            text += (
+                f"; {stage_label(stage)} fits too but needs {gib(other.fit.need_bytes)} "
+                f"(shard groups of {other.fit.shard_size})"
+            )
+    return text
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recommendation:
+    """The cheapest configuration that fits, and every one assessed (see [Note: the cheapest configuration]).
+
+    Attributes:
+        device_bytes: the device's memory.
+        activation_bytes: activations of one rank's micro-batch.
+        options: every configuration assessed.
+        best: the cheapest that fits, or ``None`` (derived).
+        reason: why, in one line (derived).
+    """
+
+    device_bytes: int
+    activation_bytes: int
+    options: tuple[Option, ...]
+    best: Option | None = field(init=False)
+    reason: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        check_config(len(self.options) >= 1, "a recommendation needs at least one option")
+        require(
+            all(
+                o.fit.device_bytes == self.device_bytes and o.fit.activation_bytes == self.activation_bytes
+                for o in self.options
+            ),
+            "the options of a recommendation were assessed for other device memory or activations",
+        )
+        best = _cheapest(self.options)
+        object.__setattr__(self, "best", best)
+        object.__setattr__(
+            self, "reason", _explain(best, self.options, self.device_bytes, self.activation_bytes)
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready mapping (the CLI's ``--json`` ``recommendation``)."""
+        return {
+            "best": None if self.best is None else self.best.as_dict(),
+            "reason": self.reason,
+            "options": [o.as_dict() for o in self.options],
+        }
+
+
+def recommend(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    *,
+    device_bytes: int,
+    activation_bytes: int = 0,
+    optimizer: str = "AdamW",
+    settings: Mapping[str, Any] | None = None,
+    ranks_per_node: int | None = None,
+    stages: Sequence[int] = (1, 2, 3),
+    **plan_options: Any,
+) -> Recommendation:
+    """The cheapest configuration of ``specs`` on ``world_size`` ranks that fits each device.
+
+    See [Note: the cheapest configuration].
+
+    Args:
+        specs: the parameters.
+        world_size: data-parallel ranks.
+        device_bytes: memory of each rank's device.
+        activation_bytes: activations of one rank's micro-batch (see
+            :func:`~zeroplan.core.activations.activation_memory`).
+        optimizer: the inner optimizer's name.
+        settings: its settings (read by :func:`~zeroplan.core.optimizers.describe_optimizer`).
+        ranks_per_node: for the topology.
+        stages: the stages to assess.
+        **plan_options: more arguments of :func:`~zeroplan.core.planner.plan`
+            (``strategy``, ``alignment``, ``bucket_bytes``, ``loss_scaling``, ...).
+
+    Raises:
+        ConfigError: a bad argument (as :func:`~zeroplan.core.planner.plan` raises).
+
+    Example:
+        >>> from zeroplan.core import specs_from_shapes
+        >>> specs = specs_from_shapes([(4096, 4096)] * 8, dtype="bf16")
+        >>> r = recommend(specs, 4, device_bytes=1000 * 2**20)
+        >>> r.best.label
+        'stage 2 with shard groups of 4, AdamW(fused=True)'
+        >>> print(r.reason.replace("; ", ";\\n"))
+        stage 2 with shard groups of 4, AdamW(fused=True): fits with 128.0 MiB to spare (needs 872.0 MiB ...
+        fused=True saves 24.0 MiB over foreach;
+        stage 1 does not fit (needs 1.00 GiB at the least, with shard groups of 4);
+        stage 3 (planned, not executed yet) fits but sends 576.0 MiB per step (shard groups of 4)
+        >>> recommend(specs, 4, device_bytes=2**29, activation_bytes=2**26).reason
+        'nothing fits in 512.0 MiB: the least any configuration needs is 816.0 MiB (stage 3 ...'
+    """
+    check_config(
+        all(s in (Stage.OPTIMIZER, Stage.GRADIENTS, Stage.PARAMETERS) for s in stages) and stages,
+        f"the recommender assesses stages 1, 2 and 3, got {tuple(stages)!r}",
+    )
+    variants = [(describe_optimizer(optimizer, settings), False)]
+    if variants[0][0].implementation is not Implementation.FUSED:
+        try:
+            variants.append((describe_optimizer(optimizer, {**(settings or {}), "fused": True}), True))
+        except ConfigError:
+            pass  # no fused kernel for this optimizer (or settings that exclude it)
+    options = []
+    for stage in stages:
+        for shard in shard_sizes(world_size):
+            topology = Topology(world_size=world_size, shard_size=shard, ranks_per_node=ranks_per_node)
+            for spec, fused in variants:
+                zp = plan(specs, topology, stage=stage, optimizer=spec, **plan_options)
+                fit = fit_report(
+                    memory_report(zp), activation_bytes=activation_bytes, device_bytes=device_bytes
+                )
+                options.append(
+                    Option(fit=fit, optimizer=spec.name, implementation=spec.implementation, fused=fused)
+                )
+    return Recommendation(
+        device_bytes=device_bytes, activation_bytes=activation_bytes, options=tuple(options)
+    )
