@@ -56,7 +56,7 @@ def as_zeroplan_error(exc: Exception, wrap: type[ZeroplanError], context: str) -
 
 
 def verdicts(
-    problem: ZeroplanError | None,
+    problem: Exception | None,
     world: dist.ProcessGroup,
     *,
     failed: str,
@@ -114,7 +114,7 @@ _PLAN_MISMATCH = (
 def agree(
     zp: ZeroPlan | None,
     world: dist.ProcessGroup,
-    problem: ZeroplanError | None,
+    problem: Exception | None,
     settings: dict[str, Any] | None = None,
 ) -> ZeroPlan:
     """Collective check that every rank validated and planned the same thing.

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import ZeroPlan, ZeroplanError, plan_reshard
+from zeroplan.core import ZeroPlan, plan_reshard
 from zeroplan.facade.agreement import agree
 from zeroplan.facade.collectives import all_gather_objects
 from zeroplan.facade.inner import check_hyperparameters, comparable_hyperparameters
@@ -39,14 +39,15 @@ def agreed_plan(
     """``make()``'s plan once every rank planned the same with the same settings.
 
     ``make`` returns the plan and the param groups' settings, which every rank
-    must share (with ``shared``, e.g. the loss scale); any rank's
-    ``ZeroplanError`` raises everywhere.
+    must share (with ``shared``, e.g. the loss scale). Any exception of any
+    rank in ``make`` raises everywhere: the rank itself re-raises it, the
+    others raise a ``ConfigError`` naming it, so none waits in a collective.
     """
     zp, settings, problem = None, None, None
     try:
         zp, groups = make()
         settings = {"param_groups": comparable_hyperparameters(groups), **shared}
-    except ZeroplanError as exc:
+    except Exception as exc:
         problem = exc
     return agree(zp, world, problem, settings)
 

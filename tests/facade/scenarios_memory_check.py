@@ -17,7 +17,13 @@ def construct(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     model = make_model()
     free = cfg["free"] if rank == cfg["short_rank"] else 2**40
     probe = memory_check.free_bytes
-    memory_check.free_bytes = lambda device: free
+
+    def fake_probe(device: torch.device) -> int:
+        if free == "raise":
+            raise RuntimeError("the free-memory probe failed")
+        return free
+
+    memory_check.free_bytes = fake_probe
     before = [p.detach().clone() for p in model.parameters()]
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -32,8 +38,8 @@ def construct(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 lr=1e-3,
             )
         error = None
-    except ConfigError as exc:
-        error = str(exc)
+    except (ConfigError, RuntimeError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
     finally:
         memory_check.free_bytes = probe
     return {

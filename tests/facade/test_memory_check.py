@@ -31,3 +31,12 @@ def test_without_strict_the_short_rank_warns_and_training_goes_on(pools):
     message = results[0]["warnings"][0]
     assert message.startswith("rank 0: the plan's peak is"), message
     assert "would fit, with a planned peak of" in message, message
+
+
+def test_an_unexpected_error_on_one_rank_raises_on_every_rank_without_waiting(pools):
+    # Not a ZeroplanError: the plan agreement still reports it to the other rank at once.
+    cfg = {"free": "raise", "short_rank": 1, "strict": True}
+    results = pools(2).run(scenarios_memory_check.construct, cfg)
+    assert results[1]["error"] == "RuntimeError: the free-memory probe failed"
+    assert results[0]["error"].startswith("ConfigError: rank 1 rejected the optimizer settings: RuntimeError")
+    assert all(r["unchanged"] for r in results)
