@@ -392,9 +392,11 @@ def memory_report(zp: ZeroPlan, *, clipping: bool = False, overlap: bool = True)
     topo = zp.topology
     frozen = zp.frozen_bytes
     n = topo.shard_size
-    staging = [0] * n if zp.stage is Stage.DDP else [p.staging for p in backward_peak(zp, overlap=overlap)]
+    backward = None if zp.stage is Stage.DDP else backward_peak(zp, overlap=overlap)
+    staging = [0] * n if backward is None else [p.staging for p in backward]
     per_shard = [_rank_memory(zp, s, staging[s], frozen) for s in range(n)]
-    transients = step_peak(zp, overlap=overlap, ddp_buffer=[m.buffers for m in per_shard])
+    buffers = [m.buffers for m in per_shard]
+    transients = step_peak(zp, overlap=overlap, ddp_buffer=buffers, backward=backward)
     traffic = _traffic(zp, clipping)
     ranks = []
     for rank in range(topo.world_size):

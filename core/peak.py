@@ -25,7 +25,11 @@ a step it also holds, at the most:
 
   Gradients are assumed to arrive in decreasing parameter order (autograd's
   order for a model whose parameters are registered in the order the forward
-  uses them; the bucket order assumes the same). With
+  uses them; the bucket order assumes the same), and every trainable
+  parameter is assumed to get one. Otherwise the plan is low: a gradient
+  whose bucket is beyond the window, or behind a bucket still waiting for a
+  parameter that gets no gradient (an unused head, an expert no token chose),
+  stays alive until the window reaches it, at the latest at ``step()``. With
   ``overlap_grad_reduce=False`` nothing is staged before the backward ends.
 * **step** — at stage 1 with bf16/fp16 parameters, the fp32 copy of the
   reduced gradient shard; and the inner optimizer's temporaries, which depend on
@@ -168,7 +172,7 @@ def _backward_moments(zp: ZeroPlan, overlap: bool) -> list[_Alive]:
     buckets = zp.buckets.buckets
     k = zp.max_inflight_buckets
     specs = zp.specs
-    keep_grads = zp.stage is not Stage.OPTIMIZER  # stage 1 moves .grad into the buffer at once
+    release_grads = zp.stage is not Stage.OPTIMIZER  # stage 1 moves .grad into the buffer at once
     nbytes = [s.numel * DTYPE_ITEMSIZE[s.dtype] for s in specs]
     unstaged = [len(zp.buckets.buckets_of(s.index)) for s in specs]
     queued: list[deque[int]] = [deque() for _ in buckets]
@@ -192,7 +196,7 @@ def _backward_moments(zp: ZeroPlan, overlap: bool) -> list[_Alive]:
                         moments.append(_Alive((*inflight, *sorted(opened)), grads))
                     staged[b] += 1
                     unstaged[p] -= 1
-                    if unstaged[p] == 0 and keep_grads:
+                    if unstaged[p] == 0 and release_grads:
                         grads -= nbytes[p]
             if nxt < len(buckets) and staged[nxt] == len(buckets[nxt].params):
                 opened.discard(nxt)
@@ -204,7 +208,7 @@ def _backward_moments(zp: ZeroPlan, overlap: bool) -> list[_Alive]:
     for spec in sorted((s for s in specs if s.trainable), key=lambda s: -s.index):
         grads += nbytes[spec.index]
         moments.append(_Alive((*inflight, *sorted(opened)), grads))
-        if not keep_grads or unstaged[spec.index] == 0:
+        if not release_grads or unstaged[spec.index] == 0:
             grads -= nbytes[spec.index]
         for b in zp.buckets.buckets_of(spec.index):
             queued[b].append(spec.index)
@@ -290,19 +294,26 @@ def step_transient(zp: ZeroPlan, shard_rank: int) -> int:
     return copies + temporaries
 
 
-def step_peak(zp: ZeroPlan, *, overlap: bool = True, ddp_buffer: Sequence[int] = ()) -> tuple[StepPeak, ...]:
+def step_peak(
+    zp: ZeroPlan,
+    *,
+    overlap: bool = True,
+    ddp_buffer: Sequence[int] = (),
+    backward: Sequence[BackwardPeak] | None = None,
+) -> tuple[StepPeak, ...]:
     """Per shard rank, the transient bytes of backward and step (see [Note: the step's peak]).
 
     Stages 1 and 2 follow the facade's schedule exactly. Stage 0 is an
     estimate of ``DistributedDataParallel``: its flat bucket copy
     (``ddp_buffer[rank]`` bytes) during backward. Stage 3, not executed yet, is
     an estimate: the stage-2 backward plus one gathered copy of its staging.
+    ``backward``: :func:`backward_peak`'s result when the caller has it already.
     """
     n = zp.topology.shard_size
     if zp.stage is Stage.DDP:
-        backward = [ddp_buffer[r] if r < len(ddp_buffer) else 0 for r in range(n)]
+        transient = [ddp_buffer[r] if r < len(ddp_buffer) else 0 for r in range(n)]
     else:
-        peaks = backward_peak(zp, overlap=overlap)
-        extra = [p.staging if zp.stage is Stage.PARAMETERS else 0 for p in peaks]
-        backward = [p.total + e for p, e in zip(peaks, extra, strict=True)]
-    return tuple(StepPeak(backward[r], step_transient(zp, r)) for r in range(n))
+        peaks = backward_peak(zp, overlap=overlap) if backward is None else backward
+        gathered = [p.staging if zp.stage is Stage.PARAMETERS else 0 for p in peaks]
+        transient = [p.total + g for p, g in zip(peaks, gathered, strict=True)]
+    return tuple(StepPeak(transient[r], step_transient(zp, r)) for r in range(n))

@@ -118,7 +118,7 @@ class GradSync:
         self._log = log
         self._tracker = tracker
         self._buckets = zp.buckets.buckets
-        self._keep_grads = zp.stage is not Stage.OPTIMIZER
+        self._release_grads = zp.stage is not Stage.OPTIMIZER
         self._layouts = [staging_layout(zp, b, groups.shard_rank) for b in self._buckets]
         self._copies: list[dict[int, list[GradCopy]]] = []
         for bucket in self._buckets:
@@ -145,18 +145,25 @@ class GradSync:
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Forget this step's progress, completing anything still in flight."""
-        for entry in getattr(self, "_inflight", ()):
-            entry.pending.wait()
-            self._tracker.free(entry.staging)
-        for pending in getattr(self, "_replica", ()):
-            pending.wait()
-        for staging in getattr(self, "_open", {}).values():
-            self._tracker.free(staging)
+        inflight, self._inflight = getattr(self, "_inflight", deque()), deque()
+        replica, self._replica = getattr(self, "_replica", []), []
+        opened, self._open = getattr(self, "_open", {}), {}
+        try:
+            for entry in inflight:
+                entry.pending.wait()
+            for pending in replica:
+                pending.wait()
+        finally:  # freed once, even if a wait raised
+            for entry in inflight:
+                self._tracker.free(entry.staging)
+            for staging in opened.values():
+                self._tracker.free(staging)
         self._ready = [False] * len(self._zp.specs)
         self._queued: list[deque[int]] = [deque() for _ in self._buckets]
         self._staged = [0] * len(self._buckets)
         self._unstaged = [len(self._zp.buckets.buckets_of(s.index)) for s in self._zp.specs]
         self._next = 0
+        self._written: list[int] | None = None  # stage 1: expected buffer versions, once all launched
         self._open: dict[int, torch.Tensor] = {}
         self._inflight: deque[_InFlight] = deque()
         self._replica: list[Pending] = []
@@ -193,7 +200,7 @@ class GradSync:
     def _mark_ready(self, index: int) -> None:
         """Queue parameter ``index``'s gradient on each of its buckets."""
         self._ready[index] = True
-        if self._unstaged[index] == 0 and self._keep_grads:  # in no bucket (no elements)
+        if self._unstaged[index] == 0 and self._release_grads:  # in no bucket (no elements)
             self._params[index].grad = None
         for b in self._zp.buckets.buckets_of(index):
             self._queued[b].append(index)
@@ -222,7 +229,7 @@ class GradSync:
         if staging is None:
             k = self._zp.max_inflight_buckets
             while self._inflight and b - self._inflight[0].bucket.index >= k:
-                self._retire(self._inflight.popleft())
+                self._retire_oldest()
             buf = self._buffers[self._buckets[b].space]
             staging = self._open[b] = self._tracker.alloc(
                 torch.empty(self._layouts[b].numel, dtype=buf.params.dtype, device=buf.params.device)
@@ -236,13 +243,13 @@ class GradSync:
                 target.copy_(grad.reshape(-1)[copy.param_span.as_slice()])
         self._staged[b] += 1
         self._unstaged[index] -= 1
-        if self._unstaged[index] == 0 and self._keep_grads:
+        if self._unstaged[index] == 0 and self._release_grads:
             self._params[index].grad = None
 
     # ------------------------------------------------------------- launching
     def _launch(self, b: int) -> None:
         bucket = self._buckets[b]
-        staging = self._open.pop(b)
+        staging = self._open[b]
         buf = self._buffers[bucket.space]
         piece = bucket.piece_of(self._groups.shard_rank)
         output = buf.grad_shard[piece.shard_span.as_slice()] if piece is not None else None
@@ -250,8 +257,24 @@ class GradSync:
         reduced = output if layout.reduced is None else staging[layout.reduced.as_slice()]
         grads = staging[: bucket.numel]
         pending = reduce_bucket(grads, reduced, bucket, self._groups, self._log)
+        del self._open[b]  # only now: a launch that raised leaves it for reset() to free
         self._inflight.append(_InFlight(bucket, staging, pending, reduced, output))
         self._next += 1
+        if self._grad_views and self._next == len(self._buckets):
+            self._written = self._grad_versions()  # stage 1: see written_back()
+
+    def _retire_oldest(self) -> None:
+        """Complete the oldest reduction in flight; it leaves the queue only once completed."""
+        before = self._grad_versions()
+        self._retire(self._inflight[0])
+        self._inflight.popleft()
+        if self._written is not None:  # this optimizer's own writes into the gradient buffers
+            after = self._grad_versions()
+            self._written = [w + a - b for w, a, b in zip(self._written, after, before, strict=True)]
+
+    def _grad_versions(self) -> list[int]:
+        """Version counters of the stage-1 gradient buffers (every in-place write bumps them)."""
+        return [buf.grads._version for buf in self._buffers if buf.grads is not None]
 
     def _retire(self, entry: _InFlight) -> None:
         entry.pending.wait()
@@ -281,20 +304,32 @@ class GradSync:
                 self._mark_ready(index)
         self._pump()
         while self._inflight:
-            self._retire(self._inflight.popleft())
+            self._retire_oldest()
         for pending in self._replica:
             pending.wait()
         self._replica = []
 
     def written_back(self) -> int | None:
-        """After :meth:`finish` at stage 2: a parameter whose ``.grad`` reappeared after it was released.
+        """After :meth:`finish`: a parameter whose gradient something wrote after this optimizer took it.
 
-        Something wrote a gradient after this optimizer reduced it (a
-        ``DistributedDataParallel`` wrapper does), which the step would ignore.
+        A ``DistributedDataParallel`` wrapper writes reduced gradients back at
+        the end of backward; ``torch.nn.utils.clip_grad_norm_`` or a
+        ``GradScaler`` scale ``.grad``. At stage 2 the step would ignore such a
+        write (``.grad`` reappeared after it was released); at stage 1, where
+        the rank's region of the gradient buffer *is* its reduced shard, it
+        would corrupt the step: any write into a gradient buffer after the last
+        bucket launched, other than this optimizer's own, is reported (the
+        buffer's version counter). The parameter named is the buffer's first.
         """
-        if self._grad_views:  # stage 1: .grad stays a view of the gradient buffer by design
+        if not self._grad_views:
+            return next((i for i in self._trainable if self._params[i].grad is not None), None)
+        if self._written is None or self._written == self._grad_versions():
             return None
-        return next((i for i in self._trainable if self._params[i].grad is not None), None)
+        changed = next(
+            i for i, (w, v) in enumerate(zip(self._written, self._grad_versions(), strict=True)) if w != v
+        )
+        spaces = [buf.space for buf in self._buffers if buf.grads is not None]
+        return next((i for i in spaces[changed].params if i in self._grad_views), spaces[changed].params[0])
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Reset every parameter's ``.grad`` as ``torch.optim.Optimizer.zero_grad`` would.

@@ -366,11 +366,15 @@ def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:
         )
     if rewritten is not None:
         raise ConfigError(
-            f"{call}: parameter {ctx.names[rewritten]!r} has a .grad again after ZeroOptimizer reduced and "
-            "released it, so that gradient would be ignored: the model is probably wrapped in "
-            "DistributedDataParallel (which writes reduced gradients back), or .grad was set by hand. "
-            "Do not wrap the model: ZeroOptimizer reduces gradients itself. With Hugging Face "
-            "transformers use zeroplan.facade.hf.ZeroTrainer; with accelerate, do not prepare() the model"
+            f"{call}: the gradient of parameter {ctx.names[rewritten]!r} was written after "
+            "ZeroOptimizer took it for the reduction (stage 2: its .grad reappeared and would be "
+            "ignored; stage 1: its gradient buffer, which holds the reduced shard, changed and would "
+            "corrupt the update): the model is probably wrapped in DistributedDataParallel (which "
+            "writes reduced gradients back), or .grad was changed by hand (torch.nn.utils."
+            "clip_grad_norm_, GradScaler.unscale_: use opt.clip_grad_norm_ and "
+            "ZeroOptimizer(loss_scale=...) instead). Do not wrap the model: ZeroOptimizer reduces "
+            "gradients itself. With Hugging Face transformers use zeroplan.facade.hf.ZeroTrainer; "
+            "with accelerate, do not prepare() the model"
         )
     if flags[0] > 0 or flags[1] > 0:
         raise ConfigError(

@@ -21,17 +21,11 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import ConfigError, RankReport, ZeroPlan, memory_report
+from zeroplan.core.fit import gib
 from zeroplan.core.recommend import recommend
 from zeroplan.facade.registry import Configured
 
 __all__ = ["check_device_memory", "device_memory_problem", "free_bytes"]
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes} B"
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -57,24 +51,27 @@ def _largest_part(r: RankReport) -> tuple[str, int]:
 def _advice(configured: Configured, available: int) -> str:
     """The cheapest executed configuration that fits ``available`` bytes (``core.recommend.recommend``)."""
     settings, groups = configured.settings, configured.groups
-    recommendation = recommend(
-        configured.registry.specs(),
-        settings.topology.world_size,
-        device_bytes=available,
-        optimizer=settings.optimizer_name,
-        settings=groups[0] if groups else None,  # the implementation (fused, foreach) of the first group
-        stages=(1, 2),
-        strategy=settings.strategy,
-        alignment=settings.alignment,
-        bucket_bytes=settings.bucket_bytes,
-        loss_scaling=settings.loss_scaling,
-        max_inflight_buckets=settings.max_inflight_buckets,
-        policy=settings.policy,
-    )
+    try:
+        recommendation = recommend(
+            configured.registry.specs(),
+            settings.topology.world_size,
+            device_bytes=available,
+            optimizer=settings.optimizer_name,
+            settings=groups[0] if groups else None,  # the implementation (fused, foreach) of the first group
+            stages=(1, 2),
+            strategy=settings.strategy,
+            alignment=settings.alignment,
+            bucket_bytes=settings.bucket_bytes,
+            loss_scaling=settings.loss_scaling,
+            max_inflight_buckets=settings.max_inflight_buckets,
+            policy=settings.policy,
+        )
+    except ConfigError as exc:  # e.g. an optimizer zeroplan has no description of
+        return f"no advice on other configurations ({exc})"
     best = recommendation.best
     if best is None:
         return "no stage 1 or 2 configuration fits; use more ranks or a smaller model"
-    return f"{best.label} would fit, with a planned peak of {_size(best.fit.need_bytes)}"
+    return f"{best.label} would fit, with a planned peak of {gib(best.fit.need_bytes)}"
 
 
 def device_memory_problem(zp: ZeroPlan, configured: Configured, rank: int, *, overlap: bool) -> str | None:
@@ -91,11 +88,11 @@ def device_memory_problem(zp: ZeroPlan, configured: Configured, rank: int, *, ov
         return None
     part, nbytes = _largest_part(report)
     advice = _advice(configured, available)
-    peak, phase = _size(report.peak_bytes), report.peak_phase.value
+    peak, phase = gib(report.peak_bytes), report.peak_phase.value
     return (
         f"rank {rank}: the plan's peak is {peak} (in the {phase}, before activations), but "
-        f"{_size(available)} of {device} are available to it; the largest part is the {part} "
-        f"({_size(nbytes)}). {advice}"
+        f"{gib(available)} of {device} are available to it; the largest part is the {part} "
+        f"({gib(nbytes)}). {advice}"
     )
 
 

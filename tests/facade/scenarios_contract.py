@@ -221,13 +221,26 @@ def sparse_gradients(rank: int, world: int, stage: int) -> dict[str, Any]:
     }
 
 
-def wrapped_in_ddp(rank: int, world: int) -> dict[str, Any]:
-    """A model wrapped in DistributedDataParallel writes gradients back after the stage-2 reduction
-    released them; the step would ignore them (clipping too), so it refuses, on every rank."""
+def wrapped_in_ddp(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """A model wrapped in DistributedDataParallel writes gradients back after the reduction took them: at
+    stage 2 the step would ignore them (clipping too), at stage 1 they would overwrite the reduced shard in
+    the gradient buffer; it refuses, on every rank."""
     model = make_model()
-    opt = make_optimizer(model, stage=2)
+    opt = make_optimizer(model, stage=stage)
     wrapped = nn.parallel.DistributedDataParallel(model)
     loss_of(wrapped, *batch(0, rank)).backward()
+    before = _everything(opt, model)
+    error = _error(opt.step)
+    return {"error": error, "unchanged": _same(before, _everything(opt, model))}
+
+
+def grad_changed_by_hand(rank: int, world: int) -> dict[str, Any]:
+    """Stage 1: ``torch.nn.utils.clip_grad_norm_`` on the parameters after backward scales ``.grad``,
+    a view of the buffer holding the reduced shard; the step refuses, on every rank."""
+    model = make_model()
+    opt = make_optimizer(model, stage=1)
+    loss_of(model, *batch(0, rank)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     before = _everything(opt, model)
     error = _error(opt.step)
     return {"error": error, "unchanged": _same(before, _everything(opt, model))}

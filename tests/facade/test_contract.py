@@ -79,8 +79,15 @@ def test_sparse_gradients_train_like_torch_sgd(pools, stage):
     assert max(results[0]["errors"]) < FP32_TOL, results[0]["errors"]
 
 
-def test_a_model_wrapped_in_ddp_is_refused_at_stage_2(pools):
-    results = pools(2).run(scenarios_contract.wrapped_in_ddp)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_model_wrapped_in_ddp_is_refused(pools, stage):
+    results = pools(2).run(scenarios_contract.wrapped_in_ddp, stage)
     for result in results:
         assert result["error"] is not None and "DistributedDataParallel" in result["error"], result
+        assert result["unchanged"]
+
+
+def test_a_gradient_changed_by_hand_at_stage_1_is_refused(pools):
+    for result in pools(2).run(scenarios_contract.grad_changed_by_hand):
+        assert result["error"] is not None and "opt.clip_grad_norm_" in result["error"], result
         assert result["unchanged"]
