@@ -10,7 +10,8 @@ a step it also holds, at the most:
 * **backward** — the gradients autograd allocated that are not staged yet, and
   the staging buffers of the buckets being filled or reduced. The facade's
   gradient hook follows the schedule :func:`backward_peak` simulates
-  (``facade/grad_sync.py`` does the same, step for step):
+  (the facade's hook carries out the same :func:`~zeroplan.core.schedule.staging_schedule`,
+  [Note: staging schedule]):
 
   - a gradient is copied into the staging buffer of each of its buckets as
     soon as it arrives, if that bucket is among the ``max_inflight_buckets``
@@ -56,6 +57,7 @@ from zeroplan.core.comm import Collective
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.partition import Space
 from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.schedule import Action, ActionKind, staging_schedule
 from zeroplan.core.span import Span
 
 __all__ = [
@@ -163,58 +165,43 @@ class _Alive(NamedTuple):
 
 
 def _backward_moments(zp: ZeroPlan, overlap: bool) -> list[_Alive]:
-    """The moments at which the backward's transient memory can peak, in the schedule of the Note.
+    """The moments at which the backward's transient memory can peak: the facade's schedule, replayed.
 
-    Rank-independent: only the staging sizes differ between ranks. Each gradient
-    is queued on its buckets when it arrives, so the walk costs one visit per
-    (parameter, bucket) pair and ``max_inflight_buckets`` per arrival.
+    Drives :func:`~zeroplan.core.schedule.staging_schedule` with gradients
+    arriving in decreasing parameter order and records what is alive when a
+    gradient arrives and when a staging buffer opens. Rank-independent: only
+    the staging sizes differ between ranks.
     """
-    buckets = zp.buckets.buckets
-    k = zp.max_inflight_buckets
-    specs = zp.specs
-    release_grads = zp.stage is not Stage.OPTIMIZER  # stage 1 moves .grad into the buffer at once
-    nbytes = [s.numel * DTYPE_ITEMSIZE[s.dtype] for s in specs]
-    unstaged = [len(zp.buckets.buckets_of(s.index)) for s in specs]
-    queued: list[deque[int]] = [deque() for _ in buckets]
-    staged = [0] * len(buckets)
+    nbytes = [s.numel * DTYPE_ITEMSIZE[s.dtype] for s in zp.specs]
+    moved_at_once = zp.stage is Stage.OPTIMIZER  # stage 1's hook moves .grad into the buffer
     opened: set[int] = set()
     inflight: deque[int] = deque()
     moments: list[_Alive] = []
     grads = 0
-    nxt = 0
 
-    def pump() -> None:
-        nonlocal grads, nxt
-        while True:
-            for b in range(nxt, min(nxt + k, len(buckets))):
-                while queued[b]:
-                    p = queued[b].popleft()
-                    if b not in opened:
-                        while inflight and b - inflight[0] >= k:
-                            inflight.popleft()
-                        opened.add(b)
-                        moments.append(_Alive((*inflight, *sorted(opened)), grads))
-                    staged[b] += 1
-                    unstaged[p] -= 1
-                    if unstaged[p] == 0 and release_grads:
-                        grads -= nbytes[p]
-            if nxt < len(buckets) and staged[nxt] == len(buckets[nxt].params):
-                opened.discard(nxt)
-                inflight.append(nxt)
-                nxt += 1
-                continue
-            return
+    def carry_out(actions: list[Action]) -> None:
+        nonlocal grads
+        for action in actions:
+            if action.kind is ActionKind.RETIRE:
+                inflight.popleft()
+            elif action.kind is ActionKind.OPEN:
+                opened.add(action.bucket)
+                moments.append(_Alive((*inflight, *sorted(opened)), grads))
+            elif action.kind is ActionKind.RELEASE:
+                grads -= nbytes[action.param]
+            elif action.kind is ActionKind.LAUNCH:
+                opened.discard(action.bucket)
+                inflight.append(action.bucket)
 
-    for spec in sorted((s for s in specs if s.trainable), key=lambda s: -s.index):
-        grads += nbytes[spec.index]
+    schedule = staging_schedule(zp, overlap=overlap)
+    next(schedule)
+    for index in sorted(zp.trainable_indices, reverse=True):
+        grads += nbytes[index]
         moments.append(_Alive((*inflight, *sorted(opened)), grads))
-        if not release_grads or unstaged[spec.index] == 0:
-            grads -= nbytes[spec.index]
-        for b in zp.buckets.buckets_of(spec.index):
-            queued[b].append(spec.index)
-        if overlap:
-            pump()
-    pump()
+        if moved_at_once:
+            grads -= nbytes[index]
+        carry_out(schedule.send(index))
+    carry_out(schedule.send(None))
     return moments
 
 

@@ -3,19 +3,17 @@
 [Note: gradient sync]
 A post-accumulate-grad hook first asks the step lifecycle to admit the
 gradient (see [Note: step lifecycle]: it refuses one that arrives after the
-reduction, and inside ``no_sync()`` it says to keep it local), then marks the
-parameter ready and *pumps*: every ready gradient that belongs to one of the
-``max_inflight_buckets`` buckets next to launch is copied into that bucket's
-staging buffer (opened on its first gradient), and buckets whose gradients are
-all staged are launched, strictly in the plan's order (the order of
-collectives must match on every rank): its reduce-scatter (or reduce) over the
-shard group starts asynchronously. Opening a staging buffer first completes
-the oldest reduction in flight while the buffers alive would span more than
-``max_inflight_buckets`` buckets; a completed reduction then starts its
-all-reduce over the replica group (MiCS). Under the GLOO policy a bucket is
+reduction, and inside ``no_sync()`` it says to keep it local), then sends the
+parameter to the step's staging schedule and carries out what it answers
+([Note: staging schedule] in ``zeroplan.core.schedule``, the same coroutine the
+planner replays to plan the peak, [Note: the step's peak]): open a bucket's
+staging buffer, copy gradients into it, free a ``.grad``, launch a bucket (its
+reduce-scatter, or reduce, over the shard group starts asynchronously), or
+complete the oldest reduction, which then starts its all-reduce over the
+replica group (MiCS). Buckets launch strictly in the plan's order (the order
+of collectives must match on every rank). Under the GLOO policy a bucket is
 instead all-reduced over the whole data-parallel group (see [Note: collective
-policy]). This is the schedule ``zeroplan.core.peak`` plans the memory of
-([Note: the step's peak]).
+policy]).
 
 Stage 2 frees each ``.grad`` once all its buckets are staged, so a gradient
 outlives its arrival only while its bucket is beyond the window. bf16/fp16
@@ -49,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from zeroplan.core import Bucket, Collective, GradCopy, Stage, StepOrderError, ZeroPlan, staging_layout
+from zeroplan.core.schedule import Action, ActionKind, staging_schedule
 from zeroplan.facade.buffers import SpaceBuffers, param_views
 from zeroplan.facade.collectives import CommLog, Pending, all_reduce_replica, reduce_bucket
 from zeroplan.facade.groups import ProcessGroups
@@ -118,7 +117,6 @@ class GradSync:
         self._log = log
         self._tracker = tracker
         self._buckets = zp.buckets.buckets
-        self._release_grads = zp.stage is not Stage.OPTIMIZER
         self._layouts = [staging_layout(zp, b, groups.shard_rank) for b in self._buckets]
         self._copies: list[dict[int, list[GradCopy]]] = []
         for bucket in self._buckets:
@@ -159,9 +157,8 @@ class GradSync:
             for staging in opened.values():
                 self._tracker.free(staging)
         self._ready = [False] * len(self._zp.specs)
-        self._queued: list[deque[int]] = [deque() for _ in self._buckets]
-        self._staged = [0] * len(self._buckets)
-        self._unstaged = [len(self._zp.buckets.buckets_of(s.index)) for s in self._zp.specs]
+        self._schedule = staging_schedule(self._zp, overlap=self._overlap)  # [Note: staging schedule]
+        next(self._schedule)
         self._next = 0
         self._written: list[int] | None = None  # stage 1: expected buffer versions, once all launched
         self._open: dict[int, torch.Tensor] = {}
@@ -193,47 +190,32 @@ class GradSync:
                 "in this step; call step() (or zero_grad()) between backward passes, or accumulate "
                 "inside `with optimizer.no_sync():`"
             )
-        self._mark_ready(index)
-        if self._overlap:
-            self._pump()
-
-    def _mark_ready(self, index: int) -> None:
-        """Queue parameter ``index``'s gradient on each of its buckets."""
         self._ready[index] = True
-        if self._unstaged[index] == 0 and self._release_grads:  # in no bucket (no elements)
-            self._params[index].grad = None
-        for b in self._zp.buckets.buckets_of(index):
-            self._queued[b].append(index)
+        self._carry_out(self._schedule.send(index))
 
     # ------------------------------------------------------------- staging
-    def _pump(self) -> None:
-        """Stage queued gradients of the buckets next to launch; launch full buckets in order.
-
-        The schedule of [Note: the step's peak] in ``zeroplan.core.peak``, which plans its memory.
-        """
-        k = self._zp.max_inflight_buckets
-        while True:
-            nxt = self._next
-            for b in range(nxt, min(nxt + k, len(self._buckets))):
-                queue = self._queued[b]
-                while queue:
-                    self._stage(b, queue.popleft())
-            if nxt < len(self._buckets) and self._staged[nxt] == len(self._copies[nxt]):
-                self._launch(nxt)
-                continue
-            return
+    def _carry_out(self, actions: list[Action]) -> None:
+        """Carry out the schedule's actions on tensors ([Note: staging schedule])."""
+        for action in actions:
+            if action.kind is ActionKind.RETIRE:
+                self._retire_oldest()
+            elif action.kind is ActionKind.OPEN:
+                buf = self._buffers[self._buckets[action.bucket].space]
+                self._open[action.bucket] = self._tracker.alloc(
+                    torch.empty(
+                        self._layouts[action.bucket].numel, dtype=buf.params.dtype, device=buf.params.device
+                    )
+                )
+            elif action.kind is ActionKind.STAGE:
+                self._stage(action.bucket, action.param)
+            elif action.kind is ActionKind.RELEASE:
+                self._params[action.param].grad = None
+            else:
+                self._launch(action.bucket)
 
     def _stage(self, b: int, index: int) -> None:
-        """Copy parameter ``index``'s parts of bucket ``b`` into its staging buffer (opening it)."""
-        staging = self._open.get(b)
-        if staging is None:
-            k = self._zp.max_inflight_buckets
-            while self._inflight and b - self._inflight[0].bucket.index >= k:
-                self._retire_oldest()
-            buf = self._buffers[self._buckets[b].space]
-            staging = self._open[b] = self._tracker.alloc(
-                torch.empty(self._layouts[b].numel, dtype=buf.params.dtype, device=buf.params.device)
-            )
+        """Copy parameter ``index``'s parts of bucket ``b`` into its (open) staging buffer."""
+        staging = self._open[b]
         grad = self._params[index].grad
         for copy in self._copies[b][index]:
             target = staging[copy.staging_offset : copy.staging_offset + copy.param_span.numel]
@@ -241,10 +223,6 @@ class GradSync:
                 target.zero_()
             else:
                 target.copy_(grad.reshape(-1)[copy.param_span.as_slice()])
-        self._staged[b] += 1
-        self._unstaged[index] -= 1
-        if self._unstaged[index] == 0 and self._release_grads:
-            self._params[index].grad = None
 
     # ------------------------------------------------------------- launching
     def _launch(self, b: int) -> None:
@@ -299,12 +277,7 @@ class GradSync:
         accumulated under ``no_sync()`` but untouched by the last backward are
         reduced as they are.
         """
-        for index in self._trainable:
-            if not self._ready[index]:
-                self._mark_ready(index)
-        self._pump()
-        while self._inflight:
-            self._retire_oldest()
+        self._carry_out(self._schedule.send(None))
         for pending in self._replica:
             pending.wait()
         self._replica = []
