@@ -6,8 +6,9 @@ gloo workers) and times phases by wrapping methods of the optimizers:
 * torch optimizers: ``forward``, ``backward`` (DDP: includes bucket copies and
   the wait for its all-reduce), ``step``, ``zero_grad``;
   ZeroRedundancyOptimizer's step splits into ``local step`` and ``broadcast``;
-* ZeroOptimizer: ``hook: stage+launch`` (``GradSync._launch``, run from
-  backward hooks; includes waits for older buckets), ``finish`` (reductions
+* ZeroOptimizer: ``hook: stage+launch`` (``GradSync._carry_out``: the staging
+  schedule's copies, launches and waits for older buckets, run from backward
+  hooks and, for what is left, from ``finish``), ``finish`` (reductions
   still in flight at ``step()``), ``prepare rest`` (``StepLifecycle.reduce``
   minus ``finish``: the step agreement, averaging, overflow check),
   ``inner step``, ``publish`` (all-gather of updated parameters), ``step other``
@@ -84,7 +85,7 @@ def instrument(runner: Runner, phases: Phases) -> None:
     opt = runner.optimizer
     if runner.zero is not None:
         z = runner.zero
-        phases.wrap(z.installed.sync, "_launch", "hook: stage+launch")
+        phases.wrap(z.installed.sync, "_carry_out", "hook: stage+launch")
         phases.wrap(z.installed.sync, "finish", "finish")
         phases.wrap(z.lifecycle, "reduce", "reduce")
         phases.wrap(z.inner_optimizer, "step", "inner step")
