@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -373,7 +374,9 @@ def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _R
     return _RankBytes(params + frozen, grads, master, state, max(staging, scratch))
 
 
-def memory_report(zp: ZeroPlan, *, clipping: bool = False, overlap: bool = True) -> MemoryReport:
+def memory_report(
+    zp: ZeroPlan, *, clipping: bool = False, overlap: bool = True, arrivals: Sequence[int] | None = None
+) -> MemoryReport:
     """Memory per rank and traffic per step of every world rank of ``zp``.
 
     Ranks in one replica group hold identical shards and are computed once.
@@ -382,6 +385,7 @@ def memory_report(zp: ZeroPlan, *, clipping: bool = False, overlap: bool = True)
         zp: the plan.
         clipping: include the all-reduce of ``ZeroOptimizer.clip_grad_norm_``.
         overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce`` (changes the backward's peak).
+        arrivals: the order gradients arrive in (see :func:`~zeroplan.core.peak.backward_peak`).
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
@@ -392,7 +396,7 @@ def memory_report(zp: ZeroPlan, *, clipping: bool = False, overlap: bool = True)
     topo = zp.topology
     frozen = zp.frozen_bytes
     n = topo.shard_size
-    backward = None if zp.stage is Stage.DDP else backward_peak(zp, overlap=overlap)
+    backward = None if zp.stage is Stage.DDP else backward_peak(zp, overlap=overlap, arrivals=arrivals)
     staging = [0] * n if backward is None else [p.staging for p in backward]
     per_shard = [_rank_memory(zp, s, staging[s], frozen) for s in range(n)]
     buffers = [m.buffers for m in per_shard]

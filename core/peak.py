@@ -24,13 +24,15 @@ a step it also holds, at the most:
   - at stage 2 a ``.grad`` is freed once all its buckets are staged; at stage
     1 the hook moves it into the full gradient buffer at once.
 
-  Gradients are assumed to arrive in decreasing parameter order (autograd's
-  order for a model whose parameters are registered in the order the forward
-  uses them; the bucket order assumes the same), and every trainable
-  parameter is assumed to get one. Otherwise the plan is low: a gradient
-  whose bucket is beyond the window, or behind a bucket still waiting for a
-  parameter that gets no gradient (an unused head, an expert no token chose),
-  stays alive until the window reaches it, at the latest at ``step()``. With
+  By default gradients are assumed to arrive in decreasing parameter order
+  (autograd's order for a model whose parameters are registered in the order
+  the forward uses them; the bucket order assumes the same), every trainable
+  parameter getting one. ``arrivals`` replays another order, in which
+  parameters left out get no gradient; ``ZeroOptimizer.memory_report()``
+  passes the order its last step saw. A model whose gradients arrive out of
+  bucket order keeps them alive until the window reaches their bucket, and a
+  bucket waiting for a parameter that gets no gradient (an unused head, an
+  expert no token chose) holds up every later one until ``step()``. With
   ``overlap_grad_reduce=False`` nothing is staged before the backward ends.
 * **step** — at stage 1 with bf16/fp16 parameters, the fp32 copy of the
   reduced gradient shard; and the inner optimizer's temporaries, which depend on
@@ -55,6 +57,7 @@ from typing import NamedTuple
 from zeroplan.core.buckets import Bucket
 from zeroplan.core.comm import Collective
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
+from zeroplan.core.errors import check_config
 from zeroplan.core.partition import Space
 from zeroplan.core.planner import Stage, ZeroPlan
 from zeroplan.core.schedule import Action, ActionKind, staging_schedule
@@ -164,13 +167,13 @@ class _Alive(NamedTuple):
     grads: int
 
 
-def _backward_moments(zp: ZeroPlan, overlap: bool) -> list[_Alive]:
+def _backward_moments(zp: ZeroPlan, overlap: bool, arrivals: Sequence[int] | None) -> list[_Alive]:
     """The moments at which the backward's transient memory can peak: the facade's schedule, replayed.
 
     Drives :func:`~zeroplan.core.schedule.staging_schedule` with gradients
-    arriving in decreasing parameter order and records what is alive when a
-    gradient arrives and when a staging buffer opens. Rank-independent: only
-    the staging sizes differ between ranks.
+    arriving in ``arrivals`` order (default: decreasing parameter order) and
+    records what is alive when a gradient arrives and when a staging buffer
+    opens. Rank-independent: only the staging sizes differ between ranks.
     """
     nbytes = [s.numel * DTYPE_ITEMSIZE[s.dtype] for s in zp.specs]
     moved_at_once = zp.stage is Stage.OPTIMIZER  # stage 1's hook moves .grad into the buffer
@@ -195,7 +198,8 @@ def _backward_moments(zp: ZeroPlan, overlap: bool) -> list[_Alive]:
 
     schedule = staging_schedule(zp, overlap=overlap)
     next(schedule)
-    for index in sorted(zp.trainable_indices, reverse=True):
+    order = sorted(zp.trainable_indices, reverse=True) if arrivals is None else _checked(zp, arrivals)
+    for index in order:
         grads += nbytes[index]
         moments.append(_Alive((*inflight, *sorted(opened)), grads))
         if moved_at_once:
@@ -205,12 +209,27 @@ def _backward_moments(zp: ZeroPlan, overlap: bool) -> list[_Alive]:
     return moments
 
 
-def backward_peak(zp: ZeroPlan, *, overlap: bool = True) -> tuple[BackwardPeak, ...]:
+def _checked(zp: ZeroPlan, arrivals: Sequence[int]) -> Sequence[int]:
+    trainable = zp.trainable_indices
+    check_config(
+        len(set(arrivals)) == len(arrivals) and all(i in trainable for i in arrivals),
+        f"arrivals must name trainable parameters of the plan, each at most once, got {list(arrivals)!r}",
+    )
+    return arrivals
+
+
+def backward_peak(
+    zp: ZeroPlan, *, overlap: bool = True, arrivals: Sequence[int] | None = None
+) -> tuple[BackwardPeak, ...]:
     """Per shard rank, the most transient bytes during backward (see [Note: the step's peak]).
 
     Args:
         zp: a stage 1 or 2 plan (stage 0 and 3: see :func:`step_peak`).
         overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce``.
+        arrivals: the order in which gradients arrive, as parameter indices
+            (``ZeroOptimizer`` records it in each step); parameters left out
+            get none (they are staged as zeros at the end). Default: every
+            trainable parameter, in decreasing index order.
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
@@ -218,7 +237,7 @@ def backward_peak(zp: ZeroPlan, *, overlap: bool = True) -> tuple[BackwardPeak, 
         >>> backward_peak(zp)[0]   # two 1 KiB buckets staged, one 1 KiB gradient arriving
         BackwardPeak(staging=2048, total=3072)
     """
-    moments = _backward_moments(zp, overlap)
+    moments = _backward_moments(zp, overlap, arrivals)
     spaces = zp.partition.spaces
     buckets = zp.buckets.buckets
     isz = [DTYPE_ITEMSIZE[spaces[b.space].dtype] for b in buckets]

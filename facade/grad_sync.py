@@ -133,6 +133,8 @@ class GradSync:
         # The hooks hold the sync weakly: a dropped optimizer must not keep reducing gradients
         # (or stay alive through its parameters until the cycle collector runs).
         self._trainable = sorted(zp.trainable_indices)
+        self.last_arrivals: tuple[int, ...] | None = None
+        """The order the last reduced step's gradients arrived in (``memory_report(arrivals=...)``)."""
         method = weakref.WeakMethod(self._on_grad)
         self._handles = [
             params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method, index))
@@ -157,6 +159,7 @@ class GradSync:
             for staging in opened.values():
                 self._tracker.free(staging)
         self._ready = [False] * len(self._zp.specs)
+        self._arrivals: list[int] = []
         self._schedule = staging_schedule(self._zp, overlap=self._overlap)  # [Note: staging schedule]
         next(self._schedule)
         self._next = 0
@@ -191,6 +194,7 @@ class GradSync:
                 "inside `with optimizer.no_sync():`"
             )
         self._ready[index] = True
+        self._arrivals.append(index)
         self._carry_out(self._schedule.send(index))
 
     # ------------------------------------------------------------- staging
@@ -278,6 +282,7 @@ class GradSync:
         reduced as they are.
         """
         self._carry_out(self._schedule.send(None))
+        self.last_arrivals = tuple(self._arrivals)
         for pending in self._replica:
             pending.wait()
         self._replica = []

@@ -321,10 +321,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         ``clipping`` adds the all-reduce of :meth:`clip_grad_norm_` to the traffic;
         by default it is counted if the last completed step clipped. Its
-        ``peak_bytes`` follows this optimizer's ``overlap_grad_reduce``.
+        ``peak_bytes`` follows this optimizer's ``overlap_grad_reduce`` and the
+        order the last step's gradients arrived in.
         """
         clipped = self._lifecycle.last.clipped if clipping is None else clipping
-        return memory_report(self._installed.zp, clipping=clipped, overlap=self._overlap)
+        arrivals = self._installed.sync.last_arrivals
+        return memory_report(self._installed.zp, clipping=clipped, overlap=self._overlap, arrivals=arrivals)
 
     # ------------------------------------------------------------ state dicts
     def shards(self) -> Shards:

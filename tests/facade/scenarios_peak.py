@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from zeroplan.core import memory_report
 from zeroplan.facade import ZeroOptimizer
 
 #: A Linear stack: activations (batch x width per layer) are under 1% of the parameters' bytes.
@@ -27,7 +28,11 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     tracker = MemTracker()
     with tracker:
         torch.manual_seed(0)
-        model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))).to(dtype)
+        layers = [nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)]
+        if cfg.get("reverse_forward"):  # registered first, used last: gradients arrive in plan order
+            model = _Reversed(layers).to(dtype)
+        else:
+            model = nn.Sequential(*layers).to(dtype)
         opt = ZeroOptimizer(
             model.parameters(),
             inner,
@@ -54,9 +59,24 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             opt.zero_grad()
             peaks.append(_total(tracker, "peak"))
     report = opt.memory_report().ranks[opt.process_groups.rank]
+    assumed = memory_report(opt.plan, overlap=cfg.get("overlap", True)).ranks[opt.process_groups.rank]
     return {
         "measured": peaks,
         "planned": report.peak_bytes,
         "phase": report.peak_phase.value,
         "persistent": _total(tracker, "current"),
+        "planned_in_reverse_order": assumed.peak_bytes,
     }
+
+
+class _Reversed(nn.Module):
+    """Linear layers applied in the reverse of their registration order."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = layer(x)
+        return x

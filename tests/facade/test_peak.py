@@ -37,3 +37,15 @@ def test_step_peak_equals_plan_within_one_percent(pools, world, cfg):
         steady = r["measured"][-1]
         assert r["measured"][1] == steady, r  # the peak is the same every step
         assert abs(steady / r["planned"] - 1) <= 0.01, r
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_plan_follows_the_order_gradients_arrived_in(pools, stage):
+    # The forward applies the layers last-registered first, so gradients arrive in increasing parameter
+    # order: at stage 2 each waits for the window to reach its bucket. The optimizer's report replays the
+    # order it saw; the planner's default (decreasing order) would be too low at stage 2.
+    cfg = {"stage": stage, "dtype": "fp32", "reverse_forward": True, **ADAMW_FUSED}
+    for r in pools(2).run(scenarios_peak.step_peak, cfg):
+        assert abs(r["measured"][-1] / r["planned"] - 1) <= 0.01, r
+        if stage == 2:
+            assert r["planned_in_reverse_order"] < 0.95 * r["planned"], r
