@@ -130,11 +130,11 @@ class GradSync:
                 if buf.grads is None:  # build_buffers allocates them for stage 1
                     raise RuntimeError("stage 1 needs full gradient buffers")
                 self._grad_views.update(param_views(buf.grads, buf.space, params))
-        # The hooks hold the sync weakly: a dropped optimizer must not keep reducing gradients
-        # (or stay alive through its parameters until the cycle collector runs).
         self._trainable = sorted(zp.trainable_indices)
         self.last_arrivals: tuple[int, ...] | None = None
         """The order the last reduced step's gradients arrived in (``memory_report(arrivals=...)``)."""
+        # The hooks hold the sync weakly: a dropped optimizer must not keep reducing gradients
+        # (or stay alive through its parameters until the cycle collector runs).
         method = weakref.WeakMethod(self._on_grad)
         self._handles = [
             params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method, index))
