@@ -41,9 +41,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from zeroplan.core import describe_optimizer, known_optimizers
+from zeroplan.facade.meter import step_temporaries
 
 #: Hyper-parameter variants that change the step's temporaries (the others only change numbers).
 VARIANTS: dict[str, list[dict[str, Any]]] = {
@@ -101,30 +101,6 @@ IMPLEMENTATIONS = {"for_loop": {"foreach": False}, "foreach": {"foreach": True},
 #: The shape sets each case is checked on (Muon takes matrices only).
 SHAPES = [(64, 48), (33,), (128, 16), (7, 5)]
 SHAPES_CHECK = [(17, 257), (100,), (31, 3), (40, 40), (5,)]
-
-
-def measure(
-    cls: type[torch.optim.Optimizer],
-    kwargs: dict[str, Any],
-    shapes: Sequence[tuple[int, ...]],
-    dtype: torch.dtype = torch.float32,
-    warmup: int = 6,
-) -> int:
-    """Bytes of temporaries of one ``step()`` of ``cls(**kwargs)`` on fresh tensors of ``shapes``."""
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in shapes]
-    opt = cls(params, **kwargs)
-    for step in range(warmup + 1):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen, dtype=dtype)
-        if step < warmup:
-            opt.step()
-    tracker = MemTracker()
-    tracker.track_external(*params, *(p.grad for p in params), opt)
-    entry = sum(d["Total"] for d in tracker.get_tracker_snapshot("current").values())
-    with tracker:
-        opt.step()
-    return sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values()) - entry
 
 
 def supported(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]) -> bool:
@@ -230,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for dtype in (torch.float32, torch.float64):
 
                     def run(numels, dtype=dtype, cls=cls, kwargs=kwargs, probe=probe):
-                        return measure(cls, kwargs, [probe(n) for n in numels], dtype, args.warmup)
+                        shapes = [probe(n) for n in numels]
+                        return step_temporaries(cls, kwargs, shapes, dtype=dtype, warmup=args.warmup)
 
                     fits.append(fit(run, 4 * args.probe if matrices else args.probe))
                 coefficients = [per_dtype(v32, v64) for v32, v64 in zip(*fits, strict=True)]
@@ -239,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 row = [name, impl, ", ".join(f"{k}={v}" for k, v in variant.items()) or "-"]
                 row += [coefficients[0], coefficients[1], carried, coefficients[3]]
                 for shapes in sets:
-                    measured = measure(cls, kwargs, shapes, torch.float32, args.warmup)
+                    measured = step_temporaries(cls, kwargs, shapes, warmup=args.warmup)
                     numels = [math.prod(s) for s in shapes]
                     row += [
                         str(measured),

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from zeroplan.facade import ZeroOptimizer
+from zeroplan.facade.meter import step_peaks
 
 WIDTH, DEPTH, BATCH = 512, 8, 4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,10 +53,6 @@ CONFIGS = [
 ]
 
 
-def _total(tracker: MemTracker, kind: str) -> int:
-    return sum(snap["Total"] for snap in tracker.get_tracker_snapshot(kind).values())
-
-
 def _worker(rank: int, world: int, port: int, config: tuple[Any, ...], results: Any) -> None:
     _, shard, stage, dtype_name, inner_name = config
     torch.set_num_threads(1)
@@ -76,22 +73,21 @@ def _worker(rank: int, world: int, port: int, config: tuple[Any, ...], results: 
             **hyper,
         )
         x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank)).to(dtype)
-    peaks = []
-    for _ in range(3):
-        tracker.reset_mod_stats()
-        with tracker:
-            opt.backward(model(x).float().square().mean())
-            opt.step()
-            opt.zero_grad()
-            peaks.append(_total(tracker, "peak"))
+
+    def step() -> None:
+        opt.backward(model(x).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+
+    peaks = step_peaks(tracker, step, 3)
     report = opt.memory_report().ranks[rank]
     results.put(
         {
             "rank": rank,
             "measured": peaks[-1],
             "total": report.total_bytes,
-            "peak": getattr(report, "peak_bytes", None),
-            "phase": getattr(getattr(report, "peak_phase", None), "value", "-"),
+            "peak": report.peak_bytes,
+            "phase": report.peak_phase.value,
         }
     )
     dist.destroy_process_group()
@@ -134,7 +130,6 @@ def main() -> None:
         table.add_column(column, justify="right")
     table.add_column("measured / peak", justify="right")
     for r in rows:
-        peak = r["peak"]
         table.add_row(
             str(r["world"]),
             str(r["shard"]),
@@ -143,9 +138,9 @@ def main() -> None:
             r["inner"],
             f"{r['measured'] / 2**20:.3f}",
             f"{r['total'] / 2**20:.3f}",
-            "-" if peak is None else f"{peak / 2**20:.3f}",
+            f"{r['peak'] / 2**20:.3f}",
             r["phase"],
-            "-" if peak is None else f"{r['measured'] / peak:.4f}",
+            f"{r['measured'] / r['peak']:.4f}",
         )
     Console(width=150).print(table)
     if args.json:

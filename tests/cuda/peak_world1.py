@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroplan.facade import ZeroOptimizer
+from zeroplan.facade.meter import tracked_bytes
 
 WIDTH, DEPTH, BATCH = 2048, 8, 8
 CONFIGS = [
@@ -75,7 +76,7 @@ class TrackerMeter:
         self.tracker.reset_mod_stats()
         with self.tracker:
             step()  # type: ignore[operator]
-            peak = sum(s["Total"] for s in self.tracker.get_tracker_snapshot("peak").values())
+            peak = tracked_bytes(self.tracker, "peak")
         self.tracker.__enter__()  # entered between steps too, as it was while the model was built
         return peak
 

@@ -10,13 +10,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from zeroplan.core import memory_report
 from zeroplan.facade import ZeroOptimizer
+from zeroplan.facade.meter import step_peaks, tracked_bytes
 
 #: A Linear stack: activations (batch x width per layer) are under 1% of the parameters' bytes.
 WIDTH, DEPTH, BATCH = 192, 6, 2
-
-
-def _total(tracker: MemTracker, kind: str) -> int:
-    return sum(snap["Total"] for snap in tracker.get_tracker_snapshot(kind).values())
 
 
 def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -46,25 +43,24 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             **cfg.get("hyper", {"lr": 1e-3}),
         )
         x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank)).to(dtype)
-    peaks = []
-    for _ in range(3):
-        tracker.reset_mod_stats()
-        with tracker:
-            loss = model(x).float().square().mean()
-            opt.backward(loss)
-            del loss
-            if cfg.get("clip"):
-                opt.clip_grad_norm_(1.0)
-            opt.step()
-            opt.zero_grad()
-            peaks.append(_total(tracker, "peak"))
+
+    def step() -> None:
+        loss = model(x).float().square().mean()
+        opt.backward(loss)
+        del loss
+        if cfg.get("clip"):
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    peaks = step_peaks(tracker, step, 3)
     report = opt.memory_report().ranks[opt.process_groups.rank]
     assumed = memory_report(opt.plan, overlap=cfg.get("overlap", True)).ranks[opt.process_groups.rank]
     return {
         "measured": peaks,
         "planned": report.peak_bytes,
         "phase": report.peak_phase.value,
-        "persistent": _total(tracker, "current"),
+        "persistent": tracked_bytes(tracker),
         "planned_in_reverse_order": assumed.peak_bytes,
     }
 

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._foreach_utils import (
     _get_foreach_kernels_supported_devices,
     _get_fused_kernels_supported_devices,
@@ -37,6 +35,7 @@ from torch.utils._foreach_utils import (
 from zeroplan.core import ConfigError, Implementation, Topology, describe_optimizer, known_optimizers
 from zeroplan.core.implementations import FOREACH_DEVICES, FUSED_DEVICES
 from zeroplan.facade.inputs import collect_params
+from zeroplan.facade.meter import step_temporaries
 from zeroplan.facade.registry import ParamRegistry, PlanSettings
 
 #: Hyper-parameter variants that change what a step allocates.
@@ -122,22 +121,7 @@ def measure(
 ) -> int:
     """Bytes of temporaries of one ``step()`` (MemTracker's peak over what existed before)."""
     warmup = 6 if cls is torch.optim.RAdam else 2
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in shapes]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Muon: "learning rate adjustment"; MemTracker's own
-        opt = cls(params, **kwargs)
-        for step in range(warmup + 1):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen, dtype=dtype)
-            if step < warmup:
-                opt.step()
-        tracker = MemTracker()
-        tracker.track_external(*params, *(p.grad for p in params), opt)
-        entry = sum(d["Total"] for d in tracker.get_tracker_snapshot("current").values())
-        with tracker:
-            opt.step()
-    return sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values()) - entry
+    return step_temporaries(cls, kwargs, shapes, dtype=dtype, warmup=warmup)
 
 
 def _slack(name: str, kwargs: dict[str, Any], shapes: list[tuple[int, ...]], itemsize: int) -> int:
