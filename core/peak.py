@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import NamedTuple
 
-from zeroplan.core.buckets import Bucket
+from zeroplan.core.buckets import Bucket, Piece
 from zeroplan.core.comm import Collective
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import check_config
@@ -149,8 +149,12 @@ def staging_layout(zp: ZeroPlan, bucket: Bucket, shard_rank: int) -> StagingLayo
         >>> staging_layout(zp, zp.buckets.buckets[0], 1)   # 64 gradients, then the rank's 32
         StagingLayout(numel=96, reduced=Span(start=64, stop=96))
     """
+    return _piece_layout(zp, bucket, bucket.piece_of(shard_rank))
+
+
+def _piece_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece | None) -> StagingLayout:
+    """:func:`staging_layout` of the rank that receives ``piece`` (``None``: a rank without one)."""
     space = zp.partition.spaces[bucket.space]
-    piece = bucket.piece_of(shard_rank)
     if piece is None or grad_shard_dtype(zp, space) == space.dtype:
         return StagingLayout(bucket.numel, None)
     scattered = bucket.collective in (Collective.REDUCE_SCATTER, Collective.REDUCE_SCATTER_V)
@@ -237,7 +241,12 @@ def backward_peak(
         >>> backward_peak(zp)[0]   # two 1 KiB buckets staged, one 1 KiB gradient arriving
         BackwardPeak(staging=2048, total=3072)
     """
-    moments = _backward_moments(zp, overlap, arrivals)
+    # Staging bytes depend only on which buckets are alive: keep, per alive set, its most gradient bytes.
+    grads_of: dict[tuple[int, ...], int] = {}
+    for moment in _backward_moments(zp, overlap, arrivals):
+        alive = tuple(sorted(moment.buckets))
+        grads_of[alive] = max(grads_of.get(alive, 0), moment.grads)
+    moments = [_Alive(alive, grads) for alive, grads in grads_of.items()]
     spaces = zp.partition.spaces
     buckets = zp.buckets.buckets
     isz = [DTYPE_ITEMSIZE[spaces[b.space].dtype] for b in buckets]
@@ -248,8 +257,11 @@ def backward_peak(
     # holding one of a rank's enlarged buckets can exceed the rank-independent maximum.
     extra: list[dict[int, int]] = [{} for _ in range(zp.topology.shard_size)]
     for b in buckets:
-        for piece in b.pieces:
-            more = staging_layout(zp, b, piece.rank).numel - b.numel
+        space = spaces[b.space]
+        if grad_shard_dtype(zp, space) == space.dtype:
+            continue  # reduced straight into the shard: no room to add on any rank
+        for piece in b.pieces:  # (not staging_layout: it searches the pieces for the rank)
+            more = _piece_layout(zp, b, piece).numel - b.numel
             if more:
                 extra[piece.rank][b.index] = more * isz[b.index]
     holding: dict[int, list[int]] = {}
