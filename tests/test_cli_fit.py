@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from cli_runs import zeroplan, zeroplan_many
 
 from zeroplan.core import (
     ConfigError,
@@ -27,13 +25,6 @@ from zeroplan.facade.cli.fit import parse_size
 from zeroplan.facade.cli.model_sources import dims_from_hf_config
 
 GiB = 2**30
-_ENV = {**os.environ, "COLUMNS": "160", "PYTHONWARNINGS": "ignore"}
-
-
-def zeroplan(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``zeroplan plan ARGS`` in a fresh interpreter."""
-    command = [sys.executable, "-m", "zeroplan.facade.cli", "plan", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=_ENV, timeout=300)
 
 
 def flat(text: str) -> str:
@@ -58,9 +49,7 @@ def llama_runs():
         "selective": (*LLAMA, "--recompute", "selective"),
         "json": (*LLAMA, "--recompute", "selective", "--json"),
     }
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        futures = {key: pool.submit(zeroplan, *args) for key, args in runs.items()}
-        return {key: future.result() for key, future in futures.items()}
+    return zeroplan_many(runs)
 
 
 # ----------------------------------------------------------------- the recommender on a preset
@@ -232,9 +221,7 @@ BAD = [
 
 @pytest.fixture(scope="module")
 def bad_runs():
-    with ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1) as pool:
-        futures = {" ".join(args): pool.submit(zeroplan, *args) for args, _ in BAD}
-        return {key: future.result() for key, future in futures.items()}
+    return zeroplan_many({" ".join(args): args for args, _ in BAD})
 
 
 @pytest.mark.parametrize(("args", "needle"), BAD, ids=[" ".join(a) for a, _ in BAD])
@@ -255,17 +242,3 @@ def test_seq_len_needs_model_dimensions(tmp_path):
         zeroplan("--hf-config", str(config), "--seq-len", "128"),
         "the config has no num_attention_heads / n_head / num_heads",
     )
-
-
-def test_recommend_never_imports_torch():
-    code = (
-        "import contextlib, io, sys\n"
-        "from zeroplan.facade.cli import main\n"
-        "args = ['plan', '--preset', 'gpt2', '--device-memory', '8GiB', '--seq-len', '256', '--recommend']\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    codes = [main(args), main([*args, '--json'])]\n"
-        "print(codes, sorted(m for m in sys.modules if m.partition('.')[0] == 'torch'))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[0, 0] []"

@@ -8,9 +8,9 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from cli_runs import ENV, zeroplan, zeroplan_many
 
 from zeroplan.core import (
     ParamSpec,
@@ -32,25 +32,6 @@ RANK_KEYS = {
     "comm_bytes_per_step",
 }
 TOP_KEYS = {"fingerprint", "world", "shard_size", "stage", "strategy"}
-
-
-def _command(args: tuple[str, ...]) -> list[str]:
-    return [sys.executable, "-m", "zeroplan.facade.cli", "plan", *args]
-
-
-_ENV = {**os.environ, "COLUMNS": "160", "PYTHONWARNINGS": "ignore"}
-
-
-def zeroplan(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``zeroplan plan ARGS`` in a fresh interpreter."""
-    return subprocess.run(_command(args), capture_output=True, text=True, env=_ENV, timeout=300)
-
-
-def zeroplan_many(runs: dict[str, tuple[str, ...]]) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Run several ``zeroplan plan`` commands concurrently; results by key."""
-    with ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1) as pool:
-        futures = {key: pool.submit(zeroplan, *args) for key, args in runs.items()}
-        return {key: future.result() for key, future in futures.items()}
 
 
 def expected_report(specs, *, world, shard=None, stage=2, strategy="auto", optimizer="AdamW", **kwargs):
@@ -388,25 +369,35 @@ def test_console_script_matches_the_module_entry_point():
     if not os.path.exists(script):
         pytest.skip("the zeroplan console script is not installed next to this interpreter")
     args = ("plan", "--preset", "gpt2", "--world", "4", "--json")
-    out = subprocess.run([script, *args], capture_output=True, text=True, env=_ENV, timeout=120)
+    out = subprocess.run([script, *args], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
     _, report = expected_report(preset_specs("gpt2", "bf16"), world=4)
     check_document(json.loads(out.stdout), report)
     bad = subprocess.run(
-        [script, "plan", "--stage", "4"], capture_output=True, text=True, env=_ENV, timeout=120
+        [script, "plan", "--stage", "4"], capture_output=True, text=True, env=ENV, timeout=120
     )
     assert_one_line_error(bad, "stage must be 0, 1, 2 or 3, got 4")
 
 
-def test_plan_never_imports_torch():
-    """``zeroplan plan`` (table and JSON) starts in a fraction of a second: no torch, no optimizer."""
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--preset", "gpt2"],
+        ["--preset", "gpt2", "--device-memory", "8GiB", "--seq-len", "256", "--recommend"],
+    ],
+    ids=["plan", "recommend"],
+)
+def test_plan_never_imports_torch(args):
+    """``zeroplan plan`` (table and JSON, with the recommender too) starts in a fraction of a second:
+    no torch, no optimizer."""
     code = (
         "import contextlib, io, sys\n"
         "from zeroplan.facade.cli import main\n"
+        f"args = ['plan', *{args!r}]\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    codes = [main(['plan', '--preset', 'gpt2']), main(['plan', '--preset', 'gpt2', '--json'])]\n"
+        "    codes = [main(args), main([*args, '--json'])]\n"
         "print(codes, sorted(m for m in sys.modules if m.partition('.')[0] == 'torch'))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 0] []"

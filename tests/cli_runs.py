@@ -1,0 +1,23 @@
+"""``zeroplan plan`` run as a user runs it: a fresh interpreter, a wide terminal, warnings silenced."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+ENV = {**os.environ, "COLUMNS": "160", "PYTHONWARNINGS": "ignore"}
+
+
+def zeroplan(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``zeroplan plan ARGS`` in a fresh interpreter."""
+    command = [sys.executable, "-m", "zeroplan.facade.cli", "plan", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def zeroplan_many(runs: dict[str, tuple[str, ...]]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Run several ``zeroplan plan`` commands concurrently; results by key."""
+    with ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1) as pool:
+        futures = {key: pool.submit(zeroplan, *args) for key, args in runs.items()}
+        return {key: future.result() for key, future in futures.items()}
