@@ -59,12 +59,7 @@ def _advice(configured: Configured, available: int) -> str:
             optimizer=settings.optimizer_name,
             settings=groups[0] if groups else None,  # the implementation (fused, foreach) of the first group
             stages=(1, 2),
-            strategy=settings.strategy,
-            alignment=settings.alignment,
-            bucket_bytes=settings.bucket_bytes,
-            loss_scaling=settings.loss_scaling,
-            max_inflight_buckets=settings.max_inflight_buckets,
-            policy=settings.policy,
+            **settings.plan_options(),
         )
     except ConfigError as exc:  # e.g. an optimizer zeroplan has no description of
         return f"no advice on other configurations ({exc})"

@@ -132,18 +132,19 @@ class PlanSettings:
         optimizers = tuple(
             describe_optimizer(self.optimizer_name, g, strict=False, device=device) for g in groups
         )
-        return plan(
-            registry.specs(),
-            self.topology,
-            stage=self.stage,
-            strategy=self.strategy,
-            optimizer=optimizers,
-            alignment=self.alignment,
-            bucket_bytes=self.bucket_bytes,
-            loss_scaling=self.loss_scaling,
-            max_inflight_buckets=self.max_inflight_buckets,
-            policy=self.policy,
-        )
+        options = self.plan_options()
+        return plan(registry.specs(), self.topology, stage=self.stage, optimizer=optimizers, **options)
+
+    def plan_options(self) -> dict[str, Any]:
+        """The keywords of ``zeroplan.core.plan`` besides specs, topology, stage and optimizer."""
+        return {
+            "strategy": self.strategy,
+            "alignment": self.alignment,
+            "bucket_bytes": self.bucket_bytes,
+            "loss_scaling": self.loss_scaling,
+            "max_inflight_buckets": self.max_inflight_buckets,
+            "policy": self.policy,
+        }
 
 
 class Configured(NamedTuple):
