@@ -26,8 +26,14 @@ def _free_port() -> int:
 @pytest.mark.parametrize(
     ("mode", "error", "blocked"),
     [
-        ("exit", "Connection closed by peer", (0, SLACK_S)),
-        ("stay", "Timed out", (TIMEOUT_S - 1, TIMEOUT_S + SLACK_S)),
+        ("exit", ("Connection closed by peer",), (0, SLACK_S)),
+        # gloo words the timeout of the operation waited on, or, when another operation in flight on the
+        # same connection timed out first and closed it, the closure; the time bound is the check.
+        (
+            "stay",
+            ("Timed out", "Application timeout caused pair closure"),
+            (TIMEOUT_S - 1, TIMEOUT_S + SLACK_S),
+        ),
     ],
 )
 def test_the_other_rank_fails_within_the_timeout(mode, error, blocked):
@@ -64,7 +70,7 @@ def test_the_other_rank_fails_within_the_timeout(mode, error, blocked):
     assert procs[1].returncode not in (0, None), out1
     assert "rank 1 fails between backward and step" in out1 or "raised and stays alive" in out1, out1
     line = next((x for x in out0.splitlines() if x.startswith("FAILED AFTER")), None)
-    assert line is not None and error in line, out0
+    assert line is not None and any(e in line for e in error), out0
     seconds = float(line.split()[2])
     assert blocked[0] <= seconds <= blocked[1], f"step() blocked {seconds} s: {line}"
     assert waited < 120 + TIMEOUT_S
