@@ -21,6 +21,12 @@ staging buffer laid out as the pieces one after the other, in rank order, and
 or, under the ``GLOO`` policy, ``all_reduce`` over the whole data-parallel
 group, after which every rank keeps its piece (see [Note: collective policy]).
 
+With the ``interleaved`` layout ([Note: interleaved layout]) each block of
+the full buffer is one bucket instead: its ``span`` is the block's range of the
+full buffer, the staging buffer is laid out exactly like the block (padding
+included, which the facade zeroes), and equal pieces make it one
+``reduce_scatter``.
+
 Over all buckets, a rank's pieces tile its shard exactly once. Buckets launch
 in ``buckets`` order on every rank (the order collectives must match in), each
 once all its parameters' gradients are ready.
@@ -35,6 +41,7 @@ from zeroplan.core.comm import Collective, CollectivePolicy
 from zeroplan.core.errors import PlanInvariantError, check_config, require
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.partition import PartitionPlan
+from zeroplan.core.space import Space
 from zeroplan.core.span import Span, round_up
 
 __all__ = ["Bucket", "BucketLayout", "GradCopy", "Piece", "plan_buckets"]
@@ -76,7 +83,8 @@ class Bucket:
     Attributes:
         index: position in launch order.
         space: index of the dtype space.
-        span: the interval of the space coordinate it covers.
+        span: the interval of the space coordinate it covers (rank-major), or
+            its block's range of the full buffer (interleaved).
         pieces: non-empty per-rank pieces, in rank order.
         copies: how to fill the staging buffer from parameter gradients.
         params: parameters whose gradients it needs, increasing.
@@ -95,6 +103,11 @@ class Bucket:
     def numel(self) -> int:
         """Elements in the bucket (and its staging buffer)."""
         return self.span.numel
+
+    @property
+    def padded(self) -> bool:
+        """Whether part of the staging buffer is padding, which must be zero (interleaved layouts)."""
+        return sum(c.param_span.numel for c in self.copies) < self.numel
 
     def piece_sizes(self, shard_size: int) -> tuple[int, ...]:
         """Elements of the bucket each shard rank receives (0 for most ranks of a ``reduce``)."""
@@ -221,6 +234,9 @@ def plan_buckets(
     )
     drafts: list[_Draft] = []
     for space in plan.spaces:
+        if plan.layout == "interleaved":
+            drafts.extend(_block_drafts(plan, space))
+            continue
         itemsize = plan.specs[space.params[0]].itemsize
         cap = max(alignment, bucket_bytes // itemsize // alignment * alignment)
         offset_of = dict(zip(space.params, space.param_offsets, strict=True))
@@ -284,6 +300,35 @@ def plan_buckets(
         for i, d in enumerate(drafts)
     )
     return BucketLayout(bucket_bytes=bucket_bytes, alignment=alignment, buckets=buckets, policy=policy)
+
+
+def _block_drafts(plan: PartitionPlan, space: Space) -> list[_Draft]:
+    """One bucket per block of an interleaved space: its staging buffer is laid out like the block."""
+    drafts = []
+    frags = sorted(space.runs, key=lambda f: space.buffer_offset(f.param) + f.param_span.start)
+    position = 0
+    for block in space.blocks:
+        span = block.span
+        pieces = tuple(
+            Piece(r, block.piece(r).shard_span, block.offset_in_block(r))
+            for r in range(plan.shard_size)
+            if block.pieces[r]
+        )
+        copies = []
+        while position < len(frags):
+            frag = frags[position]
+            at = space.buffer_offset(frag.param) + frag.param_span.start
+            if at >= span.stop and frag.param_span.numel:
+                break
+            if at > span.stop:
+                break
+            if frag.param_span.numel:
+                copies.append(GradCopy(frag.param, frag.param_span, at - span.start))
+            position += 1
+        params = tuple(sorted({c.param for c in copies}))
+        if params:
+            drafts.append(_Draft(space.index, span, pieces, tuple(copies), params))
+    return drafts
 
 
 def _collective(pieces: tuple[Piece, ...], shard_size: int) -> Collective:

@@ -9,10 +9,13 @@ the facade's measured accounting can be compared with it exactly:
 
 * ``params`` — the full parameter buffers (stages 0-2) or the rank's parameter
   shards (stage 3), plus frozen parameters, which every rank keeps whole.
-* ``grads`` — stage 0: every gradient; stage 1: the full gradient buffer (the
-  rank reduces into its own region of it, in place); stages 2-3: the reduced
-  shard only, in fp32 for bf16/fp16 parameters (reduced straight into it).
-* ``master`` — fp32 copies of the parameters the rank steps (bf16/fp16 only).
+* ``grads`` — stage 0: every gradient; stage 1: the full gradient buffer (with
+  a rank-major layout the rank reduces into its own region of it, in place);
+  the reduced shard (stages 2-3, and stage 1 when interleaved), in fp32 for
+  bf16/fp16 parameters (reduced straight into it).
+* ``master`` — what the rank steps when it is not its region of the full
+  parameter buffer: fp32 copies for bf16/fp16 parameters, and the shard of an
+  interleaved layout (not contiguous in the full buffer, see [Note: layout]).
 * ``optimizer_state`` — the inner optimizer's state for what the rank steps.
 * ``buffers`` — stage 0: DDP's flat bucket copy of all gradients. Otherwise the
   peak of the gradient staging buffers (at most ``max_inflight_buckets``
@@ -268,11 +271,12 @@ def _traffic(zp: ZeroPlan, clipping: bool) -> _Tally:
         if zp.stage is not Stage.PARAMETERS:
             for space in spaces:
                 isz = DTYPE_ITEMSIZE[space.dtype]
-                gather = zp.gather_collective(space)
-                calls = 1 if gather is Collective.ALL_GATHER else sum(1 for o in space.owned if o)
-                row = account(gather, space.numel * isz, calls)
-                for q, owned in enumerate(space.owned):  # a sender skips its successor's region
-                    row[(q - 1) % n] += owned * isz
+                for block in space.blocks:
+                    gather = zp.gather_collective(block)
+                    calls = 1 if gather is Collective.ALL_GATHER else sum(1 for p in block.pieces if p)
+                    row = account(gather, block.numel * isz, calls)
+                    for q, piece in enumerate(block.pieces):  # a sender skips its successor's piece
+                        row[(q - 1) % n] += piece * isz
         # MiCS: each piece is then all-reduced over the replica group; count pieces by size.
         piece_sizes: list[Counter[_Elements]] = [Counter() for _ in range(n)]
         if r > 1:
@@ -345,20 +349,22 @@ def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _R
     for space in zp.partition.spaces:
         isz = DTYPE_ITEMSIZE[space.dtype]
         low = space.dtype in LOW_PRECISION
-        full = space.numel * isz
         shard = space.shard_numel[shard_rank]
         if stage is Stage.DDP:
-            params += full
-            grads += full
+            params += space.numel * isz
+            grads += space.numel * isz
             master += space.numel * _FP32 if low else 0
             continue
+        full = space.buffer_numel * isz
         params += shard * isz if stage is Stage.PARAMETERS else full
+        in_place = stage is Stage.OPTIMIZER and space.shard_is_region  # the rank's region is its shard
         if stage is Stage.OPTIMIZER:
-            grads += full  # reduced in place: the rank's region is its shard
-            scratch += space.owned[shard_rank] * _FP32 if low else 0
-        else:
+            grads += full
+            scratch += space.extent(shard_rank) * _FP32 if low and in_place else 0
+        if not in_place:
             grads += shard * DTYPE_ITEMSIZE[grad_shard_dtype(zp, space)]
-        master += shard * _FP32 if low else 0
+        separate = low or not space.shard_is_region  # else the master is the rank's region itself
+        master += shard * DTYPE_ITEMSIZE[master_dtype(space.dtype)] if separate else 0
     if stage is Stage.DDP:
         for spec in specs:
             if spec.trainable:

@@ -131,13 +131,14 @@ class StepPeak(NamedTuple):
 def grad_shard_dtype(zp: ZeroPlan, space: Space) -> str:
     """The dtype of a rank's reduced-gradient shard of ``space``.
 
-    Stage 1 reduces in place into the full gradient buffer (the space's
-    dtype); stages 2 and 3 keep the shard in the master dtype, so bf16/fp16
-    gradients are reduced straight into fp32 and the step needs no copy.
+    Stage 1 with a rank-major layout reduces in place into the rank's region
+    of the full gradient buffer (the space's dtype); otherwise the shard is a
+    tensor of its own in the master dtype, so bf16/fp16 gradients are reduced
+    straight into fp32 and the step needs no copy.
     """
-    if zp.stage in (Stage.GRADIENTS, Stage.PARAMETERS):
-        return master_dtype(space.dtype)
-    return space.dtype
+    if zp.stage is Stage.OPTIMIZER and space.shard_is_region:
+        return space.dtype
+    return master_dtype(space.dtype)
 
 
 def staging_layout(zp: ZeroPlan, bucket: Bucket, shard_rank: int) -> StagingLayout:
@@ -283,15 +284,15 @@ def backward_peak(
 def step_transient(zp: ZeroPlan, shard_rank: int) -> int:
     """Transient bytes of shard rank ``shard_rank`` inside ``step()``.
 
-    The fp32 copies of reduced bf16/fp16 gradients (stage 1 only: later
-    stages reduce into fp32) and the inner optimizer's temporaries of its
+    The fp32 copies of reduced bf16/fp16 gradients (stage 1 with a rank-major
+    layout only: otherwise they are reduced into fp32) and the inner optimizer's temporaries of its
     largest param group (stage 0: over every trainable parameter).
     """
     copies = 0
     if zp.stage is Stage.OPTIMIZER:
         for space in zp.partition.spaces:
-            if space.dtype in LOW_PRECISION:
-                copies += space.owned[shard_rank] * DTYPE_ITEMSIZE[master_dtype(space.dtype)]
+            if space.dtype in LOW_PRECISION and space.shard_is_region:
+                copies += space.extent(shard_rank) * DTYPE_ITEMSIZE[master_dtype(space.dtype)]
     groups: dict[int, dict[str, list[tuple[int, ...]]]] = {}  # group -> dtype -> shapes, in step order
     if zp.stage is Stage.DDP:
         for spec in zp.specs:

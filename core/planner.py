@@ -21,11 +21,12 @@ from zeroplan.core.buckets import BucketLayout, plan_buckets
 from zeroplan.core.comm import Collective, CollectivePolicy
 from zeroplan.core.errors import ConfigError, check_config, require
 from zeroplan.core.fingerprint import digest
+from zeroplan.core.layout import build_partition
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
-from zeroplan.core.partition import PartitionPlan, Space
+from zeroplan.core.partition import PartitionPlan
+from zeroplan.core.space import Block
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs, specs_fingerprint
-from zeroplan.core.strategies import get_strategy
 from zeroplan.core.topology import Topology
 
 __all__ = [
@@ -224,9 +225,9 @@ class ZeroPlan:
         """The collective policy (see [Note: collective policy])."""
         return self.buckets.policy
 
-    def gather_collective(self, space: Space) -> Collective:
-        """How updated shards of ``space`` are gathered: the space's own choice, or broadcasts under GLOO."""
-        return Collective.BROADCAST if self.policy is CollectivePolicy.GLOO else space.gather
+    def gather_collective(self, block: Block) -> Collective:
+        """How a block of updated shards is gathered: the block's own choice, or broadcasts under GLOO."""
+        return Collective.BROADCAST if self.policy is CollectivePolicy.GLOO else block.gather
 
     def inner_tensors(self, shard_rank: int) -> tuple[InnerTensor, ...]:
         """What the inner optimizer steps on shard rank ``shard_rank``.
@@ -324,6 +325,7 @@ def plan(
     loss_scaling: bool = False,
     max_inflight_buckets: int = 2,
     policy: CollectivePolicy | str = CollectivePolicy.MIN_BYTES,
+    layout: str = "auto",
 ) -> ZeroPlan:
     """Plan a sharded optimizer for ``specs`` on ``topology``.
 
@@ -338,6 +340,8 @@ def plan(
         loss_scaling: whether a loss scale (with its overflow check) is used.
         max_inflight_buckets: bound on buckets being reduced at once.
         policy: ``"min_bytes"`` (NCCL) or ``"gloo"``, see [Note: collective policy].
+        layout: ``"auto"``, ``"interleaved"`` or ``"rank_major"``, see
+            [Note: layout] and [Note: interleaved layout].
 
     Raises:
         ConfigError: any argument is invalid (the message says how to fix it).
@@ -361,15 +365,7 @@ def plan(
         choices = ", ".join(repr(p.value) for p in CollectivePolicy)
         raise ConfigError(f"unknown collective policy {policy!r}; use one of {choices}") from None
     name = auto_strategy(optimizers[0]) if strategy == "auto" else strategy
-    partition = get_strategy(name)(specs, topology.shard_size, alignment)
-    require(
-        isinstance(partition, PartitionPlan),
-        f"strategy {name!r} returned {type(partition).__name__}, expected a PartitionPlan",
-    )
-    require(
-        partition.specs == specs and partition.shard_size == topology.shard_size,
-        f"strategy {name!r} returned a plan for other specs or another shard size",
-    )
+    partition = build_partition(specs, topology.shard_size, alignment, bucket_bytes, name, layout)
     return ZeroPlan(
         topology=topology,
         stage=Stage(stage),

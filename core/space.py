@@ -1,0 +1,415 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# One dtype space's layout: fragments, the full buffer's blocks, every offset derived and checked.
+"""``Space``: where the trainable elements of one dtype live, in shards and in the full buffer.
+
+[Note: layout]
+Trainable parameters of one dtype form a *space*. Three coordinates describe it:
+
+* the **space coordinate**: the parameters concatenated in index order;
+* the **shard coordinate** of rank ``r``: where rank ``r``'s fragments lie in
+  its shard (``shard_numel[r]`` elements allocated, a multiple of the alignment);
+* the **buffer coordinate**: the full parameter buffer every rank holds, which
+  ``param.data`` views (so every parameter must be one contiguous run of it).
+
+The full buffer is a sequence of **blocks**. A block holds one *piece* of
+every rank's shard, in rank order, and rank ``r``'s shard is its pieces of all
+blocks, in block order. Two layouts exist (``PartitionPlan.layout``):
+
+* ``rank_major``: one block whose pieces are exactly the ranks' owned
+  elements, packed in parameter order (a split parameter ends one rank's piece
+  and starts the next's). The rank's shard is one contiguous region of the
+  buffer, so its fp32 master (fp32 parameters) and, at stage 1, its reduced
+  gradients are views of the full buffers.
+* ``interleaved``: blocks cut in backward order and capped like gradient
+  buckets (see :mod:`zeroplan.core.layout`). Each block is reduced by one
+  collective straight from its staging copy and gathered by one collective into
+  the full buffer; with equal pieces these are one ``reduce_scatter`` and one
+  ``all_gather``. Pieces may contain padding (zeros that every rank steps and
+  gathers, never a parameter's element). The shard is not contiguous in the
+  buffer, so masters and reduced gradients are separate tensors.
+
+Strategies only decide ownership (or, for interleaved layouts, the blocks too);
+:class:`Space` derives every offset and checks that fragments lie inside their
+rank's pieces, do not overlap, and that each parameter is contiguous in the
+buffer.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from itertools import pairwise
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from zeroplan.core.comm import Collective
+from zeroplan.core.errors import PlanInvariantError, require
+from zeroplan.core.span import Span, round_up
+from zeroplan.core.specs import ParamSpec
+
+__all__ = ["Block", "Fragment", "FragmentOverlap", "ShardPiece", "Space", "build_space"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """A contiguous element range of one flattened parameter in one rank's shard.
+
+    Attributes:
+        param: index of the parameter.
+        rank: shard rank that owns the range.
+        param_span: the range, in the flattened parameter's elements.
+        shard_offset: where the range starts in the owner's shard of the
+            parameter's dtype space.
+    """
+
+    param: int
+    rank: int
+    param_span: Span
+    shard_offset: int
+
+    @property
+    def shard_span(self) -> Span:
+        """The range in the owner's shard coordinate."""
+        return Span(self.shard_offset, self.shard_offset + self.param_span.numel)
+
+    def shard_span_of(self, param_span: Span) -> Span:
+        """Where elements ``param_span`` of the parameter (inside this fragment) lie in the owner's shard.
+
+        Example:
+            >>> Fragment(param=3, rank=1, param_span=Span(10, 20), shard_offset=4).shard_span_of(Span(12, 15))
+            Span(start=6, stop=9)
+        """
+        if not self.param_span.contains(param_span):  # (hot loop: no message unless it fails)
+            raise PlanInvariantError(f"{param_span} is not inside fragment {self.param_span} of {self.param}")
+        return param_span.shift(self.shard_offset - self.param_span.start)
+
+    def param_span_of(self, shard_span: Span) -> Span:
+        """The elements of the flattened parameter at ``shard_span`` of the shard (inside this fragment).
+
+        Example:
+            >>> Fragment(param=3, rank=1, param_span=Span(10, 20), shard_offset=4).param_span_of(Span(6, 9))
+            Span(start=12, stop=15)
+        """
+        if not self.shard_span.contains(shard_span):  # (hot loop: no message unless it fails)
+            raise PlanInvariantError(f"{shard_span} is not inside the shard span {self.shard_span} of {self}")
+        return shard_span.shift(self.param_span.start - self.shard_offset)
+
+
+class FragmentOverlap(NamedTuple):
+    """The part of one fragment that falls in a chunk of its owner's shard (:meth:`Space.fragments_in`).
+
+    Attributes:
+        param: index of the parameter.
+        shard_span: the overlap, in the owner's shard coordinate.
+        chunk_span: the overlap relative to the chunk's start: slice the chunk with it.
+        param_span: the overlap, in the flattened parameter's elements: slice the parameter with it.
+    """
+
+    param: int
+    shard_span: Span
+    chunk_span: Span
+    param_span: Span
+
+
+class ShardPiece(NamedTuple):
+    """One rank's piece of one block: the same elements in its shard and in the full buffer."""
+
+    shard_span: Span
+    buffer_span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A segment of the full buffer: one piece of every rank's shard, in rank order (see [Note: layout]).
+
+    Attributes:
+        start: where the block starts in the full buffer.
+        pieces: per rank, the elements of its piece (padding included).
+        shard_starts: per rank, where its piece starts in its shard.
+    """
+
+    start: int
+    pieces: tuple[int, ...]
+    shard_starts: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the block in the full buffer."""
+        return sum(self.pieces)
+
+    @property
+    def span(self) -> Span:
+        """The block's range of the full buffer."""
+        return Span(self.start, self.start + self.numel)
+
+    @property
+    def equal(self) -> bool:
+        """Whether every rank's piece has the same size (one ``all_gather`` rebuilds the block)."""
+        return len(set(self.pieces)) == 1
+
+    @property
+    def gather(self) -> Collective:
+        """The collective that rebuilds the block: ``all_gather`` for equal pieces, else broadcasts."""
+        return Collective.ALL_GATHER if self.equal else Collective.BROADCAST
+
+    def offset_in_block(self, rank: int) -> int:
+        """Where rank ``rank``'s piece starts inside the block."""
+        return sum(self.pieces[:rank])
+
+    def piece(self, rank: int) -> ShardPiece:
+        """Rank ``rank``'s piece, in its shard and in the full buffer.
+
+        Example:
+            >>> Block(start=8, pieces=(4, 4), shard_starts=(2, 2)).piece(1)
+            ShardPiece(shard_span=Span(start=2, stop=6), buffer_span=Span(start=12, stop=16))
+        """
+        at = self.start + self.offset_in_block(rank)
+        size = self.pieces[rank]
+        return ShardPiece(Span(self.shard_starts[rank], self.shard_starts[rank] + size), Span(at, at + size))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Space:
+    """Layout of the trainable parameters of one dtype (see [Note: layout]).
+
+    Attributes:
+        index: position in ``PartitionPlan.spaces``.
+        dtype: the dtype of every parameter in the space.
+        params: indices of its parameters, increasing.
+        param_offsets: start of each parameter (same order as ``params``) in
+            the space coordinate.
+        numel: elements in the space (parameters only).
+        owned: elements of parameters each shard rank owns.
+        shard_numel: each rank's shard allocation, a multiple of the alignment.
+        blocks: the full buffer's blocks, in buffer order.
+        buffer_numel: elements of the full buffer (``numel`` plus padding).
+        buffer_offsets: start of each parameter (same order as ``params``) in
+            the full buffer.
+        runs: every fragment of the space, parameters in index order.
+        by_rank: per rank, its fragments in shard order.
+    """
+
+    index: int
+    dtype: str
+    params: tuple[int, ...]
+    param_offsets: tuple[int, ...]
+    numel: int
+    owned: tuple[int, ...]
+    shard_numel: tuple[int, ...]
+    blocks: tuple[Block, ...]
+    buffer_numel: int
+    buffer_offsets: tuple[int, ...]
+    runs: tuple[Fragment, ...]
+    by_rank: tuple[tuple[Fragment, ...], ...]
+
+    def _position(self, param: int) -> int:
+        position = bisect_left(self.params, param)
+        require(
+            position < len(self.params) and self.params[position] == param,
+            f"parameter {param} is not in the {self.dtype} space",
+        )
+        return position
+
+    def param_offset(self, param: int) -> int:
+        """Space-coordinate start of parameter ``param``."""
+        return self.param_offsets[self._position(param)]
+
+    def buffer_offset(self, param: int) -> int:
+        """Full-buffer start of parameter ``param``."""
+        return self.buffer_offsets[self._position(param)]
+
+    @property
+    def shard_is_region(self) -> bool:
+        """Whether every rank's shard is one contiguous region of the full buffer (``rank_major``)."""
+        return len(self.blocks) == 1
+
+    def extent(self, rank: int) -> int:
+        """Elements of rank ``rank``'s shard that lie in the full buffer (its pieces, padding included)."""
+        return sum(block.pieces[rank] for block in self.blocks)
+
+    def pieces_of(self, rank: int) -> tuple[ShardPiece, ...]:
+        """Rank ``rank``'s non-empty pieces, in shard (and buffer) order."""
+        return tuple(block.piece(rank) for block in self.blocks if block.pieces[rank])
+
+    def region(self, rank: int) -> Span:
+        """Rank ``rank``'s region of the full buffer (``rank_major`` layouts only).
+
+        Raises:
+            PlanInvariantError: the layout is interleaved (use :meth:`pieces_of`).
+        """
+        require(self.shard_is_region, f"the {self.dtype} space is interleaved: its shards are not regions")
+        return self.blocks[0].piece(rank).buffer_span
+
+    def fragments_in(self, rank: int, chunk: Span) -> tuple[FragmentOverlap, ...]:
+        """Rank ``rank``'s fragments overlapping ``chunk`` of its shard, clipped to it, in shard order.
+
+        Empty fragments (zero-size parameters) overlap nothing. Costs
+        ``O(log fragments + overlaps)``.
+
+        Args:
+            rank: shard rank.
+            chunk: a span of rank ``rank``'s shard coordinate, inside its
+                allocation ``[0, shard_numel[rank])``.
+
+        Raises:
+            PlanInvariantError: ``rank`` or ``chunk`` is out of range.
+
+        Example:
+            >>> from zeroplan.core.partition import plan_from_assignment
+            >>> from zeroplan.core.specs import specs_from_shapes
+            >>> plan = plan_from_assignment(
+            ...     specs_from_shapes([(4,), (6,)]), 1, 1, "mine", [(0, Span(0, 4), 0), (1, Span(0, 6), 0)]
+            ... )
+            >>> for part in plan.spaces[0].fragments_in(0, Span(2, 7)):
+            ...     print(part.param, part.shard_span, part.chunk_span, part.param_span)
+            0 Span(start=2, stop=4) Span(start=0, stop=2) Span(start=2, stop=4)
+            1 Span(start=4, stop=7) Span(start=2, stop=5) Span(start=0, stop=3)
+        """
+        require(0 <= rank < len(self.owned), f"rank {rank} outside 0..{len(self.owned) - 1}")
+        require(
+            chunk.stop <= self.shard_numel[rank],
+            f"chunk {chunk} is beyond rank {rank}'s shard of {self.shard_numel[rank]} elements "
+            f"({self.dtype} space)",
+        )
+        frags = self.by_rank[rank]
+        # The last fragment starting at or before the chunk holds its first element, if any.
+        first = bisect_right(frags, chunk.start, key=lambda f: f.shard_offset)
+        overlaps = []
+        for frag in frags[max(first - 1, 0) :]:
+            if frag.shard_offset >= chunk.stop:
+                break
+            shard_span = frag.shard_span.intersect(chunk)
+            if shard_span is not None:
+                overlaps.append(
+                    FragmentOverlap(
+                        frag.param, shard_span, shard_span.shift(-chunk.start), frag.param_span_of(shard_span)
+                    )
+                )
+        return tuple(overlaps)
+
+
+def _blocks(
+    pieces: Sequence[Sequence[int]] | None, owned: Sequence[int], n: int, dtype: str
+) -> tuple[Block, ...]:
+    """The blocks of a layout: ``pieces`` per block and rank, or one block of ``owned`` (rank-major)."""
+    if pieces is None:
+        return (Block(0, tuple(owned), (0,) * n),)
+    blocks = []
+    start, shard = 0, [0] * n
+    for sizes in pieces:
+        sizes = tuple(sizes)
+        if len(sizes) != n or any(type(s) is not int or s < 0 for s in sizes):
+            raise PlanInvariantError(
+                f"a block of the {dtype} space has pieces {sizes}; give {n} non-negative element counts"
+            )
+        blocks.append(Block(start, sizes, tuple(shard)))
+        start += sum(sizes)
+        shard = [s + size for s, size in zip(shard, sizes, strict=True)]
+    return tuple(blocks)
+
+
+def build_space(
+    specs: Sequence[ParamSpec],
+    fragments: Sequence[Sequence[Fragment]],
+    shard_size: int,
+    alignment: int,
+    index: int,
+    dtype: str,
+    pieces: Sequence[Sequence[int]] | None,
+) -> Space:
+    """Derive and check the layout of the ``dtype`` space (see [Note: layout]).
+
+    Args:
+        specs: every parameter of the plan.
+        fragments: per parameter, its fragments (validated to tile it).
+        shard_size: ranks in the shard group.
+        alignment: shard allocations are multiples of it.
+        index: the space's position in the plan.
+        dtype: the space's dtype.
+        pieces: per block, per rank, its piece's elements (interleaved), or
+            ``None`` for the rank-major layout, whose fragments must be packed
+            in parameter order from 0.
+
+    Raises:
+        PlanInvariantError: a fragment lies outside its rank's pieces, two
+            overlap, or a parameter is not contiguous in the full buffer.
+    """
+    n = shard_size
+    params = tuple(s.index for s in specs if s.trainable and s.dtype == dtype)
+    param_offsets: list[int] = []
+    total = 0
+    for p in params:
+        param_offsets.append(total)
+        total += specs[p].numel
+    runs = tuple(f for p in params for f in fragments[p])
+    owned = [0] * n
+    for frag in runs:
+        owned[frag.rank] += frag.param_span.numel
+    if pieces is None:
+        packed = [0] * n  # rank-major: each rank's fragments, in parameter order, tile [0, owned)
+        for frag in runs:
+            if frag.shard_offset != packed[frag.rank]:  # (hot loop: no message unless it fails)
+                raise PlanInvariantError(
+                    f"parameter {frag.param} ({specs[frag.param].name!r}): fragment {frag.param_span} on "
+                    f"rank {frag.rank} starts at shard offset {frag.shard_offset}, expected "
+                    f"{packed[frag.rank]}; each rank's fragments must be packed in parameter order "
+                    "(build plans with plan_from_assignment)"
+                )
+            packed[frag.rank] += frag.param_span.numel
+    blocks = _blocks(pieces, owned, n, dtype)
+    starts = [[b.shard_starts[r] for b in blocks] for r in range(n)]
+    by_rank: list[list[Fragment]] = [[] for _ in range(n)]
+    for frag in runs:
+        by_rank[frag.rank].append(frag)
+    for r, frags in enumerate(by_rank):
+        frags.sort(key=lambda f: f.shard_offset)
+        for before, after in pairwise(frags):
+            if before.shard_span.stop > after.shard_offset:
+                raise PlanInvariantError(
+                    f"fragments of parameters {before.param} and {after.param} overlap in rank {r}'s "
+                    f"shard ({dtype} space): {before.shard_span} and {after.shard_span}"
+                )
+
+    def buffer_at(frag: Fragment) -> int:
+        """Full-buffer position of the fragment's first element."""
+        k = max(bisect_right(starts[frag.rank], frag.shard_offset) - 1, 0)
+        block = blocks[k]
+        inside = frag.shard_offset - block.shard_starts[frag.rank]
+        if not 0 <= inside <= block.pieces[frag.rank] - frag.param_span.numel:
+            raise PlanInvariantError(
+                f"parameter {frag.param} ({specs[frag.param].name!r}): fragment {frag.param_span} at "
+                f"shard offset {frag.shard_offset} of rank {frag.rank} does not lie inside one of its "
+                f"pieces ({dtype} space)"
+            )
+        return block.start + block.offset_in_block(frag.rank) + inside
+
+    buffer_offsets: list[int] = []
+    for p in params:
+        frags = fragments[p]
+        start = buffer_at(frags[0])
+        position = start
+        for frag in frags:
+            at = buffer_at(frag)
+            if at != position:  # (hot loop: no message unless it fails)
+                raise PlanInvariantError(
+                    f"parameter {p} ({specs[p].name!r}) would not be contiguous in the full buffer: "
+                    f"its fragment on rank {frag.rank} starts at {at}, expected {position}. A split "
+                    "parameter must end one piece and start the next (see [Note: layout])"
+                )
+            position += frag.param_span.numel
+        buffer_offsets.append(start)
+    extents = [sum(b.pieces[r] for b in blocks) for r in range(n)]
+    return Space(
+        index=index,
+        dtype=dtype,
+        params=params,
+        param_offsets=tuple(param_offsets),
+        numel=total,
+        owned=tuple(owned),
+        shard_numel=tuple(round_up(e, alignment) for e in extents),
+        blocks=blocks,
+        buffer_numel=sum(b.numel for b in blocks),
+        buffer_offsets=tuple(buffer_offsets),
+        runs=runs,
+        by_rank=tuple(tuple(frags) for frags in by_rank),
+    )
