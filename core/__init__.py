@@ -36,6 +36,7 @@ from zeroplan.core.errors import (
 )
 from zeroplan.core.fit import FitReport, RankFit, fit_report
 from zeroplan.core.implementations import Implementation, resolve_implementation
+from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
 from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
@@ -65,6 +66,7 @@ from zeroplan.core.presets import preset_dims, preset_names, preset_specs
 from zeroplan.core.recommend import Option, Recommendation, recommend, shard_sizes
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
+from zeroplan.core.space import Block, ShardPiece
 from zeroplan.core.span import Span
 from zeroplan.core.specs import (
     ParamSpec,
@@ -87,6 +89,11 @@ from zeroplan.core.temporaries import StepTemporaries
 from zeroplan.core.topology import Topology
 
 __all__ = [
+    "AUTO_MAX_PIECES",
+    "LAYOUTS",
+    "Block",
+    "ShardPiece",
+    "build_partition",
     "ActivationMemory",
     "FitReport",
     "Option",
