@@ -164,9 +164,9 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
     info: dict[str, Any] = {"files": {}, "state": {}}
     try:
         if groups.replica_rank == 0:
-            tensors = {f"region/{b.space.dtype}": b.region(groups.shard_rank) for b in sh.buffers}
+            tensors = {f"region/{b.space.dtype}": b.shard_values() for b in sh.buffers}
             tensors.update(
-                {f"master/{b.space.dtype}": b.master[: b.owned] for b in sh.buffers if b.separate_master}
+                {f"master/{b.space.dtype}": b.master[: b.extent] for b in sh.buffers if b.carries_master}
             )
             for leaf_path, leaf in leaves.items():  # [Note: state codec]
                 if torch.is_tensor(leaf):
@@ -225,7 +225,7 @@ def _manifest(sh: Shards, infos: list[dict[str, Any]], extra: Any) -> dict[str, 
         "shard_size": zp.topology.shard_size,
         "stage": int(zp.stage),
         "partition": partition_document(zp.partition),
-        "separate_master": [b.space.dtype for b in sh.buffers if b.separate_master],
+        "separate_master": [b.space.dtype for b in sh.buffers if b.carries_master],
         "state": state,
         "param_groups": encode([hyperparameters(g) for g in sh.param_groups]),
         "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
@@ -351,7 +351,7 @@ def _prepare(
         if space.dtype in manifest["separate_master"]:
             kinds.insert(0, (f"master/{space.dtype}", "", torch.float32))
         for name, leaf_path, dtype in kinds:
-            out = torch.empty(space.owned[shard_rank], dtype=dtype, device=device)  # the copies tile it
+            out = torch.zeros(space.extent(shard_rank), dtype=dtype, device=device)  # padding stays zero
             for c in mine:
                 if c.dst_span.numel:
                     piece = open_file(f"shard-{c.src_rank:05d}.pt").read(

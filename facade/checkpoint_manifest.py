@@ -28,7 +28,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zeroplan.core import CheckpointError, ParamSpec, PartitionPlan, Span, master_dtype, plan_from_assignment
+from zeroplan.core import (
+    CheckpointError,
+    Fragment,
+    ParamSpec,
+    PartitionPlan,
+    Span,
+    master_dtype,
+    plan_from_assignment,
+)
 from zeroplan.facade.checkpoint_files import TensorFile, read_json
 from zeroplan.facade.state_tree import TensorMeta, dtype_name, torch_dtype
 
@@ -93,6 +101,15 @@ def partition_document(partition: PartitionPlan) -> dict[str, Any]:
         "fragments": [
             [[f.rank, f.param_span.start, f.param_span.stop] for f in frags] for frags in partition.fragments
         ],
+        # Interleaved layouts (rank-major ones derive both from the fragments, as checkpoints always did).
+        **(
+            {
+                "blocks": [[list(b) for b in blocks] for blocks in partition.block_pieces],
+                "shard_offsets": [[f.shard_offset for f in frags] for frags in partition.fragments],
+            }
+            if partition.block_pieces
+            else {}
+        ),
     }
 
 
@@ -114,14 +131,32 @@ def partition_from(document: dict[str, Any]) -> PartitionPlan:
         )
         for i, (name, shape, dtype, group, trainable, cohort) in enumerate(document["specs"])
     )
-    pieces = [
-        (p, Span(start, stop), rank)
-        for p, frags in enumerate(document["fragments"])
-        for rank, start, stop in frags
-    ]
-    partition = plan_from_assignment(
-        specs, document["shard_size"], document["alignment"], document["strategy"], pieces
-    )
+    if "blocks" in document:
+        partition = PartitionPlan(
+            specs=specs,
+            shard_size=document["shard_size"],
+            alignment=document["alignment"],
+            strategy=document["strategy"],
+            fragments=tuple(
+                tuple(
+                    Fragment(p, rank, Span(start, stop), offset)
+                    for (rank, start, stop), offset in zip(frags, offsets, strict=True)
+                )
+                for p, (frags, offsets) in enumerate(
+                    zip(document["fragments"], document["shard_offsets"], strict=True)
+                )
+            ),
+            block_pieces=document["blocks"],
+        )
+    else:
+        pieces = [
+            (p, Span(start, stop), rank)
+            for p, frags in enumerate(document["fragments"])
+            for rank, start, stop in frags
+        ]
+        partition = plan_from_assignment(
+            specs, document["shard_size"], document["alignment"], document["strategy"], pieces
+        )
     if partition.fingerprint() != document["fingerprint"]:
         raise CheckpointError(
             "the manifest's partition does not match its fingerprint: the manifest is corrupted"
@@ -252,7 +287,7 @@ def check_shard_file(
     Raises:
         CheckpointError: an unlisted, missing or mismatched tensor (named).
     """
-    owned = {space.dtype: (space.owned[shard_rank],) for space in saved.spaces}
+    owned = {space.dtype: (space.extent(shard_rank),) for space in saved.spaces}
     expected = {f"region/{dtype}": TensorMeta(shape, dtype) for dtype, shape in owned.items()}
     for dtype in document["separate_master"]:
         expected[f"master/{dtype}"] = TensorMeta(owned[dtype], master_dtype(dtype))

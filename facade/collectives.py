@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import Bucket, Collective, CommCost, Space, send_elements
+from zeroplan.core import Bucket, Collective, CommCost, send_elements
 from zeroplan.facade.groups import ProcessGroups
 
 __all__ = [
@@ -54,7 +54,6 @@ __all__ = [
     "all_reduce_replica",
     "all_reduce_shard",
     "broadcast",
-    "gather_space",
     "launch",
     "reduce_bucket",
 ]
@@ -268,31 +267,3 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
     """Blocking broadcast of ``tensor`` from ``group`` rank ``src`` (not logged: setup and state moves)."""
     launch(partial(dist.broadcast, group_src=src, group=group, async_op=True), tensor).wait()
-
-
-def gather_space(
-    full: torch.Tensor, space: Space, collective: Collective, groups: ProcessGroups, log: CommLog
-) -> list[Pending]:
-    """Launch the gather (``all_gather`` or one ``broadcast`` per owner) that rebuilds ``full``.
-
-    ``full`` is a space's rank-major buffer and this rank's region already holds its values.
-    """
-    n = groups.topology.shard_size
-    if n == 1:
-        return []
-    s = groups.shard_rank
-    itemsize = full.element_size()
-    if collective is Collective.ALL_GATHER:
-        mine = full[space.region(s).as_slice()]
-        log.record("shard", Collective.ALL_GATHER, [mine.numel()] * n, s, itemsize)
-        return [launch(partial(dist.all_gather_single, group=groups.shard, async_op=True), full, mine)]
-    pending = []
-    for q in range(n):
-        region = full[space.region(q).as_slice()]
-        if region.numel() == 0:
-            continue
-        sizes = [region.numel() if p == q else 0 for p in range(n)]
-        log.record("shard", Collective.BROADCAST, sizes, s, itemsize)
-        start = partial(dist.broadcast, group_src=q, group=groups.shard, async_op=True)
-        pending.append(launch(start, region))
-    return pending

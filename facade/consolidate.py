@@ -93,7 +93,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
         buf = sh.buffers[space.index]
         members = [p for p in space.params if (zp.specs[p].group, zp.specs[p].cohort) in stateful]
         kinds: list[tuple[str | None, str]] = [(k, d) for k, d in keys.get(space.index, [])]
-        if buf.separate_master:
+        if buf.carries_master:
             kinds.insert(0, (None, str(buf.master.dtype)))
         for key, dtype_name in kinds:
             dtype = torch_dtype(dtype_name)
@@ -105,7 +105,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
             )
             step = max(1, chunk_bytes // torch.empty((), dtype=dtype).element_size())
             for q in range(zp.topology.shard_size):
-                for at in Span(0, space.owned[q]).chunks(step):
+                for at in Span(0, space.extent(q)).chunks(step):
                     chunk = torch.empty(at.numel, dtype=dtype, device=device)
                     if q == shard_rank:
                         _window_chunk(sh, space.index, key, at, chunk)

@@ -204,11 +204,11 @@ class GradSync:
             if action.kind is ActionKind.RETIRE:
                 self._retire_oldest()
             elif action.kind is ActionKind.OPEN:
-                buf = self._buffers[self._buckets[action.bucket].space]
+                bucket = self._buckets[action.bucket]
+                buf = self._buffers[bucket.space]
+                make = torch.zeros if bucket.padded else torch.empty  # padding is reduced as zeros
                 self._open[action.bucket] = self._tracker.alloc(
-                    torch.empty(
-                        self._layouts[action.bucket].numel, dtype=buf.params.dtype, device=buf.params.device
-                    )
+                    make(self._layouts[action.bucket].numel, dtype=buf.params.dtype, device=buf.params.device)
                 )
             elif action.kind is ActionKind.STAGE:
                 self._stage(action.bucket, action.param)

@@ -21,6 +21,7 @@ from zeroplan.facade.collectives import CommLog, broadcast
 from zeroplan.facade.grad_sync import GradSync, PeakTracker
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner, build_inner
+from zeroplan.facade.param_gather import ParamGather
 from zeroplan.facade.registry import ParamRegistry
 
 __all__ = ["Installed", "broadcast_from_rank_zero", "broadcast_values", "install"]
@@ -35,6 +36,7 @@ class Installed(NamedTuple):
         buffers: one set of flat buffers per dtype space of the plan.
         inner: the ``torch.optim`` optimizer over this rank's master shard.
         sync: the bucketed gradient reduction, hooked to the parameters.
+        gather: the parameter gathers after each step (see [Note: parameter gather]).
         links: per trainable parameter, its index and the address of its view
             of the flat buffer (see :meth:`detached`).
     """
@@ -44,6 +46,7 @@ class Installed(NamedTuple):
     buffers: tuple[SpaceBuffers, ...]
     inner: Inner
     sync: GradSync
+    gather: ParamGather
     links: tuple[tuple[int, int], ...]
 
     def detached(self, params: Sequence[torch.Tensor]) -> int | None:
@@ -71,6 +74,7 @@ def install(
     param_groups: Sequence[dict[str, Any]],
     *,
     overlap: bool,
+    overlap_param_gather: bool,
     admit: Callable[[str], bool],
     log: CommLog,
     tracker: PeakTracker,
@@ -100,7 +104,12 @@ def install(
         for buf in buffers
         for index, view in param_views(buf.params, buf.space, registry.params).items()
     )
-    return Installed(zp=zp, groups=groups, buffers=buffers, inner=inner, sync=sync, links=links)
+    gather = ParamGather(
+        zp=zp, params=registry.params, buffers=buffers, groups=groups, overlap=overlap_param_gather
+    )
+    return Installed(
+        zp=zp, groups=groups, buffers=buffers, inner=inner, sync=sync, gather=gather, links=links
+    )
 
 
 @torch.no_grad()
@@ -111,8 +120,7 @@ def broadcast_from_rank_zero(installed: Installed, params: Sequence[torch.Tensor
         return
     for buf in installed.buffers:
         broadcast(buf.params, 0, groups.world)
-        if buf.separate_master:
-            buf.master[: buf.owned].copy_(buf.region(groups.shard_rank))
+        buf.load_master()
     managed = installed.zp.trainable_indices
     broadcast_values([p for i, p in enumerate(params) if i not in managed], groups.world)
 

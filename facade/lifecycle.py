@@ -53,11 +53,12 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import CommCost, ConfigError, StepOrderError
-from zeroplan.facade.buffers import param_views
-from zeroplan.facade.collectives import CommLog, all_reduce, all_reduce_shard, gather_space
+from zeroplan.facade.buffers import param_views, write_pieces
+from zeroplan.facade.collectives import CommLog, all_reduce, all_reduce_shard
 from zeroplan.facade.grad_sync import PeakTracker
 from zeroplan.facade.inner import hyperparameter_digest, sync_hyperparameters
 from zeroplan.facade.installed import Installed
+from zeroplan.facade.param_gather import gather_space
 
 __all__ = ["Accumulation", "Phase", "StepContext", "StepLifecycle", "StepRecord"]
 
@@ -187,6 +188,7 @@ class StepLifecycle:
                 f"{call} in phase {self.phase.value}: the previous step() did not complete; "
                 "call zero_grad() to start a new step"
             )
+        inst.gather.wait_all()  # the last step's gathers, if no forward waited for them all
         inst.sync.finish()
         _agree_on_step(inst, ctx, call)
         grads = []
@@ -201,7 +203,7 @@ class StepLifecycle:
         if inst.zp.loss_scaling:
             flag = torch.zeros(1, dtype=torch.float32, device=inst.device)
             for grad, buf in zip(grads, inst.buffers, strict=True):
-                if buf.owned and not bool(torch.isfinite(grad[: buf.owned].sum())):
+                if buf.extent and not bool(torch.isfinite(grad[: buf.extent].sum())):
                     flag.fill_(1.0)
             all_reduce_shard(flag, dist.ReduceOp.MAX, inst.groups, self.log)
             self.found_inf = bool(flag.item() > 0)
@@ -271,15 +273,8 @@ class StepLifecycle:
         return applied
 
     def publish(self, inst: Installed) -> None:
-        """Write updated shards into the parameter buffers and gather them in each shard group."""
-        pending = []
-        for buf in inst.buffers:
-            if buf.separate_master:
-                buf.region(inst.groups.shard_rank).copy_(buf.master[: buf.owned])
-            collective = inst.zp.gather_collective(buf.space)
-            pending += gather_space(buf.params, buf.space, collective, inst.groups, self.log)
-        for p in pending:
-            p.wait()
+        """Write updated shards into the parameter buffers and gather them (see [Note: parameter gather])."""
+        inst.gather.launch(self.log)
 
     def release(self, inst: Installed) -> None:
         """Drop the master gradients and this step's reduction progress (``-> IDLE``)."""
@@ -301,10 +296,9 @@ class StepLifecycle:
         result: list[torch.Tensor | None] = [None] * len(ctx.params)
         log = CommLog()  # not part of the step's traffic
         for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
-            full = grad.new_empty(buf.space.numel)
-            full[buf.space.region(inst.groups.shard_rank).as_slice()] = grad[: buf.owned]
-            collective = inst.zp.gather_collective(buf.space)
-            for pending in gather_space(full, buf.space, collective, inst.groups, log):
+            full = grad.new_zeros(buf.space.buffer_numel)
+            write_pieces(grad, full, buf.space, inst.groups.shard_rank)
+            for pending in gather_space(full, buf.space, inst.zp, inst.groups, log):
                 pending.wait()
             for index, view in param_views(full, buf.space, ctx.params).items():
                 result[index] = view.clone()
@@ -325,7 +319,7 @@ def _total_norm(
     """The norm of the whole model's gradient from this rank's master gradients: one all-reduce."""
     local = torch.zeros((), dtype=torch.float32, device=inst.device)
     for grad, buf in zip(master_grads, inst.buffers, strict=True):
-        part = grad[: buf.owned]
+        part = grad[: buf.extent]
         if part.numel() == 0:
             continue
         norm = torch.linalg.vector_norm(part, norm_type).float()

@@ -64,6 +64,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         bucket_bytes: byte cap of a gradient bucket.
         overlap_grad_reduce: launch reductions from backward hooks (``False``:
             all at ``step()``; results are bit-identical).
+        overlap_param_gather: let ``step()`` return before the updated
+            parameters arrived; their first reader waits ([Note: parameter
+            gather]; ``False``: wait in ``step()``, bit-identical).
+        layout: ``"auto"``, ``"interleaved"`` or ``"rank_major"`` ([Note: layout]).
         loss_scale: ``None``, a static scale, or ``"dynamic"``.
         scaler: settings of the dynamic loss scale.
         alignment: elements; shard allocations and bucket bounds are multiples.
@@ -97,6 +101,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         strategy: str = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = True,
+        layout: str = "auto",
         loss_scale: float | str | None = None,
         scaler: ScalerConfig | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
@@ -123,6 +129,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss_scale=loss_scale,
                 max_inflight_buckets=max_inflight_buckets,
                 collectives=collectives,
+                layout=layout,
             )
             configured[:] = [c]
             zp = c.settings.plan(c.registry, c.groups)
@@ -145,6 +152,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             initial_state(scaler or ScalerConfig()) if mode == "dynamic" else None
         )
         self._overlap = overlap_grad_reduce
+        self._overlap_gather = bool(overlap_param_gather)
         self._installed = self._install(zp)
         broadcast_from_rank_zero(self._installed, self._registry.params)
         self._initialized = True
@@ -166,6 +174,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._settings.optimizer_class,
             self.param_groups,
             overlap=self._overlap,
+            overlap_param_gather=self._overlap_gather,
             admit=self._lifecycle.admit_gradient,
             log=self._lifecycle.log,
             tracker=self._lifecycle.tracker,
@@ -183,6 +192,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Switch to the agreed plan ``zp`` (see [Note: re-planning]); a no-op for the same plan."""
         if zp.fingerprint() == self._installed.zp.fingerprint():
             return
+        self._installed.gather.wait_all()
         self._lifecycle.release(self._installed)
         self._installed, self._parked = replanning.replan(
             self._installed, zp, self._registry.params, self._install, self._parked
@@ -328,10 +338,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         arrivals = self._installed.sync.last_arrivals
         return memory_report(self._installed.zp, clipping=clipped, overlap=self._overlap, arrivals=arrivals)
 
+    def wait_for_params(self) -> None:
+        """Complete the last step's parameter gathers (before reading parameters outside a forward)."""
+        self._installed.gather.wait_all()
+
     # ------------------------------------------------------------ state dicts
     def shards(self) -> Shards:
         """What state dicts and checkpoints read: plan, buffers, inner optimizer, groups, settings."""
         inst = self._installed
+        inst.gather.wait_all()  # they read the parameters: the last step's gathers must be complete
         return Shards(
             zp=inst.zp,
             buffers=inst.buffers,
@@ -400,6 +415,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Adopts the plan the state is laid out for (same parameters, other
         cohorts) first; every rank must call it with state of the same plan.
         """
+        self.wait_for_params()
         self._lifecycle.release(self._installed)
         if loaded.target.fingerprint() != self._installed.zp.fingerprint():
             self._registry = self._registry.with_cohorts([s.cohort for s in loaded.target.specs])

@@ -65,7 +65,7 @@ def park(
             for (index, key), values in state.flat.items():
                 if index == space.index:
                     pieces.setdefault(key, []).append((frag.param_span, values[window].clone()))
-            if buf.separate_master:
+            if buf.carries_master:
                 pieces.setdefault(MASTER, []).append((frag.param_span, buf.master[window].clone()))
         parked[p] = ParkedParam(scalars=tree_clone(scalars), pieces=pieces)
     return parked
@@ -124,7 +124,7 @@ def unpark(
         space = zp.partition.space_of(p)
         if space is None:
             continue
-        owned, master = space.owned[shard_rank], buffers[space.index].master
+        owned, master = space.extent(shard_rank), buffers[space.index].master
         for frag in (f for f in zp.partition.fragments[p] if f.rank == shard_rank):
             for key, pieces in part.pieces.items():
                 if key != MASTER and (space.index, key) not in state.flat:

@@ -120,6 +120,7 @@ class PlanSettings:
     loss_scaling: bool
     max_inflight_buckets: int
     policy: str
+    layout: str = "auto"
 
     @property
     def optimizer_name(self) -> str:
@@ -144,6 +145,7 @@ class PlanSettings:
             "loss_scaling": self.loss_scaling,
             "max_inflight_buckets": self.max_inflight_buckets,
             "policy": self.policy,
+            "layout": self.layout,
         }
 
 
@@ -177,6 +179,7 @@ def configure(
     loss_scale: float | str | None,
     max_inflight_buckets: int,
     collectives: str,
+    layout: str = "auto",
 ) -> Configured:
     """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
 
@@ -212,6 +215,7 @@ def configure(
         loss_scaling=mode is not None,
         max_inflight_buckets=max_inflight_buckets,
         policy=collectives,
+        layout=layout,
     )
     return Configured(mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs))
 

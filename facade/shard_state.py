@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from zeroplan.core import ReshardPlan, ZeroPlan
+from zeroplan.core import ReshardPlan, Space, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.collectives import all_gather_objects, broadcast
 from zeroplan.facade.groups import ProcessGroups
@@ -50,7 +50,7 @@ def export_state(zp: ZeroPlan, inner: Inner, buffers: Sequence[SpaceBuffers]) ->
         shared = scalars.setdefault((spec.group, spec.cohort), {})
         for key, value in state.items():
             if is_per_element(value, tensor):
-                owned = buffers[spec.space].owned
+                owned = buffers[spec.space].extent
                 if spec.shard_span.numel == owned:  # one window is the whole shard: no copy
                     flat[spec.space, key] = value
                     continue
@@ -83,6 +83,11 @@ def import_state(zp: ZeroPlan, inner: Inner, state: ShardState, stateful: set[tu
         for key, value in state.scalars.get((spec.group, spec.cohort), {}).items():
             entry[key] = tree_clone(value)
         inner.optimizer.state[tensor] = entry
+
+
+def _extents(space: Space) -> list[int]:
+    """Per shard rank, the length of its flat shard (its pieces, padding included)."""
+    return [space.extent(q) for q in range(len(space.owned))]
 
 
 def _move_flat(
@@ -124,18 +129,20 @@ def move_shards(
 ) -> tuple[ShardState, set[tuple[int, int]]]:
     """Move master weights and optimizer state from the old plan to the new one.
 
-    Collective over the shard group. Master weights that are views of the
-    (replicated) parameters need no move. Returns the state in the new shard
+    Collective over the shard group. Master weights of the parameters' own
+    dtype hold the (replicated) parameters' values and need no move. Returns the state in the new shard
     coordinates and the (group, cohort) pairs that carry state.
     """
     device = new_buffers[0].params.device if new_buffers else torch.device("cpu")
     old_spaces = {s.dtype: s for s in old_zp.partition.spaces}
     for new in new_buffers:
         old_space = old_spaces.get(new.space.dtype)
-        if not new.separate_master or old_space is None:
-            continue
+        if new.master.dtype == new.params.dtype or old_space is None:
+            continue  # a master of the parameters' own dtype was loaded from them by build_buffers
         old = next(b for b in old_buffers if b.space.dtype == new.space.dtype)
-        _move_flat(old.master[: old.owned], new.master, reshard, new.space.dtype, old_space.owned, groups)
+        _move_flat(
+            old.master[: old.extent], new.master, reshard, new.space.dtype, _extents(old_space), groups
+        )
 
     meta = {
         "flat": {
@@ -159,8 +166,8 @@ def move_shards(
         if dtype_name not in new_index:
             target = torch.empty(0, dtype=dtype, device=device)
         else:
-            target = torch.zeros(new_buffers[new_index[dtype_name]].owned, dtype=dtype, device=device)
-        _move_flat(source, target, reshard, dtype_name, old_space.owned, groups)
+            target = torch.zeros(new_buffers[new_index[dtype_name]].extent, dtype=dtype, device=device)
+        _move_flat(source, target, reshard, dtype_name, _extents(old_space), groups)
         if dtype_name in new_index:
             flat[new_index[dtype_name], key] = target
 

@@ -104,7 +104,7 @@ def sharded_state_dict(sh: Shards) -> dict[str, Any]:
         "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
         "param_groups": torch_param_groups(sh.param_groups),
         "cohorts": [s.cohort for s in sh.zp.specs],
-        "master": {b.space.dtype: b.master[: b.owned].clone() for b in sh.buffers if b.separate_master},
+        "master": {b.space.dtype: b.master[: b.extent].clone() for b in sh.buffers if b.carries_master},
         "state": tree_clone(encode_state(state, sh.zp.partition.spaces)),  # [Note: state codec]
         "parked": tree_clone(encode_parked(sh.parked)),  # [Note: parked state]
     }
@@ -145,7 +145,7 @@ def shard_state_from_sharded(
         )
     state = decode_state(state_dict["state"], zp.partition.spaces)
     for (space, key), tensor in state.flat.items():
-        expected = sh.buffers[space].owned
+        expected = sh.buffers[space].extent
         if tensor.shape != (expected,):
             raise IncompatiblePlanError(
                 f"state {key!r} has shape {tuple(tensor.shape)}, expected ({expected},)"
@@ -248,7 +248,7 @@ def shard_state_from_plain(
     whole: dict[int, dict[str, Any]] = {}
     master_out: dict[str, torch.Tensor] = {}
     for space in target.partition.spaces:
-        owned = space.owned[shard_rank]
+        owned = space.extent(shard_rank)
         frags = space.by_rank[shard_rank]
         master = master_dtype(space.dtype)
         if master != space.dtype and any(f.param in masters for f in frags):

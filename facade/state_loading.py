@@ -194,14 +194,11 @@ def copy_param_values(params: Sequence[torch.Tensor], values: Sequence[Sequence[
 @torch.no_grad()
 def commit_state(installed: Installed, loaded: LoadedState, param_groups: Sequence[dict[str, Any]]) -> None:
     """Install ``loaded`` (already in ``installed``'s plan): masters, inner state, hyper-parameters."""
-    shard_rank = installed.groups.shard_rank
     for buf in installed.buffers:
-        if not buf.separate_master:
-            continue
-        if loaded.masters is None:
-            buf.master[: buf.owned].copy_(buf.region(shard_rank).float())
+        if loaded.masters is None or not buf.carries_master:
+            buf.load_master()
         elif buf.space.dtype in loaded.masters:
-            buf.master[: buf.owned].copy_(loaded.masters[buf.space.dtype])
+            buf.master[: buf.extent].copy_(loaded.masters[buf.space.dtype])
     installed.inner.optimizer.state.clear()
     import_state(installed.zp, installed.inner, loaded.state, loaded.stateful)
     sync_hyperparameters(loaded.param_groups, param_groups)

@@ -242,7 +242,7 @@ def describe_state(zp: ZeroPlan, inner: Inner, shard_rank: int) -> StateDescript
             continue
         order.setdefault((spec.group, spec.cohort), list(state))
         scalars = leaves.setdefault(f"scalars/{spec.group}/{spec.cohort}", {})
-        owned = spaces[spec.space].owned[shard_rank]
+        owned = spaces[spec.space].extent(shard_rank)
         for key, value in state.items():
             if is_per_element(value, tensor):
                 meta = TensorMeta((owned,), dtype_name(value.dtype))

@@ -1,0 +1,211 @@
+"""Gathering updated parameters after ``step()``, overlapped with the next forward.
+
+[Note: parameter gather]
+After the inner optimizer stepped, each rank writes its updated shard into its
+pieces of the full parameter buffers and every block of the buffer is
+gathered by one collective (``all_gather`` of equal pieces, or a broadcast per
+owner; see [Note: layout]). Blocks are launched in buffer order, which is
+forward order for the usual model that registers its layers in the order it
+runs them.
+
+With ``overlap_param_gather=True`` (the default) ``step()`` returns as soon as
+the gathers are launched, and the first *use* of a parameter waits for the
+block(s) holding it, so the forward of early layers runs while later blocks
+still arrive, without hooks on (or wrapping of) the user's modules. While its
+block is in flight a parameter's class is :class:`GatheringParameter`, an
+``nn.Parameter`` subclass whose ``__torch_function__`` waits for the block,
+restores the class and runs the operation. Every torch operation on it waits
+this way: a module's forward, ``model.state_dict()``, ``torch.save``, ``p.data``,
+an EMA update, a second optimizer; so **no read sees stale values**. Metadata
+(``shape``, ``dtype``, ``grad``, ``numel()``, ``data_ptr()``, ...) does not
+wait, so ``zero_grad()`` keeps the overlap. Every ``ZeroOptimizer`` call that
+reads or writes parameters, masters or state (``step()``, state dicts,
+checkpoints, re-planning) waits for all first, and ``opt.wait_for_params()``
+does so on demand. Only plain ``nn.Parameter`` objects are swapped; a block
+holding a parameter of another class is waited for inside ``step()``.
+
+``overlap_param_gather=False`` waits inside ``step()`` and gives bit-identical
+results.
+"""
+
+from __future__ import annotations
+
+import weakref
+from bisect import bisect_right
+from collections.abc import Sequence
+from functools import partial
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
+
+from zeroplan.core import Block, Collective, Space, ZeroPlan
+from zeroplan.facade.buffers import SpaceBuffers
+from zeroplan.facade.collectives import CommLog, Pending, launch
+from zeroplan.facade.groups import ProcessGroups
+
+__all__ = ["GatheringParameter", "ParamGather", "gather_block", "gather_space"]
+
+
+def gather_block(
+    full: torch.Tensor, block: Block, collective: Collective, groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """Launch the gather of one block of ``full``; this rank's piece of it already holds its values."""
+    n = groups.topology.shard_size
+    if n == 1:
+        return []
+    s = groups.shard_rank
+    itemsize = full.element_size()
+    if collective is Collective.ALL_GATHER:
+        mine = full[block.piece(s).buffer_span.as_slice()]
+        log.record("shard", Collective.ALL_GATHER, list(block.pieces), s, itemsize)
+        out = full[block.span.as_slice()]
+        return [launch(partial(dist.all_gather_single, group=groups.shard, async_op=True), out, mine)]
+    pending = []
+    for q in range(n):
+        if not block.pieces[q]:
+            continue
+        sizes = [block.pieces[q] if p == q else 0 for p in range(n)]
+        log.record("shard", Collective.BROADCAST, sizes, s, itemsize)
+        start = partial(dist.broadcast, group_src=q, group=groups.shard, async_op=True)
+        pending.append(launch(start, full[block.piece(q).buffer_span.as_slice()]))
+    return pending
+
+
+def gather_space(
+    full: torch.Tensor, space: Space, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """Launch the gathers of every block of ``full`` (a space's full buffer), in buffer order."""
+    pending = []
+    for block in space.blocks:
+        pending += gather_block(full, block, zp.gather_collective(block), groups, log)
+    return pending
+
+
+class GatheringParameter(torch.nn.Parameter):
+    """The class of a parameter whose gather is in flight (see [Note: parameter gather]).
+
+    Never constructed: a plain ``nn.Parameter``'s ``__class__`` is set to it
+    and set back once its block arrived.
+    """
+
+    #: Property reads and calls that touch no values: they do not wait.
+    METADATA: ClassVar[frozenset[str]] = frozenset(
+        {
+            "grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "layout", "ndim",
+            "grad_fn", "is_cuda", "is_sparse", "is_meta", "is_quantized", "names", "_version",
+            "numel", "size", "dim", "data_ptr", "element_size", "nelement", "stride",
+            "is_contiguous", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+            "is_floating_point", "is_complex", "get_device",
+        }
+    )  # fmt: skip
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", None) if func.__name__ in ("__get__", "__set__") else func.__name__
+        if name not in cls.METADATA:
+            for leaf in tree_flatten((args, kwargs))[0]:
+                if isinstance(leaf, GatheringParameter):
+                    _arrive(leaf)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _arrive(param: torch.Tensor) -> None:
+    """Wait for ``param``'s block (which restores its class); restore it anyway if its gather is gone."""
+    ref = getattr(param, "_zeroplan_gather", None)
+    owner = ref() if ref is not None else None
+    if owner is not None:
+        owner.wait_for(param)
+    if type(param) is GatheringParameter:
+        param.__class__ = torch.nn.Parameter
+
+
+class ParamGather:
+    """The parameter gathers of one installed plan (see [Note: parameter gather])."""
+
+    def __init__(
+        self,
+        *,
+        zp: ZeroPlan,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[SpaceBuffers],
+        groups: ProcessGroups,
+        overlap: bool,
+    ) -> None:
+        self._zp = zp
+        self._buffers = buffers
+        self._groups = groups
+        self.overlap = overlap
+        # Per (space, block), its parameters; per parameter (by identity), its blocks.
+        self._members: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._blocks_of: dict[int, list[tuple[int, int]]] = {}
+        for buf in buffers:
+            blocks = buf.space.blocks
+            starts = [b.start for b in blocks]
+            for index, offset in zip(buf.space.params, buf.space.buffer_offsets, strict=True):
+                stop = offset + params[index].numel()
+                k = max(bisect_right(starts, offset) - 1, 0)
+                keys = [(buf.space.index, k)]
+                while k + 1 < len(blocks) and starts[k + 1] < stop:  # a parameter cut by a block boundary
+                    k += 1
+                    keys.append((buf.space.index, k))
+                self._blocks_of[id(params[index])] = keys
+                for key in keys:
+                    self._members.setdefault(key, []).append(params[index])
+        self._pending: dict[tuple[int, int], list[Pending]] = {}
+        self._self = weakref.ref(self)
+
+    def launch(self, log: CommLog) -> None:
+        """Publish this rank's updated shards and gather every block; waits unless overlapping."""
+        self.wait_all()
+        for buf in self._buffers:
+            buf.publish_master()
+        for buf in self._buffers:
+            for k, block in enumerate(buf.space.blocks):
+                collective = self._zp.gather_collective(block)
+                pending = gather_block(buf.params, block, collective, self._groups, log)
+                if pending:
+                    self._pending[buf.space.index, k] = pending
+        if not self.overlap:
+            self.wait_all()
+            return
+        for key in list(self._pending):
+            members = self._members.get(key, [])
+            if any(type(p) not in (torch.nn.Parameter, GatheringParameter) for p in members):
+                self._complete(key)  # a parameter class of the user's own: not swapped, so not deferred
+                continue
+            for p in members:
+                p._zeroplan_gather = self._self  # type: ignore[attr-defined]
+                p.__class__ = GatheringParameter
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether any gather has not been waited for yet."""
+        return bool(self._pending)
+
+    def _complete(self, key: tuple[int, int]) -> None:
+        for p in self._pending.pop(key, ()):
+            p.wait()
+        for param in self._members.get(key, ()):
+            if type(param) is GatheringParameter and not any(
+                k in self._pending for k in self._blocks_of[id(param)]
+            ):
+                param.__class__ = torch.nn.Parameter
+
+    def wait_all(self) -> None:
+        """Complete every gather in flight, in launch order."""
+        for key in list(self._pending):
+            self._complete(key)
+
+    def wait_for(self, param: torch.Tensor) -> None:
+        """Complete the gathers of the blocks holding ``param``."""
+        for key in self._blocks_of.get(id(param), ()):
+            self._complete(key)
+
+    def remove(self) -> None:
+        """Complete everything (before re-planning)."""
+        self.wait_all()
