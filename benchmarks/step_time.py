@@ -11,22 +11,47 @@ thread each) that hold one copy of a ~7M-parameter GPT per configuration:
 A timed step is forward + backward + step + zero_grad on a fixed synthetic
 batch (different per rank). Configurations alternate step by step, in an order
 rotated every round, so machine noise hits them all alike; a step's time is the
-slowest rank's, and the table reports the median over the timed steps.
+slowest rank's, and the table reports the median over the timed steps. Here a
+step also waits for ZeroOptimizer's overlapped parameter gathers
+(``wait_for_params()``, timed): another configuration runs before its next
+forward, so the gathers could not overlap with anything of its own.
 
 ``--sweep`` adds ZeroOptimizer variants (bucket size, in-flight buckets,
 overlap, ``zero_grad(set_to_none=False)``) to the same interleaved rounds.
+
+``--fresh-rounds N`` measures differently (issue 12's speed report): N rounds,
+each running every configuration once, in an order rotated every round, each
+in fresh processes (one spawn per configuration per round) that hold only that
+configuration. A configuration warms up, then runs its timed steps back to
+back: a step is timed from its start to the next step's start (the last one up
+to ``wait_for_params()``), so gathers still in flight after ``step()`` are paid
+by the next forward, which waits for them, and every configuration is timed by
+the same clock. A round's time for a configuration is the median over its steps
+of the slowest rank's; its ratios are to ``ddp`` and ``zero-red`` of the same
+round; the table reports the median over rounds of those ratios, and min / max.
+Its configurations (``FRESH``):
+
+* ``ddp``, ``zero-red`` as above, ``zero1`` (stage 1, defaults)
+* ``zero2``            stage 2, defaults: collectives ``"auto"`` (the gloo
+  policy on gloo), layout ``"auto"`` (interleaved), ``overlap_param_gather=True``
+* ``zero2-nogather``   the same with ``overlap_param_gather=False``
+* ``zero2-minbytes``   ``collectives="min_bytes"`` (reduce_scatter / all_gather)
+* ``zero2-rankmajor``  ``layout="rank_major"``, ``overlap_param_gather=False``
+  (the previous release's behaviour)
 
 Usage::
 
     python benchmarks/step_time.py                      # worlds 2 and 4, full model
     python benchmarks/step_time.py --quick              # smoke run, tiny model
     python benchmarks/step_time.py --sweep --json out.json
+    python benchmarks/step_time.py --fresh-rounds 3 --json fresh.json   # about 8 min on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -63,6 +88,9 @@ class Variant:
     overlap: bool = True
     set_to_none: bool = True
     fused: bool = False  # AdamW(fused=True) instead of foreach=True
+    overlap_gather: bool = True  # ZeroOptimizer(overlap_param_gather=...)
+    layout: str = "auto"  # ZeroOptimizer(layout=...)
+    collectives: str = "auto"  # ZeroOptimizer(collectives=...)
     note: str = ""
 
 
@@ -85,6 +113,29 @@ SWEEP = (
     Variant("zero2 fused", "zero", stage=2, fused=True),
 )
 
+FRESH = (
+    Variant("ddp", "ddp", note="DDP + AdamW(foreach)"),
+    Variant("zero-red", "zero-red", note="DDP + ZeroRedundancyOptimizer(AdamW)"),
+    Variant("zero2", "zero", stage=2, note="stage 2, defaults (gloo policy, interleaved, overlapped gather)"),
+    Variant("zero2-nogather", "zero", stage=2, overlap_gather=False, note="stage 2, gather waited in step()"),
+    Variant(
+        "zero2-minbytes",
+        "zero",
+        stage=2,
+        collectives="min_bytes",
+        note="stage 2, reduce_scatter / all_gather",
+    ),
+    Variant(
+        "zero2-rankmajor",
+        "zero",
+        stage=2,
+        layout="rank_major",
+        overlap_gather=False,
+        note="stage 2, rank-major, gather waited (previous release)",
+    ),
+    Variant("zero1", "zero", stage=1, note="stage 1, defaults"),
+)
+
 
 @dataclass
 class Options:
@@ -97,6 +148,7 @@ class Options:
     variants: tuple[Variant, ...]
     seed: int = 0
     timeout_s: float = 600.0
+    fresh_rounds: int = 0  # > 0: the --fresh-rounds mode
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -134,6 +186,9 @@ class Runner:
                 bucket_bytes=int(bucket_mb * MB),
                 max_inflight_buckets=variant.max_inflight,
                 overlap_grad_reduce=variant.overlap,
+                overlap_param_gather=variant.overlap_gather,
+                layout=variant.layout,
+                collectives=variant.collectives,
                 **hyper,
             )
             self.optimizer: torch.optim.Optimizer = self.zero
@@ -146,11 +201,19 @@ class Runner:
                     self.model.parameters(), optimizer_class=torch.optim.AdamW, **hyper
                 )
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, *, wait: bool = False) -> None:
+        """One training step; ``wait``: also complete the parameter gathers still in flight."""
         loss = lm_loss(self.module(tokens), targets)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=self.variant.set_to_none)
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        """Complete ZeroOptimizer's overlapped parameter gathers (nothing for the others)."""
+        if self.zero is not None:
+            self.zero.wait_for_params()
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes held by this rank."""
@@ -191,7 +254,7 @@ def _worker(rank: int, world: int, port: int, opts: Options, queue: Any) -> None
         for _ in range(opts.warmup):
             for r in runners:
                 dist.barrier()
-                r.step(tokens, targets)
+                r.step(tokens, targets, wait=True)
         times: list[list[float]] = [[] for _ in runners]
         cpu: list[list[float]] = [[] for _ in runners]
         for i in range(opts.steps):
@@ -199,7 +262,7 @@ def _worker(rank: int, world: int, port: int, opts: Options, queue: Any) -> None
                 c = (i + j) % k  # rotate the order every round
                 dist.barrier()
                 start, start_cpu = time.perf_counter(), time.process_time()
-                runners[c].step(tokens, targets)
+                runners[c].step(tokens, targets, wait=True)  # the next forward is another's
                 times[c].append(time.perf_counter() - start)
                 cpu[c].append(time.process_time() - start_cpu)
         rows = []
@@ -289,6 +352,179 @@ def run_world(world: int, opts: Options) -> dict[str, Any]:
     return result
 
 
+def _fresh_worker(rank: int, world: int, port: int, opts: Options, variant: Variant, queue: Any) -> None:
+    """One configuration in fresh processes: warm up, then time ``opts.steps`` steps back to back."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=opts.timeout_s))
+    try:
+        tokens, targets = make_batch(opts.model, opts.batch, rank)
+        runner = Runner(variant, opts, world)
+        for _ in range(opts.warmup):
+            runner.step(tokens, targets)
+        runner.wait()
+        dist.barrier()
+        # No barrier inside the timed region: gloo's barrier waits for its group's pending work, which
+        # would take the gathers in flight out of the next forward.
+        marks = [time.perf_counter()]
+        start_cpu = time.process_time()
+        for _ in range(opts.steps):
+            runner.step(tokens, targets)  # the next step's forward waits for this one's gathers
+            marks.append(time.perf_counter())
+        runner.wait()
+        marks[-1] = time.perf_counter()  # the last step ends when its parameters arrived
+        cpu = (time.process_time() - start_cpu) / opts.steps
+        times = [b - a for a, b in itertools.pairwise(marks)]
+        loss = runner.loss(tokens, targets)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, {"times": times, "cpu": cpu})
+        if rank == 0:
+            step_max = [max(ts) for ts in zip(*(g["times"] for g in gathered), strict=True)]
+            queue.put(
+                {
+                    "params": runner.numel,
+                    "step_ms": [1e3 * t for t in step_max],
+                    "median_ms": 1e3 * statistics.median(step_max),
+                    "cpu_ms_per_rank": 1e3 * statistics.fmean(g["cpu"] for g in gathered),
+                    "loss": loss,
+                }
+            )
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def run_fresh(world: int, variant: Variant, opts: Options) -> dict[str, Any]:
+    """One configuration, once, in ``world`` newly spawned processes."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    start = time.perf_counter()
+    procs = mp.start_processes(
+        _fresh_worker,
+        args=(world, _free_port(), opts, variant, queue),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    result = queue.get()
+    while not procs.join():
+        pass
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def _spread(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
+
+
+def run_fresh_rounds(world: int, opts: Options) -> dict[str, Any]:
+    """``opts.fresh_rounds`` rounds of every configuration, in an order rotated every round."""
+    variants = opts.variants
+    k = len(variants)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for r in range(opts.fresh_rounds):
+        t = time.perf_counter()
+        measured = {}
+        for j in range(k):
+            v = variants[(r + j) % k]
+            measured[v.name] = run_fresh(world, v, opts)
+        rounds.append(measured)
+        line = ", ".join(f"{name} {m['median_ms']:.0f}" for name, m in measured.items())
+        print(f"world {world} round {r + 1}: {line} ms ({time.perf_counter() - t:.0f} s)", file=sys.stderr)
+    configs = []
+    for v in variants:
+        per_round = [m[v.name] for m in rounds]
+        row: dict[str, Any] = {
+            "name": v.name,
+            "note": v.note,
+            "kind": v.kind,
+            "stage": v.stage,
+            "overlap_param_gather": v.overlap_gather,
+            "layout": v.layout,
+            "collectives": v.collectives,
+            "median_ms": statistics.median(m["median_ms"] for m in per_round),
+            "round_ms": [m["median_ms"] for m in per_round],
+            "step_ms": [m["step_ms"] for m in per_round],
+            "cpu_ms_per_rank": statistics.median(m["cpu_ms_per_rank"] for m in per_round),
+            "loss": statistics.median(m["loss"] for m in per_round),
+            "wall_s": statistics.fmean(m["wall_s"] for m in per_round),
+        }
+        for base, key in (("ddp", "ratio_to_ddp"), ("zero-red", "ratio_to_zero_red")):
+            row[key] = (
+                _spread([m[v.name]["median_ms"] / m[base]["median_ms"] for m in rounds])
+                if base in rounds[0]
+                else None
+            )
+        configs.append(row)
+    return {"world": world, "params": rounds[0][variants[0].name]["params"], "configs": configs}
+
+
+TARGET = 0.90  # issue 12: <= 0.90x both DDP+AdamW and ZeroRedundancyOptimizer
+
+
+def _ratio_cells(spread: dict[str, Any] | None) -> tuple[str, str]:
+    """Median over rounds (green when it meets the target), and the range."""
+    if spread is None:
+        return "—", ""
+    median = f"{spread['median']:.3f}"
+    if spread["median"] <= TARGET:
+        median = f"[green]{median}[/]"
+    return median, f"{spread['min']:.2f}-{spread['max']:.2f}"
+
+
+def fresh_report(results: list[dict[str, Any]], opts: Options) -> None:
+    """The --fresh-rounds tables (rich), one per world size, and how they were measured."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = 120  # a file or pipe: do not wrap at rich's default of 80 columns
+    for res in results:
+        table = Table(title=f"world {res['world']}: {opts.fresh_rounds} fresh rounds", title_justify="left")
+        table.add_column("configuration")
+        table.add_column("step (ms)", justify="right")
+        table.add_column("/ ddp", justify="right")
+        table.add_column("(min-max)", justify="right")
+        table.add_column("/ zero-red", justify="right")
+        table.add_column("(min-max)", justify="right")
+        table.add_column(f"both <= {TARGET:.2f}", justify="center")
+        table.add_column("CPU ms/step/rank", justify="right")
+        table.add_column("loss", justify="right")
+        for row in res["configs"]:
+            ddp, red = row["ratio_to_ddp"], row["ratio_to_zero_red"]
+            meets = "—"
+            if row["kind"] == "zero" and ddp is not None and red is not None:
+                meets = "yes" if max(ddp["median"], red["median"]) <= TARGET else "no"
+            table.add_row(
+                row["name"],
+                f"{row['median_ms']:.1f}",
+                *_ratio_cells(ddp),
+                *_ratio_cells(red),
+                meets,
+                f"{row['cpu_ms_per_rank']:.0f}",
+                f"{row['loss']:.4f}",
+            )
+        console.print(table)
+    for v in opts.variants:
+        console.print(f"  {v.name}: {v.note}")
+    m = opts.model
+    params = results[0]["params"] if results else 0
+    console.print(
+        f"GPT {params / 1e6:.2f}M parameters (vocab {m.vocab}, width {m.width}, {m.layers} layers, "
+        f"{m.heads} heads, context {m.context}), fp32, batch {opts.batch}x{m.context} tokens per rank; "
+        f"gloo on CPU ({os.cpu_count()} cores), one thread per process. Each round runs every "
+        "configuration once, in fresh processes, in an order rotated every round; a configuration: "
+        f"{opts.warmup} warm-up + {opts.steps} timed steps back to back, a step timed from its start to the "
+        "next step's (the last to wait_for_params()), slowest rank, median over steps. Ratios: within the "
+        "round; median over rounds (min-max). AdamW(lr="
+        f"{LR}, weight_decay={WEIGHT_DECAY}, foreach=True) everywhere; buckets {opts.bucket_mb:g} MiB. "
+        f"Load average at the end: {os.getloadavg()[0]:.1f}."
+    )
+
+
 def _num(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}"
 
@@ -347,20 +583,30 @@ def parse(argv: list[str] | None = None) -> Options:
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
     p.add_argument("--sweep", action="store_true", help="add ZeroOptimizer bucket/overlap variants")
     p.add_argument("--only", default=None, help="comma-separated configuration names to run")
+    p.add_argument(
+        "--fresh-rounds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N rounds of every configuration in fresh processes, ratios within a round (issue 12)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
+    if a.fresh_rounds < 0:
+        p.error("--fresh-rounds must be >= 0")
     if a.quick:
         model = GPT_TINY
         steps, warmup, batch = 3, 1, 2
     else:
         model = GPT_7M
-        steps, warmup, batch = 25, 3, 4
-    variants = MAIN + (SWEEP if a.sweep else ())
+        steps, warmup, batch = (10, 3, 4) if a.fresh_rounds else (25, 3, 4)
+    base = FRESH if a.fresh_rounds else MAIN
+    variants = base + (SWEEP if a.sweep else ())
     if a.only:
         wanted = [s.strip() for s in a.only.split(",")]
         variants = tuple(v for v in variants if v.name in wanted)
         if not variants:
-            p.error(f"--only matched no configuration of {[v.name for v in MAIN + SWEEP]}")
+            p.error(f"--only matched no configuration of {[v.name for v in base + SWEEP]}")
     return Options(
         worlds=tuple(int(w) for w in a.worlds.split(",")),
         steps=a.steps if a.steps is not None else steps,
@@ -369,6 +615,7 @@ def parse(argv: list[str] | None = None) -> Options:
         batch=a.batch if a.batch is not None else batch,
         model=model,
         variants=variants,
+        fresh_rounds=a.fresh_rounds,
         extra={"json": a.json},
     )
 
@@ -379,20 +626,27 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     for world in opts.worlds:
         t = time.perf_counter()
-        results.append(run_world(world, opts))
+        results.append(run_fresh_rounds(world, opts) if opts.fresh_rounds else run_world(world, opts))
         print(f"world {world}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
-    table = markdown(results, opts)
-    print(table)
+    if opts.fresh_rounds:
+        fresh_report(results, opts)
+        table = None
+    else:
+        table = markdown(results, opts)
+        print(table)
     print(f"\ntotal {time.perf_counter() - start:.0f} s", file=sys.stderr)
     path = opts.extra.get("json")
     if path:
         payload = {
+            "mode": "fresh_rounds" if opts.fresh_rounds else "interleaved",
+            "fresh_rounds": opts.fresh_rounds,
             "model": opts.model._asdict(),
             "batch": opts.batch,
             "steps": opts.steps,
             "warmup": opts.warmup,
             "bucket_mb": opts.bucket_mb,
             "torch": torch.__version__,
+            "load_average": os.getloadavg(),
             "results": results,
             "table": table,
         }
