@@ -30,6 +30,7 @@ results.
 
 from __future__ import annotations
 
+import atexit
 import weakref
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -124,6 +125,26 @@ def _arrive(param: torch.Tensor) -> None:
         param.__class__ = torch.nn.Parameter
 
 
+#: ParamGathers with gathers in flight, held strongly (the optimizer may be gone already), so that
+#: those gathers are retired before the interpreter exits.
+_IN_FLIGHT: set[ParamGather] = set()
+
+
+@atexit.register
+def _retire_at_exit() -> None:
+    """Complete the gathers of the last ``step()`` before exit (or after ``destroy_process_group``).
+
+    A collective nobody waited for may still hold a tensor when the interpreter
+    finalizes, which aborts the process ([Note: retiring a collective] in
+    ``collectives``); a job that ends right after ``step()`` must not crash.
+    """
+    for gather in list(_IN_FLIGHT):
+        try:
+            gather.wait_all()
+        except Exception:  # a destroyed group: nothing is left to wait for
+            gather.forget()
+
+
 class ParamGather:
     """The parameter gathers of one installed plan (see [Note: parameter gather])."""
 
@@ -173,6 +194,8 @@ class ParamGather:
         if not self.overlap:
             self.wait_all()
             return
+        if self._pending:
+            _IN_FLIGHT.add(self)
         for key in list(self._pending):
             members = self._members.get(key, [])
             if any(type(p) not in (torch.nn.Parameter, GatheringParameter) for p in members):
@@ -190,6 +213,8 @@ class ParamGather:
     def _complete(self, key: tuple[int, int]) -> None:
         for p in self._pending.pop(key, ()):
             p.wait()
+        if not self._pending:
+            _IN_FLIGHT.discard(self)
         for param in self._members.get(key, ()):
             if type(param) is GatheringParameter and not any(
                 k in self._pending for k in self._blocks_of[id(param)]
@@ -200,11 +225,21 @@ class ParamGather:
         """Complete every gather in flight, in launch order."""
         for key in list(self._pending):
             self._complete(key)
+        _IN_FLIGHT.discard(self)
 
     def wait_for(self, param: torch.Tensor) -> None:
         """Complete the gathers of the blocks holding ``param``."""
         for key in self._blocks_of.get(id(param), ()):
             self._complete(key)
+
+    def forget(self) -> None:
+        """Drop what is in flight without waiting (the process group is gone); restore the classes."""
+        self._pending = {}
+        _IN_FLIGHT.discard(self)
+        for members in self._members.values():
+            for param in members:
+                if type(param) is GatheringParameter:
+                    param.__class__ = torch.nn.Parameter
 
     def remove(self) -> None:
         """Complete everything (before re-planning)."""
