@@ -137,7 +137,7 @@ def test_stage_3_sends_more_and_is_labelled_planned_only():
 def test_fused_is_recommended_only_where_it_lowers_the_peak():
     # Without activations the step's temporaries set the peak of the foreach AdamW: fused=True lowers it.
     lowered = recommend(SPECS, 4, device_bytes=2**31)
-    assert lowered.best.fused and "fused=True saves 24.0 MiB over foreach" in lowered.reason
+    assert lowered.best.fused and "fused=True saves 33.5 MiB over foreach" in lowered.reason
     # With activations the backward is the peak: fused=True changes nothing, and is not recommended.
     same = recommend(SPECS, 4, device_bytes=2**31, activation_bytes=64 * MiB)
     assert not same.best.fused and same.best.implementation.value == "foreach"

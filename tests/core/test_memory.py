@@ -32,6 +32,11 @@ ODD_SHAPES = [(17, 257), (3,), (1000, 7), (31,), (257, 17)]
 SCALAR = 4  # torch keeps AdamW's `step` as a 4-byte scalar per stepped tensor
 
 
+def rank_major_plan(*args, **kwargs):
+    """``plan`` with the rank-major layout, whose numbers these tests compute by hand."""
+    return plan(*args, layout="rank_major", **kwargs)
+
+
 def _family(stage: int, psi: int, n: int, p: int, k: int) -> float:
     """The ZeRO paper's params + grads + optimizer bytes per rank (K includes fp32 master)."""
     return {
@@ -79,7 +84,9 @@ def test_zero_family_up_to_padding_with_odd_shapes(stage, dtype, p, k, world, sh
     alignment = 128
     specs = specs_from_shapes(ODD_SHAPES, dtype=dtype)
     psi = sum(s.numel for s in specs)
-    zp = plan(specs, Topology(world_size=world, shard_size=shard), stage=stage, alignment=alignment)
+    zp = rank_major_plan(
+        specs, Topology(world_size=world, shard_size=shard), stage=stage, alignment=alignment
+    )
     (space,) = zp.partition.spaces
     report = memory_report(zp)
     for r in report.ranks:
@@ -101,7 +108,7 @@ def test_zero_family_up_to_padding_with_odd_shapes(stage, dtype, p, k, world, sh
 def test_summed_over_ranks_sharded_bytes_are_the_model_plus_padding(strategy):
     specs = specs_from_shapes(ODD_SHAPES, dtype="bf16")
     psi, n, alignment = sum(s.numel for s in specs), 4, 128
-    zp = plan(specs, Topology(world_size=n), stage=3, strategy=strategy, alignment=alignment)
+    zp = rank_major_plan(specs, Topology(world_size=n), stage=3, strategy=strategy, alignment=alignment)
     report = memory_report(zp)
     padding = sum(zp.partition.spaces[0].shard_numel) - psi
     assert 0 <= padding < n * alignment
@@ -119,7 +126,7 @@ def test_sgd_without_momentum_keeps_no_state_and_fp32_no_master():
 
 def test_ranks_that_own_nothing_have_no_master_or_state():
     specs = specs_from_shapes([(3,)], dtype="bf16")
-    report = memory_report(plan(specs, Topology(world_size=4), stage=2, alignment=4))
+    report = memory_report(rank_major_plan(specs, Topology(world_size=4), stage=2, alignment=4))
     # flat_even: 1 unit of 4 for 4 ranks, the last one owns [0, 3).
     assert [(r.master_bytes, r.optimizer_state_bytes, r.grads_bytes) for r in report.ranks] == [
         (0, 0, 0),
@@ -145,7 +152,7 @@ def test_buffers_are_the_larger_of_staging_and_fp32_scratch():
     specs = specs_from_shapes([(4096,)], dtype="bf16")
 
     def buffers(stage, bucket_bytes, inflight=2):
-        zp = plan(
+        zp = rank_major_plan(
             specs,
             Topology(world_size=4),
             stage=stage,
@@ -176,7 +183,7 @@ SMALL = specs_from_shapes([(5,), (7,)], names=["a", "b"])
 
 
 def _small(stage: int, world: int = 2, shard: int = 2, **kwargs) -> list[RankReport]:
-    zp = plan(
+    zp = rank_major_plan(
         SMALL,
         Topology(world_size=world, shard_size=shard),
         stage=stage,
@@ -294,14 +301,15 @@ def _per_call(zp, clipping: bool) -> list[dict[tuple[str, Collective], list[int]
         if zp.stage in (Stage.OPTIMIZER, Stage.GRADIENTS) and n > 1:
             for space in spaces:
                 isz = zp.specs[space.params[0]].itemsize
-                if space.gather is Collective.ALL_GATHER:
-                    add(
-                        "shard",
-                        Collective.ALL_GATHER,
-                        send_elements(Collective.ALL_GATHER, space.owned, s) * isz,
-                    )
-                else:
-                    broadcasts(space.owned, isz)
+                for block in space.blocks:
+                    if zp.gather_collective(block) is Collective.ALL_GATHER:
+                        add(
+                            "shard",
+                            Collective.ALL_GATHER,
+                            send_elements(Collective.ALL_GATHER, block.pieces, s) * isz,
+                        )
+                    else:
+                        broadcasts(block.pieces, isz)
         group, size, position = ("world", topo.world_size, w) if zp.stage is Stage.DDP else ("shard", n, s)
         for _ in range(int(zp.loss_scaling) + int(clipping)):
             if size > 1:
@@ -383,12 +391,12 @@ def test_report_values_are_frozen_and_validated():
 def test_gloo_policy_all_reduces_buckets_over_the_world_and_broadcasts_parameters():
     """Under the GLOO collective policy every bucket is one world all-reduce (no replica step)
     and each shard group gathers parameters by one broadcast per owning rank."""
-    from zeroplan.core import Collective, CollectivePolicy, Topology, communication, plan, specs_from_shapes
+    from zeroplan.core import Collective, CollectivePolicy, Topology, communication, specs_from_shapes
     from zeroplan.core.comm import all_reduce_send
 
     specs = specs_from_shapes([(17, 257), (3,), (64,)])
     topology = Topology(world_size=4, shard_size=2)
-    zp = plan(specs, topology, alignment=8, bucket_bytes=4096, policy=CollectivePolicy.GLOO)
+    zp = rank_major_plan(specs, topology, alignment=8, bucket_bytes=4096, policy=CollectivePolicy.GLOO)
     assert {b.collective for b in zp.buckets.buckets} == {Collective.ALL_REDUCE}
     for rank in range(4):
         costs = {(c.group, c.collective): c for c in communication(zp, rank)}
@@ -400,7 +408,7 @@ def test_gloo_policy_all_reduces_buckets_over_the_world_and_broadcasts_parameter
         assert gather.calls == sum(1 for o in space.owned if o)
         assert gather.bytes == (space.numel - space.owned[(topology.shard_rank(rank) + 1) % 2]) * 4
         assert ("replica", Collective.ALL_REDUCE) not in costs
-    assert zp.fingerprint() != plan(specs, topology, alignment=8, bucket_bytes=4096).fingerprint()
+    assert zp.fingerprint() != rank_major_plan(specs, topology, alignment=8, bucket_bytes=4096).fingerprint()
 
 
 def test_unknown_collective_policy_is_a_config_error():
@@ -418,7 +426,7 @@ def test_stage_1_at_shard_size_8_is_the_zero_papers_4_psi_plus_12_psi_over_n():
     # kept between steps but padding and Adam's `step` scalars.
     specs = preset_specs("llama-7b", dtype="bf16")
     psi, n = sum(s.numel for s in specs), 8
-    report = memory_report(plan(specs, Topology(world_size=n), stage=1, optimizer="AdamW"))
+    report = memory_report(rank_major_plan(specs, Topology(world_size=n), stage=1, optimizer="AdamW"))
     paper = 4 * psi + 12 * psi / n
     for r in report.ranks:
         assert abs(_counted(r) / paper - 1) < 0.02, (r.rank, _counted(r) / paper)

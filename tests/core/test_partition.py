@@ -41,14 +41,14 @@ def test_hand_built_plan_derives_every_offset():
     assert space.param_offsets == (0, 10, 16) and space.numel == 20
     assert space.owned == (4, 7, 9, 0)  # rank 3 owns nothing and still appears
     assert space.shard_numel == (4, 8, 12, 0)
-    assert space.region_offsets == (0, 4, 11, 20)
+    assert [b.piece(r).buffer_span.start for b in space.blocks for r in range(4)] == [0, 4, 11, 20]
     # rank-major buffer: [b | w[0:7] | w[7:10] v | ]
     assert space.buffer_offsets == (4, 14, 0)
     assert space.buffer_offset(0) == 4 and space.param_offset(2) == 16
     assert space.region(2) == Span(11, 20) and space.region(3) == Span(20, 20)
     assert space.by_rank[3] == () and p.rank_fragments(0, 3) == ()
     assert [f.param for f in space.by_rank[2]] == [0, 1]
-    assert space.gather is Collective.BROADCAST  # uneven regions
+    assert space.blocks[0].gather is Collective.BROADCAST  # uneven regions
     assert p.owner_ranks(0) == (1, 2) and p.owner_ranks(2) == (0,)
     assert p.space_of(1) is space
     assert Fragment(1, 2, Span(0, 6), 3).shard_span == Span(3, 9)
@@ -90,12 +90,12 @@ def test_one_space_per_dtype_in_first_use_order():
     ]
     # Shard offsets count per (dtype, rank): c follows a on rank 0 of the bf16 space.
     assert p.fragments[2][0].shard_offset == 3 and p.fragments[1][0].shard_offset == 0
-    assert p.spaces[0].gather is Collective.BROADCAST
+    assert p.spaces[0].blocks[0].gather is Collective.BROADCAST
 
 
 def test_equal_regions_gather_with_one_all_gather():
     p = plan_from_assignment(SPECS, 2, 1, "x", [(0, Span(0, 10), 0), (1, Span(0, 6), 1), (2, Span(0, 4), 1)])
-    assert p.spaces[0].owned == (10, 10) and p.spaces[0].gather is Collective.ALL_GATHER
+    assert p.spaces[0].owned == (10, 10) and p.spaces[0].blocks[0].gather is Collective.ALL_GATHER
     assert not p.splits_params
 
 

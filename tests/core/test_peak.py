@@ -21,6 +21,11 @@ from zeroplan.core import (
 )
 
 
+def rank_major_plan(*args, **kwargs):
+    """``plan`` with the rank-major layout, whose numbers these tests compute by hand."""
+    return plan(*args, layout="rank_major", **kwargs)
+
+
 def _plan(shapes, *, stage=2, world=2, bucket_bytes=1024, dtype="fp32", **kwargs):
     return plan(
         specs_from_shapes(shapes, dtype=dtype),
@@ -80,9 +85,12 @@ def test_bf16_stage_2_stages_room_for_the_reduced_piece():
 def test_step_transient_adds_the_fp32_copy_at_stage_1_only():
     sgd = describe_optimizer("SGD", device="cpu")  # for-loop SGD without momentum: no temporaries
     assert sgd.step_temporary_bytes([1024, 8], 4) == 0
-    stage1 = _plan([(1024,)], dtype="bf16", stage=1, optimizer=sgd)
+    stage1 = _plan([(1024,)], dtype="bf16", stage=1, optimizer=sgd, layout="rank_major")
     stage2 = _plan([(1024,)], dtype="bf16", stage=2, optimizer=sgd)
     assert [step_transient(stage1, r) for r in (0, 1)] == [512 * 4, 512 * 4]
+    # An interleaved shard is reduced into an fp32 shard of its own: no copy at the step.
+    interleaved = _plan([(1024,)], dtype="bf16", stage=1, optimizer=sgd, layout="interleaved")
+    assert [step_transient(interleaved, r) for r in (0, 1)] == [0, 0]
     assert [step_transient(stage2, r) for r in (0, 1)] == [0, 0]
 
 
