@@ -4,8 +4,8 @@ The facade issues, per step and world rank (stages 1 and 2):
 
 * per bucket, one reduce-family call on the shard group with ``bucket.piece_sizes(N)``;
 * with replicas (MiCS), one all-reduce on the replica group per non-empty piece the rank holds;
-* per dtype space, the gather on the shard group: one ``all_gather`` over ``space.owned``, or one
-  ``broadcast`` per rank ``q`` owning something (pieces ``[0, .., owned[q], .., 0]``);
+* per block of each dtype space, the gather on the shard group: one ``all_gather`` over the block's
+  pieces, or one ``broadcast`` per rank ``q`` with a piece (pieces ``[0, .., piece[q], .., 0]``);
 * one single-element fp32 all-reduce on the shard group for the loss-scale overflow check and
   one for gradient clipping, when used.
 
@@ -49,16 +49,15 @@ def _per_call_traffic(zp, rank, clipping):
         itemsize = zp.specs[space.params[0]].itemsize
         if n == 1:
             continue
-        if space.gather is Collective.ALL_GATHER:
-            call(
-                "shard", Collective.ALL_GATHER, send_elements(Collective.ALL_GATHER, space.owned, s), itemsize
-            )
-        else:
-            assert space.gather is Collective.BROADCAST
-            for q, owned in enumerate(space.owned):
-                if owned:
+        for block in space.blocks:
+            if zp.gather_collective(block) is Collective.ALL_GATHER:
+                sent = send_elements(Collective.ALL_GATHER, block.pieces, s)
+                call("shard", Collective.ALL_GATHER, sent, itemsize)
+                continue
+            for q, size in enumerate(block.pieces):
+                if size:
                     pieces = [0] * n
-                    pieces[q] = owned
+                    pieces[q] = size
                     call(
                         "shard",
                         Collective.BROADCAST,

@@ -26,6 +26,11 @@ from zeroplan.core import (
 shard_sizes = st.integers(1, 9)
 
 
+def rank_major_plan(*args, **kwargs):
+    """``plan`` with the rank-major layout these properties are written for (interleaved: tests/core)."""
+    return plan(*args, layout="rank_major", **kwargs)
+
+
 def _describe(specs, shard_size):
     """Hypothesis events: which kinds of input the examples covered (--hypothesis-show-statistics)."""
     trainable = [s for s in specs if s.trainable]
@@ -105,17 +110,17 @@ def test_space_layout(strategy_name, specs, shard_size, alignment):
         # Rank-major full buffer: regions in rank order, every parameter one contiguous run.
         assert_tiles([space.region(r) for r in range(shard_size)], space.numel, "regions")
         for rank in range(1, shard_size):
-            assert space.region_offsets[rank] == space.region_offsets[rank - 1] + space.owned[rank - 1]
+            assert space.region(rank).start == space.region(rank - 1).start + space.owned[rank - 1]
         spans = []
         for q, start in zip(space.params, space.buffer_offsets, strict=True):
             assert space.buffer_offset(q) == start
             for frag in p.fragments[q]:
-                at = space.region_offsets[frag.rank] + frag.shard_offset
+                at = space.region(frag.rank).start + frag.shard_offset
                 assert at == start + frag.param_span.start, f"parameter {q} not contiguous in the buffer"
             spans.append(Span(start, start + p.specs[q].numel))
         assert_tiles(spans, space.numel, "parameters in the full buffer")
         equal = len(set(space.owned)) == 1
-        assert space.gather is (Collective.ALL_GATHER if equal else Collective.BROADCAST)
+        assert space.blocks[0].gather is (Collective.ALL_GATHER if equal else Collective.BROADCAST)
 
 
 @given(specs=param_specs(), shard_size=shard_sizes, alignment=alignments)
@@ -167,10 +172,12 @@ def test_deterministic_and_fingerprinted(strategy_name, specs, shard_size, align
 def test_inner_tensors(strategy_name, specs, world, alignment):
     """Elementwise: maximal (group, cohort) windows tiling the shard; otherwise whole parameters."""
     topology = Topology(world_size=world)
-    zp = plan(specs, topology, strategy=strategy_name, optimizer="Adam", alignment=alignment)
+    zp = rank_major_plan(specs, topology, strategy=strategy_name, optimizer="Adam", alignment=alignment)
     zw = None
     if not zp.partition.splits_params:
-        zw = plan(specs, topology, strategy=strategy_name, optimizer="Adafactor", alignment=alignment)
+        zw = rank_major_plan(
+            specs, topology, strategy=strategy_name, optimizer="Adafactor", alignment=alignment
+        )
     for rank in range(world):
         tensors = zp.inner_tensors(rank)
         for space in zp.partition.spaces:
@@ -256,10 +263,10 @@ def test_zero_size_parameter_moves_nothing(strategy_name, case, shard_size, alig
             assert old_space.buffer_offset(spec.index) == new_space.buffer_offset(new)
     for old_space in before.spaces:
         new_space = next(s for s in after.spaces if s.dtype == old_space.dtype)
-        assert (old_space.owned, old_space.shard_numel, old_space.region_offsets) == (
+        assert (old_space.owned, old_space.shard_numel, old_space.blocks) == (
             new_space.owned,
             new_space.shard_numel,
-            new_space.region_offsets,
+            new_space.blocks,
         )
 
 
