@@ -33,6 +33,7 @@ and uses ``rank_major`` then; the plan's ``partition.layout`` says which.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 
 from zeroplan.core.errors import ConfigError, check_config, require
@@ -40,7 +41,7 @@ from zeroplan.core.partition import PartitionPlan
 from zeroplan.core.space import Fragment
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.specs import ParamSpec, check_specs
-from zeroplan.core.strategies import get_strategy
+from zeroplan.core.strategies import flat_even, get_strategy, greedy_whole, lpt_whole
 
 __all__ = ["AUTO_MAX_PIECES", "LAYOUTS", "build_partition", "interleave_even", "interleave_whole"]
 
@@ -104,27 +105,32 @@ def interleave_even(
         cap = _cap(members, bucket_bytes, unit)
         total = sum(s.numel for s in members)
         count = max(1, -(-total // cap))
-        first = round_up(max(total - (count - 1) * cap, 1), unit)
-        pad = first - (total - (count - 1) * cap)
-        sizes = [first] + [cap] * (count - 1)
-        pieces.append(tuple((size // n,) * n for size in sizes))
-        # Walk the parameters through the blocks; block k starts at `start` in the buffer and at
-        # `base` in every rank's shard.
-        k, start, base = 0, 0, 0
-        position = pad
+        # The first block (in buffer order) takes the remainder, padded at its front to a whole unit;
+        # a space of zero-size parameters only is one empty block, as in the rank-major layout.
+        rest = total - (count - 1) * cap
+        first = round_up(rest, unit)
+        pad = first - rest
+        pieces.append(((first // n,) * n, *(((cap // n,) * n,) * (count - 1))))
+        first_piece, piece = first // n, cap // n
+        end_of_buffer = first + (count - 1) * cap
+        position = pad  # the buffer coordinate: the space coordinate shifted by the padding
         for spec in members:
-            end = position + spec.numel
-            at = position
+            index, numel = spec.index, spec.numel
+            frags = fragments[index] = []
+            at, end = position, position + numel
             while True:
-                while k + 1 < count and at >= start + sizes[k]:
-                    start, base, k = start + sizes[k], base + sizes[k] // n, k + 1
-                piece = sizes[k] // n
-                rank = min((at - start) // piece, n - 1)
-                piece_start = start + rank * piece
-                stop = min(end, piece_start + piece)
-                fragments.setdefault(spec.index, []).append(
-                    Fragment(spec.index, rank, Span(at - position, stop - position), base + at - piece_start)
-                )
+                if at == end_of_buffer:  # a zero-size parameter at the very end: the last piece's end
+                    rank, base = n - 1, 0 if count == 1 else first_piece + (count - 2) * piece
+                    inside = size = first_piece if count == 1 else piece
+                elif at < first:  # block 0: pieces of first_piece, shard offsets from 0
+                    rank, inside = divmod(at, first_piece)
+                    base, size = 0, first_piece
+                else:  # block k >= 1: pieces of `piece`, after block 0's and k - 1 full pieces
+                    k, within = divmod(at - first, cap)
+                    rank, inside = divmod(within, piece)
+                    base, size = first_piece + k * piece, piece
+                stop = min(end, at - inside + size)
+                frags.append(Fragment(index, rank, Span(at - position, stop - position), base + inside))
                 at = stop
                 if at >= end:
                     break
@@ -132,18 +138,42 @@ def interleave_even(
     return _finish(specs, shard_size, alignment, "flat_even", fragments, pieces)
 
 
+def _pack(members: Sequence[ParamSpec], cap: int) -> list[list[ParamSpec]]:
+    """Whole parameters packed into blocks of at most ``cap`` elements from the last one down.
+
+    A parameter larger than ``cap`` gets a block of its own; zero-size ones join the block
+    being filled (never one of their own, which would be an empty collective per step).
+    Blocks come back in buffer order.
+    """
+    blocks: list[list[ParamSpec]] = []
+    current: list[ParamSpec] = []
+    size = 0
+    for spec in reversed(members):
+        if spec.numel and size and size + spec.numel > cap:
+            blocks.append(current[::-1])
+            current, size = [], 0
+        current.append(spec)
+        size += spec.numel
+    blocks.append(current[::-1])
+    blocks.reverse()
+    return blocks
+
+
 def _balanced(members: Sequence[ParamSpec], n: int, totals: list[int], largest_first: bool) -> list[int]:
     """Owners of one block's parameters: each to the rank with the least of the block, then overall."""
-    loads = [0] * n
     owners = [0] * len(members)
-    order = range(len(members))
+    order: Sequence[int] = range(len(members))
     if largest_first:
         order = sorted(order, key=lambda i: (-members[i].numel, members[i].index))
+    # Only the chosen rank's key changes, so a heap of (block load, total, rank) finds the least.
+    heap = [(0, total, rank) for rank, total in enumerate(totals)]
+    heapq.heapify(heap)
     for i in order:
-        rank = min(range(n), key=lambda r: (loads[r], totals[r], r))
+        load, total, rank = heapq.heappop(heap)
+        numel = members[i].numel
         owners[i] = rank
-        loads[rank] += members[i].numel
-        totals[rank] += members[i].numel
+        totals[rank] = total + numel
+        heapq.heappush(heap, (load + numel, total + numel, rank))
     return owners
 
 
@@ -173,18 +203,7 @@ def interleave_whole(
     fragments: _Fragments = {}
     pieces = []
     for members in _spaces(specs):
-        cap = _cap(members, bucket_bytes, alignment)
-        blocks: list[list[ParamSpec]] = []  # built from the last parameter down
-        current: list[ParamSpec] = []
-        size = 0
-        for spec in reversed(members):
-            if current and size + spec.numel > cap:
-                blocks.append(current[::-1])
-                current, size = [], 0
-            current.append(spec)
-            size += spec.numel
-        blocks.append(current[::-1])
-        blocks.reverse()  # buffer order
+        blocks = _pack(members, _cap(members, bucket_bytes, alignment))
         totals = [0] * n
         owners: dict[int, list[int]] = {}
         # Balance the largest blocks first, so the smaller ones even out the totals (LPT over blocks).
@@ -198,7 +217,9 @@ def interleave_whole(
         for b, block in enumerate(blocks):
             fill = [0] * n
             for spec, rank in zip(block, owners[b], strict=True):
-                fragments[spec.index] = [Fragment(spec.index, rank, Span(0, spec.numel), base[rank] + fill[rank])]
+                fragments[spec.index] = [
+                    Fragment(spec.index, rank, Span(0, spec.numel), base[rank] + fill[rank])
+                ]
                 fill[rank] += spec.numel
             sizes = tuple(round_up(f, alignment) for f in fill)
             space_pieces.append(sizes)
@@ -216,6 +237,13 @@ def _even_pieces(specs: Sequence[ParamSpec], shard_size: int, alignment: int, bu
     return total
 
 
+def _whole_pieces(specs: Sequence[ParamSpec], shard_size: int, alignment: int, bucket_bytes: int) -> int:
+    """Blocks x ranks of ``interleave_whole``, without balancing them."""
+    return sum(
+        len(_pack(members, _cap(members, bucket_bytes, alignment))) * shard_size for members in _spaces(specs)
+    )
+
+
 def build_partition(
     specs: Sequence[ParamSpec],
     shard_size: int,
@@ -226,9 +254,20 @@ def build_partition(
 ) -> PartitionPlan:
     """The partition of ``strategy`` in ``layout`` (``"auto"``, ``"interleaved"`` or ``"rank_major"``).
 
+    ``"auto"`` interleaves while blocks x ranks stays at or below
+    :data:`AUTO_MAX_PIECES` (see [Note: interleaved layout]).
+
     Raises:
-        ConfigError: an unknown layout, or ``"interleaved"`` for a user
-            strategy that splits parameters (it decides the layout itself).
+        ConfigError: an unknown layout or strategy, or ``"interleaved"`` for a
+            user strategy that splits parameters (it decides the layout itself).
+
+    Example:
+        >>> from zeroplan.core.specs import specs_from_shapes
+        >>> specs = specs_from_shapes([(1000,)] * 8)
+        >>> build_partition(specs, 4, 8, 8000, "lpt_whole").layout
+        'interleaved'
+        >>> build_partition(specs, 2**17, 8, 8000, "lpt_whole").layout   # 4 blocks x 2**17 ranks
+        'rank_major'
     """
     check_config(layout in LAYOUTS, f"unknown layout {layout!r}; use one of {', '.join(map(repr, LAYOUTS))}")
     check_config(
@@ -243,10 +282,21 @@ def build_partition(
         f"alignment must be an int >= 1 (elements), got {alignment!r}",
     )
     specs = check_specs(specs)
-    if strategy == "flat_even" and layout != "rank_major":
-        if layout == "interleaved" or _even_pieces(specs, shard_size, alignment, bucket_bytes) <= AUTO_MAX_PIECES:
+    function = get_strategy(strategy)
+    interleave = layout == "interleaved"
+    if function is flat_even and layout != "rank_major":
+        interleave = interleave or _even_pieces(specs, shard_size, alignment, bucket_bytes) <= AUTO_MAX_PIECES
+        if interleave:
             return interleave_even(specs, shard_size, alignment, bucket_bytes)
-    ownership = get_strategy(strategy)(specs, shard_size, alignment)
+    if function in (lpt_whole, greedy_whole) and layout != "rank_major":
+        interleave = (
+            interleave or _whole_pieces(specs, shard_size, alignment, bucket_bytes) <= AUTO_MAX_PIECES
+        )
+        if interleave:
+            return interleave_whole(
+                specs, shard_size, alignment, bucket_bytes, strategy, largest_first=function is lpt_whole
+            )
+    ownership = function(specs, shard_size, alignment)
     require(
         isinstance(ownership, PartitionPlan),
         f"strategy {strategy!r} returned {type(ownership).__name__}, expected a PartitionPlan",
@@ -255,7 +305,7 @@ def build_partition(
         ownership.specs == specs and ownership.shard_size == shard_size,
         f"strategy {strategy!r} returned a plan for other specs or another shard size",
     )
-    if layout == "rank_major" or strategy == "flat_even":
+    if layout == "rank_major" or function in (flat_even, lpt_whole, greedy_whole):
         return ownership
     if ownership.splits_params:
         if layout == "interleaved":
@@ -264,9 +314,9 @@ def build_partition(
                 "layout='rank_major' (or 'auto'), or a whole-parameter strategy"
             )
         return ownership
-    if strategy in ("lpt_whole", "greedy_whole"):
-        return interleave_whole(
-            specs, shard_size, alignment, bucket_bytes, strategy, largest_first=strategy == "lpt_whole"
-        )
+    if not interleave and _whole_pieces(specs, shard_size, alignment, bucket_bytes) > AUTO_MAX_PIECES:
+        return ownership
     owners = {s.index: ownership.fragments[s.index][0].rank for s in specs if s.trainable}
-    return interleave_whole(specs, shard_size, alignment, bucket_bytes, strategy, owner=lambda s: owners[s.index])
+    return interleave_whole(
+        specs, shard_size, alignment, bucket_bytes, strategy, owner=lambda s: owners[s.index]
+    )

@@ -15,7 +15,8 @@ the facade's measured accounting can be compared with it exactly:
   bf16/fp16 parameters (reduced straight into it).
 * ``master`` — what the rank steps when it is not its region of the full
   parameter buffer: fp32 copies for bf16/fp16 parameters, and the shard of an
-  interleaved layout (not contiguous in the full buffer, see [Note: layout]).
+  interleaved layout (not contiguous in the full buffer, see [Note: layout]) at
+  stages 1-2; at stage 3 an fp32 shard is stepped as it is.
 * ``optimizer_state`` — the inner optimizer's state for what the rank steps.
 * ``buffers`` — stage 0: DDP's flat bucket copy of all gradients. Otherwise the
   peak of the gradient staging buffers (at most ``max_inflight_buckets``
@@ -363,7 +364,8 @@ def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _R
             scratch += space.extent(shard_rank) * _FP32 if low and in_place else 0
         if not in_place:
             grads += shard * DTYPE_ITEMSIZE[grad_shard_dtype(zp, space)]
-        separate = low or not space.shard_is_region  # else the master is the rank's region itself
+        # Else the rank steps its region of the full buffer (stages 1-2) or its own shard (stage 3).
+        separate = low or (stage is not Stage.PARAMETERS and not space.shard_is_region)
         master += shard * DTYPE_ITEMSIZE[master_dtype(space.dtype)] if separate else 0
     if stage is Stage.DDP:
         for spec in specs:
