@@ -305,29 +305,27 @@ def plan_buckets(
 def _block_drafts(plan: PartitionPlan, space: Space) -> list[_Draft]:
     """One bucket per block of an interleaved space: its staging buffer is laid out like the block."""
     drafts = []
-    frags = sorted(space.runs, key=lambda f: space.buffer_offset(f.param) + f.param_span.start)
+    offset_of = dict(zip(space.params, space.buffer_offsets, strict=True))
+    # Non-empty fragments by their place in the full buffer; each lies inside one piece (the plan checks).
+    placed = sorted((offset_of[f.param] + f.param_span.start, f) for f in space.runs if f.param_span.numel)
     position = 0
     for block in space.blocks:
         span = block.span
-        pieces = tuple(
-            Piece(r, block.piece(r).shard_span, block.offset_in_block(r))
-            for r in range(plan.shard_size)
-            if block.pieces[r]
-        )
         copies = []
-        while position < len(frags):
-            frag = frags[position]
-            at = space.buffer_offset(frag.param) + frag.param_span.start
-            if at >= span.stop and frag.param_span.numel:
-                break
-            if at > span.stop:
-                break
-            if frag.param_span.numel:
-                copies.append(GradCopy(frag.param, frag.param_span, at - span.start))
+        while position < len(placed) and placed[position][0] < span.stop:
+            at, frag = placed[position]
+            copies.append(GradCopy(frag.param, frag.param_span, at - span.start))
             position += 1
+        if not copies:
+            continue  # padding and zero-size parameters only: nothing to reduce
+        shard_starts, offsets = block.shard_starts, block.offsets
+        pieces = tuple(
+            Piece(r, Span(shard_starts[r], shard_starts[r] + size), offsets[r])
+            for r, size in enumerate(block.pieces)
+            if size
+        )
         params = tuple(sorted({c.param for c in copies}))
-        if params:
-            drafts.append(_Draft(space.index, span, pieces, tuple(copies), params))
+        drafts.append(_Draft(space.index, span, pieces, tuple(copies), params))
     return drafts
 
 

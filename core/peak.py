@@ -158,11 +158,20 @@ def _piece_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece | None) -> StagingL
     space = zp.partition.spaces[bucket.space]
     if piece is None or grad_shard_dtype(zp, space) == space.dtype:
         return StagingLayout(bucket.numel, None)
-    scattered = bucket.collective in (Collective.REDUCE_SCATTER, Collective.REDUCE_SCATTER_V)
-    if scattered and zp.topology.shard_size > 1:
+    if _room_after(zp, bucket):
         tail = Span(bucket.numel, bucket.numel + piece.shard_span.numel)
         return StagingLayout(tail.stop, tail)
     return StagingLayout(bucket.numel, piece.staging_span)
+
+
+def _room_after(zp: ZeroPlan, bucket: Bucket) -> bool:
+    """Whether a piece reduced into a shard of another dtype lands after the bucket's gradients.
+
+    A scattering collective cannot write its output over its own input; a ``reduce`` (or an
+    ``all_reduce``, or a group of one) leaves it in place, in the piece's own range.
+    """
+    scattered = bucket.collective in (Collective.REDUCE_SCATTER, Collective.REDUCE_SCATTER_V)
+    return scattered and zp.topology.shard_size > 1
 
 
 class _Alive(NamedTuple):
@@ -257,14 +266,14 @@ def backward_peak(
     # Room for a reduced piece (bf16/fp16 at stage 2) is the only per-rank part: only the moments
     # holding one of a rank's enlarged buckets can exceed the rank-independent maximum.
     extra: list[dict[int, int]] = [{} for _ in range(zp.topology.shard_size)]
+    cast = [grad_shard_dtype(zp, space) != space.dtype for space in spaces]
     for b in buckets:
-        space = spaces[b.space]
-        if grad_shard_dtype(zp, space) == space.dtype:
-            continue  # reduced straight into the shard: no room to add on any rank
-        for piece in b.pieces:  # (not staging_layout: it searches the pieces for the rank)
-            more = _piece_layout(zp, b, piece).numel - b.numel
-            if more:
-                extra[piece.rank][b.index] = more * isz[b.index]
+        # Room is added only for a piece reduced into a shard of another dtype (as _piece_layout says),
+        # and then it is the piece itself, after the bucket's gradients.
+        if not (cast[b.space] and _room_after(zp, b)):
+            continue  # reduced straight into the shard, or in place: no room to add on any rank
+        for piece in b.pieces:
+            extra[piece.rank][b.index] = piece.shard_span.numel * isz[b.index]
     holding: dict[int, list[int]] = {}
     if any(extra):
         for position, moment in enumerate(moments):

@@ -15,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from itertools import groupby
 from typing import NamedTuple
 
 from zeroplan.core.buckets import BucketLayout, plan_buckets
 from zeroplan.core.comm import Collective, CollectivePolicy
-from zeroplan.core.errors import ConfigError, check_config, require
+from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.layout import build_partition
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
@@ -261,25 +262,25 @@ class ZeroPlan:
                         )
                     )
                 continue
-            frags = tuple(f for f in frags if f.param_span.numel)  # zero-size ones hold nothing
+            specs = self.specs
             start = 0
-            for i, f in enumerate(frags):
-                spec = self.specs[f.param]
-                group, cohort = spec.group, spec.cohort
-                nxt = self.specs[frags[i + 1].param] if i + 1 < len(frags) else None
-                last = nxt is None or (nxt.group, nxt.cohort) != (group, cohort)
-                if last:
-                    stop = f.shard_span.stop
-                    tensors.append(
-                        InnerTensor(
-                            space=space.index,
-                            group=group,
-                            shard_span=Span(start, stop),
-                            shape=(stop - start,),
-                            cohort=cohort,
-                        )
+            # Zero-size fragments hold nothing; the others, in shard order, form maximal runs.
+            held = (f for f in frags if f.param_span.stop > f.param_span.start)
+            for (group, cohort), run in groupby(
+                held, key=lambda f: (specs[f.param].group, specs[f.param].cohort)
+            ):
+                *_, last = run
+                stop = last.shard_offset + last.param_span.stop - last.param_span.start
+                tensors.append(
+                    InnerTensor(
+                        space=space.index,
+                        group=group,
+                        shard_span=Span(start, stop),
+                        shape=(stop - start,),
+                        cohort=cohort,
                     )
-                    start = stop
+                )
+                start = stop
         return tuple(tensors)
 
     def specs_fingerprint(self) -> str:

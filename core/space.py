@@ -37,9 +37,9 @@ buffer.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from itertools import pairwise
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
 from typing import NamedTuple
 
 from zeroplan.core.comm import Collective
@@ -126,16 +126,21 @@ class Block:
         start: where the block starts in the full buffer.
         pieces: per rank, the elements of its piece (padding included).
         shard_starts: per rank, where its piece starts in its shard.
+        numel: elements of the block in the full buffer (derived).
+        offsets: per rank, where its piece starts inside the block (derived).
     """
 
     start: int
     pieces: tuple[int, ...]
     shard_starts: tuple[int, ...]
+    numel: int = field(init=False, repr=False, compare=False)
+    offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
-    @property
-    def numel(self) -> int:
-        """Elements of the block in the full buffer."""
-        return sum(self.pieces)
+    def __post_init__(self) -> None:
+        # Derived once: plans of thousands of ranks ask for pieces by the million.
+        bounds = (0, *accumulate(self.pieces))
+        object.__setattr__(self, "offsets", bounds[:-1])
+        object.__setattr__(self, "numel", bounds[-1])
 
     @property
     def span(self) -> Span:
@@ -154,7 +159,7 @@ class Block:
 
     def offset_in_block(self, rank: int) -> int:
         """Where rank ``rank``'s piece starts inside the block."""
-        return sum(self.pieces[:rank])
+        return self.offsets[rank]
 
     def piece(self, rank: int) -> ShardPiece:
         """Rank ``rank``'s piece, in its shard and in the full buffer.
@@ -163,7 +168,7 @@ class Block:
             >>> Block(start=8, pieces=(4, 4), shard_starts=(2, 2)).piece(1)
             ShardPiece(shard_span=Span(start=2, stop=6), buffer_span=Span(start=12, stop=16))
         """
-        at = self.start + self.offset_in_block(rank)
+        at = self.start + self.offsets[rank]
         size = self.pieces[rank]
         return ShardPiece(Span(self.shard_starts[rank], self.shard_starts[rank] + size), Span(at, at + size))
 
@@ -344,7 +349,7 @@ def build_space(
     runs = tuple(f for p in params for f in fragments[p])
     owned = [0] * n
     for frag in runs:
-        owned[frag.rank] += frag.param_span.numel
+        owned[frag.rank] += frag.param_span.stop - frag.param_span.start
     if pieces is None:
         packed = [0] * n  # rank-major: each rank's fragments, in parameter order, tile [0, owned)
         for frag in runs:
@@ -364,39 +369,41 @@ def build_space(
     for r, frags in enumerate(by_rank):
         frags.sort(key=lambda f: f.shard_offset)
         for before, after in pairwise(frags):
-            if before.shard_span.stop > after.shard_offset:
+            span = before.param_span  # (hot loop: arithmetic rather than Span objects)
+            if before.shard_offset + span.stop - span.start > after.shard_offset:
                 raise PlanInvariantError(
                     f"fragments of parameters {before.param} and {after.param} overlap in rank {r}'s "
                     f"shard ({dtype} space): {before.shard_span} and {after.shard_span}"
                 )
 
-    def buffer_at(frag: Fragment) -> int:
-        """Full-buffer position of the fragment's first element."""
-        k = max(bisect_right(starts[frag.rank], frag.shard_offset) - 1, 0)
-        block = blocks[k]
-        inside = frag.shard_offset - block.shard_starts[frag.rank]
-        if not 0 <= inside <= block.pieces[frag.rank] - frag.param_span.numel:
+    def buffer_at(frag: Fragment, numel: int) -> int:
+        """Full-buffer position of the first of the fragment's ``numel`` elements."""
+        rank = frag.rank
+        block = blocks[max(bisect_right(starts[rank], frag.shard_offset) - 1, 0)]
+        inside = frag.shard_offset - block.shard_starts[rank]
+        if not 0 <= inside <= block.pieces[rank] - numel:
             raise PlanInvariantError(
                 f"parameter {frag.param} ({specs[frag.param].name!r}): fragment {frag.param_span} at "
                 f"shard offset {frag.shard_offset} of rank {frag.rank} does not lie inside one of its "
                 f"pieces ({dtype} space)"
             )
-        return block.start + block.offset_in_block(frag.rank) + inside
+        return block.start + block.offsets[rank] + inside
 
     buffer_offsets: list[int] = []
     for p in params:
-        frags = fragments[p]
-        start = buffer_at(frags[0])
-        position = start
-        for frag in frags:
-            at = buffer_at(frag)
+        start = position = -1
+        for frag in fragments[p]:
+            numel = frag.param_span.stop - frag.param_span.start
+            at = buffer_at(frag, numel)
+            if start < 0:
+                start = position = at
             if at != position:  # (hot loop: no message unless it fails)
                 raise PlanInvariantError(
                     f"parameter {p} ({specs[p].name!r}) would not be contiguous in the full buffer: "
                     f"its fragment on rank {frag.rank} starts at {at}, expected {position}. A split "
                     "parameter must end one piece and start the next (see [Note: layout])"
                 )
-            position += frag.param_span.numel
+            position += numel
         buffer_offsets.append(start)
     extents = [sum(b.pieces[r] for b in blocks) for r in range(n)]
     return Space(
