@@ -10,7 +10,13 @@ One process plays every rank. Each step:
    ``torch.optim`` class, with the same per-group hyper-parameters and ``foreach`` setting, on
    the tensors ``ZeroPlan.inner_tensors(rank)`` describes — views of the rank's flat shard (one
    window per run of a param group for elementwise optimizers, whole parameters otherwise);
-4. the shards are gathered through the rank-major buffer and compared with ``torch.equal``.
+4. the shards are gathered block by block through the full buffer and compared with ``torch.equal``.
+
+Both layouts run ([Note: layout]): ``"auto"`` interleaves the built-in strategies (equal pieces of
+every block for ``flat_even``, whole parameters balanced per block otherwise, padding between and
+inside the pieces), ``"rank_major"`` keeps one region per rank. Padding starts as NaN, is stepped
+with the NaN gradients its staging padding reduces to, and is gathered, so a parameter that
+reached into it would differ.
 
 Dtypes: specs are drawn with several dtype names so the plans have several dtype spaces, but
 every tensor is float32 — what the facade steps for bf16/fp16 spaces is their fp32 master shard,
@@ -39,7 +45,7 @@ from property_tests.strategies import (
     small_shapes,
     topologies,
 )
-from property_tests.virtual import average, gather, make_plan, reduce_buckets, shard
+from property_tests.virtual import average, gather, held, make_plan, reduce_buckets, shard
 from zeroplan.core import ConfigError, Topology, describe_optimizer, memory_report, plan, specs_from_shapes
 
 STEPS = 3
@@ -109,8 +115,8 @@ def run_equivalence(zp, name, hyper, foreach, seed):
         mean = [average([g[i] for g in grads], topology) for i in range(len(specs))]
         for space, got, want in zip(part.spaces, grad_shards, shard(part, mean), strict=True):
             for rank in range(part.shard_size):
-                owned = space.owned[rank]
-                assert torch.equal(got[rank][:owned], want[rank][:owned]), f"reduced grads of rank {rank}"
+                mine, expected = held(space, rank, got[rank]), held(space, rank, want[rank])
+                assert torch.equal(mine, expected), f"reduced grads of rank {rank}"
         for rank, (views, opt) in enumerate(ranks):
             for tensor, view in views:
                 grad = grad_shards[tensor.space][rank][tensor.shard_span.as_slice()].view(tensor.shape)
@@ -167,9 +173,9 @@ def _compare_state(zp, ranks, ref_opt, reference):
             )
 
 
-def _plan(specs, topology, strategy_name, name, hyper, alignment, bucket_bytes, stage):
+def _plan(specs, topology, strategy_name, name, hyper, alignment, bucket_bytes, stage, layout):
     optimizers = tuple(describe_optimizer(name, **options) for options in hyper)
-    return plan(
+    zp = plan(
         specs,
         topology,
         stage=stage,
@@ -177,10 +183,13 @@ def _plan(specs, topology, strategy_name, name, hyper, alignment, bucket_bytes, 
         optimizer=optimizers,
         alignment=alignment,
         bucket_bytes=bucket_bytes,
-        # The virtual executor (virtual.py) lays shards out rank-major; the interleaved layout's
-        # equivalence with torch.optim is checked by the multi-process tests in tests/facade.
-        layout="rank_major",
+        layout=layout,
     )
+    return zp
+
+
+#: ``"auto"`` interleaves every built-in strategy (and user strategies that keep parameters whole).
+layouts = st.sampled_from(["auto", "rank_major"])
 
 
 @st.composite
@@ -200,27 +209,30 @@ def cases(draw, name):
     stage=st.sampled_from([1, 2]),
     foreach=st.booleans(),
     seed=seeds,
+    layout=layouts,
 )
 def test_elementwise_optimizers_match_torch(
-    strategy_name, name, data, topology, alignment, bucket_bytes, stage, foreach, seed
+    strategy_name, name, data, topology, alignment, bucket_bytes, stage, foreach, seed, layout
 ):
     """SGD / Adam / AdamW / Adagrad / RMSprop on the plan equal torch.optim on full parameters."""
     specs, hyper = data.draw(cases(name), label="specs and hyper-parameters")
     note(f"torch.optim.{name} groups={hyper} foreach={foreach}")
-    event(
-        f"parameters split: {make_plan(strategy_name, specs, topology.shard_size, alignment).splits_params}"
-    )
-    zp = _plan(specs, topology, strategy_name, name, hyper, alignment, bucket_bytes, stage)
+    zp = _plan(specs, topology, strategy_name, name, hyper, alignment, bucket_bytes, stage, layout)
+    event(f"{zp.partition.layout}, parameters split: {zp.partition.splits_params}")
     run_equivalence(zp, name, hyper, foreach, seed)
 
 
 @pytest.mark.parametrize("name", ELEMENTWISE)
-@pytest.mark.parametrize("foreach", [False, True])
-def test_odd_shapes_on_mics_match_torch(strategy_name, name, foreach):
-    """A fixed case: (17, 3) split by flat_even, a zero-size and a scalar parameter, 2 x 2 ranks."""
+@pytest.mark.parametrize(("foreach", "layout"), [(False, "rank_major"), (True, "auto")])
+def test_odd_shapes_on_mics_match_torch(strategy_name, name, foreach, layout):
+    """A fixed case: (17, 3) split by flat_even, a zero-size and a scalar parameter, 2 x 2 ranks.
+
+    Interleaved (``"auto"``), the 40-byte cap makes blocks of 8 elements, 4 per rank: (17, 3) is
+    cut at every piece, and the first block is padded at its front.
+    """
     specs = specs_from_shapes([(17, 3), (0,), (), (5,)])
     hyper = [{"lr": 0.05, "weight_decay": 0.01}]
-    zp = _plan(specs, Topology(world_size=4, shard_size=2), strategy_name, name, hyper, 4, 40, 2)
+    zp = _plan(specs, Topology(world_size=4, shard_size=2), strategy_name, name, hyper, 4, 40, 2, layout)
     run_equivalence(zp, name, hyper, foreach, seed=0)
 
 
@@ -232,6 +244,7 @@ def test_odd_shapes_on_mics_match_torch(strategy_name, name, foreach):
     bucket_bytes=bucket_caps,
     foreach=st.booleans(),
     seed=seeds,
+    layout=layouts,
 )
 @example(  # flat_even splits (17, 3) here; the whole-parameter strategies do not
     case=(specs_from_shapes([(17, 3), (5,), (2, 2)]), [{"lr": 0.01}]),
@@ -240,14 +253,15 @@ def test_odd_shapes_on_mics_match_torch(strategy_name, name, foreach):
     bucket_bytes=64,
     foreach=False,
     seed=1,
+    layout="auto",
 )
 def test_adafactor_needs_whole_parameters(
-    strategy_name, case, topology, alignment, bucket_bytes, foreach, seed
+    strategy_name, case, topology, alignment, bucket_bytes, foreach, seed, layout
 ):
     """Adafactor (non-elementwise): equal to torch on whole-parameter plans, refused on splitting ones."""
     specs, hyper = case
-    partition = make_plan(strategy_name, specs, topology.shard_size, alignment)
-    event("splits parameters" if partition.splits_params else "whole parameters")
+    partition = make_plan(strategy_name, specs, topology.shard_size, alignment, layout, bucket_bytes)
+    event(f"{partition.layout}, {'splits' if partition.splits_params else 'whole'} parameters")
     if partition.splits_params:
         split = next(s for s in specs if len(partition.fragments[s.index]) > 1)
         attempts = (
@@ -257,9 +271,12 @@ def test_adafactor_needs_whole_parameters(
                 strategy=strategy_name,
                 optimizer="Adafactor",
                 alignment=alignment,
-                layout="rank_major",
+                bucket_bytes=bucket_bytes,
+                layout=layout,
             ),
-            lambda: _plan(specs, topology, strategy_name, "Adafactor", hyper, alignment, bucket_bytes, 2),
+            lambda: _plan(
+                specs, topology, strategy_name, "Adafactor", hyper, alignment, bucket_bytes, 2, layout
+            ),
         )
         for attempt in attempts:
             with pytest.raises(ConfigError) as refused:
@@ -268,6 +285,6 @@ def test_adafactor_needs_whole_parameters(
             assert repr(split.name) in message, f"error does not name {split.name!r}: {message}"
             assert "whole-parameter strategy" in message and "lpt_whole" in message, message
         return
-    zp = _plan(specs, topology, strategy_name, "Adafactor", hyper, alignment, bucket_bytes, 2)
+    zp = _plan(specs, topology, strategy_name, "Adafactor", hyper, alignment, bucket_bytes, 2, layout)
     assert not zp.elementwise
     run_equivalence(zp, "Adafactor", hyper, foreach, seed)
