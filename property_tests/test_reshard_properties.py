@@ -1,15 +1,19 @@
-"""Reshard plans: every target element written exactly once; A -> B -> A is the identity on data."""
+"""Reshard plans: every target element written exactly once; A -> B -> A is the identity on data.
+
+Plans are drawn in either layout ([Note: layout]): interleaved shards have padding between and
+inside their pieces (holes in the shard coordinate), which no copy may read or write.
+"""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import torch
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
-from property_tests.strategies import alignments, param_specs
-from property_tests.virtual import assert_tiles, make_plan
+from property_tests.strategies import alignments, bucket_caps, param_specs
+from property_tests.virtual import held, make_plan
 from zeroplan.core import plan_reshard
 
 
@@ -43,42 +47,54 @@ def _execute(reshard, source_shards, target):
 
 
 def _check_written_once(target, writes):
+    """Every parameter element of every target shard written once; padding never."""
     for space in target.spaces:
         for rank in range(target.shard_size):
             counts = writes[space.dtype, rank]
-            owned = space.owned[rank]
-            assert bool((counts[:owned] == 1).all()), f"rank {rank} {space.dtype}: writes {counts[:owned]}"
-            assert bool((counts[owned:] == 0).all()), f"rank {rank} {space.dtype}: padding written"
+            mine = held(space, rank, counts)
+            assert bool((mine == 1).all()), f"rank {rank} {space.dtype}: writes {mine}"
+            assert int(counts.sum()) == mine.numel(), f"rank {rank} {space.dtype}: padding written"
+
+
+#: ``build_partition``'s layout, or None: the strategy's own (rank-major) plan.
+layouts = st.sampled_from(["interleaved", None, "rank_major"])
 
 
 @given(
     specs=param_specs(),
     shard_sizes=st.tuples(st.integers(1, 8), st.integers(1, 8)),
     alignments_=st.tuples(alignments, alignments),
+    layouts_=st.tuples(layouts, layouts),
+    bucket_bytes=st.tuples(bucket_caps, bucket_caps),
     data=st.data(),
 )
 def test_reshard_round_trip_is_identity(
-    strategy_name, strategies_under_test, specs, shard_sizes, alignments_, data
+    strategy_name, strategies_under_test, specs, shard_sizes, alignments_, layouts_, bucket_bytes, data
 ):
     """Plan A (strategy under test) -> plan B (any strategy under test, other sizes) -> A gives A back."""
     other = data.draw(st.sampled_from(strategies_under_test), label="other strategy")
-    a = make_plan(strategy_name, specs, shard_sizes[0], alignments_[0])
-    b = make_plan(other, specs, shard_sizes[1], alignments_[1])
+    a = make_plan(strategy_name, specs, shard_sizes[0], alignments_[0], layouts_[0], bucket_bytes[0])
+    b = make_plan(other, specs, shard_sizes[1], alignments_[1], layouts_[1], bucket_bytes[1])
+    event(f"{a.layout} -> {b.layout}" if a.spaces else "no trainable parameters")
     original = _labelled_shards(a)
     forward = plan_reshard(a, b)
     assert forward.fresh == () and forward.target_shard_size == b.shard_size
     moved, writes = _execute(forward, original, b)
     _check_written_once(b, writes)
     expected = _labelled_shards(b)
-    for key, tensor in expected.items():
-        owned = b.spaces[[s.dtype for s in b.spaces].index(key[0])].owned[key[1]]
-        assert torch.equal(moved[key][:owned], tensor[:owned]), f"target shard {key} has the wrong elements"
+    for (dtype, rank), tensor in expected.items():
+        space = next(s for s in b.spaces if s.dtype == dtype)
+        assert torch.equal(held(space, rank, moved[dtype, rank]), held(space, rank, tensor)), (
+            f"target shard {dtype, rank} has the wrong elements"
+        )
     backward = plan_reshard(b, a)
     restored, writes = _execute(backward, moved, a)
     _check_written_once(a, writes)
-    for key, tensor in original.items():
-        owned = a.spaces[[s.dtype for s in a.spaces].index(key[0])].owned[key[1]]
-        assert torch.equal(restored[key][:owned], tensor[:owned]), f"round trip changed shard {key}"
+    for (dtype, rank), tensor in original.items():
+        space = next(s for s in a.spaces if s.dtype == dtype)
+        assert torch.equal(held(space, rank, restored[dtype, rank]), held(space, rank, tensor)), (
+            f"round trip changed shard {dtype, rank}"
+        )
     assert plan_reshard(a, b).fingerprint() == forward.fingerprint()
 
 
@@ -87,14 +103,15 @@ def test_reshard_round_trip_is_identity(
     flips=st.lists(st.booleans(), max_size=8),
     shard_sizes=st.tuples(st.integers(1, 6), st.integers(1, 6)),
     alignment=alignments,
+    layouts_=st.tuples(layouts, layouts),
 )
 def test_reshard_with_trainable_change_fills_every_target_element_once(
-    strategy_name, specs, flips, shard_sizes, alignment
+    strategy_name, specs, flips, shard_sizes, alignment, layouts_
 ):
     """Freezing / unfreezing: copies plus ``fresh`` fragments fill each target shard exactly once."""
     changed = tuple(replace(s, trainable=not flips[s.index]) if s.index < len(flips) else s for s in specs)
-    source = make_plan(strategy_name, specs, shard_sizes[0], alignment)
-    target = make_plan(strategy_name, changed, shard_sizes[1], alignment)
+    source = make_plan(strategy_name, specs, shard_sizes[0], alignment, layouts_[0], 64)
+    target = make_plan(strategy_name, changed, shard_sizes[1], alignment, layouts_[1], 64)
     reshard = plan_reshard(source, target, allow_trainable_change=True)
     for space in target.spaces:
         for rank in range(target.shard_size):
@@ -104,7 +121,12 @@ def test_reshard_with_trainable_change_fills_every_target_element_once(
                 for f in reshard.fresh
                 if f.rank == rank and target.specs[f.param].dtype == space.dtype
             ]
-            assert_tiles(spans, space.owned[rank], f"target rank {rank} {space.dtype}")
+            # Exactly the target's fragments, once each, whatever padding lies between them.
+            counts = torch.zeros(space.shard_numel[rank], dtype=torch.int64)
+            for span in spans:
+                counts[span.as_slice()] += 1
+            assert bool((held(space, rank, counts) == 1).all()), f"target rank {rank} {space.dtype}"
+            assert int(counts.sum()) == space.owned[rank], f"target rank {rank} {space.dtype}: padding"
     for frag in reshard.fresh:
         assert not source.specs[frag.param].trainable and target.specs[frag.param].trainable
     for copy in reshard.copies:

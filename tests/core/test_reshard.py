@@ -166,3 +166,48 @@ def test_zero_size_parameters_get_an_empty_copy():
     b = plan_from_assignment(specs, 2, 1, "x", [(0, Span(0, 0), 0), (1, Span(0, 4), 1)])
     copies = [c for c in plan_reshard(a, b).copies if c.param == 0]
     assert copies == [Copy("float32", 0, 1, Span(0, 0), 0, Span(0, 0))]
+
+
+def test_interleaved_shards_with_padding_holes_reshard_both_ways():
+    from zeroplan.core.layout import interleave_even
+
+    # interleave_even (see tests/core/test_layout.py): rank 0 = [_ _ a1-a4 a9 b0-b2],
+    # rank 1 = [_ a0 a5-a8 b3-b6]; flat_even on 3 ranks: [a0-a4], [a5-a9 b0], [b1-b6].
+    specs = specs_from_shapes([(10,), (7,)], names=["a", "b"])
+    interleaved, rank_major = interleave_even(specs, 2, 2, 32), flat_even(specs, 3, 1)
+    rp = plan_reshard(interleaved, rank_major)
+    assert [(c.param, c.src_rank, c.src_span, c.dst_rank, c.dst_span) for c in rp.copies] == [
+        (0, 1, Span(1, 2), 0, Span(0, 1)),
+        (0, 0, Span(2, 6), 0, Span(1, 5)),
+        (0, 1, Span(2, 6), 1, Span(0, 4)),
+        (0, 0, Span(6, 7), 1, Span(4, 5)),
+        (1, 0, Span(7, 8), 1, Span(5, 6)),
+        (1, 0, Span(8, 10), 2, Span(0, 2)),
+        (1, 1, Span(6, 10), 2, Span(2, 6)),
+    ]
+    back = plan_reshard(rank_major, interleaved)
+    written = {(c.dst_rank, i) for c in back.copies for i in range(c.dst_span.start, c.dst_span.stop)}
+    padding = {(0, 0), (0, 1), (1, 0)}
+    assert written == {(r, i) for r in (0, 1) for i in range(10)} - padding  # holes are never written
+    original = _labelled(interleaved)
+    moved = _execute(rp, original, rank_major)
+    assert moved == _shards(rank_major)
+    restored = {key: [None] * len(flat) for key, flat in original.items()}
+    for c in back.copies:
+        restored[c.dtype, c.dst_rank][c.dst_span.as_slice()] = moved[c.dtype, c.src_rank][
+            c.src_span.as_slice()
+        ]
+    assert restored == original
+
+
+def _labelled(p):
+    """Every rank's whole shard (padding included: None), its elements labelled (param, element)."""
+    out = {}
+    for space in p.spaces:
+        for rank in range(p.shard_size):
+            flat = [None] * space.shard_numel[rank]
+            for f in space.by_rank[rank]:
+                for i in range(f.param_span.numel):
+                    flat[f.shard_offset + i] = (f.param, f.param_span.start + i)
+            out[space.dtype, rank] = flat
+    return out
