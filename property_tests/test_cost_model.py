@@ -78,6 +78,7 @@ def _per_call_traffic(zp, rank, clipping):
     stage=st.sampled_from([1, 2]),
     loss_scaling=st.booleans(),
     clipping=st.booleans(),
+    layout=st.sampled_from(["auto", "rank_major"]),
 )
 @example(
     specs=specs_from_shapes([(17, 257), (3,), (0,)], dtype="bf16"),
@@ -87,10 +88,12 @@ def _per_call_traffic(zp, rank, clipping):
     stage=2,
     loss_scaling=True,
     clipping=True,
+    layout="auto",
 )
 def test_communication_equals_sum_of_calls(
-    strategy_name, specs, topology, alignment, bucket_bytes, stage, loss_scaling, clipping
+    strategy_name, specs, topology, alignment, bucket_bytes, stage, loss_scaling, clipping, layout
 ):
+    """Both layouts: ``"auto"`` interleaves the built-in strategies (a gather per block)."""
     zp = plan(
         specs,
         topology,
@@ -100,6 +103,7 @@ def test_communication_equals_sum_of_calls(
         alignment=alignment,
         bucket_bytes=bucket_bytes,
         loss_scaling=loss_scaling,
+        layout=layout,
     )
     for rank in range(topology.world_size):
         expected = _per_call_traffic(zp, rank, clipping)

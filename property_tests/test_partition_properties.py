@@ -8,7 +8,7 @@ import torch
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
-from property_tests.strategies import DTYPES, alignments, many_specs, param_specs, seeds
+from property_tests.strategies import DTYPES, alignments, bucket_caps, many_specs, param_specs, seeds
 from property_tests.virtual import assert_tiles, gather, make_plan, shard
 from zeroplan.core import (
     Collective,
@@ -24,11 +24,6 @@ from zeroplan.core import (
 )
 
 shard_sizes = st.integers(1, 9)
-
-
-def rank_major_plan(*args, **kwargs):
-    """``plan`` with the rank-major layout these properties are written for (interleaved: tests/core)."""
-    return plan(*args, layout="rank_major", **kwargs)
 
 
 def _describe(specs, shard_size):
@@ -168,23 +163,35 @@ def test_deterministic_and_fingerprinted(strategy_name, specs, shard_size, align
     specs=param_specs(shape=st.sampled_from([(), (1,), (0,), (5,), (3, 4), (2, 0), (9,)]), cohorts=True),
     world=st.integers(1, 6),
     alignment=alignments,
+    layout=st.sampled_from(["auto", "rank_major"]),
+    bucket_bytes=bucket_caps,
 )
-def test_inner_tensors(strategy_name, specs, world, alignment):
-    """Elementwise: maximal (group, cohort) windows tiling the shard; otherwise whole parameters."""
+def test_inner_tensors(strategy_name, specs, world, alignment, layout, bucket_bytes):
+    """Elementwise: maximal (group, cohort) windows tiling the shard; otherwise whole parameters.
+
+    Windows tile the shard from 0 to the end of its last fragment, padding between fragments
+    (interleaved layouts) included: it is zero, and stepping zeros leaves them zero.
+    """
     topology = Topology(world_size=world)
-    zp = rank_major_plan(specs, topology, strategy=strategy_name, optimizer="Adam", alignment=alignment)
+    options = {
+        "strategy": strategy_name,
+        "alignment": alignment,
+        "layout": layout,
+        "bucket_bytes": bucket_bytes,
+    }
+    zp = plan(specs, topology, optimizer="Adam", **options)
     zw = None
     if not zp.partition.splits_params:
-        zw = rank_major_plan(
-            specs, topology, strategy=strategy_name, optimizer="Adafactor", alignment=alignment
-        )
+        zw = plan(specs, topology, optimizer="Adafactor", **options)
     for rank in range(world):
         tensors = zp.inner_tensors(rank)
         for space in zp.partition.spaces:
             frags = space.by_rank[rank]
             windows = [t for t in tensors if t.space == space.index]
             assert [t.shard_span.start for t in windows] == sorted(t.shard_span.start for t in windows)
-            assert_tiles([t.shard_span for t in windows], space.owned[rank], "windows")
+            last = max((f.shard_span.stop for f in frags if f.param_span.numel), default=0)
+            assert last == space.owned[rank] or zp.partition.layout == "interleaved"
+            assert_tiles([t.shard_span for t in windows], last, "windows")
             runs = []
             for f in frags:
                 if not f.param_span.numel:
@@ -241,17 +248,49 @@ def zero_size_insertions(draw):
 _FIVE_SEVEN = specs_from_shapes([(5,), (7,)])
 
 
-@given(case=zero_size_insertions(), shard_size=shard_sizes, alignment=alignments)
-@example(case=(_FIVE_SEVEN, insert_zero_size(_FIVE_SEVEN, 2), 2), shard_size=2, alignment=1)
-@example(case=(_FIVE_SEVEN, insert_zero_size(_FIVE_SEVEN, 1, dtype="bfloat16"), 1), shard_size=3, alignment=2)
-def test_zero_size_parameter_moves_nothing(strategy_name, case, shard_size, alignment):
-    """Inserting (or appending) a zero-size parameter leaves every other fragment and offset in place."""
+#: None: the strategy's own (rank-major) plan; "interleaved": ``build_partition``'s blocks.
+layouts = st.sampled_from([None, "interleaved"])
+
+
+@given(
+    case=zero_size_insertions(),
+    shard_size=shard_sizes,
+    alignment=alignments,
+    layout=layouts,
+    bucket_bytes=bucket_caps,
+)
+@example(
+    case=(_FIVE_SEVEN, insert_zero_size(_FIVE_SEVEN, 2), 2),
+    shard_size=2,
+    alignment=1,
+    layout=None,
+    bucket_bytes=16,
+)
+@example(
+    case=(_FIVE_SEVEN, insert_zero_size(_FIVE_SEVEN, 1, dtype="bfloat16"), 1),
+    shard_size=3,
+    alignment=2,
+    layout=None,
+    bucket_bytes=16,
+)
+@example(
+    case=(_FIVE_SEVEN, insert_zero_size(_FIVE_SEVEN, 1), 1),
+    shard_size=2,
+    alignment=1,
+    layout="interleaved",
+    bucket_bytes=16,
+)
+def test_zero_size_parameter_moves_nothing(strategy_name, case, shard_size, alignment, layout, bucket_bytes):
+    """Inserting (or appending) a zero-size parameter leaves every other fragment and offset in place.
+
+    Interleaved too: it joins a block without moving its blocks, pieces or owners.
+    """
     before_specs, after_specs, at = case
-    after = make_plan(strategy_name, after_specs, shard_size, alignment)  # valid for every strategy
-    assert bool(after.fragments[at]) == after_specs[at].trainable
+    after = make_plan(strategy_name, after_specs, shard_size, alignment, layout, bucket_bytes)
+    assert bool(after.fragments[at]) == after_specs[at].trainable  # valid for every strategy
     if get_strategy(strategy_name) not in _BUILTIN:
         return
-    before = make_plan(strategy_name, before_specs, shard_size, alignment)
+    before = make_plan(strategy_name, before_specs, shard_size, alignment, layout, bucket_bytes)
     for spec in before_specs:
         new = spec.index + (spec.index >= at)
         old_frags = [(f.rank, f.param_span, f.shard_offset) for f in before.fragments[spec.index]]
@@ -270,10 +309,17 @@ def test_zero_size_parameter_moves_nothing(strategy_name, case, shard_size, alig
         )
 
 
-@given(specs=param_specs(), shard_size=shard_sizes, alignment=alignments, seed=seeds)
-def test_gather_of_shard_is_identity(strategy_name, specs, shard_size, alignment, seed):
-    """gather(shard(x)) == x, executed with real tensors of each parameter's dtype."""
-    p = make_plan(strategy_name, specs, shard_size, alignment)
+@given(
+    specs=param_specs(),
+    shard_size=shard_sizes,
+    alignment=alignments,
+    seed=seeds,
+    layout=layouts,
+    bucket_bytes=bucket_caps,
+)
+def test_gather_of_shard_is_identity(strategy_name, specs, shard_size, alignment, seed, layout, bucket_bytes):
+    """gather(shard(x)) == x, executed with real tensors of each parameter's dtype (NaN padding)."""
+    p = make_plan(strategy_name, specs, shard_size, alignment, layout, bucket_bytes)
     generator = torch.Generator().manual_seed(seed)
     x = [torch.randn(s.shape, generator=generator).to(getattr(torch, s.dtype)) for s in specs]
     shards = shard(p, x)
