@@ -47,12 +47,20 @@ def _family(stage: int, psi: int, n: int, p: int, k: int) -> float:
     }[stage]
 
 
-def _extras(stage: int, psi: int, n: int, p: int, tensors: int, inner: int) -> float:
-    """What zeroplan keeps beyond the paper's formula (see memory.py's [Note: what is counted])."""
+def _extras(stage: int, psi: int, n: int, p: int, tensors: int, inner: int, region: bool = True) -> float:
+    """What zeroplan keeps beyond the paper's formula (see memory.py's [Note: what is counted]).
+
+    ``region``: whether each shard is a region of the full buffer (rank-major, or one block).
+    Otherwise (interleaved) stage 1 reduces into an fp32 gradient shard of its own beside the full
+    gradients, and fp32 parameters get a master of their own at stages 1 and 2.
+    """
     if stage == 0:
         return SCALAR * tensors  # one `step` per parameter, every rank steps all of them
     fp32_grad_shard = (4 - p) * psi / n if stage >= 2 else 0  # bf16/fp16 reduced into fp32
-    return fp32_grad_shard + SCALAR * inner
+    if not region and stage == 1:
+        fp32_grad_shard = 4 * psi / n
+    fp32_master = 4 * psi / n if not region and stage in (1, 2) and p == 4 else 0
+    return fp32_grad_shard + fp32_master + SCALAR * inner
 
 
 def _counted(r: RankReport) -> int:
@@ -80,43 +88,68 @@ def test_zero_family_exactly_when_shards_need_no_padding(stage, dtype, p, k):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize(("dtype", "p", "k"), [("bf16", 2, 12), ("fp32", 4, 8)])
 @pytest.mark.parametrize(("world", "shard"), [(4, 4), (12, 4), (5, 5)])
-def test_zero_family_up_to_padding_with_odd_shapes(stage, dtype, p, k, world, shard):
+@pytest.mark.parametrize(("layout", "bucket_bytes"), [("rank_major", 2**20), ("interleaved", 8192)])
+def test_zero_family_up_to_padding_with_odd_shapes(stage, dtype, p, k, world, shard, layout, bucket_bytes):
     alignment = 128
     specs = specs_from_shapes(ODD_SHAPES, dtype=dtype)
     psi = sum(s.numel for s in specs)
-    zp = rank_major_plan(
-        specs, Topology(world_size=world, shard_size=shard), stage=stage, alignment=alignment
-    )
+    topology = Topology(world_size=world, shard_size=shard)
+    zp = plan(specs, topology, stage=stage, alignment=alignment, bucket_bytes=bucket_bytes, layout=layout)
     (space,) = zp.partition.spaces
+    assert zp.partition.layout == layout and space.shard_is_region == (layout == "rank_major")
+    # Rank-major: padding is below one alignment unit per rank, at the end of each shard. Interleaved
+    # (flat_even): below one unit of shard x alignment in all, at the front of the first block, so
+    # one rank may hold nearly all of it.
+    slack = alignment if layout == "rank_major" else shard * alignment
+    assert 0 <= space.buffer_numel - space.numel < slack
     report = memory_report(zp)
     for r in report.ranks:
         s = r.shard_rank
-        # Padding is below one alignment unit per rank and space, and flat_even shards are
-        # within one unit of psi / N, so a sharded byte-per-element is off by < 2 units.
-        assert 0 <= space.shard_numel[s] - space.owned[s] < alignment
-        assert abs(space.owned[s] - psi / shard) <= alignment
+        assert 0 <= space.shard_numel[s] - space.owned[s] < slack
+        assert abs(space.owned[s] - psi / shard) <= slack
         inner = len(zp.inner_tensors(s))
         assert inner == 1
-        expected = _family(stage, psi, shard, p, k) + _extras(stage, psi, shard, p, len(specs), inner)
-        # bytes per element held per shard: fp32 master + state (K), the gradient shard (p),
-        # and at stage 3 the parameter shard (p); nothing is sharded at stage 0.
-        sharded = {0: 0, 1: k + p, 2: k + p, 3: k + 2 * p}[stage]
-        assert abs(_counted(r) - expected) <= sharded * 2 * alignment, r
+        region = space.shard_is_region
+        expected = _family(stage, psi, shard, p, k) + _extras(stage, psi, shard, p, len(specs), inner, region)
+        # bytes per element held per shard: fp32 master + state (K), the gradient shard (p, or 4 for
+        # an interleaved stage 1), the fp32 master of an interleaved fp32 shard (4), and at stage 3 the
+        # parameter shard (p); nothing is sharded at stage 0.
+        sharded = {0: 0, 1: k + p, 2: k + p, 3: k + 2 * p}[stage] + (0 if region else 8)
+        assert abs(_counted(r) - expected) <= sharded * 2 * slack, r
 
 
 @pytest.mark.parametrize("strategy", ["lpt_whole", "greedy_whole", "flat_even"])
-def test_summed_over_ranks_sharded_bytes_are_the_model_plus_padding(strategy):
+@pytest.mark.parametrize(("layout", "bucket_bytes"), [("rank_major", 2**20), ("interleaved", 8192)])
+def test_summed_over_ranks_sharded_bytes_are_the_model_plus_padding(strategy, layout, bucket_bytes):
     specs = specs_from_shapes(ODD_SHAPES, dtype="bf16")
     psi, n, alignment = sum(s.numel for s in specs), 4, 128
-    zp = rank_major_plan(specs, Topology(world_size=n), stage=3, strategy=strategy, alignment=alignment)
+    topology = Topology(world_size=n)
+    zp = plan(
+        specs,
+        topology,
+        stage=3,
+        strategy=strategy,
+        alignment=alignment,
+        bucket_bytes=bucket_bytes,
+        layout=layout,
+    )
     report = memory_report(zp)
-    padding = sum(zp.partition.spaces[0].shard_numel) - psi
-    assert 0 <= padding < n * alignment
+    (space,) = zp.partition.spaces
+    padding = sum(space.shard_numel) - psi
+    # Rank-major: below one alignment unit per rank. Interleaved: flat_even pads the first block to a
+    # multiple of n x alignment; whole-parameter blocks pad each piece to the alignment.
+    blocks = 1 if strategy == "flat_even" else len(space.blocks)
+    assert 0 <= padding < n * alignment * blocks
+    assert padding == space.buffer_numel - psi or layout == "rank_major"
     assert sum(r.master_bytes for r in report.ranks) == 4 * (psi + padding)
     assert sum(r.params_bytes for r in report.ranks) == 2 * (psi + padding)
     assert sum(r.grads_bytes for r in report.ranks) == 4 * (psi + padding)  # bf16 reduced into fp32
     inner = sum(len(zp.inner_tensors(s)) for s in range(n))
-    assert sum(r.optimizer_state_bytes for r in report.ranks) == 8 * psi + SCALAR * inner
+    # Adam's two moments per element the rank steps: its windows, which run over the padding
+    # between its fragments (interleaved) but not past the last one.
+    stepped = sum(t.shard_span.numel for s in range(n) for t in zp.inner_tensors(s))
+    assert psi <= stepped <= psi + padding and (stepped == psi or layout == "interleaved")
+    assert sum(r.optimizer_state_bytes for r in report.ranks) == 8 * stepped + SCALAR * inner
 
 
 def test_sgd_without_momentum_keeps_no_state_and_fp32_no_master():
@@ -331,7 +364,8 @@ MIXED = (
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("strategy", ["flat_even", "lpt_whole"])
 @pytest.mark.parametrize(("world", "shard"), [(6, 3), (4, 4), (8, 2), (3, 1)])
-def test_report_traffic_equals_the_sum_of_per_call_costs(stage, strategy, world, shard):
+@pytest.mark.parametrize("layout", ["interleaved", "rank_major"])
+def test_report_traffic_equals_the_sum_of_per_call_costs(stage, strategy, world, shard, layout):
     zp = plan(
         MIXED,
         Topology(world_size=world, shard_size=shard),
@@ -340,7 +374,9 @@ def test_report_traffic_equals_the_sum_of_per_call_costs(stage, strategy, world,
         alignment=8,
         bucket_bytes=2000,
         loss_scaling=True,
+        layout=layout,
     )
+    assert zp.partition.layout == layout
     expected = _per_call(zp, clipping=True)
     report = memory_report(zp, clipping=True)
     for w, r in enumerate(report.ranks):
@@ -430,3 +466,22 @@ def test_stage_1_at_shard_size_8_is_the_zero_papers_4_psi_plus_12_psi_over_n():
     paper = 4 * psi + 12 * psi / n
     for r in report.ranks:
         assert abs(_counted(r) / paper - 1) < 0.02, (r.rank, _counted(r) / paper)
+
+
+def test_interleaved_stage_1_keeps_an_fp32_gradient_shard_beside_the_full_gradients():
+    # Interleaved, the rank's shard is not a region of the gradient buffer: its reduced gradients go
+    # to an fp32 shard of their own (4Ψ/N kept between steps), where rank-major stage 1 reduces in
+    # place and makes the fp32 copy only inside step() (a transient of the same size).
+    specs = preset_specs("llama-7b", dtype="bf16")
+    psi, n = sum(s.numel for s in specs), 8
+    zp = plan(specs, Topology(world_size=n), stage=1, optimizer="AdamW")
+    assert zp.partition.layout == "interleaved"
+    interleaved = memory_report(zp).ranks
+    rank_major = memory_report(
+        rank_major_plan(specs, Topology(world_size=n), stage=1, optimizer="AdamW")
+    ).ranks
+    paper = 4 * psi + 12 * psi / n + 4 * psi / n
+    for r, m in zip(interleaved, rank_major, strict=True):
+        assert abs(_counted(r) / paper - 1) < 0.02, (r.rank, _counted(r) / paper)
+        assert r.step_transient_bytes < m.step_transient_bytes  # no fp32 copy inside step()
+        assert abs(r.grads_bytes - m.grads_bytes - 4 * psi / n) < 4 * 128 * n
