@@ -45,6 +45,7 @@ def expected_report(specs, *, world, shard=None, stage=2, strategy="auto", optim
         alignment=kwargs.get("alignment", 128),
         bucket_bytes=int(kwargs.get("bucket_mb", 25.0) * 2**20),
         loss_scaling=kwargs.get("loss_scaling", False),
+        layout=kwargs.get("layout", "auto"),
     )
     return zp, memory_report(zp)
 
@@ -145,6 +146,61 @@ def test_json_defaults():
     check_document(document, report)
     assert (document["world"], document["shard_size"], document["stage"]) == (8, 8, 2)
     assert document["strategy"] == "flat_even" and document["model"] == "gpt2"
+    assert (document["layout"], document["layout_requested"]) == ("interleaved", "auto")
+
+
+# ----------------------------------------------------------------- layouts
+LAYOUT_RUNS = {
+    "rank_major": ("--preset", "gpt2", "--world", "8", "--layout", "rank_major", "--json"),
+    "interleaved": (
+        *("--preset", "gpt2", "--world", "8", "--shard-size", "4", "--strategy", "lpt_whole"),
+        *("--layout", "interleaved", "--bucket-mb", "4", "--json"),
+    ),
+    # 723 tensors in 25 MiB buckets over 4,096 ranks: beyond AUTO_MAX_PIECES, auto stays rank-major.
+    "auto-70b": ("--preset", "llama-70b", "--world", "4096", "--json"),
+    "table": ("--preset", "gpt2", "--world", "8"),
+    "table-rank-major": ("--preset", "gpt2", "--world", "8", "--layout", "rank_major"),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs():
+    return zeroplan_many(LAYOUT_RUNS)
+
+
+@pytest.mark.parametrize(
+    ("key", "settings", "layout"),
+    [
+        ("rank_major", {"world": 8, "layout": "rank_major"}, "rank_major"),
+        (
+            "interleaved",
+            {"world": 8, "shard": 4, "strategy": "lpt_whole", "layout": "interleaved", "bucket_mb": 4.0},
+            "interleaved",
+        ),
+        ("auto-70b", {"world": 4096, "preset": "llama-70b"}, "rank_major"),
+    ],
+)
+def test_layout_option_is_planned_and_reported(layout_runs, key, settings, layout):
+    out = layout_runs[key]
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout)
+    settings = dict(settings)
+    zp, report = expected_report(preset_specs(settings.pop("preset", "gpt2"), "bf16"), **settings)
+    check_document(document, report)
+    assert document["layout"] == zp.partition.layout == layout
+    assert document["layout_requested"] == settings.get("layout", "auto")
+    assert document["buckets"] == len(zp.buckets.buckets)
+
+
+def test_layout_in_the_table_header(layout_runs):
+    auto, rank_major = layout_runs["table"], layout_runs["table-rank-major"]
+    assert auto.returncode == rank_major.returncode == 0, (auto.stderr, rank_major.stderr)
+    header = " ".join(auto.stdout.split())  # rich wraps the header at the terminal width
+    assert "strategy flat_even, layout interleaved (auto), 10 buckets" in header
+    assert "layout rank_major, 10 buckets" in " ".join(rank_major.stdout.split())
+    # Interleaved, every bucket is a reduce_scatter and every block an all_gather.
+    assert re.search(r"shard\s+│\s+reduce_scatter\s+│\s+10\s+│", auto.stdout), auto.stdout
+    assert re.search(r"shard\s+│\s+all_gather\s+│\s+10\s+│", auto.stdout), auto.stdout
 
 
 # ----------------------------------------------------------------- shapes files
@@ -316,6 +372,7 @@ BAD = [
     (["--stage", "two"], "argument --stage: invalid int value: 'two'"),
     (["--preset", "gpt2", "--shapes", "x.json"], "not allowed with argument"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--layout", "columns"], "argument --layout: invalid choice: 'columns'"),
 ]
 
 

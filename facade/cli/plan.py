@@ -10,6 +10,8 @@ import time
 from typing import Any
 
 from zeroplan.core import (
+    AUTO_MAX_PIECES,
+    LAYOUTS,
     ConfigError,
     FitReport,
     MemoryReport,
@@ -48,6 +50,14 @@ def register(sub: Any) -> None:
     p.add_argument("--dtype", default="bf16", help="parameter dtype: fp32, bf16, fp16 (default bf16)")
     p.add_argument("--optimizer", default="AdamW", help=f"one of {', '.join(known_optimizers())}")
     p.add_argument("--strategy", default="auto", help=f"auto or one of {', '.join(strategy_names())}")
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="auto",
+        help="parameter layout: interleaved (every bucket cut across the shard group: one "
+        "reduce_scatter and one all_gather each with flat_even), rank_major (one region per rank), "
+        f"or auto: interleaved up to {AUTO_MAX_PIECES:,} pieces, buckets x ranks (default auto)",
+    )
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket cap in MiB (default 25)")
     p.add_argument("--alignment", type=int, default=128, help="alignment in elements (default 128)")
     p.add_argument("--loss-scaling", action="store_true", help="plan the fp16 overflow check")
@@ -89,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         alignment=args.alignment,
         bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
         loss_scaling=args.loss_scaling,
+        layout=args.layout,
     )
     report = memory_report(zp)
     elapsed = time.perf_counter() - started
@@ -102,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
             dtype=specs[0].dtype if specs else None,
             optimizer=zp.optimizers[0].name,
             buckets=len(zp.buckets.buckets),
+            layout=zp.partition.layout,
+            layout_requested=args.layout,
             splits_params=zp.partition.splits_params,
             planning_seconds=round(elapsed, 4),
         )
@@ -109,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
         json.dump(document, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return status
+    layout = zp.partition.layout + (" (auto)" if args.layout == "auto" else "")
     _print_table(
-        report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), elapsed, args.rows, fit
+        report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), layout, elapsed, args.rows, fit
     )
     if settings.active or advice is not None:
         _print_fit(settings, fit, advice)
@@ -152,6 +166,7 @@ def _print_table(
     source: str,
     specs: tuple[ParamSpec, ...],
     buckets: int,
+    layout: str,
     elapsed: float,
     rows: int,
     fit: FitReport | None = None,
@@ -164,7 +179,7 @@ def _print_table(
         f"[bold]{source}[/]: {report.total_params:,} parameters in {len(specs)} tensors, "
         f"{specs[0].dtype if specs else '-'}, {optimizer}\n"
         f"world {report.world}, shard groups of {report.shard_size}, stage {report.stage}, "
-        f"strategy {report.strategy}, {buckets} buckets, fingerprint {report.fingerprint} "
+        f"strategy {report.strategy}, layout {layout}, {buckets} buckets, fingerprint {report.fingerprint} "
         f"(planned in {elapsed:.3f} s)"
     )
     table = Table(title="memory per rank (GiB) and traffic per step (GiB sent)")
