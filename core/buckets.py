@@ -307,14 +307,16 @@ def _block_drafts(plan: PartitionPlan, space: Space) -> list[_Draft]:
     drafts = []
     offset_of = dict(zip(space.params, space.buffer_offsets, strict=True))
     # Non-empty fragments by their place in the full buffer; each lies inside one piece (the plan checks).
-    placed = sorted((offset_of[f.param] + f.param_span.start, f) for f in space.runs if f.param_span.numel)
-    position = 0
+    runs = [f for f in space.runs if f.param_span.stop > f.param_span.start]
+    places = [offset_of[f.param] + f.param_span.start for f in runs]
+    order = sorted(range(len(runs)), key=places.__getitem__)
+    position, count = 0, len(order)
     for block in space.blocks:
         span = block.span
         copies = []
-        while position < len(placed) and placed[position][0] < span.stop:
-            at, frag = placed[position]
-            copies.append(GradCopy(frag.param, frag.param_span, at - span.start))
+        while position < count and places[order[position]] < span.stop:
+            frag = runs[order[position]]
+            copies.append(GradCopy(frag.param, frag.param_span, places[order[position]] - span.start))
             position += 1
         if not copies:
             continue  # padding and zero-size parameters only: nothing to reduce
