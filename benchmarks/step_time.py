@@ -241,12 +241,17 @@ class Runner:
         return value.item() / self.world
 
 
-def _worker(rank: int, world: int, port: int, opts: Options, queue: Any) -> None:
+def _join(rank: int, world: int, port: int, opts: Options) -> None:
+    """Set up one benchmark process: one thread, quiet, in a gloo group of ``world``."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=opts.timeout_s))
+
+
+def _worker(rank: int, world: int, port: int, opts: Options, queue: Any) -> None:
+    _join(rank, world, port, opts)
     try:
         tokens, targets = make_batch(opts.model, opts.batch, rank)
         runners = [Runner(v, opts, world) for v in opts.variants]
@@ -354,11 +359,7 @@ def run_world(world: int, opts: Options) -> dict[str, Any]:
 
 def _fresh_worker(rank: int, world: int, port: int, opts: Options, variant: Variant, queue: Any) -> None:
     """One configuration in fresh processes: warm up, then time ``opts.steps`` steps back to back."""
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=opts.timeout_s))
+    _join(rank, world, port, opts)
     try:
         tokens, targets = make_batch(opts.model, opts.batch, rank)
         runner = Runner(variant, opts, world)

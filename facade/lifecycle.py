@@ -298,8 +298,9 @@ class StepLifecycle:
         for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
             full = grad.new_zeros(buf.space.buffer_numel)
             write_pieces(grad, full, buf.space, inst.groups.shard_rank)
-            for pending in gather_space(full, buf.space, inst.zp, inst.groups, log):
-                pending.wait()
+            for pending in gather_space(full, buf.space, inst.zp, inst.groups, log).values():
+                for p in pending:
+                    p.wait()
             for index, view in param_views(full, buf.space, ctx.params).items():
                 result[index] = view.clone()
         return result

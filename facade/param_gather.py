@@ -76,12 +76,17 @@ def gather_block(
 
 def gather_space(
     full: torch.Tensor, space: Space, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
-) -> list[Pending]:
-    """Launch the gathers of every block of ``full`` (a space's full buffer), in buffer order."""
-    pending = []
-    for block in space.blocks:
-        pending += gather_block(full, block, zp.gather_collective(block), groups, log)
-    return pending
+) -> dict[int, list[Pending]]:
+    """Launch the gathers of every block of ``full`` (a space's full buffer), in buffer order.
+
+    Returns, per block index, its collectives (blocks that needed none are left out).
+    """
+    launched = {}
+    for k, block in enumerate(space.blocks):
+        pending = gather_block(full, block, zp.gather_collective(block), groups, log)
+        if pending:
+            launched[k] = pending
+    return launched
 
 
 class GatheringParameter(torch.nn.Parameter):
@@ -186,11 +191,8 @@ class ParamGather:
         for buf in self._buffers:
             buf.publish_master()
         for buf in self._buffers:
-            for k, block in enumerate(buf.space.blocks):
-                collective = self._zp.gather_collective(block)
-                pending = gather_block(buf.params, block, collective, self._groups, log)
-                if pending:
-                    self._pending[buf.space.index, k] = pending
+            for k, pending in gather_space(buf.params, buf.space, self._zp, self._groups, log).items():
+                self._pending[buf.space.index, k] = pending
         if not self.overlap:
             self.wait_all()
             return
@@ -204,11 +206,6 @@ class ParamGather:
             for p in members:
                 p._zeroplan_gather = self._self  # type: ignore[attr-defined]
                 p.__class__ = GatheringParameter
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether any gather has not been waited for yet."""
-        return bool(self._pending)
 
     def _complete(self, key: tuple[int, int]) -> None:
         for p in self._pending.pop(key, ()):
@@ -240,7 +237,3 @@ class ParamGather:
             for param in members:
                 if type(param) is GatheringParameter:
                     param.__class__ = torch.nn.Parameter
-
-    def remove(self) -> None:
-        """Complete everything (before re-planning)."""
-        self.wait_all()

@@ -95,7 +95,7 @@ def _move_flat(
     target: torch.Tensor,
     reshard: ReshardPlan,
     dtype_name: str,
-    old_owned: Sequence[int],
+    old_extents: Sequence[int],
     groups: ProcessGroups,
 ) -> None:
     """Fill ``target`` (this rank's new shard) from every old rank's ``source`` shard."""
@@ -105,12 +105,12 @@ def _move_flat(
         if n == 1:
             buf = source
         elif q == s:
-            buf = source if source is not None else target.new_zeros(old_owned[q])
-            if old_owned[q]:
+            buf = source if source is not None else target.new_zeros(old_extents[q])
+            if old_extents[q]:
                 broadcast(buf, q, groups.shard)
         else:
-            buf = target.new_empty(old_owned[q])
-            if old_owned[q]:
+            buf = target.new_empty(old_extents[q])
+            if old_extents[q]:
                 broadcast(buf, q, groups.shard)
         for c in mine:
             if c.src_rank == q and c.dst_span.numel:
