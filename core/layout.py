@@ -24,6 +24,10 @@ bucket, reduced by one collective and gathered by one collective.
   the pieces happen to be equal, else ``reduce_scatter_v`` or ``reduce``).
 * A user strategy that splits parameters keeps the ``rank_major`` layout.
 
+At stage 1 ``plan(layout="auto")`` keeps ``rank_major``: stage 1 holds full gradient
+buffers anyway and reduces into the rank's region of them in place, where an
+interleaved shard would need a reduced-gradient shard of its own (4 bytes x shard).
+
 The number of pieces grows as blocks times ranks. ``layout="auto"`` (the
 default) therefore interleaves unless that product exceeds
 :data:`AUTO_MAX_PIECES` (e.g. a 70B model in 25 MiB buckets over 4096 ranks,

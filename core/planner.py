@@ -342,7 +342,9 @@ def plan(
         max_inflight_buckets: bound on buckets being reduced at once.
         policy: ``"min_bytes"`` (NCCL) or ``"gloo"``, see [Note: collective policy].
         layout: ``"auto"``, ``"interleaved"`` or ``"rank_major"``, see
-            [Note: layout] and [Note: interleaved layout].
+            [Note: layout] and [Note: interleaved layout]. ``"auto"`` is rank-major at
+            stage 1 (in-place reduction into the full gradient buffer) and interleaved
+            otherwise (unless the pieces would be too many).
 
     Raises:
         ConfigError: any argument is invalid (the message says how to fix it).
@@ -366,6 +368,10 @@ def plan(
         choices = ", ".join(repr(p.value) for p in CollectivePolicy)
         raise ConfigError(f"unknown collective policy {policy!r}; use one of {choices}") from None
     name = auto_strategy(optimizers[0]) if strategy == "auto" else strategy
+    if layout == "auto" and Stage(stage) is Stage.OPTIMIZER:
+        # Stage 1 keeps full gradient buffers: rank-major reduces into the rank's region in place,
+        # an interleaved shard would need a reduced-gradient shard of its own ([Note: layout]).
+        layout = "rank_major"
     partition = build_partition(specs, topology.shard_size, alignment, bucket_bytes, name, layout)
     return ZeroPlan(
         topology=topology,

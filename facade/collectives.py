@@ -213,7 +213,9 @@ def reduce_bucket(
             if copy is not None:
                 copy()
         return Pending(None)
-    if bucket.collective is Collective.REDUCE_SCATTER:
+    # gloo's reduce_scatter_tensor copies its whole input into a temporary (measured with MemTracker:
+    # one bucket more than planned); its list form reduces from the pieces themselves.
+    if bucket.collective is Collective.REDUCE_SCATTER and dist.get_backend(groups.shard) != "gloo":
         if output is None:
             raise RuntimeError(f"bucket {bucket.index} is reduce-scattered but rank {s} has no piece of it")
         log.record("shard", bucket.collective, [staging.numel() // n] * n, s, itemsize)

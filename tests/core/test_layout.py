@@ -232,7 +232,8 @@ SMALL = specs_from_shapes([(5,), (7,)], names=["a", "b"])
 
 
 def _small(stage, world=2, shard=2):
-    zp = plan(SMALL, Topology(world_size=world, shard_size=shard), stage=stage, alignment=1, bucket_bytes=16)
+    topology = Topology(world_size=world, shard_size=shard)
+    zp = plan(SMALL, topology, stage=stage, alignment=1, bucket_bytes=16, layout="interleaved")
     assert zp.partition.layout == "interleaved"
     return list(memory_report(zp).ranks)
 
@@ -267,3 +268,10 @@ def test_hand_computed_interleaved_traffic_stage_3_and_mics():
     for r in _small(2, world=4, shard=2):
         # three 2-element pieces per rank; a 2-rank ring all-reduce of m elements sends m
         assert _costs(r)[("replica", "all_reduce")] == (3, 3 * 2 * 4)
+
+
+def test_auto_keeps_stage_1_rank_major():
+    """Stage 1 reduces into its full gradient buffer in place only when the shard is a region."""
+    topology = Topology(world_size=2)
+    assert plan(SMALL, topology, stage=1, alignment=1, bucket_bytes=16).partition.layout == "rank_major"
+    assert plan(SMALL, topology, stage=2, alignment=1, bucket_bytes=16).partition.layout == "interleaved"

@@ -476,7 +476,7 @@ def test_interleaved_stage_1_keeps_an_fp32_gradient_shard_beside_the_full_gradie
     # place and makes the fp32 copy only inside step() (a transient of the same size).
     specs = preset_specs("llama-7b", dtype="bf16")
     psi, n = sum(s.numel for s in specs), 8
-    zp = plan(specs, Topology(world_size=n), stage=1, optimizer="AdamW")
+    zp = plan(specs, Topology(world_size=n), stage=1, optimizer="AdamW", layout="interleaved")
     assert zp.partition.layout == "interleaved"
     interleaved = memory_report(zp).ranks
     rank_major = memory_report(

@@ -142,7 +142,9 @@ def accelerate_run(*, zero: bool, accumulate: int, clip: float | None) -> dict[s
     hyper = {"lr": 3e-3, "weight_decay": 0.1}
     if zero:
         model.to(accelerator.device)  # before the optimizer exists: it owns the parameters' storage
-        opt: Any = ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, **hyper)
+        # Rank-major: the clipping norm then sums the gradient in the order the 1e-6 comparison with
+        # DDP was set for; an interleaved shard sums it in another order (fp32 rounding, ~1.4e-6).
+        opt: Any = ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, layout="rank_major", **hyper)
         model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)  # no DDP
         loader = accelerator.prepare(loader)
     else:

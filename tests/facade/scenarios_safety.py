@@ -82,10 +82,15 @@ def more_ranks_than_params(rank: int, world: int, strategy: str, alignment: int)
     ref_model = nn.Linear(3, 1)
     ref_model.load_state_dict(model.state_dict())
     opt = make_optimizer(
-        model, hyper={"lr": 0.1}, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=alignment, strategy=strategy
+        model,
+        hyper={"lr": 0.1},
+        bucket_bytes=DEFAULT_BUCKET_BYTES,
+        alignment=alignment,
+        strategy=strategy,
+        layout="rank_major",  # the expected ownership is rank-major's (interleaved: test_layout.py)
     )
     ref = Reference(ref_model, torch.optim.AdamW, lr=0.1)
-    owned = [b.owned for b in opt.buffers]
+    owned = [b.space.owned[opt.process_groups.shard_rank] for b in opt.buffers]
     errors = []
     for step in range(3):
         g = torch.Generator().manual_seed(step * 10 + rank)
@@ -242,9 +247,7 @@ def start_from_rank_zero(rank: int, world: int) -> dict[str, Any]:
     reference = [p.detach().clone() for p in make_model(seed=0, dtype=torch.bfloat16).parameters()]
     opt = make_optimizer(model, hyper={"lr": 1e-2}, shard=2, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=8)
     same = all(torch.equal(a, b) for a, b in zip(reference, model.parameters(), strict=True))
-    masters = all(
-        torch.equal(b.master[: b.owned], b.region(opt.process_groups.shard_rank).float()) for b in opt.buffers
-    )
+    masters = all(torch.equal(b.master[: b.extent], b.shard_values().float()) for b in opt.buffers)
     return {"same": same, "masters": masters}
 
 

@@ -78,7 +78,7 @@ def test_determinism_overlap_bucket_size_and_norms(pools, collectives):
         for key, (overlap, bucket, stage) in {
             "overlap": (True, 512, 2),
             "no_overlap": (False, 512, 2),
-            "big_buckets": (True, 1 << 20, 2),
+            "stage1_big_buckets": (True, 1 << 20, 1),
             "stage1_overlap": (True, 512, 1),
             "stage1_no_overlap": (False, 512, 1),
         }.items()
@@ -88,7 +88,10 @@ def test_determinism_overlap_bucket_size_and_norms(pools, collectives):
         return all((x == y).all() for x, y in zip(a["params"], b["params"], strict=True))
 
     assert same(runs["overlap"][0], runs["no_overlap"][0])  # overlap on/off: bit-identical
-    assert same(runs["overlap"][0], runs["big_buckets"][0])  # bucket size at world 2: bit-identical
+    # Bucket size at world 2: bit-identical where it does not change who owns what (the rank-major
+    # layout stage 1 uses). An interleaved layout is cut by bucket size, so ownership, and with it
+    # the summation order of the clipping norm, follows the buckets.
+    assert same(runs["stage1_overlap"][0], runs["stage1_big_buckets"][0])
     assert same(runs["stage1_overlap"][0], runs["stage1_no_overlap"][0])
     for run in runs.values():
         assert run[0]["norms"] == run[1]["norms"]  # the norm is identical on every rank
