@@ -37,7 +37,7 @@ from zeroplan.core.planner import Stage
 __all__ = ["FitReport", "RankFit", "fit_report", "gib", "stage_label"]
 
 #: What a recommendation of stage 3 says (the facade does not execute it yet).
-PLANNED_ONLY = "planned, not executed yet"
+PLANNED_ONLY = "peak estimated"
 
 
 def gib(nbytes: int) -> str:

@@ -90,9 +90,16 @@ def _finish(
 
 
 def interleave_even(
-    specs: Sequence[ParamSpec], shard_size: int, alignment: int, bucket_bytes: int
+    specs: Sequence[ParamSpec],
+    shard_size: int,
+    alignment: int,
+    bucket_bytes: int,
+    *,
+    whole_blocks: bool = False,
 ) -> PartitionPlan:
     """``flat_even`` with the interleaved layout: equal pieces of every block (see the Note).
+
+    ``whole_blocks`` (stage 3) cuts blocks at parameter boundaries instead.
 
     Example:
         >>> from zeroplan.core.specs import specs_from_shapes
@@ -102,6 +109,8 @@ def interleave_even(
     """
     specs = check_specs(specs)
     n = shard_size
+    if whole_blocks:
+        return _even_whole_blocks(specs, n, alignment, bucket_bytes)
     fragments: _Fragments = {}
     pieces = []
     for members in _spaces(specs):
@@ -140,6 +149,46 @@ def interleave_even(
                     break
             position = end
     return _finish(specs, shard_size, alignment, "flat_even", fragments, pieces)
+
+
+def _even_whole_blocks(
+    specs: tuple[ParamSpec, ...], n: int, alignment: int, bucket_bytes: int
+) -> PartitionPlan:
+    """Whole parameters packed into blocks (as ``interleave_whole``), each block split evenly.
+
+    Every block is padded at its end to a multiple of ``n * alignment`` and every
+    rank gets an equal piece of it, so a block is one ``reduce_scatter`` and one
+    ``all_gather``, and no parameter crosses a block boundary: stage 3 gathers
+    and frees each block on its own (see [Note: stage 3] in ``zeroplan.facade``).
+    """
+    fragments: _Fragments = {}
+    pieces = []
+    unit = n * alignment
+    for members in _spaces(specs):
+        space_pieces = []
+        base = 0  # every rank's shard offset of the block's piece (all pieces are equal)
+        for block in _pack(members, _cap(members, bucket_bytes, unit)):
+            size = round_up(sum(s.numel for s in block), unit)
+            piece = size // n
+            position = 0
+            for spec in block:
+                frags = fragments[spec.index] = []
+                at, end = position, position + spec.numel
+                if spec.numel == 0:  # an empty fragment where the parameter sits
+                    rank = min(at // piece, n - 1) if piece else n - 1
+                    frags.append(Fragment(spec.index, rank, Span(0, 0), base + at - rank * piece))
+                while at < end:
+                    rank, inside = divmod(at, piece)
+                    stop = min(end, (rank + 1) * piece)
+                    frags.append(
+                        Fragment(spec.index, rank, Span(at - position, stop - position), base + inside)
+                    )
+                    at = stop
+                position = end
+            space_pieces.append((piece,) * n)
+            base += piece
+        pieces.append(tuple(space_pieces))
+    return _finish(specs, n, alignment, "flat_even", fragments, pieces)
 
 
 def _pack(members: Sequence[ParamSpec], cap: int) -> list[list[ParamSpec]]:
@@ -255,11 +304,14 @@ def build_partition(
     bucket_bytes: int,
     strategy: str,
     layout: str = "auto",
+    *,
+    whole_blocks: bool = False,
 ) -> PartitionPlan:
     """The partition of ``strategy`` in ``layout`` (``"auto"``, ``"interleaved"`` or ``"rank_major"``).
 
     ``"auto"`` interleaves while blocks x ranks stays at or below
-    :data:`AUTO_MAX_PIECES` (see [Note: interleaved layout]).
+    :data:`AUTO_MAX_PIECES` (see [Note: interleaved layout]). ``whole_blocks``
+    (stage 3): ``flat_even`` blocks end at parameter boundaries.
 
     Raises:
         ConfigError: an unknown layout or strategy, or ``"interleaved"`` for a
@@ -289,9 +341,13 @@ def build_partition(
     function = get_strategy(strategy)
     interleave = layout == "interleaved"
     if function is flat_even and layout != "rank_major":
-        interleave = interleave or _even_pieces(specs, shard_size, alignment, bucket_bytes) <= AUTO_MAX_PIECES
+        if whole_blocks:  # blocks of whole parameters, each a multiple of shard_size x alignment
+            pieces = _whole_pieces(specs, shard_size, shard_size * alignment, bucket_bytes)
+        else:
+            pieces = _even_pieces(specs, shard_size, alignment, bucket_bytes)
+        interleave = interleave or pieces <= AUTO_MAX_PIECES
         if interleave:
-            return interleave_even(specs, shard_size, alignment, bucket_bytes)
+            return interleave_even(specs, shard_size, alignment, bucket_bytes, whole_blocks=whole_blocks)
     if function in (lpt_whole, greedy_whole) and layout != "rank_major":
         interleave = (
             interleave or _whole_pieces(specs, shard_size, alignment, bucket_bytes) <= AUTO_MAX_PIECES

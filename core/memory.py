@@ -214,7 +214,7 @@ class _Tally:
         )
 
 
-def _traffic(zp: ZeroPlan, clipping: bool) -> _Tally:
+def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -> _Tally:
     """Traffic of every world rank in one step.
 
     Sums the per-call cost model of :func:`~zeroplan.core.comm.send_elements`
@@ -258,26 +258,17 @@ def _traffic(zp: ZeroPlan, clipping: bool) -> _Tally:
                 row = account(b.collective, b.numel * isz, 1)
                 for p in b.pieces:  # a reducing rank does not send its own piece
                     row[p.rank] += p.shard_span.numel * isz
-            if zp.stage is Stage.PARAMETERS:
-                # Gathered for forward and again for backward; a sender skips its successor's piece.
-                gather = (
-                    Collective.ALL_GATHER
-                    if b.collective is Collective.REDUCE_SCATTER
-                    else Collective.BROADCAST
-                )
-                calls = 1 if gather is Collective.ALL_GATHER else len(b.pieces)
-                row = account(gather, 2 * b.numel * isz, 2 * calls)
-                for p in b.pieces:
-                    row[(p.rank - 1) % n] += 2 * p.shard_span.numel * isz
-        if zp.stage is not Stage.PARAMETERS:
-            for space in spaces:
-                isz = DTYPE_ITEMSIZE[space.dtype]
-                for block in space.blocks:
-                    gather = zp.gather_collective(block)
-                    calls = 1 if gather is Collective.ALL_GATHER else sum(1 for p in block.pieces if p)
-                    row = account(gather, block.numel * isz, calls)
-                    for q, piece in enumerate(block.pieces):  # a sender skips its successor's piece
-                        row[(q - 1) % n] += piece * isz
+        # Stages 1-2 gather every block once, after the step; stage 3 before the forward and,
+        # when it resharded after the forward, again in backward ([Note: stage 3] in the facade).
+        times = 2 if zp.stage is Stage.PARAMETERS and reshard_after_forward else 1
+        for space in spaces:
+            isz = DTYPE_ITEMSIZE[space.dtype]
+            for block in space.blocks:
+                gather = zp.gather_collective(block)
+                calls = 1 if gather is Collective.ALL_GATHER else sum(1 for p in block.pieces if p)
+                row = account(gather, times * block.numel * isz, times * calls)
+                for q, piece in enumerate(block.pieces):  # a sender skips its successor's piece
+                    row[(q - 1) % n] += times * piece * isz
         # MiCS: each piece is then all-reduced over the replica group; count pieces by size.
         piece_sizes: list[Counter[_Elements]] = [Counter() for _ in range(n)]
         if r > 1:
@@ -331,15 +322,18 @@ def _ddp_traffic(tally: _Tally, sized: list[_SizedBucket], world: int) -> None:
         tally.add(w, "world", Collective.ALL_REDUCE, nbytes, len(sized))
 
 
-def communication(zp: ZeroPlan, rank: int, *, clipping: bool = False) -> tuple[CommCost, ...]:
+def communication(
+    zp: ZeroPlan, rank: int, *, clipping: bool = False, reshard_after_forward: bool = True
+) -> tuple[CommCost, ...]:
     """Bytes world rank ``rank`` sends in one step, per (group, collective).
 
     Args:
         zp: the plan.
         rank: world rank.
         clipping: include the all-reduce of ``ZeroOptimizer.clip_grad_norm_``.
+        reshard_after_forward: stage 3 gathers parameters again in backward.
     """
-    return _traffic(zp, clipping).costs(rank)
+    return _traffic(zp, clipping, reshard_after_forward).costs(rank)
 
 
 def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _RankBytes:
@@ -378,12 +372,16 @@ def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _R
     for tensor in zp.inner_tensors(shard_rank):
         dtype = master_dtype(zp.partition.spaces[tensor.space].dtype)
         state += zp.optimizers[tensor.group].state_bytes(tensor.shape, DTYPE_ITEMSIZE[dtype])
-    staging *= 2 if stage is Stage.PARAMETERS else 1
     return _RankBytes(params + frozen, grads, master, state, max(staging, scratch))
 
 
 def memory_report(
-    zp: ZeroPlan, *, clipping: bool = False, overlap: bool = True, arrivals: Sequence[int] | None = None
+    zp: ZeroPlan,
+    *,
+    clipping: bool = False,
+    overlap: bool = True,
+    arrivals: Sequence[int] | None = None,
+    reshard_after_forward: bool = True,
 ) -> MemoryReport:
     """Memory per rank and traffic per step of every world rank of ``zp``.
 
@@ -394,6 +392,8 @@ def memory_report(
         clipping: include the all-reduce of ``ZeroOptimizer.clip_grad_norm_``.
         overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce`` (changes the backward's peak).
         arrivals: the order gradients arrive in (see :func:`~zeroplan.core.peak.backward_peak`).
+        reshard_after_forward: ``ZeroOptimizer``'s setting at stage 3 (parameters gathered
+            again in backward, or kept from the forward).
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
@@ -408,8 +408,10 @@ def memory_report(
     staging = [0] * n if backward is None else [p.staging for p in backward]
     per_shard = [_rank_memory(zp, s, staging[s], frozen) for s in range(n)]
     buffers = [m.buffers for m in per_shard]
-    transients = step_peak(zp, overlap=overlap, ddp_buffer=buffers, backward=backward)
-    traffic = _traffic(zp, clipping)
+    transients = step_peak(
+        zp, overlap=overlap, ddp_buffer=buffers, backward=backward, reshard_after_forward=reshard_after_forward
+    )
+    traffic = _traffic(zp, clipping, reshard_after_forward)
     ranks = []
     for rank in range(topo.world_size):
         s = topo.shard_rank(rank)

@@ -43,8 +43,8 @@ Clipping, the overflow check and the parameter gather allocate nothing
 beyond scalars at stages 1 and 2 (norms are reduced to one number; updated
 shards are gathered into the parameter buffer in place), so they add no phase.
 Activations, the loss and the batch are the user's and are not planned. Stage
-0 describes ``DistributedDataParallel`` and stage 3 is not executed yet: their
-peaks are estimates (see :func:`step_peak`).
+0 describes ``DistributedDataParallel``, and stage 3's gathered blocks are not
+yet checked against a meter: their peaks are estimates (see :func:`step_peak`).
 """
 
 from __future__ import annotations
@@ -322,19 +322,38 @@ def step_transient(zp: ZeroPlan, shard_rank: int) -> int:
     return copies + temporaries
 
 
+def gathered_bytes(zp: ZeroPlan, reshard_after_forward: bool = True) -> int:
+    """Stage 3: bytes of gathered blocks alive at once in backward (an estimate, not yet checked by a meter).
+
+    With ``reshard_after_forward`` a block is gathered while its gradients
+    arrive and the one before it is prefetched: the largest two neighbouring
+    blocks of each space. Without, the forward leaves every block gathered:
+    the whole buffer.
+    """
+    total = 0
+    for space in zp.partition.spaces:
+        sizes = [b.numel * DTYPE_ITEMSIZE[space.dtype] for b in space.blocks]
+        if not reshard_after_forward:
+            total += sum(sizes)
+        else:
+            total += max((a + b for a, b in zip(sizes, sizes[1:], strict=False)), default=sum(sizes))
+    return total
+
+
 def step_peak(
     zp: ZeroPlan,
     *,
     overlap: bool = True,
     ddp_buffer: Sequence[int] = (),
     backward: Sequence[BackwardPeak] | None = None,
+    reshard_after_forward: bool = True,
 ) -> tuple[StepPeak, ...]:
     """Per shard rank, the transient bytes of backward and step (see [Note: the step's peak]).
 
     Stages 1 and 2 follow the facade's schedule exactly. Stage 0 is an
     estimate of ``DistributedDataParallel``: its flat bucket copy
-    (``ddp_buffer[rank]`` bytes) during backward. Stage 3, not executed yet, is
-    an estimate: the stage-2 backward plus one gathered copy of its staging.
+    (``ddp_buffer[rank]`` bytes) during backward. Stage 3 adds the gathered
+    blocks to the stage-2 backward (see :func:`gathered_bytes`).
     ``backward``: :func:`backward_peak`'s result when the caller has it already.
     """
     n = zp.topology.shard_size
@@ -342,6 +361,6 @@ def step_peak(
         transient = [ddp_buffer[r] if r < len(ddp_buffer) else 0 for r in range(n)]
     else:
         peaks = backward_peak(zp, overlap=overlap) if backward is None else backward
-        gathered = [p.staging if zp.stage is Stage.PARAMETERS else 0 for p in peaks]
-        transient = [p.total + g for p, g in zip(peaks, gathered, strict=True)]
+        gathered = gathered_bytes(zp, reshard_after_forward) if zp.stage is Stage.PARAMETERS else 0
+        transient = [p.total + gathered for p in peaks]
     return tuple(StepPeak(transient[r], step_transient(zp, r)) for r in range(n))

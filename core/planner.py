@@ -58,7 +58,7 @@ class Stage(IntEnum):
     GRADIENTS = 2
     """Optimizer state, master weights and gradients."""
     PARAMETERS = 3
-    """Everything, parameters included (planned, not executed by the facade)."""
+    """Everything, parameters included (gathered block by block around forward and backward)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -372,7 +372,11 @@ def plan(
         # Stage 1 keeps full gradient buffers: rank-major reduces into the rank's region in place,
         # an interleaved shard would need a reduced-gradient shard of its own ([Note: layout]).
         layout = "rank_major"
-    partition = build_partition(specs, topology.shard_size, alignment, bucket_bytes, name, layout)
+    # Stage 3 gathers and frees each block on its own: no parameter may cross a block boundary.
+    whole_blocks = Stage(stage) is Stage.PARAMETERS
+    partition = build_partition(
+        specs, topology.shard_size, alignment, bucket_bytes, name, layout, whole_blocks=whole_blocks
+    )
     return ZeroPlan(
         topology=topology,
         stage=Stage(stage),

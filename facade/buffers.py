@@ -16,6 +16,13 @@ For every dtype space of the plan this rank allocates:
   or the shard of an interleaved layout, whose pieces are not contiguous in
   ``params``, see [Note: layout]).
 
+At stage 3 there is no full buffer that lives between steps (``params`` is
+``None``): ``blocks`` holds one full buffer per block of the plan, whose
+storage is allocated only while the block is gathered ([Note: stage 3] in
+``param_shards``), parameters are views of their block, and ``shard`` holds
+the rank's pieces of every block for good (its ``master`` when the parameters
+have the master dtype).
+
 The rank's shard in the full buffer is its *pieces*; :func:`read_pieces` and
 :func:`write_pieces` move a flat shard out of and into them. All offsets come
 from the plan; nothing here computes a layout.
@@ -23,6 +30,7 @@ from the plan; nothing here computes a layout.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -31,7 +39,7 @@ import torch
 from zeroplan.core import Space, Stage, ZeroPlan, grad_shard_dtype, master_dtype
 from zeroplan.facade.state_tree import torch_dtype
 
-__all__ = ["SpaceBuffers", "build_buffers", "param_views", "read_pieces", "write_pieces"]
+__all__ = ["SpaceBuffers", "block_views", "build_buffers", "param_views", "read_pieces", "write_pieces"]
 
 
 class SpaceBuffers(NamedTuple):
@@ -43,40 +51,94 @@ class SpaceBuffers(NamedTuple):
     """
 
     space: Space
-    params: torch.Tensor
+    params: torch.Tensor | None
     grads: torch.Tensor | None
     grad_shard: torch.Tensor
     master: torch.Tensor
     extent: int
     shard_rank: int
+    blocks: tuple[torch.Tensor, ...] = ()
+    shard: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype."""
+        return torch_dtype(self.space.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the buffers live."""
+        return self.master.device
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of parameters held between steps: the full buffer, or the shard at stage 3."""
+        held = self.params if self.shard is None else self.shard
+        return held.untyped_storage().nbytes() if held is not None else 0
 
     @property
     def carries_master(self) -> bool:
         """Whether the master holds more than the parameters (fp32 copies of bf16/fp16 ones): saved, moved."""
-        return self.master.dtype != self.params.dtype
+        return self.master.dtype != self.dtype
 
     @property
     def separate_master(self) -> bool:
-        """Whether ``master`` is a tensor of its own rather than the rank's region of ``params``."""
-        return not (self.space.shard_is_region and self.master.dtype == self.params.dtype)
+        """Whether ``master`` is a tensor of its own rather than the rank's parameters (region or shard)."""
+        if self.shard is not None:
+            return self.master.dtype != self.dtype
+        return not (self.space.shard_is_region and self.master.dtype == self.dtype)
 
     def shard_values(self) -> torch.Tensor:
-        """The rank's shard of the parameters, flat: a view of its region, or a copy of its pieces."""
+        """The rank's shard of the parameters, flat: a view (its region or stage-3 shard) or a copy."""
+        if self.shard is not None:
+            return self.shard[: self.extent]
+        full = self._full()
         if self.space.shard_is_region:
-            return self.params[self.space.region(self.shard_rank).as_slice()]
-        out = self.params.new_empty(self.extent)
-        read_pieces(self.params, self.space, self.shard_rank, out)
+            return full[self.space.region(self.shard_rank).as_slice()]
+        out = full.new_empty(self.extent)
+        read_pieces(full, self.space, self.shard_rank, out)
         return out
 
     def load_master(self) -> None:
         """Copy the rank's shard of the parameters into a separate master."""
-        if self.separate_master:
-            read_pieces(self.params, self.space, self.shard_rank, self.master)
+        if not self.separate_master:
+            return
+        if self.shard is not None:
+            self.master.copy_(self.shard)
+        else:
+            read_pieces(self._full(), self.space, self.shard_rank, self.master)
 
     def publish_master(self) -> None:
-        """Copy a separate master into the rank's pieces of the parameter buffer (cast)."""
-        if self.separate_master:
-            write_pieces(self.master, self.params, self.space, self.shard_rank)
+        """Copy a separate master into the rank's pieces of the parameters (cast)."""
+        if not self.separate_master:
+            return
+        if self.shard is not None:
+            self.shard.copy_(self.master)
+        else:
+            write_pieces(self.master, self._full(), self.space, self.shard_rank)
+
+    def load_shard(self) -> None:
+        """Stage 3: copy the rank's pieces of every (gathered) block into its shard."""
+        if self.shard is None:
+            raise RuntimeError("load_shard: only stage-3 buffers have a shard of their own")
+        for block, full in zip(self.space.blocks, self.blocks, strict=True):
+            piece = block.piece(self.shard_rank)
+            start = piece.buffer_span.start - block.start
+            self.shard[piece.shard_span.as_slice()].copy_(full[start : start + piece.shard_span.numel])
+
+    def write_piece(self, k: int) -> None:
+        """Stage 3: copy the rank's piece of block ``k`` from its shard into the block's buffer."""
+        if self.shard is None:
+            raise RuntimeError("write_piece: only stage-3 buffers have a shard of their own")
+        block = self.space.blocks[k]
+        piece = block.piece(self.shard_rank)
+        start = piece.buffer_span.start - block.start
+        self.blocks[k][start : start + piece.shard_span.numel].copy_(self.shard[piece.shard_span.as_slice()])
+
+    def _full(self) -> torch.Tensor:
+        if self.params is None:
+            raise RuntimeError("stage-3 buffers have no full parameter buffer")
+        return self.params
 
 
 def read_pieces(full: torch.Tensor, space: Space, shard_rank: int, out: torch.Tensor) -> None:
@@ -99,6 +161,22 @@ def param_views(flat: torch.Tensor, space: Space, params: Sequence[torch.Tensor]
     }
 
 
+def block_views(
+    blocks: Sequence[torch.Tensor], space: Space, params: Sequence[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Stage 3: per parameter index of ``space``, its view of its block's buffer, shaped like it.
+
+    Stage-3 plans never cut a parameter at a block boundary (``whole_blocks``).
+    """
+    views = {}
+    starts = [b.start for b in space.blocks]
+    for index, offset in zip(space.params, space.buffer_offsets, strict=True):
+        k = max(bisect_right(starts, offset) - 1, 0)
+        local = offset - starts[k]
+        views[index] = blocks[k][local : local + params[index].numel()].view(params[index].shape)
+    return views
+
+
 def build_buffers(
     zp: ZeroPlan, params: Sequence[torch.Tensor], shard_rank: int, device: torch.device
 ) -> tuple[SpaceBuffers, ...]:
@@ -106,6 +184,8 @@ def build_buffers(
 
     The values of every parameter are unchanged; only their storage moves.
     """
+    if zp.stage is Stage.PARAMETERS:
+        return tuple(_stage3_buffers(zp, space, params, shard_rank, device) for space in zp.partition.spaces)
     result = []
     for space in zp.partition.spaces:
         dtype = torch_dtype(space.dtype)
@@ -149,3 +229,38 @@ def build_buffers(
         buf.load_master()
         result.append(buf)
     return tuple(result)
+
+
+def _stage3_buffers(
+    zp: ZeroPlan, space: Space, params: Sequence[torch.Tensor], shard_rank: int, device: torch.device
+) -> SpaceBuffers:
+    """Stage 3: a buffer per block (gathered: allocated), parameters its views, the rank's shard, the master.
+
+    The blocks stay allocated until ``ShardedParams.shard_all`` frees them, so
+    the values can be broadcast from rank 0 first.
+    """
+    dtype = torch_dtype(space.dtype)
+    blocks = tuple(torch.zeros(b.numel, dtype=dtype, device=device) for b in space.blocks)
+    for index, view in block_views(blocks, space, params).items():
+        param = params[index]
+        view.copy_(param.detach())
+        param.data = view
+    shard_numel = space.shard_numel[shard_rank]
+    shard = torch.zeros(shard_numel, dtype=dtype, device=device)
+    master_type = torch_dtype(master_dtype(space.dtype))
+    master = shard if master_type == dtype else torch.zeros(shard_numel, dtype=master_type, device=device)
+    grad_shard = torch.zeros(shard_numel, dtype=torch_dtype(grad_shard_dtype(zp, space)), device=device)
+    buf = SpaceBuffers(
+        space=space,
+        params=None,
+        grads=None,
+        grad_shard=grad_shard,
+        master=master,
+        extent=space.extent(shard_rank),
+        shard_rank=shard_rank,
+        blocks=blocks,
+        shard=shard,
+    )
+    buf.load_shard()
+    buf.load_master()
+    return buf

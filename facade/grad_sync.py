@@ -208,7 +208,7 @@ class GradSync:
                 buf = self._buffers[bucket.space]
                 make = torch.zeros if bucket.padded else torch.empty  # padding is reduced as zeros
                 self._open[action.bucket] = self._tracker.alloc(
-                    make(self._layouts[action.bucket].numel, dtype=buf.params.dtype, device=buf.params.device)
+                    make(self._layouts[action.bucket].numel, dtype=buf.dtype, device=buf.device)
                 )
             elif action.kind is ActionKind.STAGE:
                 self._stage(action.bucket, action.param)

@@ -15,13 +15,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import ZeroPlan
-from zeroplan.facade.buffers import SpaceBuffers, build_buffers, param_views
+from zeroplan.core import Stage, ZeroPlan
+from zeroplan.facade.buffers import SpaceBuffers, build_buffers
 from zeroplan.facade.collectives import CommLog, broadcast
 from zeroplan.facade.grad_sync import GradSync, PeakTracker
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner, build_inner
 from zeroplan.facade.param_gather import ParamGather
+from zeroplan.facade.param_shards import ShardedParams
 from zeroplan.facade.registry import ParamRegistry
 
 __all__ = ["Installed", "broadcast_from_rank_zero", "broadcast_values", "install"]
@@ -36,9 +37,10 @@ class Installed(NamedTuple):
         buffers: one set of flat buffers per dtype space of the plan.
         inner: the ``torch.optim`` optimizer over this rank's master shard.
         sync: the bucketed gradient reduction, hooked to the parameters.
-        gather: the parameter gathers after each step (see [Note: parameter gather]).
-        links: per trainable parameter, its index and the address of its view
-            of the flat buffer (see :meth:`detached`).
+        gather: the parameter gathers after each step (see [Note: parameter gather]),
+            or at stage 3 the sharded parameters (see [Note: stage 3]).
+        links: per trainable parameter, its index and the storage and offset of
+            its view of the flat buffer (see :meth:`detached`).
     """
 
     zp: ZeroPlan
@@ -46,8 +48,8 @@ class Installed(NamedTuple):
     buffers: tuple[SpaceBuffers, ...]
     inner: Inner
     sync: GradSync
-    gather: ParamGather
-    links: tuple[tuple[int, int], ...]
+    gather: ParamGather | ShardedParams
+    links: tuple[tuple[int, tuple[int, int]], ...]
 
     def detached(self, params: Sequence[torch.Tensor]) -> int | None:
         """The first trainable parameter whose ``.data`` is no longer its view of the flat buffer.
@@ -56,14 +58,14 @@ class Installed(NamedTuple):
         see an update again; the step refuses to run (see [Note: step lifecycle]).
         """
         for index, address in self.links:
-            if params[index].data_ptr() != address:
+            if _address(params[index]) != address:
                 return index
         return None
 
     @property
     def device(self) -> torch.device:
         """Where this rank's buffers live (CPU when the plan has no trainable parameter)."""
-        return self.buffers[0].params.device if self.buffers else torch.device("cpu")
+        return self.buffers[0].device if self.buffers else torch.device("cpu")
 
 
 def install(
@@ -75,6 +77,7 @@ def install(
     *,
     overlap: bool,
     overlap_param_gather: bool,
+    reshard_after_forward: bool = True,
     admit: Callable[[str], bool],
     log: CommLog,
     tracker: PeakTracker,
@@ -99,17 +102,29 @@ def install(
         log=log,
         tracker=tracker,
     )
-    links = tuple(
-        (index, view.data_ptr())
-        for buf in buffers
-        for index, view in param_views(buf.params, buf.space, registry.params).items()
-    )
-    gather = ParamGather(
-        zp=zp, params=registry.params, buffers=buffers, groups=groups, overlap=overlap_param_gather
-    )
+    links = tuple((index, _address(registry.params[index])) for index in sorted(zp.trainable_indices))
+    gather: ParamGather | ShardedParams
+    if zp.stage is Stage.PARAMETERS:
+        gather = ShardedParams(
+            zp=zp,
+            params=registry.params,
+            buffers=buffers,
+            groups=groups,
+            log=log,
+            reshard_after_forward=reshard_after_forward,
+        )
+    else:
+        gather = ParamGather(
+            zp=zp, params=registry.params, buffers=buffers, groups=groups, overlap=overlap_param_gather
+        )
     return Installed(
         zp=zp, groups=groups, buffers=buffers, inner=inner, sync=sync, gather=gather, links=links
     )
+
+
+def _address(param: torch.Tensor) -> tuple[int, int]:
+    """Which storage, and where in it, ``param``'s values live (its storage may be freed: stage 3)."""
+    return param.untyped_storage()._cdata, param.storage_offset()
 
 
 @torch.no_grad()
@@ -119,7 +134,12 @@ def broadcast_from_rank_zero(installed: Installed, params: Sequence[torch.Tensor
     if groups.topology.world_size == 1:
         return
     for buf in installed.buffers:
-        broadcast(buf.params, 0, groups.world)
+        if buf.params is not None:
+            broadcast(buf.params, 0, groups.world)
+        else:  # stage 3: its blocks are all still gathered
+            for block in buf.blocks:
+                broadcast(block, 0, groups.world)
+            buf.load_shard()
         buf.load_master()
     managed = installed.zp.trainable_indices
     broadcast_values([p for i, p in enumerate(params) if i not in managed], groups.world)

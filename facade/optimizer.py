@@ -10,7 +10,7 @@ do the work.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from zeroplan.facade.inner import hyperparameters
 from zeroplan.facade.installed import Installed, broadcast_from_rank_zero, broadcast_values, install
 from zeroplan.facade.lifecycle import StepContext, StepLifecycle
 from zeroplan.facade.memory_check import check_device_memory
+from zeroplan.facade.param_shards import ShardedParams
 from zeroplan.facade.parked import ParkedParam
 from zeroplan.facade.registry import Configured, configure
 from zeroplan.facade.state_dicts import Shards, sharded_state_dict
@@ -56,7 +57,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         params: what ``torch.optim`` accepts: tensors, ``(name, tensor)``
             pairs or param-group dicts.
         optimizer_class: the inner optimizer, e.g. ``torch.optim.AdamW``.
-        stage: 1 (optimizer state and master weights sharded) or 2 (gradients too).
+        stage: 1 (optimizer state and master weights sharded), 2 (gradients
+            too) or 3 (parameters too: call :meth:`attach` with the model; see
+            [Note: stage 3] in ``param_shards``).
         process_group: the data-parallel group (default: the default group).
         shard_group_size: ranks per shard group (MiCS); default: the whole group.
         strategy: partition strategy name, or ``"auto"`` (``flat_even`` for
@@ -68,6 +71,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             parameters arrived; their first reader waits ([Note: parameter
             gather]; ``False``: wait in ``step()``, bit-identical).
         layout: ``"auto"``, ``"interleaved"`` or ``"rank_major"`` ([Note: layout]).
+        reshard_after_forward: stage 3: free gathered parameters after the
+            forward and gather them again in backward (``False``: keep them
+            until their gradients arrived: less traffic, stage-2 memory for
+            parameters).
         loss_scale: ``None``, a static scale, or ``"dynamic"``.
         scaler: settings of the dynamic loss scale.
         alignment: elements; shard allocations and bucket bounds are multiples.
@@ -103,6 +110,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         overlap_grad_reduce: bool = True,
         overlap_param_gather: bool = True,
         layout: str = "auto",
+        reshard_after_forward: bool = True,
         loss_scale: float | str | None = None,
         scaler: ScalerConfig | None = None,
         alignment: int = DEFAULT_ALIGNMENT,
@@ -153,8 +161,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         self._overlap = overlap_grad_reduce
         self._overlap_gather = bool(overlap_param_gather)
+        self._reshard = bool(reshard_after_forward)
+        self._attached: torch.nn.Module | None = None
         self._installed = self._install(zp)
         broadcast_from_rank_zero(self._installed, self._registry.params)
+        self._settle(self._installed)
         self._initialized = True
 
     def _context(self) -> StepContext:
@@ -175,6 +186,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.param_groups,
             overlap=self._overlap,
             overlap_param_gather=self._overlap_gather,
+            reshard_after_forward=self._reshard,
             admit=self._lifecycle.admit_gradient,
             log=self._lifecycle.log,
             tracker=self._lifecycle.tracker,
@@ -188,15 +200,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 outer.setdefault(key, value)
         return installed
 
+    def _settle(self, installed: Installed) -> None:
+        """Stage 3: shard the freshly installed parameters and hook the attached model."""
+        if isinstance(installed.gather, ShardedParams):
+            installed.gather.shard_all()
+            if self._attached is not None:
+                installed.gather.attach(self._attached)
+
     def _replan(self, zp: ZeroPlan) -> None:
         """Switch to the agreed plan ``zp`` (see [Note: re-planning]); a no-op for the same plan."""
         if zp.fingerprint() == self._installed.zp.fingerprint():
             return
-        self._installed.gather.wait_all()
-        self._lifecycle.release(self._installed)
+        old = self._installed
+        old.gather.wait_all()
+        self._lifecycle.release(old)
+        if isinstance(old.gather, ShardedParams):
+            old.gather.gather_all()  # the new plan's buffers are filled from the parameters' values
         self._installed, self._parked = replanning.replan(
-            self._installed, zp, self._registry.params, self._install, self._parked
+            old, zp, self._registry.params, self._install, self._parked
         )
+        if isinstance(old.gather, ShardedParams):
+            old.gather.retire()
+        self._settle(self._installed)
 
     def _hyper(self) -> list[dict[str, Any]]:
         return [hyperparameters(g) for g in self.param_groups]
@@ -336,11 +361,46 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         clipped = self._lifecycle.last.clipped if clipping is None else clipping
         arrivals = self._installed.sync.last_arrivals
-        return memory_report(self._installed.zp, clipping=clipped, overlap=self._overlap, arrivals=arrivals)
+        return memory_report(
+            self._installed.zp,
+            clipping=clipped,
+            overlap=self._overlap,
+            arrivals=arrivals,
+            reshard_after_forward=self._reshard,
+        )
 
     def wait_for_params(self) -> None:
         """Complete the last step's parameter gathers (before reading parameters outside a forward)."""
         self._installed.gather.wait_all()
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Let ``model``'s forward gather the stage-3 parameters it uses (see [Note: stage 3]).
+
+        Registers forward hooks on ``model`` and its submodules that hold this
+        optimizer's parameters; call once, before the first forward, with the
+        module whose forward runs the model (the root). At stages 1 and 2 it
+        does nothing (parameters are whole there), so code can call it always.
+        """
+        self._attached = model
+        if isinstance(self._installed.gather, ShardedParams):
+            self._installed.gather.attach(model)
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Inside the block every parameter holds its whole values (collective: call on every rank).
+
+        At stage 3 this gathers every block and frees them after the block
+        (changes made to parameters inside are dropped); at stages 1 and 2 it
+        only completes the last step's gathers. For saving the model
+        (``model.state_dict()``), evaluation code that reads weights, EMA.
+        """
+        gather = self._installed.gather
+        if not isinstance(gather, ShardedParams):
+            gather.wait_all()
+            yield
+            return
+        with gather.all_gathered():
+            yield
 
     # ------------------------------------------------------------ state dicts
     def shards(self) -> Shards:
@@ -400,13 +460,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 dict is invalid or the ranks' dicts disagree.
         """
         sh = self.shards()
-        self.restore(
-            state_loading.agreed_state(
+        with self.gathered_params():  # a plain dict without masters reads the parameters' values
+            loaded = state_loading.agreed_state(
                 lambda: state_loading.read_state_dict(state_dict, sh, self.plan_with_cohorts),
                 sh,
                 what="state dict",
             )
-        )
+        self.restore(loaded)
 
     @torch.no_grad()
     def restore(self, loaded: LoadedState) -> None:
@@ -421,7 +481,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._registry = self._registry.with_cohorts([s.cohort for s in loaded.target.specs])
             self._replan(loaded.target)
         if loaded.param_values is not None:
-            state_loading.copy_param_values(self._registry.params, loaded.param_values)
+            gather = self._installed.gather
+            if isinstance(gather, ShardedParams):  # stage 3: write into the blocks, keep this rank's pieces
+                with gather.all_gathered():
+                    state_loading.copy_param_values(self._registry.params, loaded.param_values)
+                    for buf in self._installed.buffers:
+                        buf.load_shard()
+            else:
+                state_loading.copy_param_values(self._registry.params, loaded.param_values)
         state_loading.commit_state(self._installed, loaded, self.param_groups)
         if loaded.parked is not None:
             self._parked = loaded.parked

@@ -103,7 +103,7 @@ class GatheringParameter(torch.nn.Parameter):
             "grad_fn", "is_cuda", "is_sparse", "is_meta", "is_quantized", "names", "_version",
             "numel", "size", "dim", "data_ptr", "element_size", "nelement", "stride",
             "is_contiguous", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-            "is_floating_point", "is_complex", "get_device",
+            "is_floating_point", "is_complex", "get_device", "untyped_storage", "storage_offset",
         }
     )  # fmt: skip
 

@@ -187,11 +187,8 @@ def configure(
         ConfigError: a bad value (a ``ConfigTypeError``, also a ``TypeError``,
             for an argument of the wrong kind, as ``torch.optim`` raises).
     """
-    if type(stage) is not int or stage not in (1, 2):
-        raise ConfigError(
-            f"stage must be 1 or 2, got {stage!r} (stage 3 is planned by zeroplan.core but not "
-            "executed; use DistributedDataParallel for stage 0)"
-        )
+    if type(stage) is not int or stage not in (1, 2, 3):
+        raise ConfigError(f"stage must be 1, 2 or 3, got {stage!r} (use DistributedDataParallel for stage 0)")
     refused = _REFUSED.get(getattr(optimizer_class, "__name__", ""))
     if refused is not None:
         raise ConfigError(f"{optimizer_class.__name__} cannot be sharded: it {refused}")

@@ -133,11 +133,11 @@ def move_shards(
     dtype hold the (replicated) parameters' values and need no move. Returns the state in the new shard
     coordinates and the (group, cohort) pairs that carry state.
     """
-    device = new_buffers[0].params.device if new_buffers else torch.device("cpu")
+    device = new_buffers[0].device if new_buffers else torch.device("cpu")
     old_spaces = {s.dtype: s for s in old_zp.partition.spaces}
     for new in new_buffers:
         old_space = old_spaces.get(new.space.dtype)
-        if new.master.dtype == new.params.dtype or old_space is None:
+        if new.master.dtype == new.dtype or old_space is None:
             continue  # a master of the parameters' own dtype was loaded from them by build_buffers
         old = next(b for b in old_buffers if b.space.dtype == new.space.dtype)
         _move_flat(

@@ -71,7 +71,7 @@ class Shards(NamedTuple):
     @property
     def device(self) -> torch.device:
         """Where this rank's buffers live (CPU when the plan has no trainable parameter)."""
-        return self.buffers[0].params.device if self.buffers else torch.device("cpu")
+        return self.buffers[0].device if self.buffers else torch.device("cpu")
 
 
 def torch_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -256,14 +256,16 @@ def test_hand_computed_interleaved_memory_stages_1_to_3():
     # own and reduces into a gradient shard of its own, at stage 1 too (beside the full gradients).
     assert (r1.params_bytes, r1.grads_bytes, r1.master_bytes, r1.optimizer_state_bytes) == (48, 72, 24, 52)
     assert (r2.params_bytes, r2.grads_bytes, r2.master_bytes, r2.optimizer_state_bytes) == (48, 24, 24, 52)
-    # Stage 3 keeps the parameter shard itself and steps it: no separate fp32 master.
-    assert (r3.params_bytes, r3.grads_bytes, r3.master_bytes, r3.optimizer_state_bytes) == (24, 24, 0, 52)
+    # Stage 3 cuts blocks at parameters: [a, pad] and [b, pad], 3 + 4 elements per rank. It keeps the
+    # parameter shard itself and steps it: no separate fp32 master.
+    assert (r3.params_bytes, r3.grads_bytes, r3.master_bytes, r3.optimizer_state_bytes) == (28, 28, 0, 60)
     assert r1.buffer_bytes == r2.buffer_bytes == 32  # two 16-byte buckets in flight, no fp32 scratch
 
 
 def test_hand_computed_interleaved_traffic_stage_3_and_mics():
     for r in _small(3):
-        assert _costs(r)[("shard", "all_gather")] == (6, 48)  # each block gathered for forward and backward
+        # blocks [a, pad] and [b, pad], each gathered for forward and backward: 2 x (3 + 4) elements sent
+        assert _costs(r)[("shard", "all_gather")] == (4, 56)
         assert ("shard", "broadcast") not in _costs(r)
     for r in _small(2, world=4, shard=2):
         # three 2-element pieces per rank; a 2-rank ring all-reduce of m elements sends m

@@ -1,0 +1,408 @@
+"""Stage 3: parameters held as shards, gathered block by block around forward and backward.
+
+[Note: stage 3]
+Between steps a rank holds only its shard of every parameter (``SpaceBuffers.shard``);
+each block of the plan has a full buffer whose storage is allocated only while
+the block is *gathered*, and each parameter is a view of its block's buffer
+(stage-3 plans cut blocks at parameter boundaries). A parameter whose block is
+not gathered has the class :class:`ShardedParameter`: its shape, dtype and
+``.grad`` read as usual, any read of its values raises (it has none), except
+inside a forward or backward of the model given to ``ZeroOptimizer.attach``,
+where it gathers its block on the spot.
+
+``attach(model)`` registers hooks, nothing else changes in the user's modules:
+
+* a forward pre-hook on every module that holds managed parameters directly
+  gathers their blocks (waiting for them) and launches the gather of the next
+  block in buffer order (prefetch), so it arrives while the module computes;
+* its forward hook frees a block once every module holding one of its
+  parameters finished (``reshard_after_forward=True``); a block shared with a
+  module that has not run yet (tied weights) stays until it has;
+* the root's hooks open and close the forward: blocks still gathered at its
+  end are freed (``True``) or kept for backward (``False``: stage-2 memory for
+  parameters, one gather per step instead of two), and while it runs,
+  ``saved_tensors_hooks`` mark the tensors autograd saves from a block's buffer.
+  In backward, unpacking such a tensor gathers its block again if it was freed
+  (and prefetches the block before it); so does the first gradient of a block
+  (a block none of whose values backward reads is gathered all the same, as
+  FSDP gathers every module before its backward: one gather per block and
+  backward, as the plan counts). Once every trainable parameter of a block
+  received its gradient, the block is freed.
+
+Every rank runs the same forward and backward, so every rank gathers the same
+blocks in the same order (the collectives match). A step's traffic is the
+plan's when each block is gathered once per forward and, if freed, once per
+backward: a module run twice in one forward, or a parameter used outside its
+modules after its block was freed, costs an extra gather.
+
+``step()`` frees every block (gathered values would be stale after the
+update) and writes updated masters into the shards; the next forward gathers
+them. ``gathered_params()`` gathers every block for reading outside a forward
+(saving the model, evaluation code that reads weights): collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from zeroplan.core import Block, StepOrderError, ZeroPlan
+from zeroplan.facade.buffers import SpaceBuffers, block_views
+from zeroplan.facade.collectives import CommLog, Pending
+from zeroplan.facade.groups import ProcessGroups
+from zeroplan.facade.param_gather import GatheringParameter, gather_block
+
+__all__ = ["ShardedParameter", "ShardedParams"]
+
+_Key = tuple[int, int]  # (space index, block index)
+
+
+class BlockState(enum.Enum):
+    """Where a stage-3 block is."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class ShardedParameter(torch.nn.Parameter):
+    """The class of a stage-3 parameter whose block is not gathered (see [Note: stage 3]).
+
+    Never constructed: a plain ``nn.Parameter``'s ``__class__`` is set to it
+    while its block is sharded.
+    """
+
+    METADATA = GatheringParameter.METADATA
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", None) if func.__name__ in ("__get__", "__set__") else func.__name__
+        if name not in cls.METADATA:
+            for leaf in tree_flatten((args, kwargs))[0]:
+                if isinstance(leaf, ShardedParameter):
+                    _gather_on_use(leaf, name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _gather_on_use(param: torch.Tensor, name: str | None) -> None:
+    sharded: ShardedParams | None = getattr(param, "_zeroplan_shards", None)
+    if sharded is None or not sharded.gathering_allowed():
+        raise StepOrderError(
+            f"{name or 'an operation'} read a stage-3 parameter outside a forward or backward: each rank "
+            "holds only its shard of it between steps. Call opt.attach(model) once before the first forward "
+            "(the forward then gathers what it uses), and read parameters elsewhere inside "
+            "`with opt.gathered_params():` on every rank"
+        )
+    sharded.gather_param(param)
+
+
+class _Entry:
+    """One block: its buffer, plan block (shifted to start at 0), members and state."""
+
+    def __init__(self, key: _Key, buffer: torch.Tensor, block: Block, nbytes: int) -> None:
+        self.key = key
+        self.buffer = buffer
+        self.block = replace(block, start=0)  # the buffer holds the block alone
+        self.nbytes = nbytes
+        self.members: list[torch.Tensor] = []
+        self.trainable = 0
+        self.state = BlockState.GATHERED
+        self.pending: list[Pending] = []
+
+
+class ShardedParams:
+    """The stage-3 parameters of one installed plan (see [Note: stage 3])."""
+
+    def __init__(
+        self,
+        *,
+        zp: ZeroPlan,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[SpaceBuffers],
+        groups: ProcessGroups,
+        log: CommLog,
+        reshard_after_forward: bool,
+    ) -> None:
+        self._zp = zp
+        self._buffers = buffers
+        self._groups = groups
+        self._log = log
+        self.reshard_after_forward = reshard_after_forward
+        self._entries: dict[_Key, _Entry] = {}
+        self._keys_of: dict[int, list[_Key]] = {}  # id(param) -> its block (a list for one code path)
+        self._storage: dict[int, _Key] = {}  # storage address (StorageImpl) -> block
+        managed = set(zp.trainable_indices)
+        for buf in buffers:
+            s = buf.space.index
+            for k, (block, buffer) in enumerate(zip(buf.space.blocks, buf.blocks, strict=True)):
+                entry = _Entry((s, k), buffer, block, buffer.untyped_storage().nbytes())
+                self._entries[s, k] = entry
+                self._storage[buffer.untyped_storage()._cdata] = (s, k)
+            for index, view in block_views(buf.blocks, buf.space, params).items():
+                key = self._storage[view.untyped_storage()._cdata]
+                self._keys_of[id(params[index])] = [key]
+                self._entries[key].members.append(params[index])
+                self._entries[key].trainable += index in managed
+        for entry in self._entries.values():
+            for p in entry.members:
+                p._zeroplan_shards = self  # type: ignore[attr-defined]
+        # Held weakly, as the gradient sync's hooks: a dropped optimizer must not act on gradients.
+        method = weakref.WeakMethod(self.gradient_arrived)
+        self._grad_handles = [
+            params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method))
+            for index in sorted(managed)
+        ]
+        self._modules: dict[int, list[_Key]] = {}  # id(module) -> blocks of its own parameters
+        self._users: dict[_Key, set[int]] = {}  # block -> modules holding its parameters
+        self._handles: list[Any] = []
+        self._forward_depth = 0
+        self._saved: contextlib.ExitStack | None = None
+        self._reset_pass()
+
+    # ------------------------------------------------------------------ blocks
+    def _set_class(self, entry: _Entry, cls: type) -> None:
+        for p in entry.members:
+            if type(p) in (torch.nn.Parameter, ShardedParameter):
+                p.__class__ = cls
+
+    def _launch(self, key: _Key) -> None:
+        """Allocate block ``key``'s buffer, write this rank's piece, start its gather."""
+        entry = self._entries[key]
+        if entry.state is not BlockState.SHARDED:
+            return
+        entry.buffer.untyped_storage().resize_(entry.nbytes)
+        buf = self._buffers[key[0]]
+        buf.write_piece(key[1])
+        collective = self._zp.gather_collective(buf.space.blocks[key[1]])
+        entry.pending = gather_block(entry.buffer, entry.block, collective, self._groups, self._log)
+        entry.state = BlockState.GATHERING
+
+    def _ensure(self, key: _Key) -> None:
+        """Block ``key`` gathered and complete (its parameters plain ``nn.Parameter`` again)."""
+        entry = self._entries[key]
+        if entry.state is BlockState.SHARDED:
+            self._launch(key)
+        if entry.state is BlockState.GATHERING:
+            for pending in entry.pending:
+                pending.wait()
+            entry.pending = []
+            entry.state = BlockState.GATHERED
+            self._set_class(entry, torch.nn.Parameter)
+
+    def _free(self, key: _Key) -> None:
+        """Release block ``key``'s buffer (waiting for a gather in flight first)."""
+        entry = self._entries[key]
+        if entry.state is BlockState.SHARDED:
+            return
+        for pending in entry.pending:
+            pending.wait()
+        entry.pending = []
+        entry.buffer.untyped_storage().resize_(0)
+        entry.state = BlockState.SHARDED
+        self._set_class(entry, ShardedParameter)
+
+    def _prefetch(self, key: _Key, step: int, visited: set[_Key]) -> None:
+        """Launch the gather of the block ``step`` away from ``key`` in its space, once per pass."""
+        nxt = (key[0], key[1] + step)
+        if nxt in self._entries and nxt not in visited:
+            visited.add(nxt)
+            self._launch(nxt)
+
+    def shard_all(self) -> None:
+        """Free every block: each rank holds only its shards (after install, and after a step)."""
+        for key in self._entries:
+            self._free(key)
+
+    def gather_all(self) -> None:
+        """Gather every block (collective)."""
+        for key in self._entries:
+            self._launch(key)
+        for key in self._entries:
+            self._ensure(key)
+
+    def gathered(self, key: _Key) -> bool:
+        """Whether block ``key`` is gathered (for tests and tools)."""
+        return self._entries[key].state is BlockState.GATHERED
+
+    def held_bytes(self) -> int:
+        """Bytes of block buffers allocated now."""
+        return sum(e.nbytes for e in self._entries.values() if e.state is not BlockState.SHARDED)
+
+    # ------------------------------------------------------- the step's calls
+    def launch(self, log: CommLog) -> None:
+        """After the inner optimizer stepped: free the (stale) blocks, write masters into the shards."""
+        del log  # the next forward gathers, into the log of its own step
+        self.shard_all()
+        for buf in self._buffers:
+            buf.publish_master()
+
+    def wait_all(self) -> None:
+        """Complete every gather in flight (blocks stay gathered)."""
+        for key, entry in self._entries.items():
+            if entry.state is BlockState.GATHERING:
+                self._ensure(key)
+
+    def forget(self) -> None:
+        """Drop gathers in flight without waiting (the process group is gone)."""
+        for entry in self._entries.values():
+            entry.pending = []
+
+    # ------------------------------------------------------------- attaching
+    def attach(self, model: torch.nn.Module) -> None:
+        """Hook ``model``'s modules (see [Note: stage 3]); replaces an earlier attachment."""
+        self.detach()
+        root = model.register_forward_pre_hook(self._begin_forward)
+        self._handles.append(root)
+        for module in model.modules():
+            keys = sorted({k for p in module.parameters(recurse=False) for k in self._keys_of.get(id(p), ())})
+            if not keys:
+                continue
+            self._modules[id(module)] = keys
+            for key in keys:
+                self._users.setdefault(key, set()).add(id(module))
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        self._handles.append(model.register_forward_hook(self._end_forward, always_call=True))
+
+    def retire(self) -> None:
+        """Let go of the parameters for good (re-planning installed another plan over them)."""
+        self.detach()
+        for handle in self._grad_handles:
+            handle.remove()
+        self._grad_handles = []
+        for entry in self._entries.values():
+            entry.members = []
+
+    def detach(self) -> None:
+        """Remove the hooks of :meth:`attach`."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._modules = {}
+        self._users = {}
+
+    @property
+    def attached(self) -> bool:
+        """Whether a model is attached."""
+        return bool(self._handles)
+
+    def gathering_allowed(self) -> bool:
+        """Whether a sharded parameter may gather on use: inside the attached forward, or a backward."""
+        return self._forward_depth > 0 or torch._C._current_graph_task_id() != -1
+
+    def gather_param(self, param: torch.Tensor) -> None:
+        """Gather ``param``'s block now (used outside its modules); kept until the forward ends."""
+        for key in self._keys_of.get(id(param), ()):
+            self._ensure(key)
+            self._pinned.add(key)
+
+    def _reset_pass(self) -> None:
+        self._done: set[int] = set()
+        self._running: dict[int, int] = {}
+        self._visited_forward: set[_Key] = set()
+        self._visited_backward: set[_Key] = set()
+        self._arrived: dict[_Key, int] = {}
+        self._pinned: set[_Key] = set()
+
+    def _begin_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._forward_depth == 0:
+            self._reset_pass()
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            self._saved = stack
+        self._forward_depth += 1
+
+    def _end_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._forward_depth -= 1
+        if self._forward_depth:
+            return
+        if self._saved is not None:
+            self._saved.close()
+            self._saved = None
+        if self.reshard_after_forward:
+            self.shard_all()
+        self._pinned = set()
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        keys = self._modules.get(id(module), ())
+        for key in keys:
+            self._visited_forward.add(key)
+            self._ensure(key)
+        if keys:
+            self._prefetch(keys[-1], 1, self._visited_forward)
+        self._running[id(module)] = self._running.get(id(module), 0) + 1
+
+    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._running[id(module)] = self._running.get(id(module), 1) - 1
+        self._done.add(id(module))
+        if not self.reshard_after_forward:
+            return
+        for key in self._modules.get(id(module), ()):
+            users = self._users.get(key, set())
+            if (
+                key not in self._pinned
+                and users <= self._done
+                and not any(self._running.get(u) for u in users)
+            ):
+                self._free(key)
+
+    # ------------------------------------------------------------- backward
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        key = self._storage.get(tensor.untyped_storage()._cdata) if tensor.device.type != "meta" else None
+        return tensor if key is None else _SavedView(tensor, key)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _SavedView):
+            return packed
+        key = packed.key
+        self._visited_backward.add(key)
+        self._ensure(key)
+        self._prefetch(key, -1, self._visited_backward)
+        return packed.tensor
+
+    def gradient_arrived(self, param: torch.Tensor) -> None:
+        """A trainable parameter's gradient accumulated: free its block once all of the block's did."""
+        for key in self._keys_of.get(id(param), ()):
+            if key not in self._visited_backward:  # every block is gathered once per backward, needed or not
+                self._visited_backward.add(key)
+                self._launch(key)
+            count = self._arrived[key] = self._arrived.get(key, 0) + 1
+            self._prefetch(key, -1, self._visited_backward)
+            if count >= self._entries[key].trainable:
+                self._free(key)
+
+    @contextlib.contextmanager
+    def all_gathered(self) -> Iterator[None]:
+        """Every block gathered inside the block, freed after (collective)."""
+        self.gather_all()
+        try:
+            yield
+        finally:
+            self.shard_all()
+
+
+def _call_weakly(method: weakref.WeakMethod, param: torch.Tensor) -> None:
+    bound = method()
+    if bound is not None:
+        bound(param)
+
+
+class _SavedView:
+    """A tensor autograd saved from a stage-3 block's buffer, and that block."""
+
+    __slots__ = ("key", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: _Key) -> None:
+        self.tensor = tensor
+        self.key = key

@@ -1,0 +1,142 @@
+"""Scenarios of stage 3 (issue 13): parameters sharded between steps, gathered around forward and backward.
+
+Run on every rank of a worker pool (see dist_worker.py); each returns plain data.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from factory import OPTIMIZERS, make_optimizer
+from models import DTYPES, Reference, batch, loss_of, make_model, rel_err
+
+from zeroplan.core import StepOrderError
+from zeroplan.facade import checkpoint
+from zeroplan.facade.param_shards import ShardedParameter
+
+
+def _model(cfg: dict[str, Any], seed: int = 0) -> torch.nn.Module:
+    model = make_model(seed=seed, dtype=DTYPES[cfg.get("dtype", "fp32")])
+    if cfg.get("tied"):
+        model.head.weight = model.tok.weight  # GPT-2's tied embedding: one parameter, two modules
+    return model
+
+
+def _settings(cfg: dict[str, Any], stage: int) -> dict[str, Any]:
+    keys = ("shard", "collectives", "strategy", "layout", "reshard_after_forward", "loss_scale")
+    return {
+        "stage": stage,
+        "bucket_bytes": cfg.get("bucket_bytes", 2048),
+        **{k: cfg[k] for k in keys if k in cfg},
+    }
+
+
+def _train(model: torch.nn.Module, opt: Any, rank: int, step: int, cfg: dict[str, Any]) -> float:
+    micro = cfg.get("micro", 1)
+    loss = torch.zeros(())
+    for m in range(micro):  # gradient accumulation: all but the last backward inside no_sync()
+        tokens, targets = batch(step * micro + m, rank)
+        loss = loss_of(model, tokens, targets) / micro
+        if m < micro - 1:
+            with opt.no_sync():
+                opt.backward(loss)
+        else:
+            opt.backward(loss)
+    if cfg.get("clip") is not None:
+        opt.clip_grad_norm_(cfg["clip"])
+    opt.step()
+    opt.zero_grad()
+    return float(loss.detach())
+
+
+def _values(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def against_stage_2_and_torch(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Stage 3 and stage 2 trained side by side on the same data, and the unsharded torch optimizer.
+
+    Returns whether stage 3 equals stage 2 bit for bit, its largest relative error against torch's
+    AdamW on fp32 masters, its traffic against the plan's, and what it holds between steps.
+    """
+    steps = cfg.get("steps", 3)
+    model3, model2, ref_model = _model(cfg), _model(cfg), _model(cfg)
+    opt3 = make_optimizer(model3, **_settings(cfg, 3))
+    opt3.attach(model3)
+    opt2 = make_optimizer(model2, **_settings(cfg, 2))
+    adamw = OPTIMIZERS["adamw"]
+    reference = Reference(ref_model, adamw.cls, **adamw.hyper)
+    sharded_between_steps = []
+    for step in range(steps):
+        _train(model3, opt3, rank, step, cfg)
+        _train(model2, opt2, rank, step, cfg)
+        sharded_between_steps.append(all(type(p) is ShardedParameter for p in model3.parameters()))
+        if cfg.get("micro", 1) == 1:
+            reference.step(world, step, clip=cfg.get("clip"))
+    with opt3.gathered_params():
+        values3 = _values(model3)
+    opt2.wait_for_params()
+    values2 = _values(model2)
+    plan = opt3.memory_report().ranks[rank]
+    measured = opt3.measured_memory()
+    outside = None
+    try:
+        model3.head.weight.sum()
+    except StepOrderError as exc:
+        outside = str(exc)
+    return {
+        "equal_to_stage_2": all(torch.equal(a, b) for a, b in zip(values3, values2, strict=True)),
+        "vs_stage_2": max(rel_err(a, b) for a, b in zip(values3, values2, strict=True)),
+        "vs_torch": max(rel_err(a, b) for a, b in zip(values3, _values(ref_model), strict=True)),
+        "sharded_between_steps": sharded_between_steps,
+        "comm": sorted((c.group, str(c.collective), c.calls, c.bytes) for c in opt3.last_step_comm()),
+        "planned_comm": sorted((c.group, str(c.collective), c.calls, c.bytes) for c in plan.comm),
+        "measured": (measured.params_bytes, measured.grads_bytes, measured.master_bytes),
+        "planned": (plan.params_bytes, plan.grads_bytes, plan.master_bytes),
+        "optimizer_state": (measured.optimizer_state_bytes, plan.optimizer_state_bytes),
+        "outside": outside,
+        "blocks": len(opt3.plan.partition.spaces[0].blocks),
+    }
+
+
+def across_stages(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Save at one stage and world, load at another: values and state bit-exact, training continues alike."""
+    save_stage, load_stage = cfg["save_stage"], cfg["load_stage"]
+    dtype = DTYPES[cfg.get("dtype", "fp32")]
+    model = make_model(dtype=dtype)
+    opt = make_optimizer(model, stage=save_stage, shard=cfg.get("save_shard"))
+    opt.attach(model)
+    for step in range(2):
+        _train(model, opt, rank, step, {})
+    root = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    checkpoint.save(opt, root[0])
+    expected_state = opt.consolidated_state_dict(None)
+    with opt.gathered_params():
+        expected_values = _values(model)
+    other_model = make_model(dtype=dtype, seed=7)
+    other = make_optimizer(other_model, stage=load_stage, shard=cfg.get("load_shard"))
+    other.attach(other_model)
+    checkpoint.load(other, root[0])
+    state = other.consolidated_state_dict(None)
+    with other.gathered_params():
+        values_equal = all(
+            torch.equal(a, b) for a, b in zip(expected_values, _values(other_model), strict=True)
+        )
+    state_equal = all(
+        torch.equal(a, state["state"][p][k])
+        for p in expected_state["state"]
+        for k, a in expected_state["state"][p].items()
+        if torch.is_tensor(a)
+    )
+    for m, o in ((model, opt), (other_model, other)):
+        _train(m, o, rank, 5, {})
+    with opt.gathered_params(), other.gathered_params():
+        after = max(
+            float((a.float() - b.float()).abs().max())
+            for a, b in zip(_values(model), _values(other_model), strict=True)
+        )
+    return {"values_equal": values_equal, "state_equal": state_equal, "after_step_diff": after}
