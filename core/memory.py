@@ -408,8 +408,9 @@ def memory_report(
     staging = [0] * n if backward is None else [p.staging for p in backward]
     per_shard = [_rank_memory(zp, s, staging[s], frozen) for s in range(n)]
     buffers = [m.buffers for m in per_shard]
+    reshard = reshard_after_forward
     transients = step_peak(
-        zp, overlap=overlap, ddp_buffer=buffers, backward=backward, reshard_after_forward=reshard_after_forward
+        zp, overlap=overlap, ddp_buffer=buffers, backward=backward, reshard_after_forward=reshard
     )
     traffic = _traffic(zp, clipping, reshard_after_forward)
     ranks = []

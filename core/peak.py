@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from enum import Enum
+from itertools import pairwise
 from typing import NamedTuple
 
 from zeroplan.core.buckets import Bucket, Piece
@@ -336,7 +337,7 @@ def gathered_bytes(zp: ZeroPlan, reshard_after_forward: bool = True) -> int:
         if not reshard_after_forward:
             total += sum(sizes)
         else:
-            total += max((a + b for a, b in zip(sizes, sizes[1:], strict=False)), default=sum(sizes))
+            total += max((a + b for a, b in pairwise(sizes)), default=sum(sizes))
     return total
 
 

@@ -69,7 +69,7 @@ def test_refused_constructions(pools):
         assert "weight_decya" in result["typo"]
         assert "LBFGS cannot be sharded" in result["lbfgs"]
         assert "SparseAdam cannot be sharded" in result["sparse_adam"]
-        assert "stage must be 1 or 2" in result["stage_true"]
+        assert "stage must be 1, 2 or 3" in result["stage_true"]
         assert result["group_extra_key"] is None  # torch lets groups carry extra keys
 
 
