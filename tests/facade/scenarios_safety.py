@@ -39,7 +39,6 @@ def bad_arguments(rank: int, world: int) -> dict[str, str | None]:
         "devices": lambda: ZeroOptimizer([params[0], nn.Parameter(torch.zeros(3, device="meta"))], lr=0.1),
         "shard_size": lambda: ZeroOptimizer(params, lr=0.1, shard_group_size=world + 1),
         "stage_0": lambda: ZeroOptimizer(params, lr=0.1, stage=0),
-        "stage_3": lambda: ZeroOptimizer(params, lr=0.1, stage=3),
         "non_leaf": lambda: ZeroOptimizer([params[0] * 2], lr=0.1),
         "single_tensor": lambda: ZeroOptimizer(params[0], lr=0.1),
         "bad_lr": lambda: ZeroOptimizer(params, lr=-1.0),
