@@ -59,6 +59,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -357,27 +358,38 @@ def run_world(world: int, opts: Options) -> dict[str, Any]:
     return result
 
 
+def timed_steps(
+    runner: Runner, tokens: torch.Tensor, targets: torch.Tensor, opts: Options
+) -> tuple[list[float], float]:
+    """Warm up, then time ``opts.steps`` steps back to back (``--fresh-rounds``).
+
+    Returns:
+        each step's seconds on this rank, and the process CPU seconds per step.
+    """
+    for _ in range(opts.warmup):
+        runner.step(tokens, targets)
+    runner.wait()
+    dist.barrier()
+    # No barrier inside the timed region: gloo's barrier waits for its group's pending work, which
+    # would take the gathers in flight out of the next forward.
+    marks = [time.perf_counter()]
+    start_cpu = time.process_time()
+    for _ in range(opts.steps):
+        runner.step(tokens, targets)  # the next step's forward waits for this one's gathers
+        marks.append(time.perf_counter())
+    runner.wait()
+    marks[-1] = time.perf_counter()  # the last step ends when its parameters arrived
+    cpu = (time.process_time() - start_cpu) / opts.steps
+    return [b - a for a, b in itertools.pairwise(marks)], cpu
+
+
 def _fresh_worker(rank: int, world: int, port: int, opts: Options, variant: Variant, queue: Any) -> None:
     """One configuration in fresh processes: warm up, then time ``opts.steps`` steps back to back."""
     _join(rank, world, port, opts)
     try:
         tokens, targets = make_batch(opts.model, opts.batch, rank)
         runner = Runner(variant, opts, world)
-        for _ in range(opts.warmup):
-            runner.step(tokens, targets)
-        runner.wait()
-        dist.barrier()
-        # No barrier inside the timed region: gloo's barrier waits for its group's pending work, which
-        # would take the gathers in flight out of the next forward.
-        marks = [time.perf_counter()]
-        start_cpu = time.process_time()
-        for _ in range(opts.steps):
-            runner.step(tokens, targets)  # the next step's forward waits for this one's gathers
-            marks.append(time.perf_counter())
-        runner.wait()
-        marks[-1] = time.perf_counter()  # the last step ends when its parameters arrived
-        cpu = (time.process_time() - start_cpu) / opts.steps
-        times = [b - a for a, b in itertools.pairwise(marks)]
+        times, cpu = timed_steps(runner, tokens, targets, opts)
         loss = runner.loss(tokens, targets)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, {"times": times, "cpu": cpu})
@@ -397,13 +409,18 @@ def _fresh_worker(rank: int, world: int, port: int, opts: Options, variant: Vari
             dist.destroy_process_group()
 
 
-def run_fresh(world: int, variant: Variant, opts: Options) -> dict[str, Any]:
-    """One configuration, once, in ``world`` newly spawned processes."""
+def run_fresh(
+    world: int, variant: Variant, opts: Options, worker: Callable[..., None] = _fresh_worker
+) -> dict[str, Any]:
+    """One configuration, once, in ``world`` newly spawned processes running ``worker``.
+
+    ``worker(rank, world, port, opts, variant, queue)``: rank 0 puts one result on ``queue``.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     start = time.perf_counter()
     procs = mp.start_processes(
-        _fresh_worker,
+        worker,
         args=(world, _free_port(), opts, variant, queue),
         nprocs=world,
         join=False,

@@ -35,6 +35,7 @@ from zeroplan.core.errors import (
     ZeroplanError,
 )
 from zeroplan.core.fit import FitReport, RankFit, fit_report
+from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_gather, two_hop_send
 from zeroplan.core.implementations import Implementation, resolve_implementation
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
@@ -86,7 +87,7 @@ from zeroplan.core.strategies import (
     strategy_names,
 )
 from zeroplan.core.temporaries import StepTemporaries
-from zeroplan.core.topology import Topology
+from zeroplan.core.topology import Link, Topology
 
 __all__ = [
     "AUTO_MAX_PIECES",
@@ -129,10 +130,13 @@ __all__ = [
     "ConfigTypeError",
     "Fragment",
     "FragmentOverlap",
+    "GatherCall",
     "GradCopy",
+    "HopSend",
     "Implementation",
     "IncompatiblePlanError",
     "InnerTensor",
+    "Link",
     "MemoryReport",
     "OptimizerSpec",
     "ParamSpec",
@@ -150,6 +154,7 @@ __all__ = [
     "Span",
     "Stage",
     "Topology",
+    "TwoHopGather",
     "WindowOverlap",
     "ZeroPlan",
     "ZeroplanError",
@@ -182,6 +187,8 @@ __all__ = [
     "specs_from_shapes",
     "step_temporaries",
     "strategy_names",
+    "two_hop_gather",
+    "two_hop_send",
     "update",
     "windows_in",
 ]

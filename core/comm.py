@@ -19,6 +19,13 @@ them, per rank, so planned and measured traffic are computed by one function:
   near-even split of ``M`` into ``N`` chunks.
 
 Groups of one rank send nothing.
+
+Every call is also labelled with the link its group uses, ``intra`` when the
+group sits on one node and ``inter`` otherwise ([Note: nodes and links] in
+``zeroplan.core.topology``). On a hierarchical topology the all-gather of
+equal pieces is two hops, each an all-gather costed by the rule above on its
+own group ([Note: hierarchical all-gather] in ``zeroplan.core.hierarchy``);
+together they send what the one-hop ring sends.
 """
 
 from __future__ import annotations

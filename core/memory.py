@@ -31,8 +31,11 @@ yet) or of the step (the inner optimizer's temporaries), whichever is larger
 (see [Note: the step's peak] in :mod:`zeroplan.core.peak`). Activations are
 not counted.
 
-Traffic follows the cost model of :mod:`zeroplan.core.comm`, per collective and
-process group (``shard``, ``replica`` or, for stage 0, ``world``).
+Traffic follows the cost model of :mod:`zeroplan.core.comm`, per collective,
+process group (``shard``, ``replica`` or ``world``) and link (``intra`` or
+``inter``, see [Note: nodes and links]). On a hierarchical topology the shard
+group's parameter all-gather is two hops, reported as two ``shard`` /
+``all_gather`` entries, one per link ([Note: hierarchical all-gather]).
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ from zeroplan.core.buckets import Bucket
 from zeroplan.core.comm import Collective, all_reduce_send
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import require
+from zeroplan.core.hierarchy import two_hop_send
 from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, grad_shard_dtype, step_peak
 from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.topology import Link
 
 __all__ = ["CommCost", "MemoryReport", "RankReport", "communication", "memory_report"]
 
@@ -57,19 +62,22 @@ _FP32 = 4
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CommCost:
-    """Traffic of one kind of collective on one process group, per step.
+    """Traffic of one kind of collective on one process group and link, per step.
 
     Attributes:
         group: ``"shard"``, ``"replica"`` or ``"world"``.
         collective: the collective.
         calls: how many calls per step.
         bytes: bytes this rank sends in them (see [Note: cost model]).
+        link: the link they use (see [Note: nodes and links]); ``intra`` by
+            default, as on one node.
     """
 
     group: str
     collective: Collective
     calls: int
     bytes: int
+    link: Link = Link.INTRA
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,7 +138,13 @@ class RankReport:
             "peak_phase": self.peak_phase.value,
             "comm_bytes_per_step": self.comm_bytes_per_step,
             "comm": [
-                {"group": c.group, "collective": c.collective.value, "calls": c.calls, "bytes": c.bytes}
+                {
+                    "group": c.group,
+                    "collective": c.collective.value,
+                    "link": c.link.value,
+                    "calls": c.calls,
+                    "bytes": c.bytes,
+                }
                 for c in self.comm
             ],
         }
@@ -194,13 +208,15 @@ class _Totals:
 
 
 class _Tally:
-    """Per-rank totals of (group, collective) -> calls and bytes, in first-use order."""
+    """Per-rank totals of (group, collective, link) -> calls and bytes, in first-use order."""
 
     def __init__(self, ranks: int) -> None:
-        self.rows: list[dict[tuple[str, Collective], _Totals]] = [{} for _ in range(ranks)]
+        self.rows: list[dict[tuple[str, Collective, Link], _Totals]] = [{} for _ in range(ranks)]
 
-    def add(self, rank: int, group: str, collective: Collective, nbytes: int, calls: int = 1) -> None:
-        row, key = self.rows[rank], (group, collective)
+    def add(
+        self, rank: int, group: str, collective: Collective, link: Link, nbytes: int, calls: int = 1
+    ) -> None:
+        row, key = self.rows[rank], (group, collective, link)
         entry = row.get(key)
         if entry is None:
             entry = row[key] = _Totals()
@@ -209,8 +225,8 @@ class _Tally:
 
     def costs(self, rank: int) -> tuple[CommCost, ...]:
         return tuple(
-            CommCost(group=grp, collective=coll, calls=totals.calls, bytes=totals.nbytes)
-            for (grp, coll), totals in self.rows[rank].items()
+            CommCost(group=grp, collective=coll, link=link, calls=totals.calls, bytes=totals.nbytes)
+            for (grp, coll, link), totals in self.rows[rank].items()
         )
 
 
@@ -220,7 +236,9 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
     Sums the per-call cost model of :func:`~zeroplan.core.comm.send_elements`
     over all calls, using its linearity (a reducing call costs ``total - own``,
     a gathering one ``total - successor's``), so thousands of ranks and buckets
-    cost ``O(ranks + pieces)``. A test checks it against per-call sums.
+    cost ``O(ranks + pieces)``. A test checks it against per-call sums. Links
+    come from the topology in O(1) per rank and group ([Note: nodes and links]);
+    two-hop gathers send the same on every rank.
     """
     topo = zp.topology
     n, r, world = topo.shard_size, topo.replica_size, topo.world_size
@@ -231,7 +249,7 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
 
     if zp.stage is Stage.DDP:
         if world > 1:
-            _ddp_traffic(tally, sized, world)
+            _ddp_traffic(tally, sized, world, topo.world_link)
     else:
         # payload[collective]: calls and bytes of all its calls; unsent[collective][s]: the bytes
         # of those that shard rank s does not send.
@@ -250,6 +268,15 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
                 row = unsent[collective] = [0] * n
             return row
 
+        hops: dict[Link, _Totals] = {}  # two-hop gathers: what every rank sends on each link
+
+        def two_hops(piece: int, isz: int, times: int) -> None:
+            """Count ``times`` gathers of a block of equal pieces in two hops (bytes alike on every rank)."""
+            for hop in two_hop_send(piece * isz, topo):
+                entry = hops.setdefault(hop.link, _Totals())
+                entry.calls += times * hop.calls
+                entry.nbytes += times * hop.elements
+
         world_reduced: list[_SizedBucket] = []  # GLOO policy: buckets all-reduced over the world group
         for b, isz in sized:
             if b.collective is Collective.ALL_REDUCE:
@@ -265,6 +292,9 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
             isz = DTYPE_ITEMSIZE[space.dtype]
             for block in space.blocks:
                 gather = zp.gather_collective(block)
+                if gather is Collective.ALL_GATHER and topo.hierarchical:
+                    two_hops(block.pieces[0], isz, times)
+                    continue
                 calls = 1 if gather is Collective.ALL_GATHER else sum(1 for p in block.pieces if p)
                 row = account(gather, times * block.numel * isz, times * calls)
                 for q, piece in enumerate(block.pieces):  # a sender skips its successor's piece
@@ -278,29 +308,34 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
                 for p in b.pieces:
                     piece_sizes[p.rank][_Elements(p.shard_span.numel, isz)] += 1
         if world > 1 and world_reduced:
-            _ddp_traffic(tally, world_reduced, world)
+            _ddp_traffic(tally, world_reduced, world, topo.world_link)
         for w in range(world):
             s, g = topo.shard_rank(w), topo.replica_rank(w)
+            shard_link = topo.shard_link(w)
             for collective, totals in payload.items():
                 if n > 1 and totals.calls:
-                    tally.add(w, "shard", collective, totals.nbytes - unsent[collective][s], totals.calls)
+                    nbytes = totals.nbytes - unsent[collective][s]
+                    tally.add(w, "shard", collective, shard_link, nbytes, totals.calls)
+            for link, totals in hops.items():
+                tally.add(w, "shard", Collective.ALL_GATHER, link, totals.nbytes, totals.calls)
+            replica_link = topo.replica_link(w)
             for (numel, isz), count in piece_sizes[s].items():
                 nbytes = count * all_reduce_send(numel, r, g) * isz
-                tally.add(w, "replica", Collective.ALL_REDUCE, nbytes, count)
+                tally.add(w, "replica", Collective.ALL_REDUCE, replica_link, nbytes, count)
     controls = int(zp.loss_scaling) + int(clipping)
     if controls:
         for w in range(world):
             if zp.stage is Stage.DDP:
-                group, size, position = "world", world, w
+                group, size, position, link = "world", world, w, topo.world_link
             else:
-                group, size, position = "shard", n, topo.shard_rank(w)
+                group, size, position, link = "shard", n, topo.shard_rank(w), topo.shard_link(w)
             if size > 1:
                 nbytes = controls * all_reduce_send(1, size, position) * _FP32
-                tally.add(w, group, Collective.ALL_REDUCE, nbytes, controls)
+                tally.add(w, group, Collective.ALL_REDUCE, link, nbytes, controls)
     return tally
 
 
-def _ddp_traffic(tally: _Tally, sized: list[_SizedBucket], world: int) -> None:
+def _ddp_traffic(tally: _Tally, sized: list[_SizedBucket], world: int, link: Link) -> None:
     """Ring all-reduce of every bucket over the world.
 
     Rank ``w`` sends ``2M - chunk(w) - chunk(w+1)`` per bucket of ``M``
@@ -319,13 +354,13 @@ def _ddp_traffic(tally: _Tally, sized: list[_SizedBucket], world: int) -> None:
 
     for w in range(world):
         nbytes = total - chunk_bytes(w) - chunk_bytes((w + 1) % world)
-        tally.add(w, "world", Collective.ALL_REDUCE, nbytes, len(sized))
+        tally.add(w, "world", Collective.ALL_REDUCE, link, nbytes, len(sized))
 
 
 def communication(
     zp: ZeroPlan, rank: int, *, clipping: bool = False, reshard_after_forward: bool = True
 ) -> tuple[CommCost, ...]:
-    """Bytes world rank ``rank`` sends in one step, per (group, collective).
+    """Bytes world rank ``rank`` sends in one step, per (group, collective, link).
 
     Args:
         zp: the plan.

@@ -135,8 +135,8 @@ def agree(
     if rank is not None:
         raise ConfigError(
             f"rank {rank} was given different optimizer settings than rank 0 "
-            f"({_first_difference(rows[0][2], rows[rank][2], rank)}); pass the same hyper-parameters and "
-            "loss_scale on every rank"
+            f"({_first_difference(rows[0][2], rows[rank][2], rank)}); pass the same hyper-parameters, "
+            "loss_scale and ranks_per_node on every rank"
         )
     if zp is None:  # unreachable: a rank without a plan reported a problem
         raise RuntimeError("no plan and no error")

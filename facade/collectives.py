@@ -3,8 +3,8 @@
 Free functions in the style of FSDP2's ``foreach_all_gather``: the optimizer
 decides *when*, these decide *how*. Every call is recorded in a :class:`CommLog`
 with the bytes :func:`zeroplan.core.send_elements` assigns to it, computed from
-the sizes of the tensors actually passed, so measured traffic can be compared
-with the plan's.
+the sizes of the tensors actually passed, and the link of the group it ran on,
+so measured traffic can be compared with the plan's.
 
 [Note: retiring a collective]
 gloo runs a collective on a worker thread of the process group, and that
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import Bucket, Collective, CommCost, send_elements
+from zeroplan.core import Bucket, Collective, CommCost, Link, send_elements
 from zeroplan.facade.groups import ProcessGroups
 
 __all__ = [
@@ -157,25 +157,32 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
 
 
 class CommLog:
-    """Collective calls since the last :meth:`clear`, aggregated per (group, collective)."""
+    """Collective calls since the last :meth:`clear`, aggregated per (group, collective, link)."""
 
     def __init__(self) -> None:
-        self._totals: dict[tuple[str, Collective], list[int]] = {}
+        self._totals: dict[tuple[str, Collective, Link], list[int]] = {}
 
     def record(
-        self, group: str, collective: Collective, pieces: Sequence[int], position: int, itemsize: int
+        self,
+        group: str,
+        collective: Collective,
+        pieces: Sequence[int],
+        position: int,
+        itemsize: int,
+        *,
+        link: Link,
     ) -> None:
-        """Log one call in which this rank sat at ``position`` of a group with ``pieces``."""
-        entry = self._totals.setdefault((group, collective), [0, 0])
+        """Log one call in which this rank sat at ``position`` of a group with ``pieces``, on ``link``."""
+        entry = self._totals.setdefault((group, collective, link), [0, 0])
         entry[0] += 1
         entry[1] += send_elements(collective, pieces, position) * itemsize
 
     def summary(self) -> tuple[CommCost, ...]:
-        """Calls and bytes sent per (group, collective), sorted by group then collective."""
+        """Calls and bytes sent per (group, collective, link), sorted by group, collective, link."""
         return tuple(
-            CommCost(group=group, collective=collective, calls=calls, bytes=nbytes)
-            for (group, collective), (calls, nbytes) in sorted(
-                self._totals.items(), key=lambda item: (item[0][0], item[0][1].value)
+            CommCost(group=group, collective=collective, link=link, calls=calls, bytes=nbytes)
+            for (group, collective, link), (calls, nbytes) in sorted(
+                self._totals.items(), key=lambda item: (item[0][0], item[0][1].value, item[0][2].value)
             )
         )
 
@@ -205,7 +212,10 @@ def reduce_bucket(
         after = None if keep is None else _copier(output, keep)
         if world == 1:
             return Pending(None, after)
-        log.record("world", Collective.ALL_REDUCE, [staging.numel()] * world, groups.rank, itemsize)
+        link = groups.topology.world_link
+        log.record(
+            "world", Collective.ALL_REDUCE, [staging.numel()] * world, groups.rank, itemsize, link=link
+        )
         return launch(partial(dist.all_reduce, group=groups.world, async_op=True), staging, after=after)
     if n == 1:
         if output is not None:
@@ -218,17 +228,19 @@ def reduce_bucket(
     if bucket.collective is Collective.REDUCE_SCATTER and dist.get_backend(groups.shard) != "gloo":
         if output is None:
             raise RuntimeError(f"bucket {bucket.index} is reduce-scattered but rank {s} has no piece of it")
-        log.record("shard", bucket.collective, [staging.numel() // n] * n, s, itemsize)
+        log.record(
+            "shard", bucket.collective, [staging.numel() // n] * n, s, itemsize, link=groups.shard_link
+        )
         return launch(partial(dist.reduce_scatter_single, group=groups.shard, async_op=True), output, staging)
     if bucket.collective is Collective.REDUCE:
         owner = bucket.pieces[0].rank
         sizes = [staging.numel() if q == owner else 0 for q in range(n)]
-        log.record("shard", bucket.collective, sizes, s, itemsize)
+        log.record("shard", bucket.collective, sizes, s, itemsize, link=groups.shard_link)
         after = None if output is None else _copier(output, staging)
         reduce = partial(dist.reduce, group_dst=owner, group=groups.shard, async_op=True)
         return launch(reduce, staging, after=after)
     inputs = list(staging.split(list(bucket.piece_sizes(n))))
-    log.record("shard", bucket.collective, [t.numel() for t in inputs], s, itemsize)
+    log.record("shard", bucket.collective, [t.numel() for t in inputs], s, itemsize, link=groups.shard_link)
     target = output if output is not None else staging.new_empty(0)
     return launch(partial(dist.reduce_scatter, group=groups.shard, async_op=True), target, inputs)
 
@@ -247,7 +259,12 @@ def all_reduce_replica(piece: torch.Tensor, groups: ProcessGroups, log: CommLog)
         return Pending(None)
     r = groups.topology.replica_size
     log.record(
-        "replica", Collective.ALL_REDUCE, [piece.numel()] * r, groups.replica_rank, piece.element_size()
+        "replica",
+        Collective.ALL_REDUCE,
+        [piece.numel()] * r,
+        groups.replica_rank,
+        piece.element_size(),
+        link=groups.replica_link,
     )
     return launch(partial(dist.all_reduce, group=groups.replica, async_op=True), piece)
 
@@ -257,7 +274,10 @@ def all_reduce_shard(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGrou
     n = groups.topology.shard_size
     if n == 1:
         return
-    log.record("shard", Collective.ALL_REDUCE, [value.numel()] * n, groups.shard_rank, value.element_size())
+    size = value.element_size()
+    log.record(
+        "shard", Collective.ALL_REDUCE, [value.numel()] * n, groups.shard_rank, size, link=groups.shard_link
+    )
     launch(partial(dist.all_reduce, op=op, group=groups.shard, async_op=True), value).wait()
 
 

@@ -2,8 +2,10 @@
 
 See [Note: shard and replica groups] in ``zeroplan.core.topology``: the shard
 group splits one copy of the optimizer state, the replica group holds the same
-shard in every shard group. Groups are passed around explicitly; nothing here
-is global.
+shard in every shard group. On a hierarchical topology (shard groups spanning
+whole nodes, see [Note: nodes and links]) the shard group is also split into
+node groups and cross-node groups, for the two-hop parameter gather. Groups are
+passed around explicitly; nothing here is global.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import ConfigError, Topology
+from zeroplan.core import ConfigError, Link, Topology
 
 __all__ = ["ProcessGroups", "data_parallel_group", "group_timeout", "make_groups"]
 
@@ -28,6 +30,10 @@ class ProcessGroups(NamedTuple):
         replica: this rank's replica group, ``None`` when it has one rank.
         topology: sizes of the grid.
         rank: this rank's position in ``world``.
+        node: this rank's node group (its shard group's ranks on its node),
+            ``None`` unless the topology is hierarchical.
+        cross_node: this rank's cross-node group (one rank per node of its
+            shard group, at its position), ``None`` unless hierarchical.
     """
 
     world: dist.ProcessGroup
@@ -35,6 +41,8 @@ class ProcessGroups(NamedTuple):
     replica: dist.ProcessGroup | None
     topology: Topology
     rank: int
+    node: dist.ProcessGroup | None = None
+    cross_node: dist.ProcessGroup | None = None
 
     @property
     def shard_rank(self) -> int:
@@ -45,6 +53,16 @@ class ProcessGroups(NamedTuple):
     def replica_rank(self) -> int:
         """Position in the replica group."""
         return self.topology.replica_rank(self.rank)
+
+    @property
+    def shard_link(self) -> Link:
+        """The link of this rank's shard group (what its traffic is logged under)."""
+        return self.topology.shard_link(self.rank)
+
+    @property
+    def replica_link(self) -> Link:
+        """The link of this rank's replica group."""
+        return self.topology.replica_link(self.rank)
 
 
 def data_parallel_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -76,29 +94,45 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
 
 
 def make_groups(world: dist.ProcessGroup, topology: Topology) -> ProcessGroups:
-    """Create the shard and replica groups of ``topology`` inside ``world``.
+    """Create the shard, replica and (hierarchical topologies) node groups of ``topology`` in ``world``.
 
     Every rank of ``world`` must call this with the same topology: each call
     of ``new_group`` is collective, and all groups are created in the same
-    order on every rank. They get ``world``'s timeout: ``new_group`` would
-    otherwise give them torch's default (30 minutes on gloo, 10 on NCCL),
-    whatever the job passed to ``init_process_group``.
+    order on every rank: shard groups, replica groups, node groups, cross-node
+    groups. They get ``world``'s timeout: ``new_group`` would otherwise give
+    them torch's default (30 minutes on gloo, 10 on NCCL), whatever the job
+    passed to ``init_process_group``.
     """
     rank = dist.get_rank(world)
-    if topology.shard_size == topology.world_size:
+    if topology.shard_size == topology.world_size and not topology.hierarchical:
         return ProcessGroups(world=world, shard=world, replica=None, topology=topology, rank=rank)
     global_rank = [dist.get_global_rank(world, r) for r in range(topology.world_size)]
     timeout = group_timeout(world)
-    shard = replica = None
-    for ranks in topology.shard_groups():
-        group = dist.new_group([global_rank[r] for r in ranks], timeout=timeout)
-        if rank in ranks:
-            shard = group
-    if topology.replica_size > 1:
-        for ranks in topology.replica_groups():
+
+    def create(partition: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
+        """One group per tuple of ranks (collective); the one holding this rank."""
+        mine = None
+        for ranks in partition:
             group = dist.new_group([global_rank[r] for r in ranks], timeout=timeout)
             if rank in ranks:
-                replica = group
-    if shard is None:  # cannot happen: the shard groups partition the world
-        raise RuntimeError(f"rank {rank} is in no shard group of {topology}")
-    return ProcessGroups(world=world, shard=shard, replica=replica, topology=topology, rank=rank)
+                mine = group
+        if mine is None:  # cannot happen: each partition covers the world
+            raise RuntimeError(f"rank {rank} is in none of the groups {partition} of {topology}")
+        return mine
+
+    shard, replica, node, cross_node = world, None, None, None
+    if topology.shard_size < topology.world_size:
+        shard = create(topology.shard_groups())
+        replica = create(topology.replica_groups())
+    if topology.hierarchical:
+        node = create(topology.node_groups())
+        cross_node = create(topology.cross_node_groups())
+    return ProcessGroups(
+        world=world,
+        shard=shard,
+        replica=replica,
+        topology=topology,
+        rank=rank,
+        node=node,
+        cross_node=cross_node,
+    )

@@ -62,6 +62,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             [Note: stage 3] in ``param_shards``).
         process_group: the data-parallel group (default: the default group).
         shard_group_size: ranks per shard group (MiCS); default: the whole group.
+        ranks_per_node: ranks sharing a node (consecutive ranks of the group);
+            default: the whole group. When shard groups span whole nodes,
+            parameters are gathered in two hops, across nodes then inside
+            each ([Note: hierarchical all-gather]), bit-identical to one hop;
+            traffic is reported per link. The layout, state and checkpoints
+            do not depend on it.
         strategy: partition strategy name, or ``"auto"`` (``flat_even`` for
             elementwise optimizers, ``lpt_whole`` otherwise).
         bucket_bytes: byte cap of a gradient bucket.
@@ -105,6 +111,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         stage: int = 2,
         process_group: dist.ProcessGroup | None = None,
         shard_group_size: int | None = None,
+        ranks_per_node: int | None = None,
         strategy: str = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         overlap_grad_reduce: bool = True,
@@ -138,13 +145,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 max_inflight_buckets=max_inflight_buckets,
                 collectives=collectives,
                 layout=layout,
+                ranks_per_node=ranks_per_node,
             )
             configured[:] = [c]
             zp = c.settings.plan(c.registry, c.groups)
             check_device_memory(zp, c, world, overlap=overlap_grad_reduce, strict=strict_memory)
             return zp, c.groups
 
-        zp = replanning.agreed_plan(make, world, loss_scale=repr(loss_scale), scaler=repr(scaler))
+        # ranks_per_node is not fingerprinted (it changes no layout) but decides the groups made below.
+        zp = replanning.agreed_plan(
+            make, world, loss_scale=repr(loss_scale), scaler=repr(scaler), ranks_per_node=repr(ranks_per_node)
+        )
         # Nothing below can fail for a user reason: state changes start here.
         mode, groups, self._settings, self._registry = configured[0]
         params_of = self._registry.params

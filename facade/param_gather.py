@@ -6,7 +6,9 @@ pieces of the full parameter buffers and every block of the buffer is
 gathered by one collective (``all_gather`` of equal pieces, or a broadcast per
 owner; see [Note: layout]). Blocks are launched in buffer order, which is
 forward order for the usual model that registers its layers in the order it
-runs them.
+runs them. On a hierarchical topology an ``all_gather`` is two hops, across
+nodes (waited for) then inside each node (see [Note: hierarchical all-gather]
+in ``zeroplan.core.hierarchy``).
 
 With ``overlap_param_gather=True`` (the default) ``step()`` returns as soon as
 the gathers are launched, and the first *use* of a parameter waits for the
@@ -41,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from zeroplan.core import Block, Collective, Space, ZeroPlan
+from zeroplan.core import Block, Collective, Space, ZeroPlan, two_hop_gather
 from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.collectives import CommLog, Pending, launch
 from zeroplan.facade.groups import ProcessGroups
@@ -58,9 +60,11 @@ def gather_block(
         return []
     s = groups.shard_rank
     itemsize = full.element_size()
+    if collective is Collective.ALL_GATHER and groups.topology.hierarchical:
+        return _gather_in_two_hops(full, block, groups, log)
     if collective is Collective.ALL_GATHER:
         mine = full[block.piece(s).buffer_span.as_slice()]
-        log.record("shard", Collective.ALL_GATHER, list(block.pieces), s, itemsize)
+        log.record("shard", Collective.ALL_GATHER, list(block.pieces), s, itemsize, link=groups.shard_link)
         out = full[block.span.as_slice()]
         return [launch(partial(dist.all_gather_single, group=groups.shard, async_op=True), out, mine)]
     pending = []
@@ -68,9 +72,34 @@ def gather_block(
         if not block.pieces[q]:
             continue
         sizes = [block.pieces[q] if p == q else 0 for p in range(n)]
-        log.record("shard", Collective.BROADCAST, sizes, s, itemsize)
+        log.record("shard", Collective.BROADCAST, sizes, s, itemsize, link=groups.shard_link)
         start = partial(dist.broadcast, group_src=q, group=groups.shard, async_op=True)
         pending.append(launch(start, full[block.piece(q).buffer_span.as_slice()]))
+    return pending
+
+
+def _gather_in_two_hops(
+    full: torch.Tensor, block: Block, groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """Gather a block of equal pieces across nodes, wait, then launch the gather inside the node.
+
+    See [Note: hierarchical all-gather]: the first hop lands each piece in its
+    own place (a list all-gather); the second fills each node chunk in place.
+    """
+    if groups.node is None or groups.cross_node is None:
+        raise RuntimeError(f"{groups.topology} gathers in two hops but its node groups were not made")
+    hops = two_hop_gather(block, groups.topology, groups.shard_rank)
+    itemsize = full.element_size()
+    across = hops.across
+    log.record("shard", Collective.ALL_GATHER, across.sizes, across.position, itemsize, link=across.link)
+    places = [full[p.as_slice()] for p in across.pieces]
+    start = partial(dist.all_gather, group=groups.cross_node, async_op=True)
+    launch(start, places, full[across.own.as_slice()]).wait()  # the second hop sends what arrived
+    pending = []
+    for call in hops.within:
+        log.record("shard", Collective.ALL_GATHER, call.sizes, call.position, itemsize, link=call.link)
+        start = partial(dist.all_gather_single, group=groups.node, async_op=True)
+        pending.append(launch(start, full[call.span.as_slice()], full[call.own.as_slice()]))
     return pending
 
 

@@ -180,6 +180,7 @@ def configure(
     max_inflight_buckets: int,
     collectives: str,
     layout: str = "auto",
+    ranks_per_node: int | None = None,
 ) -> Configured:
     """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
 
@@ -199,11 +200,15 @@ def configure(
     check_keywords(optimizer_class, optimizer_defaults)
     if shard_group_size is not None and (type(shard_group_size) is not int or shard_group_size < 1):
         raise ConfigError(f"shard_group_size must be an int >= 1, got {shard_group_size!r}")
+    if ranks_per_node is not None and (type(ranks_per_node) is not int or ranks_per_node < 1):
+        raise ConfigError(f"ranks_per_node must be an int >= 1 or None, got {ranks_per_node!r}")
     world_size = dist.get_world_size(world)
     if collectives == "auto":
         collectives = "gloo" if dist.get_backend(world) == "gloo" else "min_bytes"
     settings = PlanSettings(
-        topology=Topology(world_size=world_size, shard_size=shard_group_size or world_size),
+        topology=Topology(
+            world_size=world_size, shard_size=shard_group_size or world_size, ranks_per_node=ranks_per_node
+        ),
         optimizer_class=optimizer_class,
         stage=stage,
         strategy=strategy,

@@ -5,11 +5,14 @@ The facade issues, per step and world rank (stages 1 and 2):
 * per bucket, one reduce-family call on the shard group with ``bucket.piece_sizes(N)``;
 * with replicas (MiCS), one all-reduce on the replica group per non-empty piece the rank holds;
 * per block of each dtype space, the gather on the shard group: one ``all_gather`` over the block's
-  pieces, or one ``broadcast`` per rank ``q`` with a piece (pieces ``[0, .., piece[q], .., 0]``);
+  pieces (on a hierarchical topology, the calls of ``two_hop_gather``: one across nodes, one per node
+  chunk inside the node), or one ``broadcast`` per rank ``q`` with a piece (pieces
+  ``[0, .., piece[q], .., 0]``);
 * one single-element fp32 all-reduce on the shard group for the loss-scale overflow check and
   one for gradient clipping, when used.
 
-Groups of one rank issue nothing. ``communication`` computes the same totals in closed form.
+Groups of one rank issue nothing. Each call is on the link of its group's ranks. ``communication``
+computes the same totals in closed form.
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from property_tests.strategies import alignments, bucket_caps, param_specs, topologies
-from zeroplan.core import Collective, Topology, communication, plan, send_elements, specs_from_shapes
+from zeroplan.core import (
+    Collective,
+    Link,
+    Topology,
+    communication,
+    plan,
+    send_elements,
+    specs_from_shapes,
+    two_hop_gather,
+)
 
 
 def _per_call_traffic(zp, rank, clipping):
@@ -27,9 +39,16 @@ def _per_call_traffic(zp, rank, clipping):
     s, g = topology.shard_rank(rank), topology.replica_rank(rank)
     spaces = zp.partition.spaces
     totals = {}
+    links = {
+        "shard": topology.shard_group(rank),
+        "replica": topology.replica_group(rank),
+    }
+    links = {
+        group: Link.INTER if topology.spans_nodes(ranks) else Link.INTRA for group, ranks in links.items()
+    }
 
-    def call(group, collective, elements, itemsize):
-        entry = totals.setdefault((group, collective), [0, 0])
+    def call(group, collective, elements, itemsize, link=None):
+        entry = totals.setdefault((group, collective, link or links[group]), [0, 0])
         entry[0] += 1
         entry[1] += elements * itemsize
 
@@ -50,6 +69,12 @@ def _per_call_traffic(zp, rank, clipping):
         if n == 1:
             continue
         for block in space.blocks:
+            if zp.gather_collective(block) is Collective.ALL_GATHER and topology.hierarchical:
+                hops = two_hop_gather(block, topology, s)
+                for c in (hops.across, *hops.within):
+                    sent = send_elements(Collective.ALL_GATHER, c.sizes, c.position)
+                    call("shard", Collective.ALL_GATHER, sent, itemsize, link=c.link)
+                continue
             if zp.gather_collective(block) is Collective.ALL_GATHER:
                 sent = send_elements(Collective.ALL_GATHER, block.pieces, s)
                 call("shard", Collective.ALL_GATHER, sent, itemsize)
@@ -82,7 +107,7 @@ def _per_call_traffic(zp, rank, clipping):
 )
 @example(
     specs=specs_from_shapes([(17, 257), (3,), (0,)], dtype="bf16"),
-    topology=Topology(world_size=8, shard_size=4),
+    topology=Topology(world_size=8, shard_size=4, ranks_per_node=2),
     alignment=8,
     bucket_bytes=2048,
     stage=2,
@@ -93,7 +118,8 @@ def _per_call_traffic(zp, rank, clipping):
 def test_communication_equals_sum_of_calls(
     strategy_name, specs, topology, alignment, bucket_bytes, stage, loss_scaling, clipping, layout
 ):
-    """Both layouts: ``"auto"`` interleaves the built-in strategies (a gather per block)."""
+    """Both layouts: ``"auto"`` interleaves the built-in strategies (a gather per block); the
+    topologies put ranks on nodes (two-hop gathers where shard groups span whole nodes)."""
     zp = plan(
         specs,
         topology,
@@ -108,9 +134,10 @@ def test_communication_equals_sum_of_calls(
     for rank in range(topology.world_size):
         expected = _per_call_traffic(zp, rank, clipping)
         got = {
-            (c.group, c.collective): (c.calls, c.bytes) for c in communication(zp, rank, clipping=clipping)
+            (c.group, c.collective, c.link): (c.calls, c.bytes)
+            for c in communication(zp, rank, clipping=clipping)
         }
         assert len(got) == len(communication(zp, rank, clipping=clipping)), (
-            "duplicate (group, collective) rows"
+            "duplicate (group, collective, link) rows"
         )
         assert got == expected, f"rank {rank}: report {got} != per-call sum {expected}"

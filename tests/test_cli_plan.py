@@ -34,11 +34,13 @@ RANK_KEYS = {
 TOP_KEYS = {"fingerprint", "world", "shard_size", "stage", "strategy"}
 
 
-def expected_report(specs, *, world, shard=None, stage=2, strategy="auto", optimizer="AdamW", **kwargs):
+def expected_report(
+    specs, *, world, shard=None, stage=2, strategy="auto", optimizer="AdamW", per_node=None, **kwargs
+):
     """What the CLI must print, computed in this process."""
     zp = plan(
         specs,
-        Topology(world_size=world, shard_size=shard or world),
+        Topology(world_size=world, shard_size=shard or world, ranks_per_node=per_node),
         stage=stage,
         strategy=strategy,
         optimizer=describe_optimizer(optimizer),
@@ -199,8 +201,54 @@ def test_layout_in_the_table_header(layout_runs):
     assert "strategy flat_even, layout interleaved (auto), 10 buckets" in header
     assert "layout rank_major, 10 buckets" in " ".join(rank_major.stdout.split())
     # Interleaved, every bucket is a reduce_scatter and every block an all_gather.
-    assert re.search(r"shard\s+│\s+reduce_scatter\s+│\s+10\s+│", auto.stdout), auto.stdout
-    assert re.search(r"shard\s+│\s+all_gather\s+│\s+10\s+│", auto.stdout), auto.stdout
+    assert re.search(r"shard\s+│\s+reduce_scatter\s+│\s+intra\s+│\s+10\s+│", auto.stdout), auto.stdout
+    assert re.search(r"shard\s+│\s+all_gather\s+│\s+intra\s+│\s+10\s+│", auto.stdout), auto.stdout
+
+
+# ----------------------------------------------------------------- nodes
+NODE_RUNS = {
+    "json": ("--preset", "gpt2", "--world", "16", "--shard-size", "8", "--ranks-per-node", "4", "--json"),
+    "table": ("--preset", "gpt2", "--world", "16", "--shard-size", "8", "--ranks-per-node", "4"),
+    "one-hop": ("--preset", "gpt2", "--world", "16", "--shard-size", "4", "--ranks-per-node", "4", "--json"),
+}
+
+
+@pytest.fixture(scope="module")
+def node_runs():
+    return zeroplan_many(NODE_RUNS)
+
+
+def test_ranks_per_node_reports_bytes_per_hop_and_link(node_runs):
+    out = node_runs["json"]
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout)
+    zp, report = expected_report(preset_specs("gpt2", "bf16"), world=16, shard=8, per_node=4)
+    check_document(document, report)
+    blocks = sum(len(space.blocks) for space in zp.partition.spaces)
+    for record in document["ranks"]:
+        gathers = {c["link"]: c for c in record["comm"] if c["collective"] == "all_gather"}
+        assert set(gathers) == {"inter", "intra"}
+        # 2 nodes of 4 per shard group: one gather across nodes and two inside per block
+        assert (gathers["inter"]["calls"], gathers["intra"]["calls"]) == (blocks, 2 * blocks)
+        assert gathers["intra"]["bytes"] == 2 * 3 * gathers["inter"]["bytes"]  # a*(m-1)p vs (a-1)p
+        assert {c["link"] for c in record["comm"] if c["group"] == "replica"} == {"inter"}
+    flat = memory_report(expected_report(preset_specs("gpt2", "bf16"), world=16, shard=8)[0])
+    assert [r.comm_bytes_per_step for r in flat.ranks] == [
+        r["comm_bytes_per_step"] for r in document["ranks"]
+    ]
+
+
+def test_ranks_per_node_in_the_table_and_one_hop_on_one_node(node_runs):
+    table = node_runs["table"]
+    assert table.returncode == 0, table.stderr
+    for link, calls in (("inter", 10), ("intra", 20)):
+        pattern = rf"shard\s+│\s+all_gather\s+│\s+{link}\s+│\s+{calls}\s+│"
+        assert re.search(pattern, table.stdout), table.stdout
+    one_hop = json.loads(node_runs["one-hop"].stdout)  # shard groups of 4 on nodes of 4
+    for record in one_hop["ranks"]:
+        links = {(c["group"], c["collective"], c["link"]) for c in record["comm"]}
+        assert ("shard", "all_gather", "intra") in links and ("shard", "all_gather", "inter") not in links
+        assert {link for group, _, link in links if group == "replica"} == {"inter"}
 
 
 # ----------------------------------------------------------------- shapes files

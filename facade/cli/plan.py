@@ -213,10 +213,10 @@ def _print_table(
         )
     console.print(table)
     comm = Table(title="traffic of rank 0 per step")
-    for column in ("group", "collective", "calls", "GiB sent"):
+    for column in ("group", "collective", "link", "calls", "GiB sent"):
         comm.add_column(column, justify="right")
     for c in report.ranks[0].comm:
-        comm.add_row(c.group, c.collective.value, f"{c.calls:,}", _gib(c.bytes))
+        comm.add_row(c.group, c.collective.value, c.link.value, f"{c.calls:,}", _gib(c.bytes))
     console.print(comm)
 
 

@@ -10,6 +10,7 @@ import pytest
 from zeroplan.core import (
     Collective,
     CommCost,
+    Link,
     ParamSpec,
     PlanInvariantError,
     RankReport,
@@ -21,6 +22,7 @@ from zeroplan.core import (
     preset_specs,
     send_elements,
     specs_from_shapes,
+    two_hop_gather,
 )
 from zeroplan.core.comm import all_reduce_send
 
@@ -302,23 +304,51 @@ def test_a_single_rank_sends_nothing():
 
 
 # ----------------------------------------------------------------- traffic, call by call
-def _per_call(zp, clipping: bool) -> list[dict[tuple[str, Collective], list[int]]]:
-    """Traffic summed one collective call at a time with ``send_elements`` (no linearity tricks)."""
+def _per_call(zp, clipping: bool) -> list[dict[tuple[str, Collective, Link], list[int]]]:
+    """Traffic summed one collective call at a time with ``send_elements`` (no linearity tricks).
+
+    Links are read off the groups' ranks (``Topology.spans_nodes``); on hierarchical topologies
+    equal-piece gathers are the calls of ``two_hop_gather``.
+    """
     topo, n, r = zp.topology, zp.topology.shard_size, zp.topology.replica_size
     spaces = zp.partition.spaces
-    out: list[dict[tuple[str, Collective], list[int]]] = []
+    out: list[dict[tuple[str, Collective, Link], list[int]]] = []
+
+    def link_of(ranks):
+        return Link.INTER if topo.spans_nodes(ranks) else Link.INTRA
+
     for w in range(topo.world_size):
         s, g = topo.shard_rank(w), topo.replica_rank(w)
-        tally: dict[tuple[str, Collective], list[int]] = defaultdict(lambda: [0, 0])
+        tally: dict[tuple[str, Collective, Link], list[int]] = defaultdict(lambda: [0, 0])
+        links = {
+            "shard": link_of(topo.shard_group(w)),
+            "replica": link_of(topo.replica_group(w)),
+            "world": link_of(tuple(range(topo.world_size))),
+        }
 
-        def add(group, collective, nbytes, tally=tally):
-            tally[group, collective][0] += 1
-            tally[group, collective][1] += nbytes
+        def add(group, collective, nbytes, tally=tally, links=links, link=None):
+            key = (group, collective, link or links[group])
+            tally[key][0] += 1
+            tally[key][1] += nbytes
 
         def broadcasts(pieces, isz, s=s, add=add):
             for q, size in enumerate(pieces):  # one chain broadcast q, q+1, ... per owner
                 if size:
                     add("shard", Collective.BROADCAST, 0 if s == (q - 1) % n else size * isz)
+
+        def all_gather(block, isz, s=s, w=w, add=add):
+            if not topo.hierarchical:
+                add(
+                    "shard",
+                    Collective.ALL_GATHER,
+                    send_elements(Collective.ALL_GATHER, block.pieces, s) * isz,
+                )
+                return
+            hops = two_hop_gather(block, topo, s)
+            assert len(hops.across.pieces) == len(topo.cross_node_group(w))
+            for call in (hops.across, *hops.within):
+                sent = send_elements(Collective.ALL_GATHER, call.sizes, call.position) * isz
+                add("shard", Collective.ALL_GATHER, sent, link=call.link)
 
         for b in zp.buckets.buckets:
             isz = zp.specs[spaces[b.space].params[0]].itemsize
@@ -338,11 +368,7 @@ def _per_call(zp, clipping: bool) -> list[dict[tuple[str, Collective], list[int]
                 isz = zp.specs[space.params[0]].itemsize
                 for block in space.blocks:
                     if zp.gather_collective(block) is Collective.ALL_GATHER:
-                        add(
-                            "shard",
-                            Collective.ALL_GATHER,
-                            send_elements(Collective.ALL_GATHER, block.pieces, s) * isz,
-                        )
+                        all_gather(block, isz)
                     else:
                         broadcasts(block.pieces, isz)
         group, size, position = ("world", topo.world_size, w) if zp.stage is Stage.DDP else ("shard", n, s)
@@ -365,12 +391,16 @@ MIXED = (
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("strategy", ["flat_even", "lpt_whole"])
-@pytest.mark.parametrize(("world", "shard"), [(6, 3), (4, 4), (8, 2), (3, 1)])
+@pytest.mark.parametrize(
+    ("world", "shard", "per_node"),
+    [(6, 3, None), (4, 4, None), (8, 2, None), (3, 1, None), (4, 4, 2), (8, 4, 2), (8, 8, 4), (12, 4, 6)],
+)
 @pytest.mark.parametrize("layout", ["interleaved", "rank_major"])
-def test_report_traffic_equals_the_sum_of_per_call_costs(stage, strategy, world, shard, layout):
+def test_report_traffic_equals_the_sum_of_per_call_costs(stage, strategy, world, shard, per_node, layout):
+    """Also with nodes: two-hop gathers (4/2, 8/4/2, 8/8/4) and shard groups on one node or two (12/4/6)."""
     zp = plan(
         MIXED,
-        Topology(world_size=world, shard_size=shard),
+        Topology(world_size=world, shard_size=shard, ranks_per_node=per_node),
         stage=stage,
         strategy=strategy,
         alignment=8,
@@ -382,7 +412,8 @@ def test_report_traffic_equals_the_sum_of_per_call_costs(stage, strategy, world,
     expected = _per_call(zp, clipping=True)
     report = memory_report(zp, clipping=True)
     for w, r in enumerate(report.ranks):
-        got = {(c.group, c.collective): [c.calls, c.bytes] for c in r.comm}
+        got = {(c.group, c.collective, c.link): [c.calls, c.bytes] for c in r.comm}
+        assert len(got) == len(r.comm), "duplicate (group, collective, link) rows"
         assert got == expected[w], (w, got, expected[w])
 
 

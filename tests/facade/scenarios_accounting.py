@@ -46,7 +46,11 @@ def measured_vs_planned(rank: int, world: int, cfg: dict[str, Any]) -> dict[str,
     return {
         "measured": tuple(measured),
         "planned": planned,
-        "comm": sorted((c.group, c.collective.value, c.calls, c.bytes) for c in opt.last_step_comm()),
-        "planned_comm": sorted((c.group, c.collective.value, c.calls, c.bytes) for c in report.comm),
+        "comm": sorted(
+            (c.group, c.collective.value, c.link.value, c.calls, c.bytes) for c in opt.last_step_comm()
+        ),
+        "planned_comm": sorted(
+            (c.group, c.collective.value, c.link.value, c.calls, c.bytes) for c in report.comm
+        ),
         "state_bytes": measured.optimizer_state_bytes,
     }

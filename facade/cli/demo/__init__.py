@@ -33,6 +33,12 @@ def register(sub: Any) -> None:
     p.add_argument("--world", type=int, help=f"processes (default {d.world})")
     p.add_argument("--stage", type=int, help=f"ZeRO stage, 1 or 2 (default {d.stage})")
     p.add_argument("--shard-size", type=int, help="ranks per shard group (default 2 if it divides the world)")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        help="simulated ranks per node (default: one node); shard groups spanning whole nodes gather "
+        "parameters in two hops, across nodes then inside each",
+    )
     p.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
     p.add_argument("--dtype", choices=DTYPES, help=f"parameter dtype (default {d.dtype})")
     p.add_argument(
@@ -54,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         world=args.world,
         stage=args.stage,
         shard_size=args.shard_size,
+        ranks_per_node=args.ranks_per_node,
         steps=args.steps,
         dtype=args.dtype,
         device=args.device,

@@ -15,9 +15,9 @@ __all__ = ["comm_rows", "print_report", "problems"]
 _CATEGORIES = ("params", "grads", "master", "optimizer state", "buffers")
 
 
-def comm_rows(costs: tuple[CommCost, ...]) -> list[tuple[str, str, int, int]]:
-    """Traffic as sorted ``(group, collective, calls, bytes)`` rows, comparable across sources."""
-    return sorted((c.group, c.collective.value, c.calls, c.bytes) for c in costs)
+def comm_rows(costs: tuple[CommCost, ...]) -> list[tuple[str, str, str, int, int]]:
+    """Traffic as sorted ``(group, collective, link, calls, bytes)`` rows, comparable across sources."""
+    return sorted((c.group, c.collective.value, c.link.value, c.calls, c.bytes) for c in costs)
 
 
 def _sent(costs: tuple[CommCost, ...]) -> int:
@@ -104,10 +104,10 @@ def _ranks(records: tuple[RankRecord, ...]) -> Table:
 
 def _traffic(record: RankRecord) -> Table:
     table = Table(title=f"traffic of rank {record.rank} per step", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("group", "collective", "calls", "KiB measured", "KiB planned"):
+    for column in ("group", "collective", "link", "calls", "KiB measured", "KiB planned"):
         table.add_column(column, justify="right" if column.startswith(("calls", "KiB")) else "left")
-    measured = {(g, c): (n, b) for g, c, n, b in comm_rows(record.comm)}
-    planned = {(g, c): (n, b) for g, c, n, b in comm_rows(record.planned_comm)}
+    measured = {(g, c, link): (n, b) for g, c, link, n, b in comm_rows(record.comm)}
+    planned = {(g, c, link): (n, b) for g, c, link, n, b in comm_rows(record.planned_comm)}
     for key in sorted(measured.keys() | planned.keys()):
         calls, sent = measured.get(key, (0, 0))
         want_calls, want_sent = planned.get(key, (0, 0))

@@ -24,6 +24,8 @@ class DemoSettings:
         world: processes (data-parallel ranks).
         stage: 1 or 2.
         shard_size: ranks per shard group; default 2 when 2 divides ``world``, else ``world``.
+        ranks_per_node: simulated ranks per node (``ZeroOptimizer(ranks_per_node=...)``);
+            default: one node.
         steps: training steps.
         dtype: ``"fp32"`` or ``"bf16"`` parameters (bf16 keeps fp32 masters).
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
@@ -45,6 +47,7 @@ class DemoSettings:
     world: int = 4
     stage: int = 2
     shard_size: int | None = None
+    ranks_per_node: int | None = None
     steps: int = 200
     dtype: str = "fp32"
     device: str = "cpu"
@@ -69,6 +72,16 @@ class DemoSettings:
         check_config(
             type(self.shard_size) is int and self.shard_size >= 1 and self.world % self.shard_size == 0,
             f"--shard-size must divide --world {self.world}, got {self.shard_size!r}; pick one of {divisors}",
+        )
+        check_config(
+            self.ranks_per_node is None
+            or (
+                type(self.ranks_per_node) is int
+                and self.ranks_per_node >= 1
+                and self.world % self.ranks_per_node == 0
+            ),
+            f"--ranks-per-node must divide --world {self.world}, got {self.ranks_per_node!r}; "
+            f"pick one of {divisors}",
         )
         check_config(
             type(self.steps) is int and self.steps >= 1,

@@ -172,6 +172,7 @@ def train(settings: DemoSettings, rank: int, device: torch.device) -> Outcome | 
         torch.optim.AdamW,
         stage=settings.stage,
         shard_group_size=settings.shard_size,
+        ranks_per_node=settings.ranks_per_node,
         bucket_bytes=settings.bucket_bytes,
         collectives=settings.collectives,
         **hyper,
@@ -262,7 +263,8 @@ def _print_header(settings: DemoSettings, opt: ZeroOptimizer, model: torch.nn.Mo
     Console().print(
         f"[bold]zeroplan demo[/]: a {sum(p.numel() for p in model.parameters()):,}-parameter GPT learns "
         f"to sort; {s.steps} steps, {s.dtype}, {where}\n"
-        f"ZeroOptimizer(AdamW): stage {s.stage} on {s.world} ranks in shard groups of {s.shard_size}, "
+        f"ZeroOptimizer(AdamW): stage {s.stage} on {s.world} ranks in shard groups of {s.shard_size}"
+        f"{'' if s.ranks_per_node is None else f' on nodes of {s.ranks_per_node}'}, "
         f"{len(opt.plan.buckets.buckets)} gradient buckets, strategy {opt.plan.partition.strategy}, "
         f"collectives {opt.plan.policy}\n"
         "reference: torch.optim.AdamW in one process, on every rank's batches"
