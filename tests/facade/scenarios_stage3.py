@@ -26,7 +26,15 @@ def _model(cfg: dict[str, Any], seed: int = 0) -> torch.nn.Module:
 
 
 def _settings(cfg: dict[str, Any], stage: int) -> dict[str, Any]:
-    keys = ("shard", "collectives", "strategy", "layout", "reshard_after_forward", "loss_scale")
+    keys = (
+        "shard",
+        "collectives",
+        "strategy",
+        "layout",
+        "reshard_after_forward",
+        "loss_scale",
+        "ranks_per_node",
+    )
     return {
         "stage": stage,
         "bucket_bytes": cfg.get("bucket_bytes", 2048),
