@@ -32,12 +32,8 @@ from typing import Any
 from zeroplan.core.errors import check_config, require
 from zeroplan.core.memory import MemoryReport
 from zeroplan.core.peak import PeakPhase
-from zeroplan.core.planner import Stage
 
 __all__ = ["FitReport", "RankFit", "fit_report", "gib", "stage_label"]
-
-#: What a recommendation of stage 3 says (the facade does not execute it yet).
-PLANNED_ONLY = "peak estimated"
 
 
 def gib(nbytes: int) -> str:
@@ -54,8 +50,8 @@ def gib(nbytes: int) -> str:
 
 
 def stage_label(stage: int) -> str:
-    """``"stage 2"``; stage 3 is marked as planned only."""
-    return f"stage {stage} ({PLANNED_ONLY})" if stage == Stage.PARAMETERS else f"stage {stage}"
+    """``"stage 2"``."""
+    return f"stage {stage}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

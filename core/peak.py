@@ -42,9 +42,10 @@ a step it also holds, at the most:
 Clipping, the overflow check and the parameter gather allocate nothing
 beyond scalars at stages 1 and 2 (norms are reduced to one number; updated
 shards are gathered into the parameter buffer in place), so they add no phase.
+At stage 3 the backward also holds gathered blocks (see :func:`gathered_bytes`).
 Activations, the loss and the batch are the user's and are not planned. Stage
-0 describes ``DistributedDataParallel``, and stage 3's gathered blocks are not
-yet checked against a meter: their peaks are estimates (see :func:`step_peak`).
+0 describes ``DistributedDataParallel``: its peak is an estimate (see
+:func:`step_peak`).
 """
 
 from __future__ import annotations
@@ -324,12 +325,15 @@ def step_transient(zp: ZeroPlan, shard_rank: int) -> int:
 
 
 def gathered_bytes(zp: ZeroPlan, reshard_after_forward: bool = True) -> int:
-    """Stage 3: bytes of gathered blocks alive at once in backward (an estimate, not yet checked by a meter).
+    """Stage 3: bytes of gathered blocks alive at once in backward ([Note: stage 3] in the facade).
 
     With ``reshard_after_forward`` a block is gathered while its gradients
     arrive and the one before it is prefetched: the largest two neighbouring
     blocks of each space. Without, the forward leaves every block gathered:
-    the whole buffer.
+    the whole buffer. ``tests/facade/test_peak.py`` checks it with torch's
+    ``MemTracker`` on a model whose layers are blocks of their own; a block
+    shared by modules that run far apart (a tied embedding and head) stays
+    gathered longer than this assumes.
     """
     total = 0
     for space in zp.partition.spaces:

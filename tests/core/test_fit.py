@@ -125,7 +125,7 @@ def test_only_stage_2_fits():
 def test_stage_3_sends_more_and_is_labelled_planned_only():
     r = recommend(SPECS, 4, device_bytes=2**30)
     assert (r.best.fit.stage, r.best.fit.shard_size) == (2, 4)
-    assert "stage 3 (peak estimated) fits but sends 576.0 MiB per step (shard groups of 4)" in r.reason
+    assert "stage 3 fits but sends 576.0 MiB per step (shard groups of 4)" in r.reason
     stage3 = [o for o in r.options if o.fit.stage == 3]
     assert all(o.as_dict()["planned_only"] for o in stage3)
     assert not any(o.as_dict()["planned_only"] for o in r.options if o.fit.stage != 3)
@@ -159,13 +159,13 @@ def test_least_traffic_first_then_least_memory():
     only3 = recommend(SPECS, 8, device_bytes=2**30, stages=(3,))
     assert [o.fit.shard_size for o in only3.options if o.fit.fits] == [4, 4, 8, 8]
     assert only3.best.fit.shard_size == 4 and not only3.best.fused
-    assert only3.reason.startswith("stage 3 (peak estimated) with shard groups of 4: fits")
+    assert only3.reason.startswith("stage 3 with shard groups of 4: fits")
 
 
 def test_only_stage_3_fits():
     r = recommend(SPECS, 4, device_bytes=2**30, optimizer="Rprop")
     assert r.best.fit.stage == 3
-    assert r.reason.startswith("stage 3 (peak estimated) with shard groups of 4: fits")
+    assert r.reason.startswith("stage 3 with shard groups of 4: fits")
     assert "stage 1 does not fit" in r.reason and "stage 2 does not fit" in r.reason
 
 
@@ -175,7 +175,7 @@ def test_nothing_fits_says_what_is_needed():
     least = min(o.fit.need_bytes for o in r.options)
     assert r.reason == (
         f"nothing fits in 512.0 MiB: the least any configuration needs is {gib(least)} "
-        f"(stage 3 (peak estimated) with shard groups of 4), {gib(least - 512 * MiB)} more; "
+        f"(stage 3 with shard groups of 4), {gib(least - 512 * MiB)} more; "
         "the activations take 64.0 MiB of it"
     )
     assert r.as_dict()["best"] is None and len(r.as_dict()["options"]) == len(r.options)

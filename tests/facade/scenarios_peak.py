@@ -40,8 +40,10 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             collectives=cfg.get("collectives", "auto"),
             overlap_grad_reduce=cfg.get("overlap", True),
             loss_scale="dynamic" if dtype == torch.float16 else None,
+            reshard_after_forward=cfg.get("reshard", True),
             **cfg.get("hyper", {"lr": 1e-3}),
         )
+        opt.attach(model)  # stage 3: the forward gathers what it uses (a no-op at stages 1 and 2)
         x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank)).to(dtype)
 
     def step() -> None:
@@ -55,7 +57,9 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     peaks = step_peaks(tracker, step, 3)
     report = opt.memory_report().ranks[opt.process_groups.rank]
-    assumed = memory_report(opt.plan, overlap=cfg.get("overlap", True)).ranks[opt.process_groups.rank]
+    assumed = memory_report(
+        opt.plan, overlap=cfg.get("overlap", True), reshard_after_forward=cfg.get("reshard", True)
+    ).ranks[opt.process_groups.rank]
     return {
         "measured": peaks,
         "planned": report.peak_bytes,
