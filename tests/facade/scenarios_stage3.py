@@ -148,3 +148,36 @@ def across_stages(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             for a, b in zip(_values(model), _values(other_model), strict=True)
         )
     return {"values_equal": values_equal, "state_equal": state_equal, "after_step_diff": after}
+
+
+def misuse(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """What raises at stage 3 instead of training silently wrong: no attach, moving or replacing weights."""
+    model = _model(cfg)
+    opt = make_optimizer(model, stage=3)
+    tokens, targets = batch(0, rank)
+    errors: dict[str, str | None] = {}
+
+    def error(fn: Any) -> str | None:
+        try:
+            fn()
+        except StepOrderError as exc:
+            return str(exc)
+        return None
+
+    errors["forward_without_attach"] = error(lambda: loss_of(model, tokens, targets))
+    errors["to_device"] = error(lambda: model.to("cpu:0"))
+    param = model.blocks[0].fc.weight
+    errors["replace_data"] = error(lambda: setattr(param, "data", torch.zeros(param.shape)))
+    errors["state_dict"] = error(model.state_dict)
+    opt.attach(model)
+    loss = loss_of(model, tokens, targets)  # attached: the forward gathers
+    opt.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    with opt.gathered_params():
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+    return {
+        "errors": errors,
+        "saved_keys": sorted(saved) == sorted(k for k, _ in model.named_parameters()),
+        "sharded": all(type(p) is ShardedParameter for p in model.parameters()),
+    }

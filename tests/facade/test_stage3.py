@@ -79,3 +79,11 @@ def test_checkpoints_move_between_stages_bit_exactly(pools, save, load, dtype):
     for r in pools(2).run(scenarios_stage3.across_stages, cfg):
         assert r["values_equal"] and r["state_equal"]
         assert r["after_step_diff"] < 1e-6
+
+
+def test_misuse_raises_instead_of_training_wrong(pools):
+    for r in pools(2).run(scenarios_stage3.misuse, {}):
+        for name, error in r["errors"].items():
+            assert error is not None and "gathered_params" in error, name
+        assert r["saved_keys"]  # model.state_dict() inside gathered_params() reads every parameter
+        assert r["sharded"]  # and leaves them sharded again
