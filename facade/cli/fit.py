@@ -38,7 +38,6 @@ from zeroplan.core import (
     ParamSpec,
     Recommendation,
     Recompute,
-    Stage,
     activation_memory,
     fit_report,
     preset_dims,
@@ -259,8 +258,7 @@ def grid(advice: Recommendation) -> Any:
     table = Table(title=f"need per rank with activations ({unit}) by stage and shard size, device {device}")
     table.add_column("shard size", justify="right")
     for stage in stages:
-        planned = " (planned)" if stage == Stage.PARAMETERS else ""
-        table.add_column(f"stage {stage}{planned}", justify="right")
+        table.add_column(f"stage {stage}", justify="right")
     cells: dict[tuple[int, int], str] = {}
     for o in advice.options:
         if not o.fused:  # the optimizer as given; fused=True is in the reason
