@@ -43,6 +43,11 @@ RUNS = {
         *("--world", "4", "--shard-size", "4", "--ranks-per-node", "2"),
         *("--steps", "10", "--collectives", "min_bytes"),
     ),
+    "stage3": ("--world", "2", "--steps", "10", "--stage", "3"),
+    "stage3_keep": (
+        *("--world", "2", "--steps", "10", "--stage", "3"),
+        *("--collectives", "min_bytes", "--no-reshard-after-forward"),
+    ),
 }
 
 
@@ -130,6 +135,37 @@ def test_bf16_keeps_fp32_masters_and_agrees_within_bf16(runs):
         assert grads == params  # stage 1: the full gradient buffer; the rank reduces into its own region
 
 
+def _sent(stdout: str, group: str, collective: str) -> tuple[int, float, float]:
+    """Calls, KiB measured and KiB planned of one row of the traffic table."""
+    match = re.search(rf"{group}\s+{collective}\s+\w+\s+(\d+)\s+([\d,.]+)\s+([\d,.]+)", stdout)
+    assert match, stdout
+    calls, measured, planned = match.groups()
+    return int(calls), float(measured.replace(",", "")), float(planned.replace(",", ""))
+
+
+def test_stage_3_shards_parameters_and_agrees_with_adamw_and_with_the_plan(runs):
+    out, stage2 = runs["stage3"], runs["world2"]
+    _assert_success(out, world=2)
+    assert "stage 3 (parameters resharded after forward, gathered again in backward) on 2 ranks" in _text(out)
+    rows, whole_rows = _rank_rows(out.stdout), _rank_rows(stage2.stdout)
+    for (measured, _), (whole, _) in zip(rows.values(), whole_rows.values(), strict=True):
+        params, grads = (float(cell.replace(",", "")) for cell in measured[:2])
+        assert params == grads  # the rank's shard of each
+        assert params == pytest.approx(float(whole[0].replace(",", "")) / 2, rel=0.01)  # stage 2 holds all
+    # the transient gathered blocks are the plan's estimate, said so, and outside the verdict
+    assert re.search(r"gathered blocks, [\d,.]+ KiB at once in backward by the plan's estimate", _text(out))
+    assert "not measured, not in the table or the verdict" in _text(out)
+
+
+def test_stage_3_without_resharding_gathers_once_per_step(runs):
+    resharded, kept = runs["stage3"], runs["stage3_keep"]
+    _assert_success(kept, world=2)
+    assert "stage 3 (parameters kept from forward to backward) on 2 ranks in shard groups of 2" in _text(kept)
+    _, once, _ = _sent(kept.stdout, "shard", "all_gather")  # min_bytes: one all-gather per block
+    _, twice, _ = _sent(resharded.stdout, "shard", "broadcast")  # gloo: a broadcast per block and rank
+    assert twice == 2 * once  # the same blocks of the same model, gathered in forward and in backward
+
+
 # ----------------------------------------------------------------- bad arguments
 BAD = [
     (["--world", "0"], "--world must be an integer from 1 to 64, got 0"),
@@ -137,8 +173,9 @@ BAD = [
     (["--world", "3", "--shard-size", "2"], "--shard-size must divide --world 3, got 2; pick one of 1, 3"),
     (["--world", "4", "--shard-size", "0"], "--shard-size must divide --world 4, got 0"),
     (["--world", "4", "--ranks-per-node", "3"], "--ranks-per-node must divide --world 4, got 3"),
-    (["--stage", "3"], "--stage must be 1 or 2, got 3"),
-    (["--stage", "0"], "--stage must be 1 or 2, got 0"),
+    (["--stage", "4"], "--stage must be 1, 2 or 3, got 4"),
+    (["--stage", "0"], "--stage must be 1, 2 or 3, got 0"),
+    (["--no-reshard-after-forward"], "--no-reshard-after-forward applies to --stage 3 only, got --stage 2"),
     (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
     (["--bucket-mb", "-1"], "--bucket-mb must be a finite number > 0, got -1.0"),
     (["--bucket-mb", "nan"], "got nan"),
@@ -261,3 +298,13 @@ def test_report_exit_code_follows_the_verdict():
     assert "✓ the runs agree" in good.getvalue() and "no traffic" not in good.getvalue()
     assert print_report(_outcome(max_rel_diff=0.5), Console(file=bad, width=100)) == 1
     assert "✗ the sharded and the unsharded runs disagree" in bad.getvalue()
+    assert "plan's estimate" not in good.getvalue()
+
+
+def test_report_calls_the_stage_3_gathered_blocks_an_estimate():
+    from rich.console import Console
+
+    out = io.StringIO()
+    stage3 = DemoSettings(world=2, stage=3, reshard_after_forward=False)
+    assert print_report(_outcome(settings=stage3, gathered_estimate=3072), Console(file=out, width=400)) == 0
+    assert "gathered blocks, 3.0 KiB at once in backward by the plan's estimate" in out.getvalue()

@@ -27,17 +27,25 @@ def register(sub: Any) -> None:
             "Start WORLD processes, train a small GPT on a sorting task with ZeroOptimizer(AdamW) and, "
             "in rank 0, the same model with torch.optim.AdamW on the same batches; print the losses, "
             "the parameter difference, step times, and memory and traffic per rank measured vs "
-            "planned. Exit code 1 if the runs disagree or a measurement differs from the plan."
+            "planned. At stage 3 parameters are sharded between steps: the model is attached and read "
+            "only inside gathered_params(). Exit code 1 if the runs disagree or a measurement differs "
+            "from the plan."
         ),
     )
     p.add_argument("--world", type=int, help=f"processes (default {d.world})")
-    p.add_argument("--stage", type=int, help=f"ZeRO stage, 1 or 2 (default {d.stage})")
+    p.add_argument("--stage", type=int, help=f"ZeRO stage, 1, 2 or 3 (default {d.stage})")
     p.add_argument("--shard-size", type=int, help="ranks per shard group (default 2 if it divides the world)")
     p.add_argument(
         "--ranks-per-node",
         type=int,
         help="simulated ranks per node (default: one node); shard groups spanning whole nodes gather "
         "parameters in two hops, across nodes then inside each",
+    )
+    p.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        help="stage 3: free gathered parameters after the forward and gather them again in backward "
+        "(default); --no-reshard-after-forward keeps them until their gradients arrived",
     )
     p.add_argument("--steps", type=int, help=f"training steps (default {d.steps})")
     p.add_argument("--dtype", choices=DTYPES, help=f"parameter dtype (default {d.dtype})")
@@ -66,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         bucket_mb=args.bucket_mb,
         collectives=args.collectives,
+        reshard_after_forward=args.reshard_after_forward,
     )
     from zeroplan.facade.cli.demo import supervisor  # after the arguments are known to be good
 

@@ -119,7 +119,7 @@ class RankRecord(NamedTuple):
     step_ms: float
     optimizer_ms: float
     params_digest: str
-    """sha256 of the rank's full parameters: stages 1-2 keep them identical on every rank."""
+    """sha256 of the rank's whole parameters after the last step (stage 3: gathered); equal on all ranks."""
 
 
 class Outcome(NamedTuple):
@@ -140,3 +140,6 @@ class Outcome(NamedTuple):
     ref_optimizer_ms: float
     records: tuple[RankRecord, ...]
     seconds: float
+    gathered_estimate: int | None = None
+    """Stage 3: the plan's bytes of gathered blocks alive at once in backward, an estimate no meter
+    checks yet (``core.peak.gathered_bytes``); ``None`` at stages 1-2."""

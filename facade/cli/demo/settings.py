@@ -22,7 +22,7 @@ class DemoSettings:
 
     Attributes:
         world: processes (data-parallel ranks).
-        stage: 1 or 2.
+        stage: 1, 2 or 3 (stage 3 shards the parameters too; the demo attaches the model).
         shard_size: ranks per shard group; default 2 when 2 divides ``world``, else ``world``.
         ranks_per_node: simulated ranks per node (``ZeroOptimizer(ranks_per_node=...)``);
             default: one node.
@@ -35,6 +35,8 @@ class DemoSettings:
             ``"gloo"`` (world all-reduce, broadcasts).
         batch_size: sequences per rank per step.
         lr: AdamW learning rate.
+        reshard_after_forward: stage 3: free gathered parameters after the forward and gather
+            them again in backward (``False``: keep them until their gradients arrived).
 
     Raises:
         ConfigError: a value is out of range; the message names the command-line flag.
@@ -55,6 +57,7 @@ class DemoSettings:
     collectives: str = "auto"
     batch_size: int = 16
     lr: float = 1e-3
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         check_config(
@@ -62,9 +65,16 @@ class DemoSettings:
             f"--world must be an integer from 1 to {MAX_WORLD}, got {self.world!r}",
         )
         check_config(
-            type(self.stage) is int and self.stage in (1, 2),
-            f"--stage must be 1 or 2, got {self.stage!r} (stage 3 is planned by `zeroplan plan` but not "
-            "executed yet)",
+            type(self.stage) is int and self.stage in (1, 2, 3),
+            f"--stage must be 1, 2 or 3, got {self.stage!r}",
+        )
+        check_config(
+            type(self.reshard_after_forward) is bool,
+            f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}",
+        )
+        check_config(
+            self.reshard_after_forward or self.stage == 3,
+            f"--no-reshard-after-forward applies to --stage 3 only, got --stage {self.stage}",
         )
         if self.shard_size is None:
             object.__setattr__(self, "shard_size", 2 if self.world % 2 == 0 else self.world)

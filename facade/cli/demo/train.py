@@ -18,6 +18,12 @@ rank; the reference is timed on rank 0 while the other ranks wait. At the end
 every rank reports its measured bytes (``measured_memory``, ``last_step_comm``) next to the plan's
 (``memory_report``), rank 0 gathers them, compares the parameters of the two
 runs, prints the tables (``report``) and hands the exit code back.
+
+At stage 3 every rank holds only its shard of each parameter between steps
+([Note: stage 3] in ``param_shards``): the model is attached to the optimizer
+before the first forward, and the final parameters are copied inside
+``gathered_params()`` on every rank (collective). Memory is measured outside
+it, between steps, where the plan counts only the shards.
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from zeroplan.core.peak import gathered_bytes
 from zeroplan.facade import MeasuredMemory, ZeroOptimizer
 from zeroplan.facade.cli.demo.model import GPTConfig, SortTask, build_model, loss_of
 from zeroplan.facade.cli.demo.outcome import Outcome, RankRecord
@@ -175,8 +183,10 @@ def train(settings: DemoSettings, rank: int, device: torch.device) -> Outcome | 
         ranks_per_node=settings.ranks_per_node,
         bucket_bytes=settings.bucket_bytes,
         collectives=settings.collectives,
+        reshard_after_forward=settings.reshard_after_forward,
         **hyper,
     )
+    opt.attach(model)  # stage 3: the forward gathers the parameters it uses (stages 1-2: nothing to do)
     # The reference on rank 0; the control on rank 1 (in parallel with it), or on rank 0 when alone.
     reference = control = None
     if rank == 0:
@@ -223,7 +233,9 @@ def train(settings: DemoSettings, rank: int, device: torch.device) -> Outcome | 
     finally:
         if progress is not None:
             progress.stop()
-    records = _gather_records(opt, model, step_ms, optimizer_ms)
+    with opt.gathered_params():  # stage 3: whole parameters exist only in here (collective)
+        final = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    records = _gather_records(opt, final, step_ms, optimizer_ms)
     controls: list[Any] = [None] * world
     mine = (
         None if control is None else ([p.detach().cpu() for p in control.model.parameters()], control_losses)
@@ -234,7 +246,7 @@ def train(settings: DemoSettings, rank: int, device: torch.device) -> Outcome | 
     control_params, control_losses = next(c for c in controls if c is not None)
     names = [name for name, _ in model.named_parameters()]
     expected = [p.detach().cpu() for p in reference.model.parameters()]
-    diff, worst = largest_difference(names, [p.detach().cpu() for p in model.parameters()], expected)
+    diff, worst = largest_difference(names, final, expected)
     control_diff, _ = largest_difference(names, control_params, expected)
     return Outcome(
         settings=settings,
@@ -248,6 +260,7 @@ def train(settings: DemoSettings, rank: int, device: torch.device) -> Outcome | 
         ref_optimizer_ms=statistics.median(s.optimizer_ms for s in ref_steps),
         records=records,
         seconds=time.perf_counter() - began,
+        gathered_estimate=_gathered_estimate(opt, settings),
     )
 
 
@@ -263,26 +276,45 @@ def _print_header(settings: DemoSettings, opt: ZeroOptimizer, model: torch.nn.Mo
     Console().print(
         f"[bold]zeroplan demo[/]: a {sum(p.numel() for p in model.parameters()):,}-parameter GPT learns "
         f"to sort; {s.steps} steps, {s.dtype}, {where}\n"
-        f"ZeroOptimizer(AdamW): stage {s.stage} on {s.world} ranks in shard groups of {s.shard_size}"
-        f"{'' if s.ranks_per_node is None else f' on nodes of {s.ranks_per_node}'}, "
+        f"ZeroOptimizer(AdamW): stage {s.stage}{_stage_3_mode(s)} on {s.world} ranks in shard groups of "
+        f"{s.shard_size}{'' if s.ranks_per_node is None else f' on nodes of {s.ranks_per_node}'}, "
         f"{len(opt.plan.buckets.buckets)} gradient buckets, strategy {opt.plan.partition.strategy}, "
         f"collectives {opt.plan.policy}\n"
         "reference: torch.optim.AdamW in one process, on every rank's batches"
     )
 
 
-def params_digest(model: torch.nn.Module) -> str:
+def _stage_3_mode(settings: DemoSettings) -> str:
+    """How stage 3 gathers, for the header ("" at stages 1-2)."""
+    if settings.stage != 3:
+        return ""
+    if settings.reshard_after_forward:
+        return " (parameters resharded after forward, gathered again in backward)"
+    return " (parameters kept from forward to backward)"
+
+
+def _gathered_estimate(opt: ZeroOptimizer, settings: DemoSettings) -> int | None:
+    """Stage 3: the plan's bytes of gathered blocks alive at once in backward (not measured)."""
+    if settings.stage != 3:
+        return None
+    return gathered_bytes(opt.plan, settings.reshard_after_forward)
+
+
+def params_digest(params: Iterable[torch.Tensor]) -> str:
     """sha256 of every parameter's bytes, in order (equal digests: bit-identical parameters)."""
     digest = hashlib.sha256()
-    for param in model.parameters():
+    for param in params:
         digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
 def _gather_records(
-    opt: ZeroOptimizer, model: torch.nn.Module, step_ms: list[float], optimizer_ms: list[float]
+    opt: ZeroOptimizer, params: list[torch.Tensor], step_ms: list[float], optimizer_ms: list[float]
 ) -> tuple[RankRecord, ...]:
-    """Every rank's measured and planned numbers, on every rank (collective)."""
+    """Every rank's measured and planned numbers, on every rank (collective).
+
+    ``params``: this rank's whole parameters (at stage 3 copied inside ``gathered_params``).
+    """
     groups = opt.process_groups
     planned = opt.memory_report(clipping=True).ranks[groups.rank]
     mine = RankRecord(
@@ -300,7 +332,7 @@ def _gather_records(
         planned_comm=planned.comm,
         step_ms=statistics.median(step_ms),
         optimizer_ms=statistics.median(optimizer_ms),
-        params_digest=params_digest(model),
+        params_digest=params_digest(params),
     )
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, mine)
