@@ -154,7 +154,7 @@ def test_stage_3_shards_parameters_and_agrees_with_adamw_and_with_the_plan(runs)
         assert params == pytest.approx(float(whole[0].replace(",", "")) / 2, rel=0.01)  # stage 2 holds all
     # the transient gathered blocks are the plan's estimate, said so, and outside the verdict
     assert re.search(r"gathered blocks, [\d,.]+ KiB at once in backward by the plan's estimate", _text(out))
-    assert "not measured, not in the table or the verdict" in _text(out)
+    assert "not by this demo: not in the table or the verdict" in _text(out)
 
 
 def test_stage_3_without_resharding_gathers_once_per_step(runs):

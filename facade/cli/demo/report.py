@@ -130,7 +130,8 @@ def print_report(outcome: Outcome, console: Console | None = None) -> int:
             "stage 3: params are the shard each rank holds between steps, buffers its gradient staging; "
             "while forward and backward run it also holds gathered blocks, "
             f"{_kib(outcome.gathered_estimate)} KiB at once in backward by the plan's estimate "
-            "(core.peak.gathered_bytes; not measured, not in the table or the verdict)"
+            "(core.peak.gathered_bytes; checked with MemTracker in tests/facade/test_peak.py, not by "
+            "this demo: not in the table or the verdict)"
         )
     if outcome.records[0].planned_comm:
         console.print(_traffic(outcome.records[0]))

@@ -294,7 +294,7 @@ def _stage_3_mode(settings: DemoSettings) -> str:
 
 
 def _gathered_estimate(opt: ZeroOptimizer, settings: DemoSettings) -> int | None:
-    """Stage 3: the plan's bytes of gathered blocks alive at once in backward (not measured)."""
+    """Stage 3: the plan's bytes of gathered blocks alive at once in backward (not measured here)."""
     if settings.stage != 3:
         return None
     return gathered_bytes(opt.plan, settings.reshard_after_forward)
