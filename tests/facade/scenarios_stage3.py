@@ -34,6 +34,7 @@ def _settings(cfg: dict[str, Any], stage: int) -> dict[str, Any]:
         "reshard_after_forward",
         "loss_scale",
         "ranks_per_node",
+        "optimizer",
     )
     return {
         "stage": stage,
@@ -75,8 +76,8 @@ def against_stage_2_and_torch(rank: int, world: int, cfg: dict[str, Any]) -> dic
     opt3 = make_optimizer(model3, **_settings(cfg, 3))
     opt3.attach(model3)
     opt2 = make_optimizer(model2, **_settings(cfg, 2))
-    adamw = OPTIMIZERS["adamw"]
-    reference = Reference(ref_model, adamw.cls, **adamw.hyper)
+    inner = OPTIMIZERS[cfg.get("optimizer", "adamw")]
+    reference = Reference(ref_model, inner.cls, **inner.hyper)
     sharded_between_steps = []
     for step in range(steps):
         _train(model3, opt3, rank, step, cfg)

@@ -26,6 +26,8 @@ CASES = [
     (4, {"tied": True}),
     (2, {"strategy": "lpt_whole", "collectives": "min_bytes"}),
     (4, {"collectives": "min_bytes", "ranks_per_node": 2}),  # two nodes of two: gathers in two hops
+    (2, {"optimizer": "sgd"}),
+    (2, {"optimizer": "adafactor"}),  # not elementwise: whole parameters ("auto" picks lpt_whole)
 ]
 
 
