@@ -29,6 +29,17 @@ wrapper's ``no_sync`` and saves ``optimizer.state_dict()`` from rank 0 only.
   ``Trainer``'s ``checkpoint-N`` folder, which also holds the model, scheduler,
   RNG and trainer state as usual; ``train(resume_from_checkpoint=...)`` loads
   it back on every rank, so a resumed run continues exactly.
+* Stage 3 (``zero_kwargs={"stage": 3}``): ``create_optimizer`` attaches the
+  model (``opt.attach``), so its forward and backward gather what they use
+  (evaluation and prediction are forwards too). ``save_model`` (hence
+  ``_save_checkpoint``), ``_load_from_checkpoint`` and ``_load_best_model``,
+  the places where ``Trainer`` reads or writes weights outside a forward, run
+  inside ``opt.gathered_params()`` on every rank (rank 0 alone writes the
+  files), loads with ``writeback=True`` so the loaded weights reach the shards
+  and masters. ``trainer.save_model()`` is therefore collective at stage 3:
+  call it on every rank, as ``Trainer`` itself does; other code reading the
+  model's weights after training does so inside
+  ``trainer.zero_optimizer.gathered_params()``.
 
 What cannot work is refused when the trainer is built: an optimizer passed in
 ``optimizers``, fp16 mixed precision (Accelerate's ``GradScaler`` unscales
@@ -56,6 +67,7 @@ returns 0); checkpoint with ``zeroplan.facade.checkpoint``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping
 from pathlib import Path
@@ -95,6 +107,7 @@ ZERO_SETTINGS = frozenset(
         "alignment",
         "max_inflight_buckets",
         "collectives",
+        "reshard_after_forward",
     }
 )
 
@@ -212,8 +225,15 @@ class ZeroTrainer(Trainer):
             self._zero = ZeroOptimizer(
                 [g for g in groups if g["params"]], optimizer_cls, **self.zero_kwargs, **optimizer_kwargs
             )
+            self._zero.attach(opt_model)  # stage 3: the forward gathers parameters (no-op at stages 1, 2)
             self.optimizer = self._zero
         return self.optimizer
+
+    def _whole_weights(self, *, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Every parameter whole inside (collective at stage 3); nothing to do before the optimizer exists."""
+        if self._zero is None:
+            return contextlib.nullcontext()
+        return self._zero.gathered_params(writeback=writeback)
 
     # ------------------------------------------------------------ model
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
@@ -256,6 +276,19 @@ class ZeroTrainer(Trainer):
         return self.zero_optimizer.grad_norm() if grad_norm is None else grad_norm
 
     # ------------------------------------------------------------ checkpoints
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model`` with every parameter whole; collective at stage 3 (call on every rank)."""
+        with self._whole_weights():
+            super().save_model(output_dir, _internal_call)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        with self._whole_weights(writeback=True):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        with self._whole_weights(writeback=True):
+            super()._load_best_model()
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         checkpoint.save(self.zero_optimizer, Path(output_dir) / CHECKPOINT_DIR)
         if self.args.should_save:

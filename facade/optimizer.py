@@ -397,21 +397,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._installed.gather.attach(model)
 
     @contextlib.contextmanager
-    def gathered_params(self) -> Iterator[None]:
+    def gathered_params(self, *, writeback: bool = False) -> Iterator[None]:
         """Inside the block every parameter holds its whole values (collective: call on every rank).
 
-        At stage 3 this gathers every block and frees them after the block
-        (changes made to parameters inside are dropped); at stages 1 and 2 it
-        only completes the last step's gathers. For saving the model
-        (``model.state_dict()``), evaluation code that reads weights, EMA.
+        At stage 3 this gathers every block and frees them after the block;
+        at stages 1 and 2 it only completes the last step's gathers. For
+        saving the model (``model.state_dict()``), evaluation code that reads
+        weights, EMA.
+
+        Args:
+            writeback: keep values written into the parameters inside (e.g.
+                ``model.load_state_dict(...)``; every rank must write the same):
+                on leaving the block normally they go into this rank's shards
+                (stage 3) and the masters are reloaded from them (fp32 masters
+                of bf16/fp16 parameters then hold the parameters' values). Without
+                it, stage 3 drops such changes, and at stages 1 and 2 the next
+                step overwrites bf16/fp16 parameters from the unchanged masters.
         """
         gather = self._installed.gather
-        if not isinstance(gather, ShardedParams):
-            gather.wait_all()
-            yield
+        if isinstance(gather, ShardedParams):
+            with gather.all_gathered(writeback=writeback):
+                yield
             return
-        with gather.all_gathered():
-            yield
+        gather.wait_all()
+        yield
+        if writeback:
+            for buf in self._installed.buffers:
+                buf.load_master()
 
     # ------------------------------------------------------------ state dicts
     def shards(self) -> Shards:
@@ -494,10 +506,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if loaded.param_values is not None:
             gather = self._installed.gather
             if isinstance(gather, ShardedParams):  # stage 3: write into the blocks, keep this rank's pieces
-                with gather.all_gathered():
+                with gather.all_gathered(writeback=True):
                     state_loading.copy_param_values(self._registry.params, loaded.param_values)
-                    for buf in self._installed.buffers:
-                        buf.load_shard()
             else:
                 state_loading.copy_param_values(self._registry.params, loaded.param_values)
         state_loading.commit_state(self._installed, loaded, self.param_groups)

@@ -38,7 +38,9 @@ modules after its block was freed, costs an extra gather.
 ``step()`` frees every block (gathered values would be stale after the
 update) and writes updated masters into the shards; the next forward gathers
 them. ``gathered_params()`` gathers every block for reading outside a forward
-(saving the model, evaluation code that reads weights): collective.
+(saving the model, evaluation code that reads weights): collective; with
+``writeback=True`` what was written into the parameters inside (loading a
+model's weights) goes into the shards and masters before the blocks are freed.
 """
 
 from __future__ import annotations
@@ -383,11 +385,23 @@ class ShardedParams:
                 self._free(key)
 
     @contextlib.contextmanager
-    def all_gathered(self) -> Iterator[None]:
-        """Every block gathered inside the block, freed after (collective)."""
+    def all_gathered(self, *, writeback: bool = False) -> Iterator[None]:
+        """Every block gathered inside the block, freed after (collective).
+
+        Args:
+            writeback: keep what was written into the parameters inside: on a
+                normal exit each rank copies its pieces of every block into its
+                shard and reloads its masters from them before the blocks are
+                freed (every rank must have written the same values). Without
+                it, changes are dropped.
+        """
         self.gather_all()
         try:
             yield
+            if writeback:
+                for buf in self._buffers:
+                    buf.load_shard()
+                    buf.load_master()
         finally:
             self.shard_all()
 

@@ -15,6 +15,7 @@ import contextlib
 import gc
 import math
 import os
+import shutil
 import sys
 import traceback
 from collections.abc import Callable
@@ -101,7 +102,7 @@ def trainer_run(
     out: Path,
     *,
     zero: dict[str, Any] | None,
-    resume_from: str | None = None,
+    resume_from: str | bool | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     **overrides: Any,
@@ -117,7 +118,20 @@ def trainer_run(
     trainer.train(resume_from_checkpoint=resume_from)
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     wrapped = type(trainer.model_wrapped).__name__
-    return {**_history(trainer), "eval_losses": evals, "params": _params(model), "wrapped": wrapped}
+    # Stage 3 holds shards between steps: the weights are read gathered (stages 1, 2: nothing to do).
+    whole = trainer.zero_optimizer.gathered_params() if zero is not None else contextlib.nullcontext()
+    with whole:
+        params = _params(model)
+    best = trainer.state.best_model_checkpoint
+    return {**_history(trainer), "eval_losses": evals, "params": params, "wrapped": wrapped, "best": best}
+
+
+def resumed_latest(out: Path, checkpoint: Path, **kwargs: Any) -> dict[str, Any]:
+    """``trainer_run(out, resume_from=True)`` with ``checkpoint`` copied into ``out``: the latest there."""
+    if dist.get_rank() == 0:
+        shutil.copytree(checkpoint, out / checkpoint.name)
+    dist.barrier()
+    return trainer_run(out, resume_from=True, **kwargs)
 
 
 def plain_trainer_with_zero_optimizer(out: Path) -> dict[str, Any]:
@@ -210,6 +224,29 @@ def runs(out: Path) -> dict[str, Callable[[], dict[str, Any]]]:
             dtype=bf16,
             resume_from=str(out / "zero_bf16" / "checkpoint-3"),
             **clip,
+        ),
+        # Stage 3: the model is saved from gathered weights; resume_from_checkpoint=True finds checkpoint-3.
+        "zero3": lambda: trainer_run(out / "zero3", zero={"stage": 3}),
+        "zero3_clip": lambda: trainer_run(out / "zero3_clip", zero={"stage": 3}, **clip, **save, **evaluate),
+        "zero3_clip_resumed": lambda: resumed_latest(
+            out / "zero3_clip_resumed",
+            out / "zero3_clip" / "checkpoint-3",
+            zero={"stage": 3},
+            seed=1,
+            **clip,
+            **save,
+            **evaluate,
+        ),
+        # Picks checkpoint-3 (the higher loss): _load_best_model writes it back into the shards.
+        "zero3_best": lambda: trainer_run(
+            out / "zero3_best",
+            zero={"stage": 3},
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            greater_is_better=True,
+            **clip,
+            **save,
+            **evaluate,
         ),
         "accelerate_ddp": lambda: accelerate_run(zero=False, accumulate=2, clip=None),
         "accelerate_zero": lambda: accelerate_run(zero=True, accumulate=2, clip=None),
