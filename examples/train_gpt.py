@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final lr / peak lr (default 0.1)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (default 1.0)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="parameter dtype (default bf16)")
-    p.add_argument("--stage", type=int, default=2, help="ZeRO stage, 1 or 2 (default 2)")
+    p.add_argument("--stage", type=int, default=2, help="ZeRO stage, 1, 2 or 3 (default 2)")
     p.add_argument("--shard-size", type=int, default=None, help="ranks per shard group (default: all)")
     p.add_argument("--bucket-mb", type=float, default=0.25, help="gradient bucket cap in MiB (default 0.25)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial model (the same on every rank)")
@@ -177,6 +177,7 @@ def train(args: argparse.Namespace, build: Build = build_gpt) -> float:
         betas=(0.9, 0.95),
         weight_decay=0.1,
     )
+    opt.attach(model)  # stage 3: the forward gathers the parameters it uses (a no-op at stages 1 and 2)
     scheduler = schedule(opt, args)
     params = sum(p.numel() for p in model.parameters())
     mine = opt.memory_report(clipping=True).ranks[rank]
