@@ -311,7 +311,9 @@ def build_partition(
 
     ``"auto"`` interleaves while blocks x ranks stays at or below
     :data:`AUTO_MAX_PIECES` (see [Note: interleaved layout]). ``whole_blocks``
-    (stage 3): ``flat_even`` blocks end at parameter boundaries.
+    (stage 3): ``flat_even`` blocks end at parameter boundaries, and ``"auto"``
+    always interleaves (a rank-major plan is one block: stage 3 would gather the
+    whole model at once; only an explicit ``"rank_major"`` asks for that).
 
     Raises:
         ConfigError: an unknown layout or strategy, or ``"interleaved"`` for a
@@ -339,7 +341,7 @@ def build_partition(
     )
     specs = check_specs(specs)
     function = get_strategy(strategy)
-    interleave = layout == "interleaved"
+    interleave = layout == "interleaved" or (whole_blocks and layout == "auto")
     if function is flat_even and layout != "rank_major":
         if whole_blocks:  # blocks of whole parameters, each a multiple of shard_size x alignment
             pieces = _whole_pieces(specs, shard_size, shard_size * alignment, bucket_bytes)
@@ -368,6 +370,12 @@ def build_partition(
     if layout == "rank_major" or function in (flat_even, lpt_whole, greedy_whole):
         return ownership
     if ownership.splits_params:
+        if whole_blocks and layout == "auto":
+            raise ConfigError(
+                f"strategy {strategy!r} splits parameters, so its plan is one block per dtype: stage 3 "
+                "would gather the whole model at once. Use flat_even or a whole-parameter strategy, or "
+                "layout='rank_major' to accept one block"
+            )
         if layout == "interleaved":
             raise ConfigError(
                 f"strategy {strategy!r} splits parameters, so it lays out shards itself; use "

@@ -57,6 +57,8 @@ class Installed(NamedTuple):
         Such a parameter (e.g. after ``model.to(...)`` copied it) would never
         see an update again; the step refuses to run (see [Note: step lifecycle]).
         """
+        if isinstance(self.gather, ShardedParams):  # stage 3 may move a block's storage (see its _free)
+            return self.gather.detached()
         for index, address in self.links:
             if _address(params[index]) != address:
                 return index

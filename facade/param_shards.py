@@ -118,6 +118,8 @@ class _Entry:
         self.block = replace(block, start=0)  # the buffer holds the block alone
         self.nbytes = nbytes
         self.members: list[torch.Tensor] = []
+        self.indices: list[int] = []  # the members' parameter indices
+        self.offsets: list[int] = []  # where each member starts in the buffer
         self.trainable = 0
         self.state = BlockState.GATHERED
         self.pending: list[Pending] = []
@@ -151,11 +153,15 @@ class ShardedParams:
                 entry = _Entry((s, k), buffer, block, buffer.untyped_storage().nbytes())
                 self._entries[s, k] = entry
                 self._storage[buffer.untyped_storage()._cdata] = (s, k)
+            offsets = dict(zip(buf.space.params, buf.space.buffer_offsets, strict=True))
             for index, view in block_views(buf.blocks, buf.space, params).items():
                 key = self._storage[view.untyped_storage()._cdata]
+                entry = self._entries[key]
                 self._keys_of[id(params[index])] = [key]
-                self._entries[key].members.append(params[index])
-                self._entries[key].trainable += index in managed
+                entry.members.append(params[index])
+                entry.indices.append(index)
+                entry.offsets.append(offsets[index] - buf.space.blocks[key[1]].start)
+                entry.trainable += index in managed
         for entry in self._entries.values():
             for p in entry.members:
                 p._zeroplan_shards = self  # type: ignore[attr-defined]
@@ -169,6 +175,9 @@ class ShardedParams:
         self._users: dict[_Key, set[int]] = {}  # block -> modules holding its parameters
         self._handles: list[Any] = []
         self._forward_depth = 0
+        self._opened_by: list[int] = []  # modules that opened a forward of their own (called directly)
+        self._hold = 0  # gathered_params() blocks: nothing is freed until it exits
+        self._backward_queued = False
         self._saved: contextlib.ExitStack | None = None
         self._reset_pass()
 
@@ -203,16 +212,51 @@ class ShardedParams:
             self._set_class(entry, torch.nn.Parameter)
 
     def _free(self, key: _Key) -> None:
-        """Release block ``key``'s buffer (waiting for a gather in flight first)."""
+        """Release block ``key``'s buffer (waiting for a gather in flight first).
+
+        A tensor that still views the buffer from outside (``model.state_dict()``
+        kept from ``gathered_params()``, a forward's output ``w.t()``) keeps it: the
+        parameters move to a buffer of their own and the old one is left to its
+        holders, so no reader ever sees freed memory.
+        """
         entry = self._entries[key]
         if entry.state is BlockState.SHARDED:
             return
         for pending in entry.pending:
             pending.wait()
         entry.pending = []
-        entry.buffer.untyped_storage().resize_(0)
+        storage = entry.buffer.untyped_storage()
+        # Holders: the buffer, each parameter, and ``storage`` itself; anyone else keeps the memory.
+        if torch._C._storage_Use_Count(storage._cdata) > 2 + len(entry.members):
+            del storage
+            self._rehome(entry)
+        else:
+            storage.resize_(0)
         entry.state = BlockState.SHARDED
         self._set_class(entry, ShardedParameter)
+
+    def _rehome(self, entry: _Entry) -> None:
+        """Move the block's buffer and parameters to empty storage; the old one stays with its holders."""
+        del self._storage[entry.buffer.untyped_storage()._cdata]
+        with torch.no_grad():
+            entry.buffer.set_(torch.empty_like(entry.buffer))  # the same tensor (the buffers' tuple holds it)
+            for p, local in zip(entry.members, entry.offsets, strict=True):
+                p.data = entry.buffer[local : local + p.numel()].view(p.shape)
+        storage = entry.buffer.untyped_storage()
+        self._storage[storage._cdata] = entry.key
+        storage.resize_(0)
+
+    def detached(self) -> int | None:
+        """The first parameter whose ``.data`` no longer views its block's buffer (``Installed.detached``)."""
+        for entry in self._entries.values():
+            home = entry.buffer.untyped_storage()._cdata
+            for p, index in zip(entry.members, entry.indices, strict=True):
+                if p.untyped_storage()._cdata != home:
+                    return index
+        return None
+
+    def _may_free(self) -> bool:
+        return self._hold == 0
 
     def _prefetch(self, key: _Key, step: int, visited: set[_Key]) -> None:
         """Launch the gather of the block ``step`` away from ``key`` in its space, once per pass."""
@@ -264,7 +308,7 @@ class ShardedParams:
     def attach(self, model: torch.nn.Module) -> None:
         """Hook ``model``'s modules (see [Note: stage 3]); replaces an earlier attachment."""
         self.detach()
-        root = model.register_forward_pre_hook(self._begin_forward)
+        root = model.register_forward_pre_hook(self._begin_forward, prepend=True)
         self._handles.append(root)
         for module in model.modules():
             keys = sorted({k for p in module.parameters(recurse=False) for k in self._keys_of.get(id(p), ())})
@@ -284,7 +328,15 @@ class ShardedParams:
             handle.remove()
         self._grad_handles = []
         for entry in self._entries.values():
-            entry.members = []
+            for p in entry.members:
+                if getattr(p, "_zeroplan_shards", None) is self:
+                    del p._zeroplan_shards
+            entry.members, entry.indices, entry.offsets = [], [], []
+            for pending in entry.pending:
+                pending.wait()
+            entry.pending = []
+            entry.buffer.untyped_storage().resize_(0)  # the new plan's buffers hold the values now
+            entry.state = BlockState.SHARDED
 
     def detach(self) -> None:
         """Remove the hooks of :meth:`attach`."""
@@ -301,7 +353,7 @@ class ShardedParams:
 
     def gathering_allowed(self) -> bool:
         """Whether a sharded parameter may gather on use: inside the attached forward, or a backward."""
-        return self._forward_depth > 0 or torch._C._current_graph_task_id() != -1
+        return self._forward_depth > 0 or _in_backward()
 
     def gather_param(self, param: torch.Tensor) -> None:
         """Gather ``param``'s block now (used outside its modules); kept until the forward ends."""
@@ -326,17 +378,22 @@ class ShardedParams:
         self._forward_depth += 1
 
     def _end_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._forward_depth == 0:  # a pre-hook before ours raised: this forward never began
+            return
         self._forward_depth -= 1
         if self._forward_depth:
             return
         if self._saved is not None:
             self._saved.close()
             self._saved = None
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and self._hold == 0 and not _in_backward():
             self.shard_all()
         self._pinned = set()
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        if self._forward_depth == 0 and not _in_backward():  # a submodule called on its own
+            self._begin_forward(module, args)
+            self._opened_by.append(id(module))
         keys = self._modules.get(id(module), ())
         for key in keys:
             self._visited_forward.add(key)
@@ -348,8 +405,15 @@ class ShardedParams:
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self._running[id(module)] = self._running.get(id(module), 1) - 1
         self._done.add(id(module))
-        if not self.reshard_after_forward:
-            return
+        # In backward (activation checkpointing recomputes forwards) blocks wait for their gradients.
+        if self.reshard_after_forward and self._hold == 0 and not _in_backward():
+            self._free_finished(module)
+        if self._opened_by and self._opened_by[-1] == id(module) and self._running[id(module)] == 0:
+            self._opened_by.pop()
+            self._end_forward(module, args, output)
+
+    def _free_finished(self, module: torch.nn.Module) -> None:
+        """Free the blocks of ``module`` whose every module has run (and none runs now)."""
         for key in self._modules.get(id(module), ()):
             users = self._users.get(key, set())
             if (
@@ -361,7 +425,9 @@ class ShardedParams:
 
     # ------------------------------------------------------------- backward
     def _pack(self, tensor: torch.Tensor) -> Any:
-        key = self._storage.get(tensor.untyped_storage()._cdata) if tensor.device.type != "meta" else None
+        if tensor.layout is not torch.strided or tensor.device.type == "meta":
+            return tensor  # sparse and meta tensors never view a block
+        key = self._storage.get(tensor.untyped_storage()._cdata)
         return tensor if key is None else _SavedView(tensor, key)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -369,20 +435,33 @@ class ShardedParams:
             return packed
         key = packed.key
         self._visited_backward.add(key)
+        self._queue_end_of_backward()
         self._ensure(key)
         self._prefetch(key, -1, self._visited_backward)
         return packed.tensor
 
     def gradient_arrived(self, param: torch.Tensor) -> None:
         """A trainable parameter's gradient accumulated: free its block once all of the block's did."""
+        self._queue_end_of_backward()
         for key in self._keys_of.get(id(param), ()):
             if key not in self._visited_backward:  # every block is gathered once per backward, needed or not
                 self._visited_backward.add(key)
                 self._launch(key)
             count = self._arrived[key] = self._arrived.get(key, 0) + 1
             self._prefetch(key, -1, self._visited_backward)
-            if count >= self._entries[key].trainable:
+            if count >= self._entries[key].trainable and self._hold == 0:
                 self._free(key)
+
+    def _queue_end_of_backward(self) -> None:
+        """Once per backward: free what is still gathered when it ends (a parameter got no gradient)."""
+        if not self._backward_queued and _in_backward():
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._backward_queued = False
+        if self._hold == 0 and self._forward_depth == 0:
+            self.shard_all()
 
     @contextlib.contextmanager
     def all_gathered(self, *, writeback: bool = False) -> Iterator[None]:
@@ -395,7 +474,12 @@ class ShardedParams:
                 freed (every rank must have written the same values). Without
                 it, changes are dropped.
         """
-        self.gather_all()
+        log, self._log = self._log, CommLog()  # inspection traffic, not the step's
+        try:
+            self.gather_all()
+        finally:
+            self._log = log
+        self._hold += 1
         try:
             yield
             if writeback:
@@ -403,7 +487,14 @@ class ShardedParams:
                     buf.load_shard()
                     buf.load_master()
         finally:
-            self.shard_all()
+            self._hold -= 1
+            if self._hold == 0:
+                self.shard_all()
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _call_weakly(method: weakref.WeakMethod, param: torch.Tensor) -> None:

@@ -182,3 +182,100 @@ def misuse(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "saved_keys": sorted(saved) == sorted(k for k, _ in model.named_parameters()),
         "sharded": all(type(p) is ShardedParameter for p in model.parameters()),
     }
+
+
+class _Checkpointed(torch.nn.Module):
+    """A tiny GPT whose blocks run under activation checkpointing, plus a head nobody uses."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inner = make_model()
+        torch.manual_seed(1)  # the same values in every instance
+        self.unused = torch.nn.Linear(3, 3)  # trainable, never used: its block must not stay gathered
+        self.reentrant = reentrant
+        for block in self.inner.blocks:
+            forward = block.forward
+            block.forward = lambda x, f=forward: torch.utils.checkpoint.checkpoint(
+                f, x, use_reentrant=self.reentrant
+            )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner(tokens)
+
+
+def edge_cases(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Stage 3 next to stage 2 through what users do besides a plain forward (the review's cases)."""
+    models = [_Checkpointed(cfg["reentrant"]) for _ in range(2)]
+    opts = [make_optimizer(m, stage=s, collectives="min_bytes") for m, s in zip(models, (3, 2), strict=True)]
+    for m, o in zip(models, opts, strict=True):
+        o.attach(m)
+    held_after_backward = []
+    for step in range(3):
+        tokens, targets = batch(step, rank)
+        for m, o in zip(models, opts, strict=True):
+            loss = loss_of(m, tokens, targets)
+            loss.backward()
+            if o.plan.stage == 3:
+                held_after_backward.append(o.installed.gather.held_bytes())
+            o.step()
+            o.zero_grad()
+    # A submodule called on its own (outside the root's forward), with a backward, then a step.
+    for m, o in zip(models, opts, strict=True):
+        x = torch.randn(2, 24, generator=torch.Generator().manual_seed(rank))
+        m.inner.blocks[0].fc(x).square().sum().backward()
+        o.step()
+        o.zero_grad()
+    # A state dict kept beyond gathered_params(): its values stay readable (and right).
+    with opts[0].gathered_params():
+        kept = models[0].state_dict()
+        snapshot = {k: v.clone() for k, v in kept.items()}
+        evaluated = float(loss_of(models[0], *batch(9, rank)).detach())  # a forward inside: nothing freed
+        after_eval = {k: v.clone() for k, v in models[0].state_dict().items()}
+    opts[1].wait_for_params()
+    same_eval = evaluated == float(loss_of(models[1], *batch(9, rank)).detach())
+    tokens, targets = batch(7, rank)
+    for m, o in zip(models, opts, strict=True):  # one more step: the kept tensors do not detach anything
+        loss_of(m, tokens, targets).backward()
+        o.step()
+        o.zero_grad()
+    kept_intact = all(torch.equal(kept[k], snapshot[k]) and torch.equal(kept[k], after_eval[k]) for k in kept)
+    with opts[0].gathered_params():
+        values3 = _values(models[0])
+    return {
+        "equal_to_stage_2": all(torch.equal(a, b) for a, b in zip(values3, _values(models[1]), strict=True)),
+        "held_after_backward": held_after_backward,
+        "kept_intact": kept_intact,
+        "same_eval": same_eval,
+    }
+
+
+def replanning(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Freeze a parameter, re-plan, unfreeze, add a param group: stage 3 next to stage 2."""
+    models = [_model({}) for _ in range(2)]
+    opts = [make_optimizer(m, stage=s, collectives="min_bytes") for m, s in zip(models, (3, 2), strict=True)]
+    for m, o in zip(models, opts, strict=True):
+        o.attach(m)
+    ones = torch.ones(2, 3)
+    for step in range(4):
+        for m, o in zip(models, opts, strict=True):
+            if step == 1:
+                m.blocks[0].fc.weight.requires_grad_(False)
+                o.refresh_trainable()
+            if step == 2:
+                m.blocks[0].fc.weight.requires_grad_(True)
+                o.refresh_trainable()
+                torch.manual_seed(2)
+                m.adapter = torch.nn.Linear(3, 3)  # a module added later, called on its own
+                o.add_param_group({"params": list(m.adapter.parameters()), "lr": 0.1})
+                o.attach(m)  # hook the new module too
+            loss = loss_of(m, *batch(step, rank))
+            if step >= 2:
+                loss = loss + m.adapter(ones).square().sum()
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    with opts[0].gathered_params():
+        values3 = _values(models[0])
+    opts[1].wait_for_params()
+    values2 = _values(models[1])
+    return {"equal_to_stage_2": all(torch.equal(a, b) for a, b in zip(values3, values2, strict=True))}

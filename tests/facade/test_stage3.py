@@ -89,3 +89,22 @@ def test_misuse_raises_instead_of_training_wrong(pools):
             assert error is not None and "gathered_params" in error, name
         assert r["saved_keys"]  # model.state_dict() inside gathered_params() reads every parameter
         assert r["sharded"]  # and leaves them sharded again
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_submodule_calls_kept_state_dicts_and_unused_parameters(pools, reentrant):
+    """Activation checkpointing (recomputed forwards in backward), a submodule called on its own, a
+    ``model.state_dict()`` kept beyond ``gathered_params()`` (and a forward inside it), and a trainable
+    parameter nobody uses: stage 3 equals stage 2, nothing reads freed memory, and no block is left
+    gathered after a backward."""
+    for r in pools(2).run(scenarios_stage3.edge_cases, {"reentrant": reentrant}):
+        assert r["equal_to_stage_2"]
+        assert r["held_after_backward"] == [0, 0, 0]
+        assert r["kept_intact"]
+        assert r["same_eval"]
+
+
+def test_replanning_at_stage_3_equals_stage_2(pools):
+    """Freezing, unfreezing (``refresh_trainable``) and ``add_param_group`` re-plan a sharded model."""
+    for r in pools(2).run(scenarios_stage3.replanning, {}):
+        assert r["equal_to_stage_2"]
