@@ -123,6 +123,7 @@ class _Entry:
         self.trainable = 0
         self.state = BlockState.GATHERED
         self.pending: list[Pending] = []
+        self.saved: dict[int, int] = {}  # tensors autograd saved from the buffer, alive now (_SavedView)
 
 
 class ShardedParams:
@@ -226,8 +227,9 @@ class ShardedParams:
             pending.wait()
         entry.pending = []
         storage = entry.buffer.untyped_storage()
-        # Holders: the buffer, each parameter, and ``storage`` itself; anyone else keeps the memory.
-        if torch._C._storage_Use_Count(storage._cdata) > 2 + len(entry.members):
+        # Holders: the buffer, each parameter, ``storage`` itself and the tensors autograd saved (they
+        # gather the block again when unpacked); anyone else keeps the memory.
+        if torch._C._storage_Use_Count(storage._cdata) > 2 + len(entry.members) + len(entry.saved):
             del storage
             self._rehome(entry)
         else:
@@ -428,7 +430,7 @@ class ShardedParams:
         if tensor.layout is not torch.strided or tensor.device.type == "meta":
             return tensor  # sparse and meta tensors never view a block
         key = self._storage.get(tensor.untyped_storage()._cdata)
-        return tensor if key is None else _SavedView(tensor, key)
+        return tensor if key is None else _SavedView(tensor, self._entries[key])
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedView):
@@ -504,10 +506,25 @@ def _call_weakly(method: weakref.WeakMethod, param: torch.Tensor) -> None:
 
 
 class _SavedView:
-    """A tensor autograd saved from a stage-3 block's buffer, and that block."""
+    """A tensor autograd saved from a stage-3 block's buffer, and that block.
 
-    __slots__ = ("key", "tensor")
+    While it lives its tensor is one of the block's expected holders
+    (``_Entry.saved``: per tensor, how many saved views hold it), unless it is a
+    parameter itself (which the block counts already).
+    """
 
-    def __init__(self, tensor: torch.Tensor, key: _Key) -> None:
+    __slots__ = ("entry", "key", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, entry: _Entry) -> None:
         self.tensor = tensor
-        self.key = key
+        self.key = entry.key
+        self.entry = entry
+        if not any(tensor is p for p in entry.members):
+            entry.saved[id(tensor)] = entry.saved.get(id(tensor), 0) + 1
+
+    def __del__(self) -> None:
+        left = self.entry.saved.get(id(self.tensor), 0) - 1
+        if left > 0:
+            self.entry.saved[id(self.tensor)] = left
+        else:
+            self.entry.saved.pop(id(self.tensor), None)
