@@ -27,7 +27,19 @@ where it gathers its block on the spot.
   (a block none of whose values backward reads is gathered all the same, as
   FSDP gathers every module before its backward: one gather per block and
   backward, as the plan counts). Once every trainable parameter of a block
-  received its gradient, the block is freed.
+  received its gradient, the block is freed; what is still gathered when the
+  backward ends (a parameter that got no gradient) is freed then. Forwards run
+  inside a backward (activation checkpointing recomputes them) free nothing.
+* a module called on its own, outside the root's forward, opens and closes a
+  forward of its own.
+
+Freeing never pulls memory from under a reader: a block whose buffer is still
+viewed by anyone but its parameters and the tensors autograd saved (a
+``model.state_dict()`` kept from ``gathered_params()``, a forward's output
+``w.t()``) moves its parameters to new storage and leaves the old to its
+holders (``_rehome``). Inside ``gathered_params()`` nothing is freed (a forward
+there, for evaluation, keeps every block), and its gathers are not the step's
+traffic.
 
 Every rank runs the same forward and backward, so every rank gathers the same
 blocks in the same order (the collectives match). A step's traffic is the
