@@ -13,27 +13,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch
 from factory import OPTIMIZERS, make_optimizer
+from hf_runs import LENGTH, VOCAB
+from hf_runs import make_model as make_gpt2  # lm_head tied to wte, no dropout
 from models import DTYPES, Reference, rel_err
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from zeroplan.core import StepOrderError
 from zeroplan.facade import ZeroOptimizer
 from zeroplan.facade.param_shards import ShardedParameter
 
-VOCAB, LENGTH = 61, 12
 BUCKET_BYTES = 16384  # a handful of blocks for this model, several parameters in most
-
-
-def make_gpt2(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadModel:
-    """A 2-layer GPT-2 without dropout, odd vocabulary, ``lm_head`` tied to ``wte`` (as hf_runs.py)."""
-    config = GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(config).to(dtype)
-    model.loss_type = "ForCausalLM"
-    return model
 
 
 def tokens(step: int, rank: int) -> torch.Tensor:
