@@ -35,7 +35,7 @@ from __future__ import annotations
 import atexit
 import weakref
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
@@ -48,7 +48,7 @@ from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.collectives import CommLog, Pending, launch
 from zeroplan.facade.groups import ProcessGroups
 
-__all__ = ["GatheringParameter", "ParamGather", "gather_block", "gather_space"]
+__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather", "gather_block", "gather_space"]
 
 
 def gather_block(
@@ -118,11 +118,12 @@ def gather_space(
     return launched
 
 
-class GatheringParameter(torch.nn.Parameter):
-    """The class of a parameter whose gather is in flight (see [Note: parameter gather]).
+class DeferredParameter(torch.nn.Parameter):
+    """Base of the classes a parameter takes while its values are not in place (never constructed).
 
-    Never constructed: a plain ``nn.Parameter``'s ``__class__`` is set to it
-    and set back once its block arrived.
+    Every torch operation on one, except a metadata read, first calls its
+    class's ``on_use(param, operation name)``: :class:`GatheringParameter`
+    waits for its block, ``ShardedParameter`` (stage 3) gathers it or raises.
     """
 
     #: Property reads and calls that touch no values: they do not wait.
@@ -136,17 +137,34 @@ class GatheringParameter(torch.nn.Parameter):
         }
     )  # fmt: skip
 
+    #: Called with a parameter of this class and the operation's name before the operation runs.
+    on_use: ClassVar[Callable[[torch.Tensor, str | None], None]]
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         owner = getattr(func, "__self__", None)
         name = getattr(owner, "__name__", None) if func.__name__ in ("__get__", "__set__") else func.__name__
-        if name not in cls.METADATA:
+        if name not in DeferredParameter.METADATA:
             for leaf in tree_flatten((args, kwargs))[0]:
-                if isinstance(leaf, GatheringParameter):
-                    _arrive(leaf)
+                if isinstance(leaf, DeferredParameter):  # of any subclass: one operation may mix them
+                    type(leaf).on_use(leaf, name)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+class GatheringParameter(DeferredParameter):
+    """The class of a parameter whose gather is in flight (see [Note: parameter gather]).
+
+    Never constructed: a plain ``nn.Parameter``'s ``__class__`` is set to it
+    and set back once its block arrived.
+    """
+
+    @staticmethod
+    def on_use(param: torch.Tensor, name: str | None) -> None:
+        """Wait for the block (the operation reads values)."""
+        del name
+        _arrive(param)
 
 
 def _arrive(param: torch.Tensor) -> None:

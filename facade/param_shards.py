@@ -66,13 +66,12 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from zeroplan.core import Block, StepOrderError, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers, block_views
 from zeroplan.facade.collectives import CommLog, Pending
 from zeroplan.facade.groups import ProcessGroups
-from zeroplan.facade.param_gather import GatheringParameter, gather_block
+from zeroplan.facade.param_gather import DeferredParameter, gather_block
 
 __all__ = ["ShardedParameter", "ShardedParams"]
 
@@ -87,26 +86,17 @@ class BlockState(enum.Enum):
     GATHERED = "gathered"
 
 
-class ShardedParameter(torch.nn.Parameter):
+class ShardedParameter(DeferredParameter):
     """The class of a stage-3 parameter whose block is not gathered (see [Note: stage 3]).
 
     Never constructed: a plain ``nn.Parameter``'s ``__class__`` is set to it
     while its block is sharded.
     """
 
-    METADATA = GatheringParameter.METADATA
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        owner = getattr(func, "__self__", None)
-        name = getattr(owner, "__name__", None) if func.__name__ in ("__get__", "__set__") else func.__name__
-        if name not in cls.METADATA:
-            for leaf in tree_flatten((args, kwargs))[0]:
-                if isinstance(leaf, ShardedParameter):
-                    _gather_on_use(leaf, name)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+    @staticmethod
+    def on_use(param: torch.Tensor, name: str | None) -> None:
+        """Gather the block inside the attached forward or a backward; raise elsewhere."""
+        _gather_on_use(param, name)
 
 
 def _gather_on_use(param: torch.Tensor, name: str | None) -> None:
