@@ -39,7 +39,15 @@ import torch
 from zeroplan.core import Space, Stage, ZeroPlan, grad_shard_dtype, master_dtype
 from zeroplan.facade.state_tree import torch_dtype
 
-__all__ = ["SpaceBuffers", "block_views", "build_buffers", "param_views", "read_pieces", "write_pieces"]
+__all__ = [
+    "SpaceBuffers",
+    "block_positions",
+    "block_views",
+    "build_buffers",
+    "param_views",
+    "read_pieces",
+    "write_pieces",
+]
 
 
 class SpaceBuffers(NamedTuple):
@@ -161,20 +169,27 @@ def param_views(flat: torch.Tensor, space: Space, params: Sequence[torch.Tensor]
     }
 
 
-def block_views(
-    blocks: Sequence[torch.Tensor], space: Space, params: Sequence[torch.Tensor]
-) -> dict[int, torch.Tensor]:
-    """Stage 3: per parameter index of ``space``, its view of its block's buffer, shaped like it.
+def block_positions(space: Space) -> dict[int, tuple[int, int]]:
+    """Stage 3: per parameter index of ``space``, its block and where it starts inside that block.
 
     Stage-3 plans never cut a parameter at a block boundary (``whole_blocks``).
     """
-    views = {}
     starts = [b.start for b in space.blocks]
+    positions = {}
     for index, offset in zip(space.params, space.buffer_offsets, strict=True):
         k = max(bisect_right(starts, offset) - 1, 0)
-        local = offset - starts[k]
-        views[index] = blocks[k][local : local + params[index].numel()].view(params[index].shape)
-    return views
+        positions[index] = (k, offset - starts[k])
+    return positions
+
+
+def block_views(
+    blocks: Sequence[torch.Tensor], space: Space, params: Sequence[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Stage 3: per parameter index of ``space``, its view of its block's buffer, shaped like it."""
+    return {
+        index: blocks[k][local : local + params[index].numel()].view(params[index].shape)
+        for index, (k, local) in block_positions(space).items()
+    }
 
 
 def build_buffers(

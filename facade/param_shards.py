@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from zeroplan.core import Block, StepOrderError, ZeroPlan
-from zeroplan.facade.buffers import SpaceBuffers, block_views
+from zeroplan.facade.buffers import SpaceBuffers, block_positions
 from zeroplan.facade.collectives import CommLog, Pending
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.param_gather import DeferredParameter, gather_block
@@ -147,7 +147,7 @@ class ShardedParams:
         self._log = log
         self.reshard_after_forward = reshard_after_forward
         self._entries: dict[_Key, _Entry] = {}
-        self._keys_of: dict[int, list[_Key]] = {}  # id(param) -> its block (a list for one code path)
+        self._key_of: dict[int, _Key] = {}  # id(param) -> its block
         self._storage: dict[int, _Key] = {}  # storage address (StorageImpl) -> block
         managed = set(zp.trainable_indices)
         for buf in buffers:
@@ -156,14 +156,12 @@ class ShardedParams:
                 entry = _Entry((s, k), buffer, block, buffer.untyped_storage().nbytes())
                 self._entries[s, k] = entry
                 self._storage[buffer.untyped_storage()._cdata] = (s, k)
-            offsets = dict(zip(buf.space.params, buf.space.buffer_offsets, strict=True))
-            for index, view in block_views(buf.blocks, buf.space, params).items():
-                key = self._storage[view.untyped_storage()._cdata]
-                entry = self._entries[key]
-                self._keys_of[id(params[index])] = [key]
+            for index, (k, local) in block_positions(buf.space).items():
+                entry = self._entries[s, k]
+                self._key_of[id(params[index])] = (s, k)
                 entry.members.append(params[index])
                 entry.indices.append(index)
-                entry.offsets.append(offsets[index] - buf.space.blocks[key[1]].start)
+                entry.offsets.append(local)
                 entry.trainable += index in managed
         for entry in self._entries.values():
             for p in entry.members:
@@ -315,7 +313,9 @@ class ShardedParams:
         root = model.register_forward_pre_hook(self._begin_forward, prepend=True)
         self._handles.append(root)
         for module in model.modules():
-            keys = sorted({k for p in module.parameters(recurse=False) for k in self._keys_of.get(id(p), ())})
+            keys = sorted(
+                {self._key_of[id(p)] for p in module.parameters(recurse=False) if id(p) in self._key_of}
+            )
             if not keys:
                 continue
             self._modules[id(module)] = keys
@@ -361,7 +361,8 @@ class ShardedParams:
 
     def gather_param(self, param: torch.Tensor) -> None:
         """Gather ``param``'s block now (used outside its modules); kept until the forward ends."""
-        for key in self._keys_of.get(id(param), ()):
+        key = self._key_of.get(id(param))
+        if key is not None:
             self._ensure(key)
             self._pinned.add(key)
 
@@ -447,14 +448,16 @@ class ShardedParams:
     def gradient_arrived(self, param: torch.Tensor) -> None:
         """A trainable parameter's gradient accumulated: free its block once all of the block's did."""
         self._queue_end_of_backward()
-        for key in self._keys_of.get(id(param), ()):
-            if key not in self._visited_backward:  # every block is gathered once per backward, needed or not
-                self._visited_backward.add(key)
-                self._launch(key)
-            count = self._arrived[key] = self._arrived.get(key, 0) + 1
-            self._prefetch(key, -1, self._visited_backward)
-            if count >= self._entries[key].trainable and self._hold == 0:
-                self._free(key)
+        key = self._key_of.get(id(param))
+        if key is None:
+            return
+        if key not in self._visited_backward:  # every block is gathered once per backward, needed or not
+            self._visited_backward.add(key)
+            self._launch(key)
+        count = self._arrived[key] = self._arrived.get(key, 0) + 1
+        self._prefetch(key, -1, self._visited_backward)
+        if count >= self._entries[key].trainable and self._hold == 0:
+            self._free(key)
 
     def _queue_end_of_backward(self) -> None:
         """Once per backward: free what is still gathered when it ends (a parameter got no gradient)."""
