@@ -524,7 +524,9 @@ class _SavedView:
         self.tensor = tensor
         self.key = entry.key
         self.entry = entry
-        if not any(tensor is p for p in entry.members):
+        # A parameter is counted among the members already (an unknown one viewing the block would be
+        # left uncounted: then the block moves rather than frees, the safe side).
+        if not isinstance(tensor, torch.nn.Parameter):
             entry.saved[id(tensor)] = entry.saved.get(id(tensor), 0) + 1
 
     def __del__(self) -> None:
