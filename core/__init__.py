@@ -24,6 +24,14 @@ from zeroplan.core.activations import (
 )
 from zeroplan.core.buckets import Bucket, BucketLayout, GradCopy, Piece, plan_buckets
 from zeroplan.core.comm import Collective, CollectivePolicy, send_elements
+from zeroplan.core.domains import (
+    Domain,
+    DomainPlans,
+    DomainsReport,
+    ParamLocation,
+    domains_report,
+    plan_domains,
+)
 from zeroplan.core.dtypes import canonical_dtype, itemsize, master_dtype
 from zeroplan.core.errors import (
     CheckpointError,
@@ -128,6 +136,9 @@ __all__ = [
     "CommCost",
     "ConfigError",
     "ConfigTypeError",
+    "Domain",
+    "DomainPlans",
+    "DomainsReport",
     "Fragment",
     "FragmentOverlap",
     "GatherCall",
@@ -139,6 +150,7 @@ __all__ = [
     "Link",
     "MemoryReport",
     "OptimizerSpec",
+    "ParamLocation",
     "ParamSpec",
     "PartitionPlan",
     "PartitionStrategy",
@@ -164,6 +176,7 @@ __all__ = [
     "communication",
     "compare_specs",
     "describe_optimizer",
+    "domains_report",
     "flat_even",
     "get_strategy",
     "greedy_whole",
@@ -175,6 +188,7 @@ __all__ = [
     "memory_report",
     "plan",
     "plan_buckets",
+    "plan_domains",
     "plan_from_assignment",
     "plan_reshard",
     "preset_names",
