@@ -40,8 +40,12 @@ class Inner(NamedTuple):
 
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's settings: everything but its tensors (``params``) and their names."""
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    """A param group's settings: everything but its tensors (``params``), their names and process group.
+
+    An expert group's ``process_group`` (see [Note: expert domains]) says where
+    it is reduced, not how it is stepped.
+    """
+    return {k: v for k, v in group.items() if k not in ("params", "param_names", "process_group")}
 
 
 def _comparable(value: Any) -> Any:

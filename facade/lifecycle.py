@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -60,7 +60,16 @@ from zeroplan.facade.inner import hyperparameter_digest, sync_hyperparameters
 from zeroplan.facade.installed import Installed
 from zeroplan.facade.param_gather import gather_space
 
-__all__ = ["Accumulation", "Phase", "StepContext", "StepLifecycle", "StepRecord"]
+__all__ = [
+    "Accumulation",
+    "Phase",
+    "StepContext",
+    "StepLifecycle",
+    "StepRecord",
+    "finish_norm",
+    "norm_op",
+    "norm_type_of",
+]
 
 
 class Phase(enum.Enum):
@@ -173,15 +182,17 @@ class StepLifecycle:
             self.accumulation = previous
 
     # ------------------------------------------------------------ reduce
-    def reduce(self, inst: Installed, ctx: StepContext, call: str) -> None:
+    def reduce(self, inst: Installed, ctx: StepContext, call: str, *, idle_ok: bool = False) -> None:
         """Agree across ranks, finish the reduction, average and unscale (``-> REDUCED``).
 
         A no-op once reduced in this step; ``call`` names the public method for
-        error messages.
+        error messages. ``idle_ok``: no gradient arrived here but the step has
+        some elsewhere (another domain of this rank, see [Note: expert
+        domains]): reduce zeros instead of refusing.
         """
         if self.phase in (Phase.REDUCED, Phase.CLIPPED):
             return
-        if self.phase is Phase.IDLE and inst.zp.partition.spaces:
+        if self.phase is Phase.IDLE and inst.zp.partition.spaces and not idle_ok:
             raise StepOrderError(_NO_GRADIENT.format(call=call))
         if self.phase not in _REDUCIBLE:
             raise StepOrderError(
@@ -217,19 +228,51 @@ class StepLifecycle:
         Raises:
             StepOrderError: already clipped in this step, or no backward ran.
         """
-        norm_type = _norm_type(norm_type)
+        norm_type = norm_type_of(norm_type)
+        self.check_unclipped()
+        self.reduce(inst, ctx, "clip_grad_norm_()")
+        local = self.local_norm(inst, norm_type)
+        total = _finish_norm(local, norm_type, lambda op: all_reduce_shard(local, op, inst.groups, self.log))
+        self.apply_clip(total, max_norm)
+        return total
+
+    def check_unclipped(self) -> None:
+        """Raise unless this step can still be clipped.
+
+        Raises:
+            StepOrderError: ``clip_grad_norm_`` already ran in this step.
+        """
         if self.phase is Phase.CLIPPED:
             raise StepOrderError(
                 "clip_grad_norm_ was already called in this step; clip once between backward and step()"
             )
-        self.reduce(inst, ctx, "clip_grad_norm_()")
-        total = _total_norm(self.master_grads, inst, norm_type, self.log)
+
+    def local_norm(self, inst: Installed, norm_type: float) -> torch.Tensor:
+        """This rank's part of the gradient norm (after :meth:`reduce`): the sum of ``|g|^p``, or the max.
+
+        Its shard's elements only; summing (or maxing) it over the shard group
+        gives the domain's norm to the ``p``; :func:`finish_norm` takes the root.
+        """
+        local = torch.zeros((), dtype=torch.float32, device=inst.device)
+        for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
+            part = grad[: buf.extent]
+            if part.numel() == 0:
+                continue
+            norm = torch.linalg.vector_norm(part, norm_type).float()
+            local = torch.maximum(local, norm) if norm_type == math.inf else local + norm**norm_type
+        return local
+
+    def apply_clip(self, total: torch.Tensor, max_norm: float) -> None:
+        """Scale the master gradients so a norm of ``total`` becomes at most ``max_norm`` (``-> CLIPPED``)."""
         coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for grad in self.master_grads:
             grad.mul_(coefficient.to(grad.dtype))
         self.clipped = True
         self.phase = Phase.CLIPPED
-        return total
+
+    def agree_overflow(self, found_inf: bool) -> None:
+        """Adopt the overflow verdict of the whole model (every domain, see [Note: expert domains])."""
+        self.found_inf = found_inf
 
     def grad_norm(self, inst: Installed, ctx: StepContext, norm_type: float) -> torch.Tensor:
         """The total norm of the master gradients, as :meth:`clip` computes it, without scaling them.
@@ -241,9 +284,10 @@ class StepLifecycle:
         Raises:
             StepOrderError: no backward ran in this step.
         """
-        norm_type = _norm_type(norm_type)
+        norm_type = norm_type_of(norm_type)
         self.reduce(inst, ctx, "grad_norm()")
-        return _total_norm(self.master_grads, inst, norm_type, CommLog())
+        local = self.local_norm(inst, norm_type)
+        return _finish_norm(local, norm_type, lambda op: all_reduce_shard(local, op, inst.groups, CommLog()))
 
     # ------------------------------------------------------------ step
     def step(self, inst: Installed, ctx: StepContext, **kwargs: Any) -> bool:
@@ -306,7 +350,7 @@ class StepLifecycle:
         return result
 
 
-def _norm_type(value: float) -> float:
+def norm_type_of(value: float) -> float:
     """``value`` as a float norm type, refused unless it is > 0 or inf."""
     norm_type = float(value)
     if not (norm_type == math.inf or norm_type > 0):
@@ -314,20 +358,22 @@ def _norm_type(value: float) -> float:
     return norm_type
 
 
-def _total_norm(
-    master_grads: Sequence[torch.Tensor], inst: Installed, norm_type: float, log: CommLog
+def norm_op(norm_type: float) -> dist.ReduceOp:
+    """How ranks combine their parts of a ``norm_type`` norm: ``MAX`` for inf, else ``SUM``."""
+    return dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+
+
+def _finish_norm(
+    local: torch.Tensor, norm_type: float, combine: Callable[[dist.ReduceOp], None]
 ) -> torch.Tensor:
-    """The norm of the whole model's gradient from this rank's master gradients: one all-reduce."""
-    local = torch.zeros((), dtype=torch.float32, device=inst.device)
-    for grad, buf in zip(master_grads, inst.buffers, strict=True):
-        part = grad[: buf.extent]
-        if part.numel() == 0:
-            continue
-        norm = torch.linalg.vector_norm(part, norm_type).float()
-        local = torch.maximum(local, norm) if norm_type == math.inf else local + norm**norm_type
-    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-    all_reduce_shard(local, op, inst.groups, log)
-    return local if norm_type == math.inf else local ** (1.0 / norm_type)
+    """The norm from this rank's part ``local``, once ``combine(op)`` reduced it in place over the ranks."""
+    combine(norm_op(norm_type))
+    return finish_norm(local, norm_type)
+
+
+def finish_norm(combined: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The norm from the parts combined over every rank (the root of the sum; the max as it is)."""
+    return combined if norm_type == math.inf else combined ** (1.0 / norm_type)
 
 
 def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:

@@ -10,6 +10,8 @@ do the work.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -19,26 +21,30 @@ import torch.distributed as dist
 from zeroplan.core import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
+    Collective,
     CommCost,
+    ConfigError,
+    DomainPlans,
+    DomainsReport,
     MemoryReport,
     ScalerConfig,
     ScalerState,
     ZeroPlan,
+    ZeroplanError,
     initial_state,
-    memory_report,
     update,
 )
+from zeroplan.core import Domain as CoreDomain
 from zeroplan.facade import replanning, state_loading
-from zeroplan.facade.accounting import MeasuredMemory, measure
+from zeroplan.facade.accounting import MeasuredMemory
 from zeroplan.facade.buffers import SpaceBuffers
+from zeroplan.facade.collectives import CommLog, all_reduce
 from zeroplan.facade.consolidate import consolidated_state_dict
-from zeroplan.facade.groups import ProcessGroups, data_parallel_group, make_groups
-from zeroplan.facade.inner import hyperparameters
-from zeroplan.facade.installed import Installed, broadcast_from_rank_zero, broadcast_values, install
-from zeroplan.facade.lifecycle import StepContext, StepLifecycle
+from zeroplan.facade.domain import Domain, DomainInput, ExecutionOptions, split_domains
+from zeroplan.facade.groups import ProcessGroups, data_parallel_group
+from zeroplan.facade.installed import Installed
+from zeroplan.facade.lifecycle import Phase, StepLifecycle, finish_norm, norm_op, norm_type_of
 from zeroplan.facade.memory_check import check_device_memory
-from zeroplan.facade.param_shards import ShardedParams
-from zeroplan.facade.parked import ParkedParam
 from zeroplan.facade.registry import Configured, configure
 from zeroplan.facade.state_dicts import Shards, sharded_state_dict
 from zeroplan.facade.state_loading import LoadedState
@@ -128,145 +134,127 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._initialized = False
         world = data_parallel_group(process_group)
+        inputs = split_domains(params, world)  # [Note: expert domains]
         configured: list[Configured] = []
+        plans: list[ZeroPlan] = []
 
         def make() -> tuple[ZeroPlan, list[dict[str, Any]]]:
-            c = configure(
-                params,
-                optimizer_class,
-                optimizer_defaults,
-                world=world,
-                stage=stage,
-                shard_group_size=shard_group_size,
-                strategy=strategy,
-                alignment=alignment,
-                bucket_bytes=bucket_bytes,
-                loss_scale=loss_scale,
-                max_inflight_buckets=max_inflight_buckets,
-                collectives=collectives,
-                layout=layout,
-                ranks_per_node=ranks_per_node,
-            )
-            configured[:] = [c]
-            zp = c.settings.plan(c.registry, c.groups)
-            check_device_memory(zp, c, world, overlap=overlap_grad_reduce, strict=strict_memory)
-            return zp, c.groups
+            if len(inputs) > 1 and stage == 3:
+                raise ConfigError(
+                    "stage 3 with expert param groups (a 'process_group' per group) is not supported: "
+                    "use stage 1 or 2 for a mixture-of-experts model"
+                )
+            configured[:], plans[:] = [], []
+            for d, item in enumerate(inputs):
+                c = configure(
+                    item.param_groups,
+                    optimizer_class,
+                    optimizer_defaults,
+                    world=item.group,
+                    stage=stage,
+                    shard_group_size=shard_group_size if d == 0 else None,
+                    strategy=strategy,
+                    alignment=alignment,
+                    bucket_bytes=bucket_bytes,
+                    loss_scale=loss_scale,
+                    max_inflight_buckets=max_inflight_buckets,
+                    collectives=collectives,
+                    layout=layout,
+                    ranks_per_node=ranks_per_node if d == 0 else None,
+                )
+                zp = c.settings.plan(c.registry, c.groups)
+                check_device_memory(zp, c, item.group, overlap=overlap_grad_reduce, strict=strict_memory)
+                configured.append(c)
+                plans.append(zp)
+            _check_disjoint(inputs, configured)
+            return plans[0], configured[0].groups
 
         # ranks_per_node is not fingerprinted (it changes no layout) but decides the groups made below.
-        zp = replanning.agreed_plan(
-            make, world, loss_scale=repr(loss_scale), scaler=repr(scaler), ranks_per_node=repr(ranks_per_node)
-        )
+        layout_of_domains = [(i.positions, dist.get_world_size(i.group)) for i in inputs]
+        plans[:1] = [
+            replanning.agreed_plan(
+                make,
+                world,
+                loss_scale=repr(loss_scale),
+                scaler=repr(scaler),
+                ranks_per_node=repr(ranks_per_node),
+                domains=repr(layout_of_domains),
+            )
+        ]
+        if len(inputs) > 1:
+            plans[1:] = _agreed_expert_plans(inputs, configured, plans, world)
         # Nothing below can fail for a user reason: state changes start here.
-        mode, groups, self._settings, self._registry = configured[0]
-        params_of = self._registry.params
-        super().__init__(
-            [{**g, "params": [params_of[i] for i in g["params"]]} for g in groups], optimizer_defaults
-        )
+        self._mode = configured[0].mode
+        ordered: list[dict[str, Any]] = [{} for _ in range(sum(len(i.positions) for i in inputs))]
+        for item, c in zip(inputs, configured, strict=True):
+            params_of = c.registry.params
+            for position, g in zip(item.positions, c.groups, strict=True):
+                extra = {} if item.group is world else {"process_group": item.group}
+                ordered[position] = {**g, **extra, "params": [params_of[i] for i in g["params"]]}
+        super().__init__(ordered, optimizer_defaults)
         self._world = world
-        self._groups: ProcessGroups = make_groups(world, self._settings.topology)
-        self._lifecycle = StepLifecycle()
-        self._parked: dict[int, ParkedParam] = {}  # [Note: parked state]
-        self._mode = mode
         self._scaler: ScalerState | None = (
-            initial_state(scaler or ScalerConfig()) if mode == "dynamic" else None
+            initial_state(scaler or ScalerConfig()) if self._mode == "dynamic" else None
         )
-        self._overlap = overlap_grad_reduce
-        self._overlap_gather = bool(overlap_param_gather)
-        self._reshard = bool(reshard_after_forward)
-        self._attached: torch.nn.Module | None = None
-        self._installed = self._install(zp)
-        broadcast_from_rank_zero(self._installed, self._registry.params)
-        self._settle(self._installed)
+        options = ExecutionOptions(
+            overlap=overlap_grad_reduce,
+            overlap_gather=bool(overlap_param_gather),
+            reshard=bool(reshard_after_forward),
+        )
+        self._domains: tuple[Domain, ...] = tuple(
+            Domain(
+                name=item.name,
+                world=item.group,
+                configured=c,
+                zp=zp,
+                param_groups=[self.param_groups[p] for p in item.positions],
+                defaults=self.defaults,
+                options=options,
+            )
+            for item, c, zp in zip(inputs, configured, plans, strict=True)
+        )
         self._initialized = True
 
-    def _context(self) -> StepContext:
-        scale = self.loss_scale if self._installed.zp.loss_scaling else 1.0
-        return StepContext(
-            divisor=self._settings.topology.world_size * scale,
-            param_groups=self.param_groups,
-            params=self._registry.params,
-            names=self._registry.names,
-        )
-
-    def _install(self, zp: ZeroPlan) -> Installed:
-        installed = install(
-            zp,
-            self._registry,
-            self._groups,
-            self._settings.optimizer_class,
-            self.param_groups,
-            overlap=self._overlap,
-            overlap_param_gather=self._overlap_gather,
-            reshard_after_forward=self._reshard,
-            admit=self._lifecycle.admit_gradient,
-            log=self._lifecycle.log,
-            tracker=self._lifecycle.tracker,
-        )
-        # Show the inner optimizer's full settings (LR schedulers read e.g. ``betas``).
-        inner = installed.inner.optimizer
-        for key, value in inner.defaults.items():
-            self.defaults.setdefault(key, value)
-        for outer, group in zip(self.param_groups, inner.param_groups, strict=True):
-            for key, value in hyperparameters(group).items():
-                outer.setdefault(key, value)
-        return installed
-
-    def _settle(self, installed: Installed) -> None:
-        """Stage 3: shard the freshly installed parameters and hook the attached model."""
-        if isinstance(installed.gather, ShardedParams):
-            installed.gather.shard_all()
-            if self._attached is not None:
-                installed.gather.attach(self._attached)
-
-    def _replan(self, zp: ZeroPlan) -> None:
-        """Switch to the agreed plan ``zp`` (see [Note: re-planning]); a no-op for the same plan."""
-        if zp.fingerprint() == self._installed.zp.fingerprint():
-            return
-        old = self._installed
-        old.gather.wait_all()
-        self._lifecycle.release(old)
-        if isinstance(old.gather, ShardedParams):
-            old.gather.gather_all()  # the new plan's buffers are filled from the parameters' values
-        self._installed, self._parked = replanning.replan(
-            old, zp, self._registry.params, self._install, self._parked
-        )
-        if isinstance(old.gather, ShardedParams):
-            old.gather.retire()
-        self._settle(self._installed)
-
-    def _hyper(self) -> list[dict[str, Any]]:
-        return [hyperparameters(g) for g in self.param_groups]
+    @property
+    def _data(self) -> Domain:
+        """Domain 0: the data-parallel domain (the only one without expert groups)."""
+        return self._domains[0]
 
     # ------------------------------------------------------------ properties
     @property
     def plan(self) -> ZeroPlan:
-        """The plan this optimizer executes."""
-        return self._installed.zp
+        """The plan this optimizer executes (of the data-parallel domain, with expert groups)."""
+        return self._data.installed.zp
+
+    @property
+    def domains(self) -> tuple[Domain, ...]:
+        """Its domains ([Note: expert domains]): only ``"data"`` unless param groups carry a process group."""
+        return self._domains
 
     @property
     def process_groups(self) -> ProcessGroups:
-        """World, shard and replica groups."""
-        return self._groups
+        """World, shard and replica groups (of the data-parallel domain)."""
+        return self._data.groups
 
     @property
     def installed(self) -> Installed:
         """The installed plan: plan, groups, buffers, inner optimizer, gradient sync (for tools)."""
-        return self._installed
+        return self._data.installed
 
     @property
     def lifecycle(self) -> StepLifecycle:
         """The step lifecycle ([Note: step lifecycle]); for inspection and profiling tools."""
-        return self._lifecycle
+        return self._data.lifecycle
 
     @property
     def buffers(self) -> tuple[SpaceBuffers, ...]:
         """This rank's flat buffers, one per dtype space of the plan (see [Note: flat buffers])."""
-        return self._installed.buffers
+        return self._data.installed.buffers
 
     @property
     def inner_optimizer(self) -> torch.optim.Optimizer:
-        """The ``torch.optim`` optimizer stepping this rank's shard."""
-        return self._installed.inner.optimizer
+        """The ``torch.optim`` optimizer stepping this rank's shard (of the data-parallel domain)."""
+        return self._data.installed.inner.optimizer
 
     @property
     def loss_scale(self) -> float:
@@ -283,13 +271,57 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ training API
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, multiplied by the loss scale when scaling is on."""
-        if self._installed.zp.loss_scaling:
+        if self._data.installed.zp.loss_scaling:
             loss = loss * self.loss_scale
         loss.backward(**kwargs)
 
-    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
         """Context in which backward accumulates gradients locally, without reduction."""
-        return self._lifecycle.local_accumulation()
+        with contextlib.ExitStack() as stack:
+            for domain in self._domains:
+                stack.enter_context(domain.lifecycle.local_accumulation())
+            yield
+
+    def _reduce(self, call: str) -> None:
+        """Finish every domain's reduction; with several, agree on one overflow verdict (one all-reduce)."""
+        if len(self._domains) == 1:
+            self._data.lifecycle.reduce(self._data.installed, self._data.context(self.loss_scale), call)
+            return
+        phases = [d.lifecycle.phase for d in self._domains]
+        if all(p in (Phase.REDUCED, Phase.CLIPPED) for p in phases):
+            return
+        live = any(p is not Phase.IDLE for p in phases)  # a domain without gradients here reduces zeros
+        for domain in self._domains:
+            domain.lifecycle.reduce(domain.installed, domain.context(self.loss_scale), call, idle_ok=live)
+        if self._data.installed.zp.loss_scaling:
+            flag = torch.tensor(
+                [float(any(d.lifecycle.found_inf for d in self._domains))], device=self._data.installed.device
+            )
+            all_reduce(flag, dist.ReduceOp.MAX, self._world)
+            for domain in self._domains:
+                domain.lifecycle.agree_overflow(bool(flag.item() > 0))
+
+    def _joint_norm(self, norm_type: float, log: CommLog) -> torch.Tensor:
+        """The norm over every domain's gradients: one all-reduce over the world ([Note: expert domains])."""
+        local = torch.zeros((), dtype=torch.float32, device=self._data.installed.device)
+        for domain in self._domains:
+            part = domain.lifecycle.local_norm(domain.installed, norm_type)
+            if norm_type == math.inf:
+                local = torch.maximum(local, part)
+            else:  # every shard group holds the domain's gradient once: count it once over the world
+                local = local + part / domain.settings.topology.replica_size
+        topology = self._data.settings.topology
+        log.record(
+            "world",
+            Collective.ALL_REDUCE,
+            [1] * topology.world_size,
+            self._data.groups.rank,
+            4,
+            link=topology.world_link,
+        )
+        all_reduce(local, norm_op(norm_type), self._world)
+        return finish_norm(local, norm_type)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -297,10 +329,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         Reduces gradients if backward left any pending, unscales them, then
         computes the norm over all shards (one all-reduce), identical on every
-        rank, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+        rank, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model
+        (with expert groups: over every expert of every group).
         Once per step, between backward and :meth:`step`.
         """
-        return self._lifecycle.clip(self._installed, self._context(), max_norm, norm_type)
+        if len(self._domains) == 1:
+            data = self._data
+            return data.lifecycle.clip(data.installed, data.context(self.loss_scale), max_norm, norm_type)
+        norm_type = norm_type_of(norm_type)
+        for domain in self._domains:
+            domain.lifecycle.check_unclipped()
+        self._reduce("clip_grad_norm_()")
+        total = self._joint_norm(norm_type, self._data.lifecycle.log)
+        for domain in self._domains:
+            domain.lifecycle.apply_clip(total, max_norm)
+        return total
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -314,7 +357,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         needed; after :meth:`clip_grad_norm_` it is the norm of the clipped
         gradients. For the gradients themselves, see :meth:`averaged_gradients`.
         """
-        return self._lifecycle.grad_norm(self._installed, self._context(), norm_type)
+        if len(self._domains) == 1:
+            data = self._data
+            return data.lifecycle.grad_norm(data.installed, data.context(self.loss_scale), norm_type)
+        norm_type = norm_type_of(norm_type)
+        self._reduce("grad_norm()")
+        return self._joint_norm(norm_type, CommLog())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -328,7 +376,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        applied = self._lifecycle.step(self._installed, self._context(), **kwargs)
+        self._reduce("step()")
+        applied = True
+        for domain in self._domains:
+            applied = domain.lifecycle.step(domain.installed, domain.context(self.loss_scale), **kwargs)
         if self._scaler is not None:
             self._scaler = update(self._scaler, not applied)
         return loss
@@ -336,31 +387,48 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last ``step()`` skipped its update because a gradient overflowed (inf/NaN)."""
-        return not self._lifecycle.last.applied
+        return not self._data.lifecycle.last.applied
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients (stage 1 keeps ``.grad`` as views of its buffer when not set to ``None``)."""
-        self._lifecycle.release(self._installed)
-        self._installed.sync.zero_grad(set_to_none)
+        for domain in self._domains:
+            domain.lifecycle.release(domain.installed)
+            domain.installed.sync.zero_grad(set_to_none)
 
     def averaged_gradients(self) -> list[torch.Tensor | None]:
         """The gradients the next ``step()`` applies, whole, per parameter (collective).
 
         Finishes the reduction if needed; the result is averaged over the data
-        parallel world, unscaled and clipped (if ``clip_grad_norm_`` ran), in
-        the master dtype, ``None`` for frozen parameters. It gathers every
+        parallel world (expert parameters: over their group), unscaled and
+        clipped (if ``clip_grad_norm_`` ran), in the master dtype, ``None`` for
+        frozen parameters, in the order of ``param_groups``. It gathers every
         shard on every rank of the shard group: meant for inspection and tests.
         """
-        return self._lifecycle.averaged_gradients(self._installed, self._context())
+        self._reduce("averaged_gradients()")
+        found: dict[int, torch.Tensor | None] = {}
+        for domain in self._domains:
+            grads = domain.lifecycle.averaged_gradients(domain.installed, domain.context(self.loss_scale))
+            found.update((id(p), g) for p, g in zip(domain.registry.params, grads, strict=True))
+        return [found[id(p)] for group in self.param_groups for p in group["params"]]
 
     # ------------------------------------------------------------ accounting
     def measured_memory(self) -> MeasuredMemory:
-        """Bytes this rank holds now, by category; buffers are the last step's peak."""
-        return measure(self._installed, self._registry.params, self._lifecycle.last.buffer_peak)
+        """Bytes this rank holds now, by category (every domain); buffers are the last step's peak."""
+        parts = [d.measured_memory() for d in self._domains]
+        return MeasuredMemory(*(sum(values) for values in zip(*parts, strict=True)))
 
     def last_step_comm(self) -> tuple[CommCost, ...]:
-        """Collectives of the last completed step: calls and bytes sent, per (group, collective)."""
-        return self._lifecycle.last.comm
+        """Collectives of the last completed step: calls and bytes sent, per (group, collective).
+
+        With expert groups, the groups of domains other than ``"data"`` are
+        named ``"<domain>/<group>"`` (``"experts/shard"``).
+        """
+        costs = list(self._data.lifecycle.last.comm)
+        for domain in self._domains[1:]:
+            costs += [
+                dataclasses.replace(c, group=f"{domain.name}/{c.group}") for c in domain.lifecycle.last.comm
+            ]
+        return tuple(costs)
 
     def memory_report(self, *, clipping: bool | None = None) -> MemoryReport:
         """The planner's report for this optimizer's plan (no communication).
@@ -369,20 +437,55 @@ class ZeroOptimizer(torch.optim.Optimizer):
         by default it is counted if the last completed step clipped. Its
         ``peak_bytes`` follows this optimizer's ``overlap_grad_reduce`` and the
         order the last step's gradients arrived in.
+
+        Raises:
+            ConfigError: the optimizer has expert groups: one report would leave
+                them out; use :meth:`memory_reports`.
         """
-        clipped = self._lifecycle.last.clipped if clipping is None else clipping
-        arrivals = self._installed.sync.last_arrivals
-        return memory_report(
-            self._installed.zp,
-            clipping=clipped,
-            overlap=self._overlap,
-            arrivals=arrivals,
-            reshard_after_forward=self._reshard,
+        if len(self._domains) > 1:
+            raise ConfigError(
+                "memory_report() describes one plan, but this optimizer has expert groups (one plan per "
+                "domain); use memory_reports(), whose .rank(...) sums a rank's domains"
+            )
+        return self._data.memory_report(self._clipped(clipping))
+
+    def memory_reports(self, *, clipping: bool | None = None) -> DomainsReport:
+        """The planner's report of every domain ([Note: expert domains]); ``clipping``: see ``memory_report``.
+
+        ``.rank(self.domain_positions())`` is this rank's total.
+        """
+        clipped = self._clipped(clipping)
+        return DomainsReport(
+            domains=self.domain_plans().domains,
+            reports=tuple(d.memory_report(clipped) for d in self._domains),
         )
+
+    def domain_plans(self) -> DomainPlans:
+        """Every domain's plan, with the user's group positions (pure value)."""
+        positions = {id(g): i for i, g in enumerate(self.param_groups)}
+        return DomainPlans(
+            domains=tuple(
+                CoreDomain(
+                    name=d.name,
+                    groups=tuple(positions[id(g)] for g in d.param_groups),
+                    topology=d.settings.topology,
+                )
+                for d in self._domains
+            ),
+            plans=tuple(d.installed.zp for d in self._domains),
+        )
+
+    def domain_positions(self) -> tuple[int, ...]:
+        """This rank's position in each domain's process group (what ``memory_reports().rank`` takes)."""
+        return tuple(d.groups.rank for d in self._domains)
+
+    def _clipped(self, clipping: bool | None) -> bool:
+        return self._data.lifecycle.last.clipped if clipping is None else clipping
 
     def wait_for_params(self) -> None:
         """Complete the last step's parameter gathers (before reading parameters outside a forward)."""
-        self._installed.gather.wait_all()
+        for domain in self._domains:
+            domain.installed.gather.wait_all()
 
     def attach(self, model: torch.nn.Module) -> None:
         """Let ``model``'s forward gather the stage-3 parameters it uses (see [Note: stage 3]).
@@ -392,9 +495,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         module whose forward runs the model (the root). At stages 1 and 2 it
         does nothing (parameters are whole there), so code can call it always.
         """
-        self._attached = model
-        if isinstance(self._installed.gather, ShardedParams):
-            self._installed.gather.attach(model)
+        for domain in self._domains:
+            domain.attach(model)
 
     @contextlib.contextmanager
     def gathered_params(self, *, writeback: bool = False) -> Iterator[None]:
@@ -414,46 +516,46 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 it, stage 3 drops such changes, and at stages 1 and 2 the next
                 step overwrites bf16/fp16 parameters from the unchanged masters.
         """
-        gather = self._installed.gather
-        if isinstance(gather, ShardedParams):
-            with gather.all_gathered(writeback=writeback):
-                yield
-            return
-        gather.wait_all()
-        yield
-        if writeback:
-            for buf in self._installed.buffers:
-                buf.load_master()
+        with contextlib.ExitStack() as stack:
+            for domain in self._domains:
+                stack.enter_context(domain.gathered(writeback=writeback))
+            yield
 
     # ------------------------------------------------------------ state dicts
     def shards(self) -> Shards:
-        """What state dicts and checkpoints read: plan, buffers, inner optimizer, groups, settings."""
-        inst = self._installed
-        inst.gather.wait_all()  # they read the parameters: the last step's gathers must be complete
-        return Shards(
-            zp=inst.zp,
-            buffers=inst.buffers,
-            inner=inst.inner,
-            groups=inst.groups,
-            params=self._registry.params,
-            optimizer_name=self._settings.optimizer_name,
-            param_groups=self.param_groups,
-            scaler=self._scaler,
-            parked=self._parked,
-        )
+        """What state dicts and checkpoints read: plan, buffers, inner optimizer, groups, settings.
+
+        Raises:
+            ConfigError: the optimizer has expert groups (checkpoint directories
+                and consolidated dicts hold one domain); save ``state_dict()``
+                per rank instead.
+        """
+        if len(self._domains) > 1:
+            raise ConfigError(
+                "checkpoint directories and consolidated state dicts hold one plan, but this optimizer has "
+                "expert groups (one plan per domain); save opt.state_dict() on every rank (torch.save to a "
+                "file per rank) and load it with opt.load_state_dict() on the same world"
+            )
+        return self._data.shards(self._scaler)
 
     def plan_with_cohorts(self, cohorts: Iterable[int]) -> ZeroPlan:
         """This optimizer's plan with the parameters in other cohorts (pure: changes nothing)."""
-        return self._settings.plan(self._registry.with_cohorts(tuple(cohorts)), self._hyper())
+        return self._data.plan_with_cohorts(tuple(cohorts))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's sharded state (see [Note: state dict forms] in ``state_dicts``).
 
         Loads back with :meth:`load_state_dict` on the same plan and restores
         training bit for bit. For another world or shard size use
-        :meth:`consolidated_state_dict` or ``zeroplan.facade.checkpoint``.
+        :meth:`consolidated_state_dict` or ``zeroplan.facade.checkpoint``. With
+        expert groups it holds one sharded dict per domain (``"domains"``).
         """
-        return sharded_state_dict(self.shards())
+        if len(self._domains) == 1:
+            return sharded_state_dict(self.shards())
+        return {
+            "format": DOMAINS_FORMAT,
+            "domains": {d.name: sharded_state_dict(d.shards(self._scaler)) for d in self._domains},
+        }
 
     @torch.no_grad()
     def consolidated_state_dict(
@@ -476,20 +578,69 @@ class ZeroOptimizer(torch.optim.Optimizer):
         is sliced by every rank; call it on every rank. Collective: every rank
         validates its dict, then all agree (see [Note: load agreement] in
         ``state_loading``), so a dict rejected on one rank raises on every rank
-        and changes nothing on any.
+        and changes nothing on any. With expert groups only this optimizer's
+        own ``state_dict()`` loads (same world and groups).
 
         Raises:
             ConfigError, IncompatiblePlanError: on every rank, if any rank's
                 dict is invalid or the ranks' dicts disagree.
         """
+        if len(self._domains) > 1:
+            loaded = self._read_domains(state_dict)
+            for domain, state in zip(self._domains, loaded, strict=True):
+                domain.restore(state)
+            self._restore_scaler(loaded[0])
+            return
         sh = self.shards()
         with self.gathered_params():  # a plain dict without masters reads the parameters' values
-            loaded = state_loading.agreed_state(
+            state = state_loading.agreed_state(
                 lambda: state_loading.read_state_dict(state_dict, sh, self.plan_with_cohorts),
                 sh,
                 what="state dict",
             )
-        self.restore(loaded)
+        self.restore(state)
+
+    def _read_domains(self, state_dict: dict[str, Any]) -> list[LoadedState]:
+        """Every domain's validated state from a multi-domain dict; raises on every rank if any rank fails."""
+        names = [d.name for d in self._domains]
+        problem: Exception | None = None
+        if not (isinstance(state_dict, dict) and state_dict.get("format") == DOMAINS_FORMAT):
+            problem = ConfigError(
+                "this optimizer has expert groups and loads only its own state_dict() (one sharded dict per "
+                f"domain, format {DOMAINS_FORMAT!r}); plain torch.optim dicts, single-domain sharded dicts "
+                "and consolidated dicts do not say which expert group their state belongs to"
+            )
+        elif sorted(state_dict.get("domains", {})) != sorted(names):
+            problem = ConfigError(
+                f"the state dict holds domains {sorted(state_dict.get('domains', {}))}, the optimizer {names}"
+            )
+        loaded: list[LoadedState] = []
+        for domain in self._domains:
+            sh = domain.shards(self._scaler)
+            try:
+                if problem is not None:
+                    raise problem
+                part = state_dict["domains"][domain.name]
+                loaded.append(
+                    state_loading.agreed_state(
+                        lambda part=part, sh=sh, domain=domain: state_loading.read_state_dict(
+                            part, sh, domain.plan_with_cohorts
+                        ),
+                        sh,
+                        what=f"state dict of domain {domain.name!r}",
+                    )
+                )
+            except Exception as exc:  # the other domains still agree, so no rank waits
+                problem = problem or exc
+        verdict = torch.tensor([int(problem is not None)], device=self._data.installed.device)
+        all_reduce(verdict, dist.ReduceOp.MAX, self._world)  # an expert group's failure reaches every rank
+        if problem is not None:
+            raise problem
+        if int(verdict.item()):
+            raise ConfigError(
+                "another rank's expert groups rejected the state dict; see the error on that rank"
+            )
+        return loaded
 
     @torch.no_grad()
     def restore(self, loaded: LoadedState) -> None:
@@ -498,21 +649,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Adopts the plan the state is laid out for (same parameters, other
         cohorts) first; every rank must call it with state of the same plan.
         """
-        self.wait_for_params()
-        self._lifecycle.release(self._installed)
-        if loaded.target.fingerprint() != self._installed.zp.fingerprint():
-            self._registry = self._registry.with_cohorts([s.cohort for s in loaded.target.specs])
-            self._replan(loaded.target)
-        if loaded.param_values is not None:
-            gather = self._installed.gather
-            if isinstance(gather, ShardedParams):  # stage 3: write into the blocks, keep this rank's pieces
-                with gather.all_gathered(writeback=True):
-                    state_loading.copy_param_values(self._registry.params, loaded.param_values)
-            else:
-                state_loading.copy_param_values(self._registry.params, loaded.param_values)
-        state_loading.commit_state(self._installed, loaded, self.param_groups)
-        if loaded.parked is not None:
-            self._parked = loaded.parked
+        self._data.restore(loaded)
+        self._restore_scaler(loaded)
+
+    def _restore_scaler(self, loaded: LoadedState) -> None:
         if loaded.scaler is not None and self._scaler is not None:
             self._scaler = ScalerState(config=self._scaler.config, **loaded.scaler)
 
@@ -525,26 +665,80 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters trainable for the first time start fresh (their own ``step``
         counter). Collective: call on every rank.
         """
-        self._registry, zp = replanning.refresh_trainable(
-            self._registry, self._settings, self._installed.zp, self._hyper(), self._world, self._parked
-        )
-        self._replan(zp)
+        for domain in self._domains:
+            domain.refresh_trainable()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (collective: call on every rank with the same group).
 
         New parameters become trainable with fresh optimizer state. A bad
-        group raises on every rank and changes nothing.
+        group raises on every rank and changes nothing. A group with a
+        ``"process_group"`` joins the expert domain of that process group.
         """
         if not self._initialized:  # torch.optim.Optimizer.__init__ adds the first groups
             super().add_param_group(param_group)
             return
-        start = len(self._registry.params)
-        registry, zp, group = replanning.add_param_group(
-            self._registry, self._settings, self._hyper(), self.defaults, param_group, self._world
+        pg = param_group.get("process_group") if isinstance(param_group, dict) else None
+        domain = next((d for d in self._domains if d.world is (pg or self._world)), None)
+        if domain is None:
+            raise ConfigError(
+                "add_param_group: its process_group is none of this optimizer's (the data-parallel group or "
+                "an expert group given at construction); pass every expert group when creating the optimizer"
+            )
+        plain = {k: v for k, v in param_group.items() if k != "process_group"}
+        registry, zp, group = domain.plan_group(plain)
+        new = registry.params[len(domain.registry.params) :]
+        extra = {} if domain is self._data else {"process_group": domain.world}
+        super().add_param_group({**group, **extra, "params": list(new)})
+        domain.adopt_group(registry, zp, self.param_groups[-1])
+
+
+#: ``format`` of a multi-domain ``state_dict()`` (see [Note: expert domains]).
+DOMAINS_FORMAT = "zeroplan.domains/1"
+
+
+def _check_disjoint(inputs: list[DomainInput], configured: list[Configured]) -> None:
+    """Raise if a parameter is in two domains' groups."""
+    owner: dict[int, str] = {}
+    for item, c in zip(inputs, configured, strict=True):
+        for param, name in zip(c.registry.params, c.registry.names, strict=True):
+            if owner.setdefault(id(param), item.name) != item.name:
+                raise ConfigError(
+                    f"parameter {name!r} is in a group of domain {owner[id(param)]!r} and in one of "
+                    f"{item.name!r} (groups with another process_group); list each parameter once"
+                )
+
+
+def _agreed_expert_plans(
+    inputs: list[DomainInput], configured: list[Configured], plans: list[ZeroPlan], world: dist.ProcessGroup
+) -> list[ZeroPlan]:
+    """Every expert domain's plan once its group's ranks agreed; raises on every rank if any group failed.
+
+    Each expert group agrees over itself (its ranks hold the same experts);
+    one all-reduce over the world then carries any group's failure to all.
+    """
+    agreed: list[ZeroPlan] = []
+    problem: Exception | None = None
+    for d in range(1, len(inputs)):
+        try:
+            agreed.append(
+                replanning.agreed_plan(lambda d=d: (plans[d], configured[d].groups), inputs[d].group)
+            )
+        except Exception as exc:  # the other expert groups still agree, so no rank waits
+            ranks = dist.get_process_group_ranks(inputs[d].group)
+            where = (
+                f"domain {inputs[d].name!r} (param groups {list(inputs[d].positions)}, global ranks {ranks})"
+            )
+            if isinstance(exc, ZeroplanError):
+                exc = type(exc)(f"{where}: {exc} (ranks and group indices are the domain's own)")
+            problem = problem or exc
+    verdict = torch.tensor([int(problem is not None)], device=configured[0].registry.device)
+    all_reduce(verdict, dist.ReduceOp.MAX, world)
+    if problem is not None:
+        raise problem
+    if int(verdict.item()):
+        raise ConfigError(
+            "another rank's expert group rejected the optimizer settings (its ranks disagree on the "
+            "parameters or hyper-parameters of their expert groups); see the error on that rank"
         )
-        new = registry.params[start:]
-        broadcast_values(new, self._world)  # every rank starts from rank 0's values, as at construction
-        super().add_param_group({**group, "params": list(new)})
-        self._registry = registry
-        self._replan(zp)
+    return agreed

@@ -80,7 +80,10 @@ def torch_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str,
     for group in param_groups:
         count = len(group["params"])
         out.append(
-            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + count))}
+            {
+                **{k: v for k, v in group.items() if k not in ("params", "process_group")},
+                "params": list(range(start, start + count)),
+            }
         )
         start += count
     return out

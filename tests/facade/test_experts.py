@@ -1,0 +1,76 @@
+"""Expert param groups (issue 13, part 3): a mixture-of-experts model at world 4 on gloo.
+
+Two expert-parallel groups of 2 ranks exchange tokens with ``all_to_all``; the expert param
+group carries its expert-data-parallel group (``{"params": experts, "process_group": ep_dp}``),
+so its gradients are averaged and its state sharded over those 2 ranks while the dense
+parameters use all 4. Checked against one process stepping ``torch.optim`` with every expert.
+"""
+
+from __future__ import annotations
+
+import pytest
+import scenarios_experts
+
+REFERENCE_CASES = [
+    {"stage": 2},
+    {"stage": 1},
+    {"stage": 2, "clip": 0.05},
+    {"stage": 2, "clip": 0.05, "experts_first": True, "expert_lr": 3e-3},
+    {"stage": 2, "optimizer": "sgd", "clip": 0.5, "collectives": "min_bytes"},
+    {"stage": 2, "shard": 2, "clip": 0.05},  # MiCS for the dense parameters, experts over their group
+    {"stage": 2, "loss_scale": "dynamic", "clip": 0.05, "overlap_grad_reduce": False},
+    {"stage": 2, "dtype": "bf16", "clip": 0.05},
+]
+
+
+@pytest.mark.parametrize("cfg", REFERENCE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_moe_matches_the_unsharded_optimizer(pools, cfg):
+    tolerance = 3e-2 if cfg.get("dtype") == "bf16" else 2e-5
+    for r in pools(4).run(scenarios_experts.matches_reference, cfg):
+        assert r["domains"] == ["data", "experts"] and r["expert_world"] == 2
+        assert max(r["param_err"]) < tolerance, r["param_err"]
+        assert max(r["norm_err"]) < tolerance, r["norm_err"]
+        assert not r["skipped"]
+
+
+def test_expert_state_is_sharded_over_the_expert_group_and_measured_as_planned(pools):
+    for r in pools(4).run(scenarios_experts.accounting, {"stage": 2}):
+        assert r["measured"] == r["planned"], (r["measured"], r["planned"])
+        # 2 ranks share each expert's state: half of it here (up to alignment padding)
+        assert r["expert_unsharded_state"] / 2 <= r["expert_state"] < r["expert_unsharded_state"] / 2 * 1.1
+        assert any(g.startswith("experts/") for g in r["comm_groups"]), r["comm_groups"]
+        assert "memory_reports()" in r["single_report_error"]
+
+
+def test_state_dict_round_trip_with_expert_groups(pools):
+    for r in pools(4).run(scenarios_experts.state_dict_round_trip, {"stage": 2}):
+        assert r["equal"]
+        assert r["format"] == "zeroplan.domains/1" and r["domains"] == ["data", "experts"]
+        assert set(r["errors"]) == {"shards", "consolidated", "plain"}, r["errors"]
+        assert "expert groups" in r["errors"]["shards"]
+
+
+def test_an_expert_overflow_on_one_rank_skips_the_step_everywhere(pools):
+    for r in pools(4).run(scenarios_experts.overflow_on_one_expert, {"stage": 2}):
+        assert r["skipped"] and r["unchanged"]
+        assert r["scale"][1] == r["scale"][0] / 2
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("stage3", "stage 3"),
+        ("shapes", "domain 'experts' (param groups [1], global ranks [0, 2]): rank 1 describes different"),
+        ("lr", "domain 'experts' (param groups [1], global ranks [1, 3]): rank 1 was given different"),
+        ("not_a_group", "ProcessGroup"),
+        ("not_member", "not a member"),
+        ("twice", "list each parameter once"),
+    ],
+)
+def test_wrong_expert_setups_raise_on_every_rank(pools, case, words):
+    errors = pools(4).run(scenarios_experts.misuse, case)
+    for error in errors:
+        assert error is not None, errors
+    assert any(words in e for e in errors), errors
+    if case in ("shapes", "lr"):  # ranks of the other expert group learn of it too
+        assert sum("another rank's expert group" in e for e in errors) == 2, errors
