@@ -134,11 +134,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._initialized = False
         world = data_parallel_group(process_group)
-        inputs = split_domains(params, world)  # [Note: expert domains]
+        split_problem: ConfigError | None = None
+        try:
+            inputs = split_domains(params, world)  # [Note: expert domains]
+        except ConfigError as exc:  # raised on every rank by the agreement below, not here alone
+            inputs, split_problem = [], exc
         configured: list[Configured] = []
         plans: list[ZeroPlan] = []
 
         def make() -> tuple[ZeroPlan, list[dict[str, Any]]]:
+            if split_problem is not None:
+                raise split_problem
             if len(inputs) > 1 and stage == 3:
                 raise ConfigError(
                     "stage 3 with expert param groups (a 'process_group' per group) is not supported: "
@@ -679,14 +685,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         pg = param_group.get("process_group") if isinstance(param_group, dict) else None
-        domain = next((d for d in self._domains if d.world is (pg or self._world)), None)
+        domain = next((d for d in self._domains if d.world is (self._world if pg is None else pg)), None)
         if domain is None:
             raise ConfigError(
                 "add_param_group: its process_group is none of this optimizer's (the data-parallel group or "
                 "an expert group given at construction); pass every expert group when creating the optimizer"
             )
-        plain = {k: v for k, v in param_group.items() if k != "process_group"}
-        registry, zp, group = domain.plan_group(plain)
+        if isinstance(param_group, dict):
+            param_group = {k: v for k, v in param_group.items() if k != "process_group"}
+        registry, zp, group = domain.plan_group(param_group)
         new = registry.params[len(domain.registry.params) :]
         extra = {} if domain is self._data else {"process_group": domain.world}
         super().add_param_group({**group, **extra, "params": list(new)})

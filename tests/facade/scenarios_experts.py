@@ -227,8 +227,9 @@ def misuse(rank: int, world: int, case: str) -> str | None:
             groups[1]["params"] = [torch.nn.Parameter(torch.zeros(3, 3))]
     elif case == "lr":  # rank 3's experts train with another lr than rank 1's
         groups[1]["lr"] = 0.5 if rank == 3 else 0.1
-    elif case == "not_a_group":
-        groups[1]["process_group"] = "ep_dp"
+    elif case == "not_a_group":  # on rank 1 only: the others learn of it and raise too
+        if rank == 1:
+            groups[1]["process_group"] = "ep_dp"
     elif case == "not_member":  # the expert-data-parallel group of the other position
         others = [torch.distributed.new_group(list(range(p, world, moe.EP))) for p in range(moe.EP)]
         groups[1]["process_group"] = others[(rank + 1) % moe.EP]
