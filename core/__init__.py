@@ -28,8 +28,10 @@ from zeroplan.core.domains import (
     Domain,
     DomainPlans,
     DomainsReport,
+    ExpertSplit,
     ParamLocation,
     domains_report,
+    expert_domains,
     plan_domains,
 )
 from zeroplan.core.dtypes import canonical_dtype, itemsize, master_dtype
@@ -139,6 +141,7 @@ __all__ = [
     "Domain",
     "DomainPlans",
     "DomainsReport",
+    "ExpertSplit",
     "Fragment",
     "FragmentOverlap",
     "GatherCall",
@@ -177,6 +180,7 @@ __all__ = [
     "compare_specs",
     "describe_optimizer",
     "domains_report",
+    "expert_domains",
     "flat_even",
     "get_strategy",
     "greedy_whole",

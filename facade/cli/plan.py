@@ -1,4 +1,19 @@
-"""``zeroplan plan``: print the memory per rank and traffic of a plan, as a table or JSON."""
+"""``zeroplan plan``: print the memory per rank and traffic of a plan, as a table or JSON.
+
+[Note: expert parallel plans]
+``--expert-parallel E`` (default 1: none) plans a mixture-of-experts model as
+``ZeroOptimizer`` runs it with an expert param group: :func:`zeroplan.core.expert_domains`
+keeps what one rank holds (every dense parameter, ``1/E`` of every MoE layer's
+experts; see [Note: one rank's experts] in ``zeroplan.core.domains``) and makes two
+domains, ``"data"`` (the world, with ``--shard-size`` and ``--ranks-per-node``) and
+``"experts"`` (expert-data-parallel groups of ``world / E``), which
+:func:`zeroplan.core.plan_domains` plans. The table shows each domain as a plain plan
+is shown, then every rank's total (rank ``r`` is rank ``r // E`` of its
+expert-data-parallel group); ``--json`` prints :meth:`DomainsReport.as_dict` with
+``per_rank_total``. Stage 3 is refused (as ``ZeroOptimizer`` refuses it with expert
+groups), and so are the fit options of [Note: fit options], which plan one domain.
+Without ``--expert-parallel`` the output is what it always was.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +28,8 @@ from zeroplan.core import (
     AUTO_MAX_PIECES,
     LAYOUTS,
     ConfigError,
+    DomainPlans,
+    DomainsReport,
     FitReport,
     MemoryReport,
     ParamSpec,
@@ -20,9 +37,12 @@ from zeroplan.core import (
     Recommendation,
     Topology,
     describe_optimizer,
+    domains_report,
+    expert_domains,
     known_optimizers,
     memory_report,
     plan,
+    plan_domains,
     preset_names,
     strategy_names,
 )
@@ -63,6 +83,14 @@ def register(sub: Any) -> None:
     p.add_argument("--loss-scaling", action="store_true", help="plan the fp16 overflow check")
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON document")
     p.add_argument("--rows", type=int, default=16, help="most rank rows in the table (default 16)")
+    p.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=1,
+        metavar="E",
+        help="ranks splitting each MoE layer's experts: plan the dense parameters over the world and "
+        "the experts over expert-data-parallel groups of world/E (default 1: no expert domain)",
+    )
     fitting.add_arguments(p)
     p.set_defaults(run=run)
 
@@ -82,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bucket-mb must be a finite number > 0, got {args.bucket_mb}")
     if args.rows < 1:
         raise ConfigError(f"--rows must be >= 1, got {args.rows}")
+    if args.expert_parallel != 1:
+        return _run_experts(args)
     settings = fitting.fit_settings(args)  # checked before planning: see [Note: fit options]
     specs, source = _specs(args)
     topology = Topology(
@@ -131,6 +161,144 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+#: Options of [Note: fit options] that ``--expert-parallel`` does not support: they plan one domain.
+_FIT_FLAGS = (
+    ("--device-memory", "device_memory"),
+    ("--seq-len", "seq_len"),
+    ("--micro-batch", "micro_batch"),
+    ("--recompute", "recompute"),
+    ("--activation-bytes", "activation_bytes"),
+    ("--recommend", "recommend"),
+)
+
+
+def _run_experts(args: argparse.Namespace) -> int:
+    """``zeroplan plan --expert-parallel E`` (see [Note: expert parallel plans])."""
+    e = args.expert_parallel
+    if e < 1:
+        raise ConfigError(f"--expert-parallel must be >= 1 (1: no expert parallelism), got {e}")
+    given = [flag for flag, key in _FIT_FLAGS if getattr(args, key) not in (None, False)]
+    if given:
+        raise ConfigError(
+            f"{given[0]} does not take --expert-parallel into account yet (the fit and the recommender "
+            f"plan a single domain); drop {given[0]}, or plan without --expert-parallel"
+        )
+    if args.stage == 3:
+        raise ConfigError(
+            "--stage 3 with --expert-parallel is not supported (ZeroOptimizer refuses stage 3 with "
+            "expert param groups): use --stage 0, 1 or 2"
+        )
+    specs, source = _specs(args)
+    started = time.perf_counter()
+    split = expert_domains(
+        specs,
+        world_size=args.world,
+        expert_parallel=e,
+        shard_size=args.shard_size,
+        ranks_per_node=args.ranks_per_node,
+    )
+    dp = plan_domains(
+        split.specs,
+        split.domains,
+        stage=args.stage,
+        strategy=args.strategy,
+        optimizer=describe_optimizer(args.optimizer),
+        alignment=args.alignment,
+        bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
+        loss_scaling=args.loss_scaling,
+        layout=args.layout,
+    )
+    dr = domains_report(dp)
+    totals = tuple(dr.rank((r, r // e)) for r in range(args.world))
+    elapsed = time.perf_counter() - started
+    optimizer = dp.plans[0].optimizers[0].name
+    if args.json:
+        document: dict[str, Any] = {
+            "model": source,
+            "dtype": specs[0].dtype,
+            "optimizer": optimizer,
+            "world": args.world,
+            "expert_parallel": e,
+            "stage": int(dp.stage),
+            "total_params": sum(s.numel for s in specs),
+            "params_per_rank": sum(s.numel for s in split.specs),
+            "fingerprint": dp.fingerprint(),
+            "layout_requested": args.layout,
+            "planning_seconds": round(elapsed, 4),
+            **dr.as_dict(),
+            "per_rank_total": [{"positions": [r, r // e], **t.as_dict()} for r, t in enumerate(totals)],
+        }
+        for entry, zp in zip(document["domains"], dp.plans, strict=True):
+            entry.update(
+                buckets=len(zp.buckets.buckets),
+                layout=zp.partition.layout,
+                splits_params=zp.partition.splits_params,
+            )
+        json.dump(document, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    _print_experts(args, source, specs, dp, dr, totals, elapsed)
+    return 0
+
+
+def _print_experts(
+    args: argparse.Namespace,
+    source: str,
+    specs: tuple[ParamSpec, ...],
+    dp: DomainPlans,
+    dr: DomainsReport,
+    totals: tuple[RankReport, ...],
+    elapsed: float,
+) -> None:
+    """The model, one table per domain, then every rank's total."""
+    from rich.console import Console
+
+    e, world = args.expert_parallel, args.world
+    group = world // e
+    optimizer = dp.plans[0].optimizers[0].name
+    dense, experts = (sum(s.numel for s in zp.specs) for zp in dp.plans)
+    console = Console()
+    console.print(
+        f"[bold]{source}[/]: {sum(s.numel for s in specs):,} parameters in {len(specs)} tensors, "
+        f"{specs[0].dtype}, {optimizer}\n"
+        f"expert parallel {e}: a rank holds {dense + experts:,} parameters: {dense:,} dense (data domain, "
+        f"world {world})\nand {experts:,} of experts, 1/{e} of every MoE layer's (experts domain, "
+        f"expert-data-parallel groups of {group}); fingerprint {dp.fingerprint()}"
+    )
+    layout = "" if args.layout != "auto" else " (auto)"
+    names = {"data": "data domain (dense parameters)", "experts": f"experts domain (1/{e} of the experts)"}
+    for domain, zp, report in zip(dp.domains, dp.plans, dr.reports, strict=True):
+        titles = {}
+        if domain.name == "experts":
+            titles = {
+                "title": f"memory per rank of an expert-data-parallel group of {group} (GiB) "
+                "and traffic per step (GiB sent)",
+                "comm_title": "traffic of its rank 0 per step",
+            }
+        _print_table(
+            report,
+            optimizer,
+            names[domain.name],
+            zp.specs,
+            len(zp.buckets.buckets),
+            zp.partition.layout + layout,
+            elapsed,
+            args.rows,
+            **titles,
+        )
+    console.print(
+        _memory_table(
+            "per rank total, data + experts (GiB; peak: the domains' peaks added, an upper bound)",
+            totals,
+            args.rows,
+        )
+    )
+    console.print(
+        f"rank r is expert-parallel rank r % {e} (expert-parallel groups are {e} consecutive ranks) and rank "
+        f"r // {e} of its expert-data-parallel group {{r % {e}, r % {e} + {e}, …}}"
+    )
+
+
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:,.3f}"
 
@@ -170,6 +338,9 @@ def _print_table(
     elapsed: float,
     rows: int,
     fit: FitReport | None = None,
+    *,
+    title: str = "memory per rank (GiB) and traffic per step (GiB sent)",
+    comm_title: str = "traffic of rank 0 per step",
 ) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -182,14 +353,27 @@ def _print_table(
         f"strategy {report.strategy}, layout {layout}, {buckets} buckets, fingerprint {report.fingerprint} "
         f"(planned in {elapsed:.3f} s)"
     )
-    table = Table(title="memory per rank (GiB) and traffic per step (GiB sent)")
+    console.print(_memory_table(title, report.ranks, rows, fit))
+    comm = Table(title=comm_title)
+    for column in ("group", "collective", "link", "calls", "GiB sent"):
+        comm.add_column(column, justify="right")
+    for c in report.ranks[0].comm:
+        comm.add_row(c.group, c.collective.value, c.link.value, f"{c.calls:,}", _gib(c.bytes))
+    console.print(comm)
+
+
+def _memory_table(title: str, ranks: tuple[RankReport, ...], rows: int, fit: FitReport | None = None) -> Any:
+    """A rich table of ``ranks``' memory and traffic, consecutive identical ranks in one row."""
+    from rich.table import Table
+
+    table = Table(title=title)
     columns = ("ranks", "params", "grads", "master", "optim state", "buffers", "total")
     columns += ("peak", "at")
     columns += ("need", "need at", "fits") if fit is not None else ()
     columns += ("sent/step",)
     for column in columns:
         table.add_column(column, justify="right")
-    groups = _groups(report.ranks, fit)
+    groups = _groups(ranks, fit)
     shown = groups if len(groups) <= rows else [*groups[: rows - 1], groups[-1]]
     for i, (first, last, r) in enumerate(shown):
         if len(groups) > rows and i == rows - 1:
@@ -211,13 +395,7 @@ def _print_table(
             *need,
             _gib(r.comm_bytes_per_step),
         )
-    console.print(table)
-    comm = Table(title="traffic of rank 0 per step")
-    for column in ("group", "collective", "link", "calls", "GiB sent"):
-        comm.add_column(column, justify="right")
-    for c in report.ranks[0].comm:
-        comm.add_row(c.group, c.collective.value, c.link.value, f"{c.calls:,}", _gib(c.bytes))
-    console.print(comm)
+    return table
 
 
 def _print_fit(settings: fitting.FitSettings, fit: FitReport | None, advice: Recommendation | None) -> None:

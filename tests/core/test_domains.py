@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -14,14 +15,18 @@ from zeroplan.core import (
     Domain,
     DomainPlans,
     DomainsReport,
+    ExpertSplit,
     ParamLocation,
     ParamSpec,
     Topology,
     describe_optimizer,
     domains_report,
+    expert_domains,
     memory_report,
     plan,
     plan_domains,
+    preset_specs,
+    specs_from_shapes,
 )
 
 #: Three user groups: 0 dense, 1 experts, 2 dense without weight decay (a frozen one, a later cohort).
@@ -410,3 +415,192 @@ def test_any_split_round_trips(model):
         assert zp.specs == tuple(renumbered(specs, domain.groups))
     for index, (d, local) in enumerate(dp.locations):
         assert dp.domains[d].groups[dp.plans[d].specs[local].group] == specs[index].group
+
+
+# ----------------------------------------------------------------- expert_domains: one rank of an EP model
+def moe_specs(layers=2, experts=4, *, stacked=False, wrapped=False, dtype="bf16"):
+    """A small MoE model: per layer attention, a router, then experts (one tensor each, or stacked)."""
+    named = [("embed", (97, 17))]
+    for i in range(layers):
+        h = f"layers.{i}"
+        named += [(f"{h}.attn.weight", (17, 17)), (f"{h}.moe.gate.weight", (experts, 17))]
+        if stacked:
+            named += [
+                (f"{h}.moe.experts.gate_up_proj", (experts, 66, 17)),
+                (f"{h}.moe.experts.down_proj", (experts, 17, 33)),
+            ]
+        else:
+            inner = "experts.wrapped_experts" if wrapped else "experts"
+            for e in range(experts):
+                named += [
+                    (f"{h}.moe.{inner}.{e}.w1.weight", (33, 17)),
+                    (f"{h}.moe.{inner}.{e}.w2.weight", (17, 33)),
+                ]
+        named.append((f"{h}.norm.weight", (17,)))
+    named.append(("head", (97, 17)))
+    return specs_from_shapes([shape for _, shape in named], names=[name for name, _ in named], dtype=dtype)
+
+
+def test_expert_domains_keeps_the_dense_params_and_the_first_experts_of_each_layer():
+    specs = moe_specs(layers=2, experts=4)
+    split = expert_domains(specs, world_size=8, expert_parallel=2)
+    assert isinstance(split, ExpertSplit)
+    dense = [s.name for s in specs if ".experts." not in s.name]
+    kept = [s.name for s in specs if ".experts.0." in s.name or ".experts.1." in s.name]
+    assert [s.name for s in split.specs] == dense + kept
+    assert [s.index for s in split.specs] == list(range(len(split.specs)))
+    assert [s.group for s in split.specs] == [0] * len(dense) + [1] * len(kept)
+    by_name = {s.name: s for s in specs}
+    assert all((s.shape, s.dtype) == (by_name[s.name].shape, by_name[s.name].dtype) for s in split.specs)
+    data, experts = split.domains
+    assert (data.name, data.groups, data.topology) == ("data", (0,), Topology(world_size=8))
+    assert (experts.name, experts.groups, experts.topology) == ("experts", (1,), Topology(world_size=4))
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_the_expert_index_follows_the_experts_component(wrapped):
+    specs = moe_specs(layers=1, experts=4, wrapped=wrapped)
+    split = expert_domains(specs, world_size=4, expert_parallel=4)
+    names = [s.name for s in split.specs if s.group == 1]
+    inner = "experts.wrapped_experts" if wrapped else "experts"
+    assert names == [f"layers.0.moe.{inner}.0.w1.weight", f"layers.0.moe.{inner}.0.w2.weight"]
+
+
+def test_stacked_experts_are_cut_on_their_leading_dimension():
+    """transformers >= 5 stores Mixtral's experts of a layer as one tensor, experts first."""
+    specs = moe_specs(layers=2, experts=4, stacked=True)
+    split = expert_domains(specs, world_size=8, expert_parallel=4)
+    experts = [(s.name, s.shape) for s in split.specs if s.group == 1]
+    assert experts == [
+        ("layers.0.moe.experts.gate_up_proj", (1, 66, 17)),
+        ("layers.0.moe.experts.down_proj", (1, 17, 33)),
+        ("layers.1.moe.experts.gate_up_proj", (1, 66, 17)),
+        ("layers.1.moe.experts.down_proj", (1, 17, 33)),
+    ]
+    # A rank holds a quarter of the expert elements.
+    assert 4 * sum(s.numel for s in split.specs if s.group == 1) == sum(
+        s.numel for s in specs if ".experts." in s.name
+    )
+
+
+def test_expert_parallel_of_one_keeps_every_expert_over_the_world():
+    specs = moe_specs()
+    split = expert_domains(specs, world_size=4, expert_parallel=1)
+    assert sorted(s.name for s in split.specs) == sorted(s.name for s in specs)
+    assert split.domains[1].topology == Topology(world_size=4)
+
+
+def test_a_custom_is_expert_picks_the_expert_params():
+    names = ["embed", *(f"blocks.0.local_experts.{e}.ffn" for e in range(4)), "blocks.0.norm"]
+    specs = specs_from_shapes([(8, 8)] * 6, names=names)
+    assert expert_domains(
+        specs, world_size=4, expert_parallel=2, is_expert=lambda n: "_experts." in n
+    ).specs == (
+        ParamSpec(index=0, name="embed", shape=(8, 8)),
+        ParamSpec(index=1, name="blocks.0.norm", shape=(8, 8)),
+        ParamSpec(index=2, name="blocks.0.local_experts.0.ffn", shape=(8, 8), group=1),
+        ParamSpec(index=3, name="blocks.0.local_experts.1.ffn", shape=(8, 8), group=1),
+    )
+    # Without a component naming experts, there is no expert index: each tensor is stacked experts.
+    flat = specs_from_shapes([(4, 8)] * 2, names=["embed", "moe.ffn"])
+    split = expert_domains(flat, world_size=4, expert_parallel=2, is_expert=lambda n: n.startswith("moe."))
+    assert [(s.name, s.shape, s.group) for s in split.specs] == [("embed", (4, 8), 0), ("moe.ffn", (2, 8), 1)]
+
+
+@pytest.mark.parametrize(
+    ("ranks_per_node", "expert_parallel", "world", "expected"),
+    [
+        (None, 4, 32, 8),  # one node: the group's too
+        (32, 4, 32, 8),
+        (8, 4, 32, 2),  # a node holds 2 expert-parallel groups: 2 members of each expert-data group
+        (4, 4, 32, 1),
+        (2, 4, 32, 1),  # an expert-parallel group spans 2 nodes: one member per node
+    ],
+)
+def test_expert_data_groups_on_nodes(ranks_per_node, expert_parallel, world, expected):
+    split = expert_domains(
+        moe_specs(experts=8), world_size=world, expert_parallel=expert_parallel, ranks_per_node=ranks_per_node
+    )
+    data, experts = (d.topology for d in split.domains)
+    assert data == Topology(world_size=world, ranks_per_node=ranks_per_node)
+    assert (experts.world_size, experts.ranks_per_node) == (world // expert_parallel, expected)
+
+
+def test_shard_size_applies_to_the_data_domain():
+    data, experts = expert_domains(moe_specs(), world_size=16, expert_parallel=2, shard_size=4).domains
+    assert (data.topology.shard_size, experts.topology.shard_size) == (4, 8)
+
+
+def test_mixtral_experts_state_is_sharded_over_groups_of_world_over_ep():
+    """Mixtral 8x7B at world 64, 8 experts per layer split over 8 ranks: one expert per layer per rank."""
+    specs = preset_specs("mixtral-8x7b", "bf16")
+    split = expert_domains(specs, world_size=64, expert_parallel=8)
+    assert split.domains[1].topology == Topology(world_size=8)
+    experts = [s for s in split.specs if s.group == 1]
+    assert len(experts) == 32 * 3 and all(".experts.0." in s.name for s in experts)
+    dp = plan_domains(split.specs, split.domains, stage=2, optimizer="AdamW")
+    report = domains_report(dp)
+    numel = sum(s.numel for s in experts)
+    slack = 12 * dp.plans[1].partition.alignment + describe_optimizer("AdamW").state_bytes((0,), 4)
+    for rank in report.reports[1].ranks:  # fp32 master and AdamW's two fp32 states: 12 bytes per element
+        assert 0 <= rank.master_bytes + rank.optimizer_state_bytes - numel * 12 // 8 <= slack
+        assert rank.params_bytes == 2 * numel  # every expert-data rank holds its experts in bf16
+    # The dense plan is the plan of the dense parameters alone.
+    dense = specs_from_shapes(
+        [s.shape for s in specs if ".experts." not in s.name],
+        names=[s.name for s in specs if ".experts." not in s.name],
+        dtype="bf16",
+    )
+    assert dp.plans[0].fingerprint() == plan(dense, Topology(world_size=64), stage=2).fingerprint()
+    assert report.reports[0] == memory_report(plan(dense, Topology(world_size=64), stage=2))
+
+
+def _in_group(specs, group):
+    return [dataclasses.replace(s, group=group) for s in specs]
+
+
+@pytest.mark.parametrize(
+    ("specs", "kwargs", "needle"),
+    [
+        (moe_specs(), {"world_size": 8, "expert_parallel": 3}, "expert parallel size 3 does not divide the"),
+        (
+            moe_specs(),
+            {"world_size": 2, "expert_parallel": 4},
+            "does not divide the data-parallel world of 2",
+        ),
+        (moe_specs(), {"world_size": 8, "expert_parallel": 0}, "must be an int >= 1"),
+        (
+            moe_specs(experts=6),
+            {"world_size": 8, "expert_parallel": 4},
+            "has 6 experts, which expert parallel",
+        ),
+        (
+            moe_specs(experts=6, stacked=True),
+            {"world_size": 8, "expert_parallel": 4},
+            "leading dimension ((6,))",
+        ),
+        (specs_from_shapes([(4, 4)] * 3), {"world_size": 8, "expert_parallel": 2}, "needs expert parameters"),
+        (
+            moe_specs(),
+            {"world_size": 24, "expert_parallel": 4, "ranks_per_node": 6},
+            "one must divide the other",
+        ),
+        (
+            moe_specs(),
+            {"world_size": 8, "expert_parallel": 2, "shard_size": 3},
+            "shard size 3 does not divide",
+        ),
+        (_in_group(moe_specs(), 1), {"world_size": 8, "expert_parallel": 2}, "pass every spec in group 0"),
+    ],
+)
+def test_expert_domains_refuses(specs, kwargs, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        expert_domains(specs, **kwargs)
+
+
+def test_experts_of_a_layer_must_be_alike():
+    specs = list(moe_specs(layers=1, experts=2))
+    odd = next(i for i, s in enumerate(specs) if s.name == "layers.0.moe.experts.1.w1.weight")
+    specs[odd] = dataclasses.replace(specs[odd], shape=(34, 17))
+    with pytest.raises(ConfigError, match=r"expert 1's parameters .* differ from expert 0's"):
+        expert_domains(specs, world_size=2, expert_parallel=2)
