@@ -28,10 +28,8 @@ from zeroplan.core.domains import (
     Domain,
     DomainPlans,
     DomainsReport,
-    ExpertSplit,
     ParamLocation,
     domains_report,
-    expert_domains,
     plan_domains,
 )
 from zeroplan.core.dtypes import canonical_dtype, itemsize, master_dtype
@@ -44,6 +42,7 @@ from zeroplan.core.errors import (
     StepOrderError,
     ZeroplanError,
 )
+from zeroplan.core.experts import ExpertSplit, expert_domains
 from zeroplan.core.fit import FitReport, RankFit, fit_report
 from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_gather, two_hop_send
 from zeroplan.core.implementations import Implementation, resolve_implementation
