@@ -10,6 +10,7 @@ and divided by its group's 2 ranks.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import moe
@@ -63,14 +64,15 @@ class _Reference:
         ]
         self.optimizer = cls(groups, **hyper)
 
-    def step(self, step: int, world: int, clip: float | None) -> torch.Tensor:
+    def step(self, step: int, world: int, clip: float | None, micro: int = 1) -> torch.Tensor:
         sums = {id(p): torch.zeros_like(p, dtype=torch.float32) for p in self.full.parameters()}
         for rank in range(world):
-            self.full.zero_grad(set_to_none=True)
-            _loss(self.full, step, rank).backward()
-            for p in self.full.parameters():
-                if p.grad is not None:
-                    sums[id(p)] += p.grad.float()
+            for m in range(micro):  # accumulated micro-batches add up, as backward does
+                self.full.zero_grad(set_to_none=True)
+                _loss(self.full, step * micro + m, rank).backward()
+                for p in self.full.parameters():
+                    if p.grad is not None:
+                        sums[id(p)] += p.grad.float()
         for p in self.dense:
             self.master[id(p)].grad = sums[id(p)] / world
         for p in self.experts:
@@ -98,15 +100,23 @@ def matches_reference(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, A
     model = moe.rank_model(full, rank, ep)
     opt, cls, hyper = _optimizer(model, ep_dp, cfg)
     reference = _Reference(moe.full_model(dtype=dtype), cls, hyper, cfg)
-    clip = cfg.get("clip")
+    clip, micro = cfg.get("clip"), cfg.get("micro", 1)
+    schedules = []
+    if cfg.get("scheduler"):  # one LambdaLR over every group, experts' included
+        decay = lambda step: 0.5**step  # noqa: E731
+        schedules = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (opt, reference.optimizer)]
     param_err, norm_err = [], []
     for step in range(cfg.get("steps", 3)):
-        loss = _loss(model, step, rank)
-        opt.backward(loss)
+        for m in range(micro):  # all but the last micro-batch accumulate locally
+            sync = opt.no_sync() if m < micro - 1 else contextlib.nullcontext()
+            with sync:
+                opt.backward(_loss(model, step * micro + m, rank))
         norm = opt.clip_grad_norm_(clip) if clip is not None else opt.grad_norm()
         opt.step()
         opt.zero_grad()
-        expected = reference.step(step, world, clip)
+        expected = reference.step(step, world, clip, micro)
+        for schedule in schedules:
+            schedule.step()
         norm_err.append(abs(float(norm) - float(expected)) / float(expected))
         param_err.append(
             max(rel_err(a, b) for a, b in zip(model.parameters(), _mine(reference.full, rank), strict=True))

@@ -20,6 +20,8 @@ REFERENCE_CASES = [
     {"stage": 2, "shard": 2, "clip": 0.05},  # MiCS for the dense parameters, experts over their group
     {"stage": 2, "loss_scale": "dynamic", "clip": 0.05, "overlap_grad_reduce": False},
     {"stage": 2, "dtype": "bf16", "clip": 0.05},
+    {"stage": 2, "micro": 2, "clip": 0.05},  # no_sync accumulation in every domain
+    {"stage": 1, "scheduler": True, "expert_lr": 3e-2, "experts_first": True},  # LR schedules reach experts
 ]
 
 
