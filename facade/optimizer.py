@@ -145,11 +145,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         def make() -> tuple[ZeroPlan, list[dict[str, Any]]]:
             if split_problem is not None:
                 raise split_problem
-            if len(inputs) > 1 and stage == 3:
-                raise ConfigError(
-                    "stage 3 with expert param groups (a 'process_group' per group) is not supported: "
-                    "use stage 1 or 2 for a mixture-of-experts model"
-                )
             configured[:], plans[:] = [], []
             for d, item in enumerate(inputs):
                 c = configure(

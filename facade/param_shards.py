@@ -77,6 +77,15 @@ __all__ = ["ShardedParameter", "ShardedParams"]
 
 _Key = tuple[int, int]  # (space index, block index)
 
+# [Note: several sharded domains]
+# An optimizer with expert groups holds one ``ShardedParams`` per domain (see [Note:
+# expert domains]), each attached to the same model. Autograd keeps one pair of
+# saved-tensor hooks in force (the innermost ``saved_tensors_hooks``), so each
+# instance's ``_pack`` recognises the blocks of every instance whose forward is open
+# (this list, in the order their forwards opened) and the saved view remembers its
+# owner, whose ``_bring_back`` gathers it in backward.
+_OPEN_FORWARDS: list[ShardedParams] = []
+
 
 class BlockState(enum.Enum):
     """Where a stage-3 block is."""
@@ -283,6 +292,10 @@ class ShardedParams:
         """Whether block ``key`` is gathered (for tests and tools)."""
         return self._entries[key].state is BlockState.GATHERED
 
+    def saved_views(self) -> int:
+        """Tensors autograd saved from this instance's blocks, alive now (for tests and tools)."""
+        return sum(sum(e.saved.values()) for e in self._entries.values())
+
     def held_bytes(self) -> int:
         """Bytes of block buffers allocated now."""
         return sum(e.nbytes for e in self._entries.values() if e.state is not BlockState.SHARDED)
@@ -379,6 +392,8 @@ class ShardedParams:
             self._reset_pass()
             stack = contextlib.ExitStack()
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+            _OPEN_FORWARDS.append(self)
+            stack.callback(_OPEN_FORWARDS.remove, self)
             self._saved = stack
         self._forward_depth += 1
 
@@ -432,12 +447,20 @@ class ShardedParams:
     def _pack(self, tensor: torch.Tensor) -> Any:
         if tensor.layout is not torch.strided or tensor.device.type == "meta":
             return tensor  # sparse and meta tensors never view a block
-        key = self._storage.get(tensor.untyped_storage()._cdata)
-        return tensor if key is None else _SavedView(tensor, self._entries[key])
+        storage = tensor.untyped_storage()._cdata
+        for shards in (self, *_OPEN_FORWARDS):  # [Note: several sharded domains]
+            key = shards._storage.get(storage)
+            if key is not None:
+                return _SavedView(tensor, shards._entries[key], shards)
+        return tensor
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedView):
             return packed
+        return packed.owner._bring_back(packed)
+
+    def _bring_back(self, packed: _SavedView) -> torch.Tensor:
+        """Gather the block of a saved tensor autograd needs now (and prefetch the one before)."""
         key = packed.key
         self._visited_backward.add(key)
         self._queue_end_of_backward()
@@ -518,12 +541,13 @@ class _SavedView:
     parameter itself (which the block counts already).
     """
 
-    __slots__ = ("entry", "key", "tensor")
+    __slots__ = ("entry", "key", "owner", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, entry: _Entry) -> None:
+    def __init__(self, tensor: torch.Tensor, entry: _Entry, owner: ShardedParams) -> None:
         self.tensor = tensor
         self.key = entry.key
         self.entry = entry
+        self.owner = owner
         # A parameter is counted among the members already (an unknown one viewing the block would be
         # left uncounted: then the block moves rather than frees, the safe side).
         if not isinstance(tensor, torch.nn.Parameter):

@@ -73,6 +73,7 @@ def runs():
                 *("--preset", "mixtral-8x7b", "--world", "32", "--expert-parallel", "4"),
                 *("--shard-size", "8", "--ranks-per-node", "8", "--stage", "1", "--json"),
             ),
+            "stage3": (*MIXTRAL, "--stage", "3", "--json"),
             "plain": ("--preset", "gpt2", "--world", "8", "--json"),
             "one": ("--preset", "gpt2", "--world", "8", "--expert-parallel", "1", "--json"),
         }
@@ -209,7 +210,6 @@ BAD = [
         "has 8 experts, which expert parallel size 16 does not divide",
     ),
     (["--expert-parallel", "0"], "--expert-parallel must be >= 1"),
-    (["--expert-parallel", "8", "--stage", "3"], "--stage 3 with --expert-parallel is not supported"),
     (["--expert-parallel", "8", "--stage", "4"], "stage must be 0, 1, 2 or 3, got 4"),
     (
         ["--expert-parallel", "8", "--device-memory", "80GiB", "--seq-len", "4096"],
@@ -249,3 +249,16 @@ def test_plan_with_experts_never_imports_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 0] []"
+
+
+def test_stage_3_shards_each_domain_over_its_own_group(runs):
+    out = runs["stage3"]
+    assert out.returncode == 0, out.stderr
+    document = json.loads(out.stdout)
+    split, dp, report = expected(preset_specs("mixtral-8x7b", "bf16"), world=64, e=8, stage=3)
+    check_document(document, dp, report, world=64, e=8)
+    experts = [s for s in split.specs if s.group == 1]
+    # between steps a rank holds 1/8 of its experts' parameters (bf16) and 1/64 of the dense ones
+    expert_params = report.reports[1].ranks[0].params_bytes
+    assert expert_params * 8 >= sum(s.numel for s in experts) * 2
+    assert expert_params * 8 <= sum(s.numel for s in experts) * 2 * 1.01

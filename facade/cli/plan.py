@@ -183,11 +183,6 @@ def _run_experts(args: argparse.Namespace) -> int:
             f"{given[0]} does not take --expert-parallel into account yet (the fit and the recommender "
             f"plan a single domain); drop {given[0]}, or plan without --expert-parallel"
         )
-    if args.stage == 3:
-        raise ConfigError(
-            "--stage 3 with --expert-parallel is not supported (ZeroOptimizer refuses stage 3 with "
-            "expert param groups): use --stage 0, 1 or 2"
-        )
     specs, source = _specs(args)
     started = time.perf_counter()
     split = expert_domains(

@@ -19,6 +19,7 @@ from factory import make_optimizer
 from models import DTYPES, batch, rel_err
 
 from zeroplan.core import ZeroplanError
+from zeroplan.facade.param_shards import ShardedParams
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
@@ -43,10 +44,11 @@ def _groups(model: moe.MoELM, ep_dp: Any, cfg: dict[str, Any]) -> list[dict[str,
 def _optimizer(model: moe.MoELM, ep_dp: Any, cfg: dict[str, Any]) -> Any:
     name = cfg.get("optimizer", "adamw")
     cls, hyper = OPTIMIZERS[name]
-    settings = {
-        k: cfg[k] for k in ("stage", "loss_scale", "shard", "collectives", "overlap_grad_reduce") if k in cfg
-    }
-    return make_optimizer(_groups(model, ep_dp, cfg), optimizer=name, hyper=hyper, **settings), cls, hyper
+    keys = ("stage", "loss_scale", "shard", "collectives", "overlap_grad_reduce", "reshard_after_forward")
+    settings = {k: cfg[k] for k in keys if k in cfg}
+    opt = make_optimizer(_groups(model, ep_dp, cfg), optimizer=name, hyper=hyper, **settings)
+    opt.attach(model)  # stage 3: every domain gathers its blocks in the model's forward
+    return opt, cls, hyper
 
 
 class _Reference:
@@ -105,12 +107,17 @@ def matches_reference(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, A
     if cfg.get("scheduler"):  # one LambdaLR over every group, experts' included
         decay = lambda step: 0.5**step  # noqa: E731
         schedules = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (opt, reference.optimizer)]
-    param_err, norm_err = [], []
+    param_err, norm_err, held_after_forward, saved = [], [], [], []
     for step in range(cfg.get("steps", 3)):
         for m in range(micro):  # all but the last micro-batch accumulate locally
             sync = opt.no_sync() if m < micro - 1 else contextlib.nullcontext()
             with sync:
-                opt.backward(_loss(model, step * micro + m, rank))
+                loss = _loss(model, step * micro + m, rank)
+                # stage 3: the bytes parameters hold between forward and backward (saved for backward)
+                held_after_forward.append(sum(p.untyped_storage().nbytes() for p in model.parameters()))
+                if isinstance(opt.domains[0].installed.gather, ShardedParams):  # every domain's saved views
+                    saved.append([d.installed.gather.saved_views() for d in opt.domains])
+                opt.backward(loss)
         norm = opt.clip_grad_norm_(clip) if clip is not None else opt.grad_norm()
         opt.step()
         opt.zero_grad()
@@ -118,15 +125,19 @@ def matches_reference(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, A
         for schedule in schedules:
             schedule.step()
         norm_err.append(abs(float(norm) - float(expected)) / float(expected))
-        param_err.append(
-            max(rel_err(a, b) for a, b in zip(model.parameters(), _mine(reference.full, rank), strict=True))
-        )
+        with opt.gathered_params():
+            mine = list(zip(model.parameters(), _mine(reference.full, rank), strict=True))
+            param_err.append(max(rel_err(a, b) for a, b in mine))
     return {
         "param_err": param_err,
         "norm_err": norm_err,
         "domains": [d.name for d in opt.domains],
         "expert_world": opt.domains[1].settings.topology.world_size,
         "skipped": opt.last_step_skipped,
+        "held_after_forward": max(held_after_forward),
+        "saved_views": saved,
+        "classes": sorted({type(p).__name__ for p in model.parameters()}),
+        "comm": sorted({(c.group, c.collective.value) for c in opt.last_step_comm()}),
     }
 
 
@@ -230,9 +241,7 @@ def misuse(rank: int, world: int, case: str) -> str | None:
     model = moe.rank_model(moe.full_model(), rank, ep)
     groups = _groups(model, ep_dp, {})
     settings: dict[str, Any] = {}
-    if case == "stage3":
-        settings["stage"] = 3
-    elif case == "shapes":  # rank 2 holds bigger experts than its group's other rank (0)
+    if case == "shapes":  # rank 2 holds bigger experts than its group's other rank (0)
         if rank == 2:
             groups[1]["params"] = [torch.nn.Parameter(torch.zeros(3, 3))]
     elif case == "lr":  # rank 3's experts train with another lr than rank 1's

@@ -22,6 +22,9 @@ REFERENCE_CASES = [
     {"stage": 2, "dtype": "bf16", "clip": 0.05},
     {"stage": 2, "micro": 2, "clip": 0.05},  # no_sync accumulation in every domain
     {"stage": 1, "scheduler": True, "expert_lr": 3e-2, "experts_first": True},  # LR schedules reach experts
+    {"stage": 3, "clip": 0.05},  # one ShardedParams per domain, attached to the same model
+    {"stage": 3, "clip": 0.05, "micro": 2, "loss_scale": "dynamic", "reshard_after_forward": False},
+    {"stage": 3, "dtype": "bf16", "clip": 0.05, "shard": 2},
 ]
 
 
@@ -33,6 +36,17 @@ def test_moe_matches_the_unsharded_optimizer(pools, cfg):
         assert max(r["param_err"]) < tolerance, r["param_err"]
         assert max(r["norm_err"]) < tolerance, r["norm_err"]
         assert not r["skipped"]
+        if cfg["stage"] == 3:  # both domains' parameters are sharded between steps and gathered by use
+            assert r["classes"] == ["ShardedParameter"], r["classes"]
+            gathers = {
+                ("experts/shard", "all_gather"),
+                ("experts/shard", "broadcast"),
+            }  # by collective policy
+            assert gathers & set(r["comm"]), r["comm"]
+            # autograd's saved tensors of both domains' blocks are marked (they gather again when unpacked)
+            assert all(min(counts) > 0 for counts in r["saved_views"]), r["saved_views"]
+            if cfg.get("reshard_after_forward", True):  # freed after forward, saved views included
+                assert r["held_after_forward"] == 0, r["held_after_forward"]
 
 
 def test_expert_state_is_sharded_over_the_expert_group_and_measured_as_planned(pools):
@@ -61,7 +75,6 @@ def test_an_expert_overflow_on_one_rank_skips_the_step_everywhere(pools):
 @pytest.mark.parametrize(
     ("case", "words"),
     [
-        ("stage3", "stage 3"),
         ("shapes", "domain 'experts' (param groups [1], global ranks [0, 2]): rank 1 describes different"),
         ("lr", "domain 'experts' (param groups [1], global ranks [1, 3]): rank 1 was given different"),
         ("not_a_group", "ProcessGroup"),
