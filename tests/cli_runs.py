@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+
+import pytest
 
 ENV = {**os.environ, "COLUMNS": "160", "PYTHONWARNINGS": "ignore"}
 
@@ -21,3 +24,9 @@ def zeroplan_many(runs: dict[str, tuple[str, ...]]) -> dict[str, subprocess.Comp
     with ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1) as pool:
         futures = {key: pool.submit(zeroplan, *args) for key, args in runs.items()}
         return {key: future.result() for key, future in futures.items()}
+
+
+#: Marks a test that builds a model from a Hugging Face config (skipped without transformers).
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)

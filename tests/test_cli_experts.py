@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 
 import pytest
-from cli_runs import ENV, zeroplan, zeroplan_many
+from cli_runs import ENV, needs_transformers, zeroplan, zeroplan_many
 
 from zeroplan.core import (
     Topology,
@@ -168,9 +167,6 @@ def test_shapes_file_with_named_experts(tmp_path):
     assert_one_line_error(out, "MoE layer 'moe.experts' has 3 experts, which expert parallel size 2 does not")
 
 
-needs_transformers = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
-)
 MIXTRAL_CONFIG = {
     "model_type": "mixtral",
     "num_hidden_layers": 2,

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 
 import pytest
-from cli_runs import zeroplan, zeroplan_many
+from cli_runs import needs_transformers, zeroplan, zeroplan_many
 
 from zeroplan.core import (
     ConfigError,
@@ -155,9 +154,6 @@ def test_seq_len_alone_reports_the_activations_and_keeps_the_table():
     assert plain.stdout.splitlines()[2:] == out.stdout.splitlines()[2 : len(plain.stdout.splitlines())]
 
 
-needs_transformers = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
-)
 GPT2_CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1000}
 
 

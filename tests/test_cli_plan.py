@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -10,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from cli_runs import ENV, zeroplan, zeroplan_many
+from cli_runs import ENV, needs_transformers, zeroplan, zeroplan_many
 
 from zeroplan.core import (
     ParamSpec,
@@ -286,9 +285,6 @@ def test_shapes_file_as_a_list_of_objects(tmp_path, wrapped):
 
 
 # ----------------------------------------------------------------- Hugging Face configs
-needs_transformers = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
-)
 GPT2_CONFIG = {
     "model_type": "gpt2",
     "n_layer": 2,

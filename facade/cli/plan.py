@@ -95,6 +95,19 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The planner's keywords from the command line (every domain is planned with the same)."""
+    return {
+        "stage": args.stage,
+        "strategy": args.strategy,
+        "optimizer": describe_optimizer(args.optimizer),
+        "alignment": args.alignment,
+        "bucket_bytes": max(1, int(args.bucket_mb * 2**20)),
+        "loss_scaling": args.loss_scaling,
+        "layout": args.layout,
+    }
+
+
 def _specs(args: argparse.Namespace) -> tuple[tuple[ParamSpec, ...], str]:
     if args.shapes:
         return specs_from_json(args.shapes, args.dtype), args.shapes
@@ -120,17 +133,7 @@ def run(args: argparse.Namespace) -> int:
         ranks_per_node=args.ranks_per_node,
     )
     started = time.perf_counter()
-    zp = plan(
-        specs,
-        topology,
-        stage=args.stage,
-        strategy=args.strategy,
-        optimizer=describe_optimizer(args.optimizer),
-        alignment=args.alignment,
-        bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
-        loss_scaling=args.loss_scaling,
-        layout=args.layout,
-    )
+    zp = plan(specs, topology, **_plan_options(args))
     report = memory_report(zp)
     elapsed = time.perf_counter() - started
     fit = fitting.assess(report, settings)
@@ -192,17 +195,7 @@ def _run_experts(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         ranks_per_node=args.ranks_per_node,
     )
-    dp = plan_domains(
-        split.specs,
-        split.domains,
-        stage=args.stage,
-        strategy=args.strategy,
-        optimizer=describe_optimizer(args.optimizer),
-        alignment=args.alignment,
-        bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
-        loss_scaling=args.loss_scaling,
-        layout=args.layout,
-    )
+    dp = plan_domains(split.specs, split.domains, **_plan_options(args))
     dr = domains_report(dp)
     totals = tuple(dr.rank((r, r // e)) for r in range(args.world))
     elapsed = time.perf_counter() - started
