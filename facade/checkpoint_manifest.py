@@ -19,12 +19,18 @@ exist. So it is checked three ways before anything is read from the data:
 
 A manifest rewritten and sealed again by a tool passes 1 and 2; 3 still
 catches anything it says about the data (dtypes, keys, shapes, masters).
+
+A snapshot of an optimizer with expert groups has format :data:`EXPERTS_FORMAT`
+and an ``experts`` section (see [Note: checkpoint layout]); each expert group's
+entry is checked the same three ways (:func:`check_expert_group`, and
+:func:`check_shard_file` on each expert file by the rank that wrote it).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +47,14 @@ from zeroplan.facade.checkpoint_files import TensorFile, read_json
 from zeroplan.facade.state_tree import TensorMeta, dtype_name, torch_dtype
 
 __all__ = [
+    "EXPERTS_FORMAT",
     "FORMAT",
     "check_against_partition",
+    "check_expert_group",
     "check_frozen_file",
     "check_shard_file",
+    "expert_file",
+    "expert_files",
     "partition_document",
     "partition_from",
     "read_manifest",
@@ -52,6 +62,8 @@ __all__ = [
 ]
 
 FORMAT = "zeroplan.checkpoint/v3"
+#: The format of a snapshot with expert files: v3 plus ``experts`` (older readers refuse it by name).
+EXPERTS_FORMAT = "zeroplan.checkpoint/v3+experts"
 
 #: Top-level fields of a manifest and their JSON types.
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -70,6 +82,15 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "files": (dict,),
     "extra": (dict,),
 }
+#: Fields of an expert group's entry in ``experts.domains[i].groups`` and their JSON types.
+_GROUP_FIELDS: dict[str, tuple[type, ...]] = {
+    "ranks": (list,),
+    "partition": (dict,),
+    "separate_master": (list,),
+    "state": (dict,),
+    "param_groups": (list,),
+}
+_DOMAIN_NAME = re.compile(r"[a-z][a-z0-9_]*")
 _MISMATCH = "the manifest does not match its data files; restore the snapshot from a copy or load another one"
 
 
@@ -173,10 +194,10 @@ def read_manifest(snapshot: Path) -> dict[str, Any]:
     path = snapshot / "manifest.json"
     document = read_json(path)
     found = document.get("format") if isinstance(document, dict) else None
-    if found != FORMAT:
+    if found not in (FORMAT, EXPERTS_FORMAT):
         raise CheckpointError(
             f"{str(snapshot)!r}: unknown checkpoint format {found!r}; this version of zeroplan reads "
-            f"{FORMAT!r}"
+            f"{FORMAT!r} and {EXPERTS_FORMAT!r}"
         )
     if document.get("digest") != _digest(document):
         raise CheckpointError(
@@ -194,7 +215,66 @@ def read_manifest(snapshot: Path) -> dict[str, Any]:
             raise CheckpointError(f"{str(path)!r}: {key!r} is a {type(document[key]).__name__}: {_MISMATCH}")
     for leaf, described in document["state"].items():
         _check_leaf(path, leaf, described, document["shard_size"])
+    if (found == EXPERTS_FORMAT) != ("experts" in document):
+        raise CheckpointError(
+            f"{str(path)!r} is of format {found!r} but {'lacks' if found == EXPERTS_FORMAT else 'has'} an "
+            f"'experts' section: {_MISMATCH}"
+        )
+    if found == EXPERTS_FORMAT:
+        _check_experts(path, document["experts"], document["world_size"])
     return document
+
+
+def _check_experts(path: Path, experts: Any, world_size: int) -> None:
+    """The ``experts`` section has its form: every domain's groups split the saving world's ranks."""
+
+    def malformed(what: str) -> CheckpointError:
+        return CheckpointError(f"{str(path)!r}: the 'experts' section {what}: {_MISMATCH}")
+
+    if not (isinstance(experts, dict) and isinstance(experts.get("domains"), list) and experts["domains"]):
+        raise malformed("lists no domains")
+    world = experts.get("world_size")
+    if world != world_size or type(world) is not int:
+        raise malformed(f"has world_size {world!r}")
+    names = [d.get("name") if isinstance(d, dict) else None for d in experts["domains"]]
+    named = all(isinstance(n, str) and _DOMAIN_NAME.fullmatch(n) for n in names)
+    if not named or len(set(names)) < len(names):
+        raise malformed(f"names domains {names!r}")
+    for name, domain in zip(names, experts["domains"], strict=True):
+        groups = domain.get("groups")
+        if not (isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)):
+            raise malformed(f"lists no groups of domain {name!r}")
+        for group in groups:
+            for key, types in _GROUP_FIELDS.items():
+                if not isinstance(group.get(key), types):
+                    raise malformed(f"gives domain {name!r} a group without a valid {key!r}")
+            for leaf, described in group["state"].items():
+                _check_leaf(path, leaf, described, len(group["ranks"]))
+        ranks = [q for g in groups for q in g["ranks"]]
+        if not all(type(q) is int for q in ranks) or sorted(ranks) != list(range(world)):
+            raise malformed(f"splits ranks {ranks!r} into the groups of domain {name!r}, not 0..{world - 1}")
+
+
+def expert_file(domain: str, rank: int) -> str:
+    """The file of ``rank`` (in the saving world) in expert domain ``domain``.
+
+    Example:
+        >>> expert_file("experts", 3)
+        'experts-experts-00003.pt'
+    """
+    return f"experts-{domain}-{rank:05d}.pt"
+
+
+def expert_files(document: dict[str, Any]) -> set[str]:
+    """Every expert file a (well formed) manifest implies: one per domain and rank of the saving world."""
+    if "experts" not in document:
+        return set()
+    return {
+        expert_file(domain["name"], q)
+        for domain in document["experts"]["domains"]
+        for group in domain["groups"]
+        for q in group["ranks"]
+    }
 
 
 def _check_leaf(path: Path, leaf: str, described: Any, shard_size: int) -> None:
@@ -235,11 +315,26 @@ def check_against_partition(document: dict[str, Any], saved: PartitionPlan, snap
     Raises:
         CheckpointError: naming the field that disagrees.
     """
+    _check_state_against(document, saved, repr(str(snapshot)))
+    files = {f"shard-{q:05d}.pt" for q in range(saved.shard_size)}
+    files |= {"frozen.pt"} if any(not s.trainable for s in saved.specs) else set()
+    files |= expert_files(document)
+    if not files <= set(document["files"]):
+        return  # which shard files are missing is reported when they are opened
+    if set(document["files"]) != files or not all(type(n) is int for n in document["files"].values()):
+        raise CheckpointError(
+            f"{str(snapshot)!r}: the manifest lists files {sorted(document['files'])}, the partition "
+            f"implies {sorted(files)}: {_MISMATCH}"
+        )
+
+
+def _check_state_against(document: dict[str, Any], saved: PartitionPlan, where: str) -> None:
+    """``separate_master`` and the state leaves of a domain's entry agree with its saved partition."""
     dtypes = [space.dtype for space in saved.spaces]
     masters = sorted(d for d in dtypes if master_dtype(d) != d)
     if sorted(document["separate_master"]) != masters:
         raise CheckpointError(
-            f"{str(snapshot)!r}: the manifest's separate_master is {document['separate_master']!r}, but "
+            f"{where}: the manifest's separate_master is {document['separate_master']!r}, but "
             f"the saved partition has fp32 masters for {masters!r}: {_MISMATCH}"
         )
     for leaf in document["state"]:
@@ -248,18 +343,28 @@ def check_against_partition(document: dict[str, Any], saved: PartitionPlan, snap
         if kind == "parked" and known and saved.specs[int(first)].trainable:
             known = False  # parked state belongs to frozen parameters only
         if kind != "scalars" and not known:
-            raise CheckpointError(
-                f"{str(snapshot)!r}: state leaf {leaf!r} names no saved {kind} space or parameter"
-            )
-    files = {f"shard-{q:05d}.pt" for q in range(saved.shard_size)}
-    files |= {"frozen.pt"} if any(not s.trainable for s in saved.specs) else set()
-    if not files <= set(document["files"]):
-        return  # which shard files are missing is reported when they are opened
-    if set(document["files"]) != files or not all(type(n) is int for n in document["files"].values()):
+            raise CheckpointError(f"{where}: state leaf {leaf!r} names no saved {kind} space or parameter")
+
+
+def check_expert_group(group: dict[str, Any], snapshot: Path, domain: str) -> PartitionPlan:
+    """The saved partition of an expert group's entry, checked against the entry.
+
+    An expert domain is sharded over its whole group: group rank ``q`` wrote
+    shard ``q`` into the file of world rank ``group["ranks"][q]``.
+
+    Raises:
+        CheckpointError: a partition that does not match its fingerprint or
+            group size, or masters and state leaves it does not imply.
+    """
+    where = f"{str(snapshot)!r}, expert domain {domain!r}, group {group['ranks']}"
+    saved = partition_from(group["partition"])
+    if saved.shard_size != len(group["ranks"]):
         raise CheckpointError(
-            f"{str(snapshot)!r}: the manifest lists files {sorted(document['files'])}, the partition "
-            f"implies {sorted(files)}: {_MISMATCH}"
+            f"{where}: the partition has {saved.shard_size} shards, the group {len(group['ranks'])} ranks: "
+            f"{_MISMATCH}"
         )
+    _check_state_against(group, saved, where)
+    return saved
 
 
 def _compare(file: TensorFile, expected: dict[str, TensorMeta]) -> None:
@@ -280,9 +385,12 @@ def _compare(file: TensorFile, expected: dict[str, TensorMeta]) -> None:
 
 
 def check_shard_file(
-    file: TensorFile, shard_rank: int, saved: PartitionPlan, document: dict[str, Any]
+    file: TensorFile, shard_rank: int, saved: PartitionPlan, document: dict[str, Any], *, frozen: bool = False
 ) -> None:
     """Shard file ``shard_rank`` holds exactly what the manifest says, in dtypes and shapes.
+
+    ``document`` is the manifest, or an expert group's entry; ``frozen``: the
+    file also holds the frozen parameters, whole (an expert group's first file).
 
     Raises:
         CheckpointError: an unlisted, missing or mismatched tensor (named).
@@ -296,9 +404,15 @@ def check_shard_file(
             kind, first = leaf.split("/", 2)[:2]
             shape = owned[first] if kind == "flat" else tuple(described["shape"])
             expected[f"state/{leaf}"] = TensorMeta(shape, dtype_name(torch_dtype(described["dtype"])))
+    if frozen:
+        expected.update(_frozen_metas(saved))
     _compare(file, expected)
 
 
 def check_frozen_file(file: TensorFile, saved: PartitionPlan) -> None:
     """``frozen.pt`` holds each frozen parameter, whole, in its saved dtype and shape."""
-    _compare(file, {f"param/{s.index}": TensorMeta(s.shape, s.dtype) for s in saved.specs if not s.trainable})
+    _compare(file, _frozen_metas(saved))
+
+
+def _frozen_metas(saved: PartitionPlan) -> dict[str, TensorMeta]:
+    return {f"param/{s.index}": TensorMeta(s.shape, s.dtype) for s in saved.specs if not s.trainable}
