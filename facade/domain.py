@@ -25,6 +25,12 @@ included (each rank adds its domains' local sums, domain ``d``'s divided by its
 replica count so that the world-wide sum counts each element once); the user's
 param group order (``param_groups`` is one list; each domain holds references to
 its own dicts, so LR schedulers reach every domain).
+
+State follows the domains: ``state_dict()`` holds one sharded dict per domain,
+and a checkpoint directory each rank's expert state next to the data domain's
+shards, in the same atomic snapshot ([Note: checkpoint layout]); the data
+domain's state is elastic, expert state loads at the world size and expert
+groups it was saved with.
 """
 
 from __future__ import annotations

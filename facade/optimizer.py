@@ -527,15 +527,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """What state dicts and checkpoints read: plan, buffers, inner optimizer, groups, settings.
 
         Raises:
-            ConfigError: the optimizer has expert groups (checkpoint directories
-                and consolidated dicts hold one domain); save ``state_dict()``
-                per rank instead.
+            ConfigError: the optimizer has expert groups: consolidated dicts
+                hold one plan, and one domain's parts would leave the experts
+                out; ``zeroplan.facade.checkpoint`` and ``state_dict()`` save
+                every domain (each domain's parts: ``opt.domains[d].shards(...)``).
         """
         if len(self._domains) > 1:
             raise ConfigError(
-                "checkpoint directories and consolidated state dicts hold one plan, but this optimizer has "
-                "expert groups (one plan per domain); save opt.state_dict() on every rank (torch.save to a "
-                "file per rank) and load it with opt.load_state_dict() on the same world"
+                "consolidated state dicts hold one plan, but this optimizer has expert groups (one plan per "
+                "domain) and no rank holds every expert; save with zeroplan.facade.checkpoint.save(opt, "
+                "path) or opt.state_dict() on every rank"
             )
         return self._data.shards(self._scaler)
 

@@ -13,7 +13,7 @@ from factory import OPTIMIZERS, make_optimizer
 from models import DTYPES, batch, loss_of, make_model
 
 from zeroplan.core import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, ScalerConfig, ZeroplanError
-from zeroplan.facade import ZeroOptimizer, checkpoint
+from zeroplan.facade import ZeroOptimizer, checkpoint, checkpoint_load
 
 
 def _optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> ZeroOptimizer:
@@ -192,16 +192,16 @@ def failed_loads(
         target = next(str(p) for p in Path(root).glob("*.partial"))
     # A failure that is no ZeroplanError, on one rank only, in the middle of reading.
     patched = case == "fault_on_one_rank" and rank == 1
-    original = checkpoint.plan_reshard
+    original = checkpoint_load.plan_reshard
     if patched:
-        checkpoint.plan_reshard = _fail_on_rank_one
+        checkpoint_load.plan_reshard = _fail_on_rank_one
     try:
         checkpoint.load(opt, target)
         error = None
     except ZeroplanError as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        checkpoint.plan_reshard = original
+        checkpoint_load.plan_reshard = original
     after = _snapshot(model, opt)
     _train(model, opt, rank, range(2, 3))  # still trains
     return {"error": error, "unchanged": _same(before, after)}

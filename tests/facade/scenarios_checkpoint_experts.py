@@ -22,7 +22,7 @@ from scenarios_checkpoint import _same
 from scenarios_experts import OPTIMIZERS, _groups, _loss, _optimizer
 
 from zeroplan.core import ZeroplanError
-from zeroplan.facade import ZeroOptimizer, checkpoint
+from zeroplan.facade import ZeroOptimizer, checkpoint, checkpoint_load
 from zeroplan.facade.checkpoint_manifest import read_manifest
 
 EXTRA = {"step": 2, "note": ("tuple", 1.5), "schedule": {"warmup": [1, 2.5]}}
@@ -64,8 +64,10 @@ def _train(model: moe.MoELM, opt: ZeroOptimizer, rank: int, steps: range) -> Non
 
 def _state(model: moe.MoELM, opt: ZeroOptimizer) -> dict[str, Any]:
     """Everything a load may change, every domain's, bit for bit (this rank's view)."""
+    with opt.gathered_params():  # stage 3: whole values to compare
+        params = [p.detach().clone() for p in model.parameters()]
     return {
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": params,
         "masters": [[b.master.clone() for b in d.installed.buffers] for d in opt.domains],
         "inner": [copy.deepcopy(d.installed.inner.optimizer.state_dict()) for d in opt.domains],
         "fingerprints": [d.installed.zp.fingerprint() for d in opt.domains],
@@ -90,11 +92,11 @@ def round_trip(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[st
     model, opt = _build(rank, world, cfg)
     _train(model, opt, rank, range(2))
     snapshot = checkpoint.save(opt, root, extra=EXTRA)
-    saved = [p.detach().clone() for p in model.parameters()]
+    saved = _state(model, opt)["params"]
     _train(model, opt, rank, range(2, 4))
     again, fresh = _build(rank, world, cfg, seed=1)  # other initial values everywhere
     extra = checkpoint.load(fresh, root)
-    loaded = all(torch.equal(a, b) for a, b in zip(saved, again.parameters(), strict=True))
+    loaded = all(torch.equal(a, b) for a, b in zip(saved, _state(again, fresh)["params"], strict=True))
     _train(again, fresh, rank, range(2, 4))
     result: dict[str, Any] = {
         "extra": extra,
@@ -164,16 +166,16 @@ def failed_load(rank: int, world: int, root: str, cfg: dict[str, Any], fault: bo
     model, opt = _build(rank, world, cfg, seed=1)
     _train(model, opt, rank, range(1))
     before = _state(model, opt)
-    original = checkpoint.check_expert_group
+    original = checkpoint_load.check_expert_group
     if fault and rank == 3:
-        checkpoint.check_expert_group = _fail
+        checkpoint_load.check_expert_group = _fail
     try:
         checkpoint.load(opt, root)
         error = None
     except ZeroplanError as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        checkpoint.check_expert_group = original
+        checkpoint_load.check_expert_group = original
     unchanged = _same(before, _state(model, opt))
     _train(model, opt, rank, range(1, 2))  # every rank is still in step
     return {"error": error, "unchanged": unchanged}

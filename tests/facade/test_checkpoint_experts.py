@@ -22,6 +22,7 @@ ROUND_TRIPS = [
     {"stage": 2},
     {"stage": 1, "dtype": "bf16", "loss_scale": "dynamic", "shard": 2},
     {"stage": 2, "optimizer": "sgd", "experts_first": True, "expert_lr": 3e-2, "freeze_expert": True},
+    {"stage": 3, "clip": 0.05},  # both domains' parameters sharded: regions come from the shards
     {"optimizer": "adafactor"},
 ]
 
