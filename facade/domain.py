@@ -49,7 +49,7 @@ from zeroplan.facade.groups import ProcessGroups, make_groups
 from zeroplan.facade.inner import hyperparameters
 from zeroplan.facade.installed import Installed, broadcast_from_rank_zero, broadcast_values, install
 from zeroplan.facade.lifecycle import StepContext, StepLifecycle
-from zeroplan.facade.param_shards import ShardedParams
+from zeroplan.facade.param_shards import Peers, ShardedParams
 from zeroplan.facade.parked import ParkedParam
 from zeroplan.facade.registry import Configured, ParamRegistry
 from zeroplan.facade.state_dicts import Shards
@@ -155,6 +155,7 @@ class Domain:
         param_groups: the user's dicts of its groups (shared with ``ZeroOptimizer.param_groups``).
         defaults: ``ZeroOptimizer.defaults``: the inner optimizer's defaults are added to it.
         options: execution flags.
+        peers: shared by the optimizer's domains (see [Note: several sharded domains]).
     """
 
     def __init__(
@@ -167,6 +168,7 @@ class Domain:
         param_groups: list[dict[str, Any]],
         defaults: dict[str, Any],
         options: ExecutionOptions,
+        peers: Peers,
     ) -> None:
         self.name = name
         self.world = world
@@ -175,6 +177,7 @@ class Domain:
         self.param_groups = param_groups
         self.options = options
         self._defaults = defaults
+        self._peers = peers
         self.groups: ProcessGroups = make_groups(world, self.settings.topology)
         self.lifecycle = StepLifecycle()
         self.parked: dict[int, ParkedParam] = {}  # [Note: parked state]
@@ -220,6 +223,7 @@ class Domain:
     def _settle(self, installed: Installed) -> None:
         """Stage 3: shard the freshly installed parameters and hook the attached model."""
         if isinstance(installed.gather, ShardedParams):
+            installed.gather.join(self._peers)  # [Note: several sharded domains]
             installed.gather.shard_all()
             if self.attached is not None:
                 installed.gather.attach(self.attached)

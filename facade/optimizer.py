@@ -45,6 +45,7 @@ from zeroplan.facade.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.installed import Installed
 from zeroplan.facade.lifecycle import Phase, StepLifecycle, finish_norm, norm_op, norm_type_of
 from zeroplan.facade.memory_check import check_device_memory
+from zeroplan.facade.param_shards import Peers
 from zeroplan.facade.registry import Configured, configure
 from zeroplan.facade.state_dicts import Shards, sharded_state_dict
 from zeroplan.facade.state_loading import LoadedState
@@ -202,6 +203,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             overlap_gather=bool(overlap_param_gather),
             reshard=bool(reshard_after_forward),
         )
+        peers = Peers()  # [Note: several sharded domains]
         self._domains: tuple[Domain, ...] = tuple(
             Domain(
                 name=item.name,
@@ -211,6 +213,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 param_groups=[self.param_groups[p] for p in item.positions],
                 defaults=self.defaults,
                 options=options,
+                peers=peers,
             )
             for item, c, zp in zip(inputs, configured, plans, strict=True)
         )

@@ -73,7 +73,7 @@ from zeroplan.facade.collectives import CommLog, Pending
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.param_gather import DeferredParameter, gather_block
 
-__all__ = ["ShardedParameter", "ShardedParams"]
+__all__ = ["Peers", "ShardedParameter", "ShardedParams"]
 
 _Key = tuple[int, int]  # (space index, block index)
 
@@ -81,10 +81,19 @@ _Key = tuple[int, int]  # (space index, block index)
 # An optimizer with expert groups holds one ``ShardedParams`` per domain (see [Note:
 # expert domains]), each attached to the same model. Autograd keeps one pair of
 # saved-tensor hooks in force (the innermost ``saved_tensors_hooks``), so each
-# instance's ``_pack`` recognises the blocks of every instance whose forward is open
-# (this list, in the order their forwards opened) and the saved view remembers its
-# owner, whose ``_bring_back`` gathers it in backward.
-_OPEN_FORWARDS: list[ShardedParams] = []
+# instance's ``_pack`` also recognises the blocks of its *peers*, the other domains'
+# instances of the same optimizer (a ``Peers`` object the optimizer's domains share;
+# an instance joins when installed and leaves when retired), while their forward is
+# open; the saved view remembers its owner, whose ``_bring_back`` gathers it in
+# backward. Nothing is global: instances of other optimizers, or retired ones whose
+# storage addresses may be reused, are never consulted.
+
+
+class Peers:
+    """The ``ShardedParams`` of one optimizer's domains (see [Note: several sharded domains])."""
+
+    def __init__(self) -> None:
+        self.members: list[ShardedParams] = []
 
 
 class BlockState(enum.Enum):
@@ -189,7 +198,13 @@ class ShardedParams:
         self._hold = 0  # gathered_params() blocks: nothing is freed until it exits
         self._backward_queued = False
         self._saved: contextlib.ExitStack | None = None
+        self._peers = Peers()  # alone until it joins its optimizer's (see [Note: several sharded domains])
         self._reset_pass()
+
+    def join(self, peers: Peers) -> None:
+        """Recognise the blocks of ``peers`` (the other domains' instances) in saved tensors, and be seen."""
+        peers.members.append(self)
+        self._peers = peers
 
     # ------------------------------------------------------------------ blocks
     def _set_class(self, entry: _Entry, cls: type) -> None:
@@ -341,6 +356,8 @@ class ShardedParams:
     def retire(self) -> None:
         """Let go of the parameters for good (re-planning installed another plan over them)."""
         self.detach()
+        if self in self._peers.members:
+            self._peers.members.remove(self)
         for handle in self._grad_handles:
             handle.remove()
         self._grad_handles = []
@@ -392,8 +409,6 @@ class ShardedParams:
             self._reset_pass()
             stack = contextlib.ExitStack()
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
-            _OPEN_FORWARDS.append(self)
-            stack.callback(_OPEN_FORWARDS.remove, self)
             self._saved = stack
         self._forward_depth += 1
 
@@ -448,11 +463,19 @@ class ShardedParams:
         if tensor.layout is not torch.strided or tensor.device.type == "meta":
             return tensor  # sparse and meta tensors never view a block
         storage = tensor.untyped_storage()._cdata
-        for shards in (self, *_OPEN_FORWARDS):  # [Note: several sharded domains]
-            key = shards._storage.get(storage)
-            if key is not None:
-                return _SavedView(tensor, shards._entries[key], shards)
+        key = self._storage.get(storage)
+        if key is not None:
+            return _SavedView(tensor, self._entries[key], self)
+        for peer in self._peers.members:  # [Note: several sharded domains]
+            view = peer._view_of(tensor, storage) if peer is not self else None
+            if view is not None:
+                return view
         return tensor
+
+    def _view_of(self, tensor: Any, storage: int) -> _SavedView | None:
+        """A saved view of ``tensor`` if it views one of this instance's blocks inside its open forward."""
+        key = self._storage.get(storage) if self._forward_depth > 0 else None
+        return None if key is None else _SavedView(tensor, self._entries[key], self)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedView):
