@@ -3,7 +3,7 @@
 [Note: expert domains]
 A mixture-of-experts model holds parameters that differ between expert-parallel
 ranks: expert ``e`` lives only on the ranks of its *expert-data-parallel* group.
-Its gradient must be averaged over that group, and its optimizer state can only
+Its gradient must be reduced over that group, and its optimizer state can only
 be sharded over it (InternLM's ``moe`` param groups). The user says so per param
 group: ``{"params": experts, "process_group": ep_dp_group}``.
 
@@ -14,12 +14,15 @@ makes one more domain (``"experts"``, ...) sharded over that whole group. Each
 domain is a :class:`Domain`: an ordinary plan of its own (``zeroplan.core``
 plans each domain separately, see ``zeroplan.core.domains``), its own process
 groups, buffers, gradient hooks, inner optimizer and step lifecycle, exactly the
-parts a single-domain optimizer has. Its gradients are divided by its own group's
-size.
+parts a single-domain optimizer has.
 
 What couples the domains lives in ``ZeroOptimizer`` and nowhere else: one loss
-scale; one overflow verdict (a step is skipped on every rank of every domain if
-any gradient anywhere overflowed: one all-reduce over the world); one gradient
+scale; one divisor (gradients are summed over a domain's group and divided by the
+data-parallel world's size, so that they are the gradients of the world's mean loss,
+as in one process: an expert's sum holds every rank's tokens routed to it, by its
+expert-parallel exchange, or only its own ranks' when it has none); one overflow
+verdict (a step is skipped on every rank of every domain if any gradient anywhere
+overflowed: one all-reduce over the world); one gradient
 norm for clipping, over every parameter of the model, experts of every group
 included (each rank adds its domains' local sums, domain ``d``'s divided by its
 replica count so that the world-wide sum counts each element once); the user's
@@ -187,11 +190,19 @@ class Domain:
         self._settle(self.installed)
 
     # ------------------------------------------------------------ installation
-    def context(self, loss_scale: float) -> StepContext:
-        """What a step of this domain needs: its divisor (group size times loss scale), its groups."""
+    def context(self, loss_scale: float, data_world: int) -> StepContext:
+        """What a step of this domain needs: its divisor, its groups.
+
+        Every domain divides its summed gradients by the *data-parallel* world
+        ``data_world`` (times the loss scale), not by its own group's size: an
+        expert's gradient summed over its group already holds the tokens of every
+        rank that routed to it, so this is the gradient of the world's mean loss,
+        as one process training on the whole batch computes it (see [Note:
+        expert domains]).
+        """
         scale = loss_scale if self.installed.zp.loss_scaling else 1.0
         return StepContext(
-            divisor=self.settings.topology.world_size * scale,
+            divisor=data_world * scale,
             param_groups=self.param_groups,
             params=self.registry.params,
             names=self.registry.names,
@@ -319,11 +330,15 @@ class Domain:
         if loaded.parked is not None:
             self.parked = loaded.parked
 
-    def refresh_trainable(self) -> None:
-        """Re-plan after ``requires_grad`` changed (collective over the domain)."""
-        self.registry, zp = replanning.refresh_trainable(
+    def plan_refresh(self) -> tuple[ParamRegistry, ZeroPlan]:
+        """The registry and agreed plan after ``requires_grad`` changed (collective over the domain; pure)."""
+        return replanning.refresh_trainable(
             self.registry, self.settings, self.installed.zp, self.hyper(), self.world, self.parked
         )
+
+    def adopt(self, registry: ParamRegistry, zp: ZeroPlan) -> None:
+        """Switch to ``registry`` and its agreed plan ``zp`` (re-planning; cannot fail for a user reason)."""
+        self.registry = registry
         self.replan(zp)
 
     def plan_group(self, param_group: dict[str, Any]) -> tuple[ParamRegistry, ZeroPlan, dict[str, Any]]:

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,13 +38,14 @@ from zeroplan.core import (
 from zeroplan.core import Domain as CoreDomain
 from zeroplan.facade import replanning, state_loading
 from zeroplan.facade.accounting import MeasuredMemory
+from zeroplan.facade.agreement import verdicts
 from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.collectives import CommLog, all_reduce
 from zeroplan.facade.consolidate import consolidated_state_dict
 from zeroplan.facade.domain import Domain, DomainInput, ExecutionOptions, split_domains
 from zeroplan.facade.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.installed import Installed
-from zeroplan.facade.lifecycle import Phase, StepLifecycle, finish_norm, norm_op, norm_type_of
+from zeroplan.facade.lifecycle import Phase, StepContext, StepLifecycle, finish_norm, norm_op, norm_type_of
 from zeroplan.facade.memory_check import check_device_memory
 from zeroplan.facade.param_shards import Peers
 from zeroplan.facade.registry import Configured, configure
@@ -212,12 +214,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 zp=zp,
                 param_groups=[self.param_groups[p] for p in item.positions],
                 defaults=self.defaults,
-                options=options,
+                # Expert buckets reduce at step(): an expert that got no token on one rank has no
+                # gradient there, and a backward hook waiting for its bucket would wait for that rank,
+                # which launches it only in step(), after the data domain it may be waiting on.
+                options=options if item.group is world else options._replace(overlap=False),
                 peers=peers,
             )
             for item, c, zp in zip(inputs, configured, plans, strict=True)
         )
         self._initialized = True
+
+    def _context(self, domain: Domain) -> StepContext:
+        """What a step of ``domain`` needs (the same loss scale and divisor for every domain)."""
+        return domain.context(self.loss_scale, self._data_world)
+
+    @property
+    def _data_world(self) -> int:
+        """What every domain's summed gradients are divided by (before the loss scale): the world's size."""
+        return self._data.settings.topology.world_size
 
     @property
     def _data(self) -> Domain:
@@ -290,14 +304,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _reduce(self, call: str) -> None:
         """Finish every domain's reduction; with several, agree on one overflow verdict (one all-reduce)."""
         if len(self._domains) == 1:
-            self._data.lifecycle.reduce(self._data.installed, self._data.context(self.loss_scale), call)
+            self._data.lifecycle.reduce(self._data.installed, self._context(self._data), call)
             return
         phases = [d.lifecycle.phase for d in self._domains]
         if all(p in (Phase.REDUCED, Phase.CLIPPED) for p in phases):
             return
         live = any(p is not Phase.IDLE for p in phases)  # a domain without gradients here reduces zeros
         for domain in self._domains:
-            domain.lifecycle.reduce(domain.installed, domain.context(self.loss_scale), call, idle_ok=live)
+            domain.lifecycle.reduce(domain.installed, self._context(domain), call, idle_ok=live)
         if self._data.installed.zp.loss_scaling:
             flag = torch.tensor(
                 [float(any(d.lifecycle.found_inf for d in self._domains))], device=self._data.installed.device
@@ -339,7 +353,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         if len(self._domains) == 1:
             data = self._data
-            return data.lifecycle.clip(data.installed, data.context(self.loss_scale), max_norm, norm_type)
+            return data.lifecycle.clip(data.installed, self._context(data), max_norm, norm_type)
         norm_type = norm_type_of(norm_type)
         for domain in self._domains:
             domain.lifecycle.check_unclipped()
@@ -363,7 +377,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         if len(self._domains) == 1:
             data = self._data
-            return data.lifecycle.grad_norm(data.installed, data.context(self.loss_scale), norm_type)
+            return data.lifecycle.grad_norm(data.installed, self._context(data), norm_type)
         norm_type = norm_type_of(norm_type)
         self._reduce("grad_norm()")
         return self._joint_norm(norm_type, CommLog())
@@ -383,7 +397,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduce("step()")
         applied = True
         for domain in self._domains:
-            applied = domain.lifecycle.step(domain.installed, domain.context(self.loss_scale), **kwargs)
+            applied = domain.lifecycle.step(domain.installed, self._context(domain), **kwargs)
         if self._scaler is not None:
             self._scaler = update(self._scaler, not applied)
         return loss
@@ -403,7 +417,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The gradients the next ``step()`` applies, whole, per parameter (collective).
 
         Finishes the reduction if needed; the result is averaged over the data
-        parallel world (expert parameters: over their group), unscaled and
+        parallel world (expert parameters too: see [Note: expert domains]), unscaled and
         clipped (if ``clip_grad_norm_`` ran), in the master dtype, ``None`` for
         frozen parameters, in the order of ``param_groups``. It gathers every
         shard on every rank of the shard group: meant for inspection and tests.
@@ -411,7 +425,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduce("averaged_gradients()")
         found: dict[int, torch.Tensor | None] = {}
         for domain in self._domains:
-            grads = domain.lifecycle.averaged_gradients(domain.installed, domain.context(self.loss_scale))
+            grads = domain.lifecycle.averaged_gradients(domain.installed, self._context(domain))
             found.update((id(p), g) for p, g in zip(domain.registry.params, grads, strict=True))
         return [found[id(p)] for group in self.param_groups for p in group["params"]]
 
@@ -606,45 +620,41 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.restore(state)
 
     def _read_domains(self, state_dict: dict[str, Any]) -> list[LoadedState]:
-        """Every domain's validated state from a multi-domain dict; raises on every rank if any rank fails."""
+        """Every domain's validated state from a multi-domain dict; raises on every rank if any rank fails.
+
+        Every rank enters every domain's agreement (a dict this rank rejects
+        outright fails inside it), then one verdict over the world carries an
+        expert group's failure to the ranks outside it.
+        """
         names = [d.name for d in self._domains]
-        problem: Exception | None = None
+        held = sorted(state_dict.get("domains", {})) if isinstance(state_dict, dict) else None
+        rejected: ConfigError | None = None
         if not (isinstance(state_dict, dict) and state_dict.get("format") == DOMAINS_FORMAT):
-            problem = ConfigError(
+            rejected = ConfigError(
                 "this optimizer has expert groups and loads only its own state_dict() (one sharded dict per "
                 f"domain, format {DOMAINS_FORMAT!r}); plain torch.optim dicts, single-domain sharded dicts "
                 "and consolidated dicts do not say which expert group their state belongs to"
             )
-        elif sorted(state_dict.get("domains", {})) != sorted(names):
-            problem = ConfigError(
-                f"the state dict holds domains {sorted(state_dict.get('domains', {}))}, the optimizer {names}"
+        elif held != sorted(names):
+            rejected = ConfigError(f"the state dict holds domains {held}, the optimizer {names}")
+
+        def read(domain: Domain, sh: Shards) -> LoadedState:
+            if rejected is not None:
+                raise rejected
+            return state_loading.read_state_dict(
+                state_dict["domains"][domain.name], sh, domain.plan_with_cohorts
             )
+
         loaded: list[LoadedState] = []
+        problem: Exception | None = None
         for domain in self._domains:
             sh = domain.shards(self._scaler)
             try:
-                if problem is not None:
-                    raise problem
-                part = state_dict["domains"][domain.name]
-                loaded.append(
-                    state_loading.agreed_state(
-                        lambda part=part, sh=sh, domain=domain: state_loading.read_state_dict(
-                            part, sh, domain.plan_with_cohorts
-                        ),
-                        sh,
-                        what=f"state dict of domain {domain.name!r}",
-                    )
-                )
-            except Exception as exc:  # the other domains still agree, so no rank waits
+                what = f"state dict of domain {domain.name!r}"
+                loaded.append(state_loading.agreed_state(partial(read, domain, sh), sh, what=what))
+            except Exception as exc:  # raised on every rank of that domain; the others go on agreeing
                 problem = problem or exc
-        verdict = torch.tensor([int(problem is not None)], device=self._data.installed.device)
-        all_reduce(verdict, dist.ReduceOp.MAX, self._world)  # an expert group's failure reaches every rank
-        if problem is not None:
-            raise problem
-        if int(verdict.item()):
-            raise ConfigError(
-                "another rank's expert groups rejected the state dict; see the error on that rank"
-            )
+        verdicts(problem, self._world, failed="rejected the state dict", error=ConfigError)
         return loaded
 
     @torch.no_grad()
@@ -670,8 +680,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters trainable for the first time start fresh (their own ``step``
         counter). Collective: call on every rank.
         """
-        for domain in self._domains:
-            domain.refresh_trainable()
+        planned, problem = [], None
+        for domain in self._domains:  # every domain agrees over its group; nothing changes yet
+            try:
+                planned.append(domain.plan_refresh())
+            except Exception as exc:
+                problem = problem or exc
+        verdicts(
+            problem, self._world, failed="could not re-plan after requires_grad changed", error=ConfigError
+        )
+        for domain, (registry, zp) in zip(self._domains, planned, strict=True):
+            domain.adopt(registry, zp)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (collective: call on every rank with the same group).
@@ -684,15 +703,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         pg = param_group.get("process_group") if isinstance(param_group, dict) else None
-        domain = next((d for d in self._domains if d.world is (self._world if pg is None else pg)), None)
-        if domain is None:
-            raise ConfigError(
+        target = self._world if pg is None else pg
+        index = next((i for i, d in enumerate(self._domains) if d.world is target), None)
+        unknown = None
+        if index is None:
+            unknown = ConfigError(
                 "add_param_group: its process_group is none of this optimizer's (the data-parallel group or "
                 "an expert group given at construction); pass every expert group when creating the optimizer"
             )
+        routes = verdicts(unknown, self._world, failed="could not add the param group", facts=index)
+        if len(set(routes)) > 1:
+            raise ConfigError(
+                f"add_param_group: the ranks add the group to different domains ({routes}, by rank); give "
+                "every rank a group of the same domain (the data-parallel one, or each its expert group)"
+            )
+        domain = self._domains[routes[0]]
         if isinstance(param_group, dict):
             param_group = {k: v for k, v in param_group.items() if k != "process_group"}
-        registry, zp, group = domain.plan_group(param_group)
+        planned, problem = None, None
+        try:  # agreed over the domain's group; one verdict over the world then reaches every rank
+            planned = domain.plan_group(param_group)
+        except Exception as exc:
+            problem = exc
+        verdicts(problem, self._world, failed="rejected the new param group", error=ConfigError)
+        assert planned is not None  # verdicts raised otherwise
+        registry, zp, group = planned
         new = registry.params[len(domain.registry.params) :]
         extra = {} if domain is self._data else {"process_group": domain.world}
         super().add_param_group({**group, **extra, "params": list(new)})
@@ -721,7 +756,7 @@ def _agreed_expert_plans(
     """Every expert domain's plan once its group's ranks agreed; raises on every rank if any group failed.
 
     Each expert group agrees over itself (its ranks hold the same experts);
-    one all-reduce over the world then carries any group's failure to all.
+    one verdict over the world then carries any group's failure to all.
     """
     agreed: list[ZeroPlan] = []
     problem: Exception | None = None
@@ -738,13 +773,5 @@ def _agreed_expert_plans(
             if isinstance(exc, ZeroplanError):
                 exc = type(exc)(f"{where}: {exc} (ranks and group indices are the domain's own)")
             problem = problem or exc
-    verdict = torch.tensor([int(problem is not None)], device=configured[0].registry.device)
-    all_reduce(verdict, dist.ReduceOp.MAX, world)
-    if problem is not None:
-        raise problem
-    if int(verdict.item()):
-        raise ConfigError(
-            "another rank's expert group rejected the optimizer settings (its ranks disagree on the "
-            "parameters or hyper-parameters of their expert groups); see the error on that rank"
-        )
+    verdicts(problem, world, failed="(in an expert group) rejected the optimizer settings", error=ConfigError)
     return agreed

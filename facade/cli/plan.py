@@ -4,14 +4,16 @@
 ``--expert-parallel E`` (default 1: none) plans a mixture-of-experts model as
 ``ZeroOptimizer`` runs it with an expert param group: :func:`zeroplan.core.expert_domains`
 keeps what one rank holds (every dense parameter, ``1/E`` of every MoE layer's
-experts; see [Note: one rank's experts] in ``zeroplan.core.domains``) and makes two
+experts; see [Note: one rank's experts] in ``zeroplan.core.experts``) and makes two
 domains, ``"data"`` (the world, with ``--shard-size`` and ``--ranks-per-node``) and
 ``"experts"`` (expert-data-parallel groups of ``world / E``), which
 :func:`zeroplan.core.plan_domains` plans. The table shows each domain as a plain plan
 is shown, then every rank's total (rank ``r`` is rank ``r // E`` of its
 expert-data-parallel group); ``--json`` prints :meth:`DomainsReport.as_dict` with
-``per_rank_total``. Stage 3 is refused (as ``ZeroOptimizer`` refuses it with expert
-groups), and so are the fit options of [Note: fit options], which plan one domain.
+``per_rank_total``. The fit options of [Note: fit options], which plan one domain,
+are refused. With ``--ranks-per-node`` the experts domain is planned on its nodes
+(two-hop gathers where its groups span nodes), which ``ZeroOptimizer`` does not
+execute yet: it gathers expert blocks in one hop.
 Without ``--expert-parallel`` the output is what it always was.
 """
 

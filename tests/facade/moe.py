@@ -45,8 +45,15 @@ class Expert(nn.Module):
         self.up = nn.Linear(WIDTH, HIDDEN)
         self.down = nn.Linear(HIDDEN, WIDTH)
 
+    #: Compute with detached weights (they get no gradient; tokens still flow): an idle expert.
+    idle = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x)))
+        if not self.idle:
+            return self.down(nn.functional.gelu(self.up(x)))
+        linear = nn.functional.linear
+        hidden = nn.functional.gelu(linear(x, self.up.weight.detach(), self.up.bias.detach()))
+        return linear(hidden, self.down.weight.detach(), self.down.bias.detach())
 
 
 class MoELM(nn.Module):

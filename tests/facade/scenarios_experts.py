@@ -3,9 +3,8 @@
 Expert-parallel groups of 2 (``moe.EP``) exchange tokens with ``all_to_all``; each expert's
 gradient is averaged over its expert-data-parallel group (2 ranks) and its optimizer
 state sharded over it; the dense parameters over the world. The reference, one
-process with every expert, steps ``torch.optim`` on the gradients that definition
-gives: dense ones averaged over the 4 ranks' losses, an expert's summed over them
-and divided by its group's 2 ranks.
+process with every expert, steps ``torch.optim`` on the gradients of the mean of the
+4 ranks' losses, as one process training on the whole batch would.
 """
 
 from __future__ import annotations
@@ -75,10 +74,8 @@ class _Reference:
                 for p in self.full.parameters():
                     if p.grad is not None:
                         sums[id(p)] += p.grad.float()
-        for p in self.dense:
+        for p in self.full.parameters():  # the gradient of the mean loss over every rank's batch
             self.master[id(p)].grad = sums[id(p)] / world
-        for p in self.experts:
-            self.master[id(p)].grad = sums[id(p)] / (world // moe.EP)
         grads = [m for m in self.master.values()]
         norm = torch.nn.utils.clip_grad_norm_(grads, clip if clip is not None else 1e30)
         self.optimizer.step()
@@ -256,6 +253,97 @@ def misuse(rank: int, world: int, case: str) -> str | None:
         groups[1]["params"] = [*groups[1]["params"], model.head.weight]
     try:
         make_optimizer(groups, **settings)
+    except ZeroplanError as exc:
+        return str(exc)
+    return None
+
+
+def idle_experts_on_one_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's experts get no gradient in step 1 (no token reached them) while rank 2's, in its group, do.
+
+    Trained twice, with and without overlapping the dense reduction: it must not hang, the copies
+    of each expert must stay equal across their group, and both runs must agree bit for bit.
+    """
+    ep, ep_dp = moe.expert_groups(world)
+    runs = []
+    for overlap in (True, False):
+        model = moe.rank_model(moe.full_model(), rank, ep)
+        opt, _, _ = _optimizer(model, ep_dp, {**cfg, "overlap_grad_reduce": overlap})
+        for step in range(3):
+            for expert in model.experts:
+                expert.idle = rank == 0 and step == 1
+            opt.backward(_loss(model, step, rank))
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        with opt.gathered_params():
+            runs.append([p.detach().clone() for p in model.parameters()])
+            experts = torch.cat([p.detach().reshape(-1) for p in model.expert_parameters()])
+        peers = [torch.empty_like(experts) for _ in range(world // moe.EP)]
+        torch.distributed.all_gather(peers, experts, group=ep_dp)
+    return {
+        "same_in_group": all(torch.equal(peers[0], p) for p in peers),
+        "overlap_equal": all(torch.equal(a, b) for a, b in zip(*runs, strict=True)),
+    }
+
+
+def replanning_with_experts(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Freeze the gate (refresh_trainable), then add an expert group (add_param_group); train in between."""
+    ep, ep_dp = moe.expert_groups(world)
+    model = moe.rank_model(moe.full_model(), rank, ep)
+    opt, _, _ = _optimizer(model, ep_dp, cfg)
+    extra = torch.nn.Parameter(torch.full((3,), 1.0 + rank % moe.EP))  # equal within an expert group
+
+    def train(step: int) -> None:
+        loss = _loss(model, step, rank) + 1e-3 * (extra * extra).sum()
+        opt.backward(loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    train(0)
+    model.gate.weight.requires_grad_(False)
+    opt.refresh_trainable()
+    with opt.gathered_params():
+        gate = model.gate.weight.detach().clone()
+    train(1)
+    opt.add_param_group({"params": [extra], "process_group": ep_dp, "lr": 0.5})
+    train(2)
+    with opt.gathered_params():
+        frozen = torch.equal(gate, model.gate.weight)
+        values = extra.detach().clone()
+    peers = [torch.empty_like(values) for _ in range(world // moe.EP)]
+    torch.distributed.all_gather(peers, values, group=ep_dp)
+    return {
+        "frozen": frozen,
+        "moved": not torch.equal(values, torch.full((3,), 1.0 + rank % moe.EP)),
+        "same_in_group": all(torch.equal(peers[0], p) for p in peers),
+        "groups": [(d.name, len(d.param_groups)) for d in opt.domains],
+        "lr": opt.param_groups[-1]["lr"],
+    }
+
+
+def one_rank_misuses_replanning(rank: int, world: int, case: str) -> str | None:
+    """Only rank 0 errs (an unknown process group, a bad state dict): every rank must raise, none hang."""
+    ep, ep_dp = moe.expert_groups(world)
+    model = moe.rank_model(moe.full_model(), rank, ep)
+    opt, _, _ = _optimizer(model, ep_dp, {})
+    opt.backward(_loss(model, 0, rank))
+    opt.step()
+    opt.zero_grad()
+    try:
+        if case == "unknown_group":
+            stranger = torch.distributed.new_group(list(range(world)))  # the world's ranks, another object
+            group = stranger if rank == 0 else ep_dp
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "process_group": group})
+        elif case == "bad_state_dict":
+            saved = opt.state_dict()
+            opt.load_state_dict({"format": "something else"} if rank == 0 else saved)
+        elif case == "expert_group_only":  # a bad lr inside expert group {0, 2} only
+            lr = "fast" if rank in (0, 2) else 0.1
+            opt.add_param_group(
+                {"params": [torch.nn.Parameter(torch.zeros(2))], "process_group": ep_dp, "lr": lr}
+            )
     except ZeroplanError as exc:
         return str(exc)
     return None

@@ -88,4 +88,23 @@ def test_wrong_expert_setups_raise_on_every_rank(pools, case, words):
         assert error is not None, errors
     assert any(words in e for e in errors), errors
     if case in ("shapes", "lr"):  # ranks of the other expert group learn of it too
-        assert sum("another rank's expert group" in e for e in errors) == 2, errors
+        assert sum("(in an expert group) rejected the optimizer settings" in e for e in errors) == 2, errors
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_expert_idle_on_one_rank_of_its_group_neither_hangs_nor_diverges(pools, stage):
+    for r in pools(4).run(scenarios_experts.idle_experts_on_one_rank, {"stage": stage}):
+        assert r["same_in_group"] and r["overlap_equal"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])  # (stage 3 reads parameters only inside the model's forward)
+def test_refresh_trainable_and_add_param_group_with_expert_groups(pools, stage):
+    for r in pools(4).run(scenarios_experts.replanning_with_experts, {"stage": stage}):
+        assert (r["frozen"], r["moved"], r["same_in_group"]) == (True, True, True), r
+        assert r["groups"] == [("data", 1), ("experts", 2)] and r["lr"] == 0.5
+
+
+@pytest.mark.parametrize("case", ["unknown_group", "bad_state_dict", "expert_group_only"])
+def test_one_rank_misusing_replanning_or_loading_raises_everywhere(pools, case):
+    errors = pools(4).run(scenarios_experts.one_rank_misuses_replanning, case)
+    assert all(e is not None for e in errors), errors
