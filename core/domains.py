@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any, NamedTuple
 
+from zeroplan.core.comm import Collective, send_elements
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
-from zeroplan.core.memory import MemoryReport, RankReport, memory_report
+from zeroplan.core.memory import CommCost, MemoryReport, RankReport, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.planner import Stage, ZeroPlan, plan
 from zeroplan.core.specs import ParamSpec, check_specs
@@ -349,10 +350,14 @@ class DomainsReport:
         domains: the domains.
         reports: ``reports[d]`` is :func:`~zeroplan.core.memory.memory_report` of
             domain ``d``'s plan; its ranks are the ranks of the domain's group.
+        controls: scalar all-reduces over domain 0's world per step that couple
+            the domains (the joint gradient norm when clipping, the overflow
+            verdict with a loss scale; see [Note: expert domains]); 0 for one domain.
     """
 
     domains: tuple[Domain, ...]
     reports: tuple[MemoryReport, ...]
+    controls: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "domains", tuple(self.domains))
@@ -397,6 +402,30 @@ class DomainsReport:
             )
             rows.append(report.ranks[p])
         comm = list(rows[0].comm)
+        if self.controls:  # float32 scalars over the world, merged with domain 0's world entry if any
+            world = self.domains[0].topology
+            sent = send_elements(Collective.ALL_REDUCE, [1] * world.world_size, positions[0]) * 4
+            extra = CommCost(
+                group="world",
+                collective=Collective.ALL_REDUCE,
+                calls=self.controls,
+                bytes=self.controls * sent,
+                link=world.world_link,
+            )
+            same = next(
+                (
+                    i
+                    for i, c in enumerate(comm)
+                    if (c.group, c.collective, c.link) == ("world", extra.collective, extra.link)
+                ),
+                None,
+            )
+            if same is None:
+                comm.append(extra)
+            else:
+                comm[same] = dataclasses.replace(
+                    comm[same], calls=comm[same].calls + extra.calls, bytes=comm[same].bytes + extra.bytes
+                )
         for domain, row in zip(self.domains[1:], rows[1:], strict=True):
             comm.extend(dataclasses.replace(c, group=f"{domain.name}/{c.group}") for c in row.comm)
         return RankReport(
@@ -438,8 +467,10 @@ def domains_report(
 ) -> DomainsReport:
     """Memory per rank and traffic per step of every domain's plan.
 
-    Each domain is reported as its own plan would be (its overflow and clipping
-    all-reduces included); :meth:`DomainsReport.rank` adds up one process.
+    Each domain is reported as its own plan would be (its overflow all-reduce
+    included); :meth:`DomainsReport.rank` adds up one process. With several
+    domains the gradient norm is one all-reduce over the world, not one per
+    domain, and the overflow verdict one more (``DomainsReport.controls``).
 
     Args:
         dp: the domain plans.
@@ -458,14 +489,16 @@ def domains_report(
         f"got {len(arrivals)} arrival orders for {len(dp.plans)} domains; pass one per domain "
         "(None for the default order)",
     )
+    joint = len(dp.plans) > 1
     reports = tuple(
         memory_report(
             zp,
-            clipping=clipping,
+            clipping=clipping and not joint,
             overlap=overlap,
             arrivals=order,
             reshard_after_forward=reshard_after_forward,
         )
         for zp, order in zip(dp.plans, arrivals, strict=True)
     )
-    return DomainsReport(domains=dp.domains, reports=reports)
+    controls = int(clipping) + int(dp.plans[0].loss_scaling) if joint else 0
+    return DomainsReport(domains=dp.domains, reports=reports, controls=controls)

@@ -316,9 +316,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             flag = torch.tensor(
                 [float(any(d.lifecycle.found_inf for d in self._domains))], device=self._data.installed.device
             )
+            self._log_joint(self._data.lifecycle.log)
             all_reduce(flag, dist.ReduceOp.MAX, self._world)
             for domain in self._domains:
                 domain.lifecycle.agree_overflow(bool(flag.item() > 0))
+
+    def _log_joint(self, log: CommLog) -> None:
+        """Log one float32 scalar all-reduce over the world (planned as ``DomainsReport.controls``)."""
+        topology = self._data.settings.topology
+        world = topology.world_size
+        log.record(
+            "world", Collective.ALL_REDUCE, [1] * world, self._data.groups.rank, 4, link=topology.world_link
+        )
 
     def _joint_norm(self, norm_type: float, log: CommLog) -> torch.Tensor:
         """The norm over every domain's gradients: one all-reduce over the world ([Note: expert domains])."""
@@ -329,15 +338,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 local = torch.maximum(local, part)
             else:  # every shard group holds the domain's gradient once: count it once over the world
                 local = local + part / domain.settings.topology.replica_size
-        topology = self._data.settings.topology
-        log.record(
-            "world",
-            Collective.ALL_REDUCE,
-            [1] * topology.world_size,
-            self._data.groups.rank,
-            4,
-            link=topology.world_link,
-        )
+        self._log_joint(log)
         all_reduce(local, norm_op(norm_type), self._world)
         return finish_norm(local, norm_type)
 
@@ -470,12 +471,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def memory_reports(self, *, clipping: bool | None = None) -> DomainsReport:
         """The planner's report of every domain ([Note: expert domains]); ``clipping``: see ``memory_report``.
 
-        ``.rank(self.domain_positions())`` is this rank's total.
+        ``.rank(self.domain_positions())`` is this rank's total; its traffic is
+        what :meth:`last_step_comm` measures (with several domains the clipping
+        norm and the overflow verdict are one all-reduce each over the world).
         """
         clipped = self._clipped(clipping)
+        joint = len(self._domains) > 1
+        controls = int(clipped) + int(self._data.installed.zp.loss_scaling) if joint else 0
         return DomainsReport(
             domains=self.domain_plans().domains,
-            reports=tuple(d.memory_report(clipped) for d in self._domains),
+            reports=tuple(d.memory_report(clipped and not joint) for d in self._domains),
+            controls=controls,
         )
 
     def domain_plans(self) -> DomainPlans:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zeroplan.core import (
+    Collective,
     ConfigError,
     Domain,
     DomainPlans,
@@ -26,6 +27,7 @@ from zeroplan.core import (
     plan,
     plan_domains,
     preset_specs,
+    send_elements,
     specs_from_shapes,
 )
 
@@ -151,9 +153,12 @@ def test_rank_sums_the_domains():
             "buffer_bytes",
             "backward_transient_bytes",
             "step_transient_bytes",
-            "comm_bytes_per_step",
         ):
             assert getattr(total, name) == sum(getattr(r, name) for r in rows), name
+        # the joint norm and the overflow verdict: two float32 all-reduces over the world
+        assert report.controls == 2
+        joint = 2 * send_elements(Collective.ALL_REDUCE, [1] * 4, w) * 4
+        assert total.comm_bytes_per_step == sum(r.comm_bytes_per_step for r in rows) + joint
         assert total.peak_bytes <= sum(r.peak_bytes for r in rows)
         assert total.peak_bytes == (
             total.total_bytes
@@ -167,12 +172,14 @@ def test_rank_prefixes_the_comm_of_later_domains():
     report = domains_report(dp, clipping=True)
     total = report.rank((1, 1))
     data, experts = report.reports[0].ranks[1].comm, report.reports[1].ranks[1].comm
+    n = len(data) + 1  # domain 0's entries, then the domains' joint all-reduces over the world
     assert total.comm[: len(data)] == data
-    assert [c.group for c in total.comm[len(data) :]] == [f"experts/{c.group}" for c in experts]
+    assert (total.comm[len(data)].group, total.comm[len(data)].calls) == ("world", 2)
+    assert [c.group for c in total.comm[n:]] == [f"experts/{c.group}" for c in experts]
     assert {c.group for c in data} == {"shard"} and experts
-    assert [
-        dataclasses.replace(c, group=c.group.removeprefix("experts/")) for c in total.comm[len(data) :]
-    ] == list(experts)
+    assert [dataclasses.replace(c, group=c.group.removeprefix("experts/")) for c in total.comm[n:]] == list(
+        experts
+    )
 
 
 def test_mics_domains_keep_replica_traffic():
@@ -243,8 +250,12 @@ def test_moe_experts_state_is_sharded_over_the_expert_data_group():
 def test_memory_report_of_a_domain_plan_is_its_plan_report():
     dp = plan_domains(SPECS, [DATA, EXPERTS], alignment=8)
     report = domains_report(dp, clipping=True, overlap=False)
-    for zp, r in zip(dp.plans, report.reports, strict=True):
-        assert r == memory_report(zp, clipping=True, overlap=False)
+    for zp, r in zip(dp.plans, report.reports, strict=True):  # the clipping norm is the joint one
+        assert r == memory_report(zp, clipping=False, overlap=False)
+    assert report.controls == 1
+    single = plan_domains(SPECS, [dataclasses.replace(DATA, groups=(0, 1, 2))], alignment=8)
+    alone = domains_report(single, clipping=True)
+    assert alone.reports[0] == memory_report(single.plans[0], clipping=True) and alone.controls == 0
 
 
 def test_fingerprint_is_stable_and_sees_the_domains():

@@ -164,6 +164,12 @@ def accounting(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "expert_state": experts.optimizer_state_bytes,
         "expert_unsharded_state": 2 * 4 * expert_numel,  # AdamW: exp_avg and exp_avg_sq, fp32
         "comm_groups": sorted({c.group for c in opt.last_step_comm()}),
+        "comm": sorted(
+            (c.group, c.collective.value, c.link.value, c.calls, c.bytes) for c in opt.last_step_comm()
+        ),
+        "planned_comm": sorted(
+            (c.group, c.collective.value, c.link.value, c.calls, c.bytes) for c in planned.comm
+        ),
         "single_report_error": single,
     }
 
