@@ -48,6 +48,7 @@ import torch.distributed as dist
 from zeroplan.core import ConfigError, MemoryReport, ZeroPlan, memory_report
 from zeroplan.facade import replanning, state_loading
 from zeroplan.facade.accounting import MeasuredMemory, measure
+from zeroplan.facade.collectives import all_gather_objects
 from zeroplan.facade.groups import ProcessGroups, make_groups
 from zeroplan.facade.inner import hyperparameters
 from zeroplan.facade.installed import Installed, broadcast_from_rank_zero, broadcast_values, install
@@ -58,7 +59,15 @@ from zeroplan.facade.registry import Configured, ParamRegistry
 from zeroplan.facade.state_dicts import Shards
 from zeroplan.facade.state_loading import LoadedState
 
-__all__ = ["DATA", "Domain", "DomainInput", "ExecutionOptions", "split_domains"]
+__all__ = [
+    "DATA",
+    "Domain",
+    "DomainInput",
+    "ExecutionOptions",
+    "check_partition",
+    "same_ranks",
+    "split_domains",
+]
 
 #: Name of domain 0, the data-parallel domain.
 DATA = "data"
@@ -86,6 +95,39 @@ class DomainInput(NamedTuple):
     group: dist.ProcessGroup
     positions: tuple[int, ...]
     param_groups: list[dict[str, Any]]
+
+
+def same_ranks(group: dist.ProcessGroup, world: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is ``world`` or another group of exactly its ranks (then it is domain 0's)."""
+    return group is world or dist.get_process_group_ranks(group) == dist.get_process_group_ranks(world)
+
+
+def check_partition(inputs: Sequence[DomainInput], world: dist.ProcessGroup) -> None:
+    """Raise on every rank unless each expert domain's groups split ``world`` into disjoint groups.
+
+    One collective over the world: every rank learns every rank's groups. A rank
+    must be in its own group, and every member of a group must name the same
+    group; otherwise the groups' own agreements would wait on ranks that never
+    come, and the joint gradient norm would count some experts twice.
+
+    Raises:
+        ConfigError: on every rank, naming the first rank whose group is inconsistent.
+    """
+    rank = dist.get_rank(world)
+    global_rank = {dist.get_global_rank(world, r): r for r in range(dist.get_world_size(world))}
+    mine = [tuple(global_rank.get(g, -1) for g in dist.get_process_group_ranks(i.group)) for i in inputs[1:]]
+    rows = all_gather_objects(mine, world)
+    for d, item in enumerate(inputs[1:]):
+        for r, groups in enumerate(rows):
+            group = groups[d] if d < len(groups) else ()
+            wrong = [q for q in group if q < 0 or rows[q][d] != group] if r in group else [r]
+            if wrong:
+                why = "does not include it" if r not in group else f"rank {wrong[0]} does not share"
+                raise ConfigError(
+                    f"domain {item.name!r}: rank {r}'s process_group holds ranks {list(group)} of the "
+                    f"optimizer's group, which {why}; the expert groups must split the data-parallel ranks "
+                    f"into disjoint groups, each named by all of its members (this rank is {rank})"
+                )
 
 
 def split_domains(params: Any, world: dist.ProcessGroup) -> list[DomainInput]:
@@ -128,7 +170,7 @@ def split_domains(params: Any, world: dist.ProcessGroup) -> list[DomainInput]:
                 f"(ranks {dist.get_process_group_ranks(pg)}); give each rank the group of the ranks that "
                 "hold the same expert parameters (its expert-data-parallel group)"
             )
-        owners.append(None if pg is None or pg is world else pg)
+        owners.append(None if pg is None or same_ranks(pg, world) else pg)
     if all(pg is not None for pg in owners):
         raise ConfigError(
             "every param group names its own process_group: there is no data-parallel domain. Pass the group "

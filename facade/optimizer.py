@@ -42,7 +42,14 @@ from zeroplan.facade.agreement import verdicts
 from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.collectives import CommLog, all_reduce
 from zeroplan.facade.consolidate import consolidated_state_dict
-from zeroplan.facade.domain import Domain, DomainInput, ExecutionOptions, split_domains
+from zeroplan.facade.domain import (
+    Domain,
+    DomainInput,
+    ExecutionOptions,
+    check_partition,
+    same_ranks,
+    split_domains,
+)
 from zeroplan.facade.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.installed import Installed
 from zeroplan.facade.lifecycle import Phase, StepContext, StepLifecycle, finish_norm, norm_op, norm_type_of
@@ -186,6 +193,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         ]
         if len(inputs) > 1:
+            check_partition(inputs, world)  # before any expert group's own collective
             plans[1:] = _agreed_expert_plans(inputs, configured, plans, world)
         # Nothing below can fail for a user reason: state changes start here.
         self._mode = configured[0].mode
@@ -709,6 +717,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         pg = param_group.get("process_group") if isinstance(param_group, dict) else None
+        if pg is not None and isinstance(pg, dist.ProcessGroup) and same_ranks(pg, self._world):
+            pg = None  # the world's ranks: the data-parallel domain, as at construction
         target = self._world if pg is None else pg
         index = next((i for i, d in enumerate(self._domains) if d.world is target), None)
         unknown = None

@@ -255,6 +255,9 @@ def misuse(rank: int, world: int, case: str) -> str | None:
     elif case == "not_member":  # the expert-data-parallel group of the other position
         others = [torch.distributed.new_group(list(range(p, world, moe.EP))) for p in range(moe.EP)]
         groups[1]["process_group"] = others[(rank + 1) % moe.EP]
+    elif case == "not_partition":  # {0,1}, {0,1}, {1,2}, {2,3}: rank 2's group is not rank 1's
+        made = [torch.distributed.new_group(r) for r in ([0, 1], [1, 2], [2, 3])]
+        groups[1]["process_group"] = made[max(0, rank - 1)]
     elif case == "twice":
         groups[1]["params"] = [*groups[1]["params"], model.head.weight]
     try:

@@ -90,6 +90,7 @@ def test_an_expert_overflow_on_one_rank_skips_the_step_everywhere(pools):
         ("lr", "domain 'experts' (param groups [1], global ranks [1, 3]): rank 1 was given different"),
         ("not_a_group", "ProcessGroup"),
         ("not_member", "not a member"),
+        ("not_partition", "the expert groups must split the data-parallel ranks into disjoint groups"),
         ("twice", "list each parameter once"),
     ],
 )
