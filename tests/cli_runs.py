@@ -30,3 +30,17 @@ def zeroplan_many(runs: dict[str, tuple[str, ...]]) -> dict[str, subprocess.Comp
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
 )
+
+
+def plan_in_process(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``zeroplan plan ARGS`` and ``... --json`` in one fresh interpreter; it prints both exit codes
+    and the torch modules it imported (``[0, 0] []`` when planning needed no torch)."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from zeroplan.facade.cli import main\n"
+        f"args = ['plan', *{args!r}]\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    codes = [main(args), main([*args, '--json'])]\n"
+        "print(codes, sorted(m for m in sys.modules if m.partition('.')[0] == 'torch'))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 
 import pytest
-from cli_runs import ENV, needs_transformers, zeroplan, zeroplan_many
+from cli_runs import needs_transformers, plan_in_process, zeroplan, zeroplan_many
 
 from zeroplan.core import (
     Topology,
@@ -234,15 +233,7 @@ def test_bad_expert_arguments_are_one_line_errors(bad_runs, args, needle):
 
 
 def test_plan_with_experts_never_imports_torch():
-    code = (
-        "import contextlib, io, sys\n"
-        "from zeroplan.facade.cli import main\n"
-        f"args = ['plan', *{list(MIXTRAL)!r}]\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    codes = [main(args), main([*args, '--json'])]\n"
-        "print(codes, sorted(m for m in sys.modules if m.partition('.')[0] == 'torch'))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    out = plan_in_process(list(MIXTRAL))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 0] []"
 

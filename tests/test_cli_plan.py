@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from cli_runs import ENV, needs_transformers, zeroplan, zeroplan_many
+from cli_runs import ENV, needs_transformers, plan_in_process, zeroplan, zeroplan_many
 
 from zeroplan.core import (
     ParamSpec,
@@ -491,14 +491,6 @@ def test_console_script_matches_the_module_entry_point():
 def test_plan_never_imports_torch(args):
     """``zeroplan plan`` (table and JSON, with the recommender too) starts in a fraction of a second:
     no torch, no optimizer."""
-    code = (
-        "import contextlib, io, sys\n"
-        "from zeroplan.facade.cli import main\n"
-        f"args = ['plan', *{args!r}]\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    codes = [main(args), main([*args, '--json'])]\n"
-        "print(codes, sorted(m for m in sys.modules if m.partition('.')[0] == 'torch'))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    out = plan_in_process(args)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 0] []"

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import zipfile
 from pathlib import Path
 
 import pytest
 import scenarios_checkpoint_experts as scenarios
+from checkpoint_damage import flip_tensor_byte, snapshot_of
 
 from zeroplan.facade.checkpoint_manifest import EXPERTS_FORMAT, seal
 
@@ -81,28 +81,9 @@ def saved(pools, tmp_path_factory):
     return roots
 
 
-def _snapshot(root: Path) -> Path:
-    return root / (root / "latest").read_text().strip()
-
-
-def _flip_tensor_byte(path: Path) -> None:
-    """Flip one byte in the middle of the largest tensor record of a torch.save archive."""
-    with zipfile.ZipFile(path) as archive:
-        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(path, "r+b") as handle:
-        handle.seek(info.header_offset + 26)
-        name_len = int.from_bytes(handle.read(2), "little")
-        extra_len = int.from_bytes(handle.read(2), "little")
-        offset = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
-        handle.seek(offset)
-        byte = handle.read(1)
-        handle.seek(offset)
-        handle.write(bytes([byte[0] ^ 0xFF]))
-
-
 def _reseal(root: Path, edit) -> None:
     """Edit the manifest and seal it again, as a tool that rewrites manifests would."""
-    path = _snapshot(root) / "manifest.json"
+    path = snapshot_of(root) / "manifest.json"
     document = json.loads(path.read_text())
     edit(document)
     path.write_text(json.dumps(seal(document)))
@@ -121,7 +102,7 @@ CASES = {
     # (source, damage, loading optimizer, fault, a fragment of the error one rank at least reports)
     "missing_expert_file": (
         "moe",
-        lambda root: (_snapshot(root) / "experts-experts-00002.pt").unlink(),
+        lambda root: (snapshot_of(root) / "experts-experts-00002.pt").unlink(),
         {},
         False,
         "missing expert files of domain 'experts', which the ranks of expert group [0, 2] read: "
@@ -129,14 +110,14 @@ CASES = {
     ),
     "corrupt_expert_file": (
         "moe",
-        lambda root: _flip_tensor_byte(_snapshot(root) / "experts-experts-00001.pt"),
+        lambda root: flip_tensor_byte(snapshot_of(root) / "experts-experts-00001.pt"),
         {},
         False,
         "checksum mismatch",
     ),
     "truncated_expert_file": (
         "moe",
-        lambda root: (_snapshot(root) / "experts-experts-00003.pt").write_bytes(b"x"),
+        lambda root: (snapshot_of(root) / "experts-experts-00003.pt").write_bytes(b"x"),
         {},
         False,
         "truncated",

@@ -8,7 +8,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import scenarios_checkpoint
 import torch
+from checkpoint_damage import flip_tensor_byte, snapshot_of
 
 from zeroplan.facade.checkpoint_manifest import seal
 
@@ -35,42 +35,23 @@ def _copy(good: Path, tmp_path: Path) -> Path:
     return target
 
 
-def _snapshot(root: Path) -> Path:
-    return root / (root / "latest").read_text().strip()
-
-
-def _flip_tensor_byte(path: Path) -> None:
-    """Flip one byte inside the largest tensor record of a torch.save archive."""
-    with zipfile.ZipFile(path) as archive:
-        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(path, "r+b") as handle:
-        handle.seek(info.header_offset + 26)
-        name_len = int.from_bytes(handle.read(2), "little")
-        extra_len = int.from_bytes(handle.read(2), "little")
-        offset = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
-        handle.seek(offset)
-        byte = handle.read(1)
-        handle.seek(offset)
-        handle.write(bytes([byte[0] ^ 0xFF]))
-
-
 CASES = {
-    "truncated": ("truncated", lambda root: _truncate(_snapshot(root) / "shard-00001.pt")),
-    "corrupted": ("checksum mismatch", lambda root: _flip_tensor_byte(_snapshot(root) / "shard-00000.pt")),
+    "truncated": ("truncated", lambda root: _truncate(snapshot_of(root) / "shard-00001.pt")),
+    "corrupted": ("checksum mismatch", lambda root: flip_tensor_byte(snapshot_of(root) / "shard-00000.pt")),
     "corrupted_region": (
         "checksum mismatch",
-        lambda root: _flip_tensor_byte(_snapshot(root) / "shard-00001.pt"),
+        lambda root: flip_tensor_byte(snapshot_of(root) / "shard-00001.pt"),
     ),
-    "missing_rank": ("missing shard files", lambda root: (_snapshot(root) / "shard-00001.pt").unlink()),
+    "missing_rank": ("missing shard files", lambda root: (snapshot_of(root) / "shard-00001.pt").unlink()),
     "no_manifest": (
         "not a complete zeroplan checkpoint",
-        lambda root: (_snapshot(root) / "manifest.json").unlink(),
+        lambda root: (snapshot_of(root) / "manifest.json").unlink(),
     ),
     "other_model": ("differs in shape", None),
     "other_optimizer": ("checkpoint of optimizer 'AdamW'", None),
     "partial": (
         "interrupted save",
-        lambda root: shutil.copytree(_snapshot(root), root / "snapshot-00000009.partial"),
+        lambda root: shutil.copytree(snapshot_of(root), root / "snapshot-00000009.partial"),
     ),
 }
 
@@ -85,7 +66,7 @@ def _edit_manifest(edit: Callable[[dict[str, Any]], None], *, reseal: bool = Fal
     as a tool that rewrites manifests would (only the cross-checks against the data can tell)."""
 
     def damage(root: Path) -> None:
-        path = _snapshot(root) / "manifest.json"
+        path = snapshot_of(root) / "manifest.json"
         document = json.loads(path.read_text())
         edit(document)
         if reseal:
@@ -117,7 +98,7 @@ def _drop(*keys: str) -> Callable[[dict[str, Any]], None]:
 
 def _string_for_a_tensor(root: Path) -> None:
     """Rank 1's shard file holds a string where a state tensor was (a crafted, self-consistent file)."""
-    path = _snapshot(root) / "shard-00001.pt"
+    path = snapshot_of(root) / "shard-00001.pt"
     data = torch.load(path, weights_only=True)
     data["tensors"]["state/flat/bfloat16/exp_avg"] = "not a tensor"
     torch.save(data, path)
@@ -126,8 +107,8 @@ def _string_for_a_tensor(root: Path) -> None:
 
 def _latest_outside(root: Path, absolute: bool) -> None:
     """``latest`` names a valid snapshot outside the checkpoint root."""
-    elsewhere = root.parent / "elsewhere" / _snapshot(root).name
-    shutil.copytree(_snapshot(root), elsewhere)
+    elsewhere = root.parent / "elsewhere" / snapshot_of(root).name
+    shutil.copytree(snapshot_of(root), elsewhere)
     (root / "latest").write_text(str(elsewhere) if absolute else f"../elsewhere/{elsewhere.name}")
 
 
@@ -196,7 +177,7 @@ def good_adafactor(pools, tmp_path_factory):
 def test_a_manifest_entry_only_one_rank_reads_fails_on_every_rank(pools, good_adafactor, tmp_path):
     """Whole-parameter state is read by its owner only: a bad entry there must still reach rank 0."""
     root = _copy(good_adafactor, tmp_path)
-    manifest = json.loads((_snapshot(root) / "manifest.json").read_text())
+    manifest = json.loads((snapshot_of(root) / "manifest.json").read_text())
     leaf = next(p for p, d in manifest["state"].items() if d.get("ranks") == [1])
     _edit_manifest(_set("state", leaf, "ranks", value=["x"]), reseal=True)(root)
     results = pools(2).run(
