@@ -51,8 +51,9 @@ rank sends (N-1)/N of each, so 3Ψ(N-1)/N per rank, against 2Ψ(N-1)/N for
 stage 2 and DDP. The report prints the plan of ``zeroplan.core``
 (``plan(..., stage=3)`` + ``memory_report``) for this model next to the table:
 with reduce-scatter / all-gather (``policy="min_bytes"``) it equals
-3Ψ(N-1)/N exactly; the gloo policy (``collectives="auto"`` on gloo) sends its
-all-reduces and broadcasts instead. The ``sent`` column is measured
+3Ψ(N-1)/N exactly; the gloo policy (``collectives="auto"`` on gloo) sends the
+same bytes as point-to-point exchanges where pieces are equal, and all-reduces
+and broadcasts where they are not. The ``sent`` column is measured
 (``last_step_comm()``) for ZeroOptimizer and computed for DDP (2Ψ(N-1)/N) and
 FSDP2 (3Ψ(N-1)/N).
 

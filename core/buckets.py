@@ -18,8 +18,10 @@ staging buffer laid out as the pieces one after the other, in rank order, and
 * ``reduce`` when a single rank owns the whole bucket,
 * ``reduce_scatter_v`` (uneven pieces, some empty) otherwise,
 
-or, under the ``GLOO`` policy, ``all_reduce`` over the whole data-parallel
-group, after which every rank keeps its piece (see [Note: collective policy]).
+except under the ``GLOO`` policy, which reduces uneven pieces by one
+``all_reduce`` over the whole data-parallel group, after which every rank
+keeps its piece, and equal pieces by a point-to-point exchange that is still
+a ``reduce_scatter`` in sizes and bytes (see [Note: collective policy]).
 
 With the ``interleaved`` layout ([Note: interleaved layout]) each block of
 the full buffer is one bucket instead: its ``span`` is the block's range of the
@@ -213,8 +215,8 @@ def plan_buckets(
         bucket_bytes: cap of one bucket, in bytes (at least one alignment unit
             is always taken).
         alignment: boundary multiple in elements; defaults to the plan's.
-        policy: ``GLOO`` all-reduces every bucket over the data-parallel group
-            instead (see [Note: collective policy]).
+        policy: ``GLOO`` all-reduces every bucket of uneven pieces over the
+            data-parallel group instead (see [Note: collective policy]).
 
     Example:
         >>> from zeroplan.core.specs import specs_from_shapes
@@ -293,9 +295,7 @@ def plan_buckets(
             pieces=d.pieces,
             copies=d.copies,
             params=d.params,
-            collective=Collective.ALL_REDUCE
-            if policy is CollectivePolicy.GLOO
-            else _collective(d.pieces, plan.shard_size),
+            collective=_collective(d.pieces, plan.shard_size, policy),
         )
         for i, d in enumerate(drafts)
     )
@@ -331,10 +331,13 @@ def _block_drafts(plan: PartitionPlan, space: Space) -> list[_Draft]:
     return drafts
 
 
-def _collective(pieces: tuple[Piece, ...], shard_size: int) -> Collective:
+def _collective(pieces: tuple[Piece, ...], shard_size: int, policy: CollectivePolicy) -> Collective:
+    """How a bucket is reduced (see [Note: collective policy])."""
     sizes = {p.shard_span.numel for p in pieces}
     if len(pieces) == shard_size and len(sizes) == 1:
         return Collective.REDUCE_SCATTER
+    if policy is CollectivePolicy.GLOO:
+        return Collective.ALL_REDUCE
     if len(pieces) == 1:
         return Collective.REDUCE
     return Collective.REDUCE_SCATTER_V

@@ -73,16 +73,30 @@ class CollectivePolicy(str, Enum):
     ``MIN_BYTES`` (NCCL): each bucket is reduce-scattered (or reduced to its
     single owner) in the shard group, then all-reduced over the replica group;
     parameters are all-gathered (one broadcast per rank when shards differ in
-    size). It sends the fewest bytes. ``GLOO``: each bucket is all-reduced over
-    the whole data-parallel group and every rank keeps its piece; parameters are
-    broadcast by their owners. It sends more bytes (an all-reduce moves twice
-    what a reduce-scatter does) but gloo's all-reduce and broadcast are much
-    faster than its reduce-scatter and all-gather, and an uneven reduce-scatter
-    blocks the caller at launch (measured in ``benchmarks/step_time.py``).
+    size). It sends the fewest bytes. ``GLOO``: a bucket of equal pieces (the
+    interleaved layout) is reduce-scattered and a block of equal pieces is
+    all-gathered too, sending the same bytes, but as a *point-to-point
+    exchange*: every rank sends each peer the piece that peer owns (and, to
+    gather, its own piece to every peer) with ``isend``/``irecv``, all in
+    flight at once, and sums the pieces it received in rank order. gloo's own
+    ``reduce_scatter``/``all_gather`` take two to three times as long as that
+    exchange and its ``all_reduce`` as long as exchanging and gathering
+    together (28 MiB, 2 and 4 processes on 2 cores, measured). The price is
+    room for the ``N - 1`` received pieces after the bucket's gradients in
+    each staging buffer (``StagingLayout.received``, planned in the peak). A
+    bucket of uneven pieces is all-reduced over the whole data-parallel group
+    (every rank keeps its piece) and a block of uneven pieces is broadcast by
+    its owners: uneven exchanges would make some rank receive more. Exchanges
+    gather in one hop on a hierarchical topology.
     """
 
     MIN_BYTES = "min_bytes"
     GLOO = "gloo"
+
+    @property
+    def point_to_point(self) -> bool:
+        """Whether equal pieces move by point-to-point exchange (``GLOO``) rather than collectives."""
+        return self is CollectivePolicy.GLOO
 
     def __str__(self) -> str:
         return self.value

@@ -26,8 +26,8 @@ contiguous chunks and need no list form, which is all it would buy). Hop 2
 reads what hop 1 wrote, on another process group, so the facade waits for
 hop 1 and leaves hop 2 in flight (MiCS waits for its inter-node gather too).
 A gather moves values and does no arithmetic, so the result is bit-identical
-to the one-hop gather. Broadcast gathers (unequal pieces, the ``gloo`` policy)
-keep one hop.
+to the one-hop gather. Broadcast gathers (unequal pieces) and the ``gloo``
+policy's exchanges keep one hop.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
             isz = DTYPE_ITEMSIZE[space.dtype]
             for block in space.blocks:
                 gather = zp.gather_collective(block)
-                if gather is Collective.ALL_GATHER and topo.hierarchical:
+                if zp.gathers_in_two_hops(block):
                     two_hops(block.pieces[0], isz, times)
                     continue
                 calls = 1 if gather is Collective.ALL_GATHER else sum(1 for p in block.pieces if p)

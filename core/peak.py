@@ -90,15 +90,19 @@ class StagingLayout(NamedTuple):
 
     Attributes:
         numel: elements to allocate: the bucket's gradients, then, when
-            ``reduced`` lies past them, room for the reduced piece.
+            ``reduced`` or ``received`` lie past them, their room.
         reduced: where the rank's reduced piece lands when it cannot be
             written straight into the gradient shard (an fp32 shard of
             bf16/fp16 gradients): reduced there, summed over replicas, then
             copied (cast) into the shard. ``None``: straight into the shard.
+        received: under a point-to-point exchange (the ``GLOO`` policy, see
+            [Note: collective policy]), room for the pieces the other ``N - 1``
+            ranks send this rank, in their rank order; ``None`` otherwise.
     """
 
     numel: int
     reduced: Span | None
+    received: Span | None = None
 
 
 class BackwardPeak(NamedTuple):
@@ -150,15 +154,22 @@ def staging_layout(zp: ZeroPlan, bucket: Bucket, shard_rank: int) -> StagingLayo
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
         >>> zp = plan(specs_from_shapes([(64,)], dtype="bfloat16"), Topology(world_size=2), alignment=8)
         >>> staging_layout(zp, zp.buckets.buckets[0], 1)   # 64 gradients, then the rank's 32
-        StagingLayout(numel=96, reduced=Span(start=64, stop=96))
+        StagingLayout(numel=96, reduced=Span(start=64, stop=96), received=None)
     """
     return _piece_layout(zp, bucket, bucket.piece_of(shard_rank))
 
 
 def _piece_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece | None) -> StagingLayout:
     """:func:`staging_layout` of the rank that receives ``piece`` (``None``: a rank without one)."""
+    if piece is None:
+        return StagingLayout(bucket.numel, None)
     space = zp.partition.spaces[bucket.space]
-    if piece is None or grad_shard_dtype(zp, space) == space.dtype:
+    cast = grad_shard_dtype(zp, space) != space.dtype
+    if zp.exchanges(bucket.collective):
+        # The rank's own piece is never sent: a sum to be cast lands in it, in place.
+        received = Span(bucket.numel, bucket.numel + (zp.topology.shard_size - 1) * piece.shard_span.numel)
+        return StagingLayout(received.stop, piece.staging_span if cast else None, received)
+    if not cast:
         return StagingLayout(bucket.numel, None)
     if _room_after(zp, bucket):
         tail = Span(bucket.numel, bucket.numel + piece.shard_span.numel)
@@ -265,17 +276,15 @@ def backward_peak(
     held = [sum(buckets[b].numel * isz[b] for b in m.buckets) for m in moments]
     with_grads = (h + m.grads for h, m in zip(held, moments, strict=True))
     top = BackwardPeak(max(held, default=0), max(with_grads, default=0))
-    # Room for a reduced piece (bf16/fp16 at stage 2) is the only per-rank part: only the moments
-    # holding one of a rank's enlarged buckets can exceed the rank-independent maximum.
+    # Room past the gradients (a reduced bf16/fp16 piece at stage 2, received pieces of an exchange)
+    # is the only per-rank part: only the moments holding one of a rank's enlarged buckets can
+    # exceed the rank-independent maximum.
     extra: list[dict[int, int]] = [{} for _ in range(zp.topology.shard_size)]
-    cast = [grad_shard_dtype(zp, space) != space.dtype for space in spaces]
     for b in buckets:
-        # Room is added only for a piece reduced into a shard of another dtype (as _piece_layout says),
-        # and then it is the piece itself, after the bucket's gradients.
-        if not (cast[b.space] and _room_after(zp, b)):
-            continue  # reduced straight into the shard, or in place: no room to add on any rank
         for piece in b.pieces:
-            extra[piece.rank][b.index] = piece.shard_span.numel * isz[b.index]
+            room = _piece_layout(zp, b, piece).numel - b.numel
+            if room:
+                extra[piece.rank][b.index] = room * isz[b.index]
     holding: dict[int, list[int]] = {}
     if any(extra):
         for position, moment in enumerate(moments):

@@ -227,8 +227,22 @@ class ZeroPlan:
         return self.buckets.policy
 
     def gather_collective(self, block: Block) -> Collective:
-        """How a block of updated shards is gathered: the block's own choice, or broadcasts under GLOO."""
-        return Collective.BROADCAST if self.policy is CollectivePolicy.GLOO else block.gather
+        """How a block of updated shards is gathered: ``all_gather`` of equal pieces, else broadcasts.
+
+        Under the ``GLOO`` policy an ``all_gather`` is a point-to-point exchange
+        (see [Note: collective policy]).
+        """
+        return block.gather
+
+    def exchanges(self, collective: Collective) -> bool:
+        """Whether ``collective`` runs as a point-to-point exchange (see [Note: collective policy])."""
+        exchanged = collective in (Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
+        return exchanged and self.policy.point_to_point and self.topology.shard_size > 1
+
+    def gathers_in_two_hops(self, block: Block) -> bool:
+        """Whether ``block`` is gathered across nodes, then inside them ([Note: hierarchical all-gather])."""
+        gather = self.gather_collective(block)
+        return gather is Collective.ALL_GATHER and self.topology.hierarchical and not self.exchanges(gather)
 
     def inner_tensors(self, shard_rank: int) -> tuple[InnerTensor, ...]:
         """What the inner optimizer steps on shard rank ``shard_rank``.

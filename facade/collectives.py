@@ -54,9 +54,15 @@ __all__ = [
     "all_reduce_replica",
     "all_reduce_shard",
     "broadcast",
+    "exchange",
+    "exchange_gather",
     "launch",
     "reduce_bucket",
 ]
+
+_REDUCE_TAG = 0x5A01
+_GATHER_TAG = 0x5A02
+"""Point-to-point tags of the two exchanges, apart from tag 0 (a user's own ``send``/``recv``)."""
 
 _RELEASE_POLL_S = 1e-5
 _RELEASE_LIMIT_S = 10.0
@@ -192,7 +198,12 @@ class CommLog:
 
 
 def reduce_bucket(
-    staging: torch.Tensor, output: torch.Tensor | None, bucket: Bucket, groups: ProcessGroups, log: CommLog
+    staging: torch.Tensor,
+    output: torch.Tensor | None,
+    bucket: Bucket,
+    groups: ProcessGroups,
+    log: CommLog,
+    received: torch.Tensor | None = None,
 ) -> Pending:
     """Launch the reduction of one bucket's ``staging`` buffer into this rank's ``output`` piece.
 
@@ -200,11 +211,19 @@ def reduce_bucket(
     order (see [Note: buckets] in ``zeroplan.core.buckets``); it is scratch
     space afterwards. ``output`` is ``None`` when this rank owns no piece; it
     may be the piece's own window of ``staging``, where a reduce or all-reduce
-    leaves it anyway.
+    leaves it anyway. ``received`` is the room for the other ranks' pieces when
+    the plan reduce-scatters by point-to-point exchange (``StagingLayout.received``,
+    [Note: collective policy]).
     """
     n = groups.topology.shard_size
     s = groups.shard_rank
     itemsize = staging.element_size()
+    if received is not None:
+        if output is None:
+            raise RuntimeError(f"bucket {bucket.index} is exchanged but rank {s} has no piece of it")
+        sizes = list(bucket.piece_sizes(n))
+        log.record("shard", bucket.collective, sizes, s, itemsize, link=groups.shard_link)
+        return _exchange_reduce(staging, received, output, bucket, groups)
     if bucket.collective is Collective.ALL_REDUCE:  # GLOO policy: sum over the world, keep the piece
         world = groups.topology.world_size
         piece = bucket.piece_of(s)
@@ -245,12 +264,72 @@ def reduce_bucket(
     return launch(partial(dist.reduce_scatter, group=groups.shard, async_op=True), target, inputs)
 
 
+def _exchange_reduce(
+    staging: torch.Tensor, received: torch.Tensor, output: torch.Tensor, bucket: Bucket, groups: ProcessGroups
+) -> Pending:
+    """Send each peer its piece of ``staging``, receive this rank's piece from each peer; sum on wait.
+
+    The sum is this rank's own piece, then the received ones in rank order
+    (``output`` may be the own piece's window of ``staging``, which is never sent).
+    """
+    n, s = groups.topology.shard_size, groups.shard_rank
+    pieces = staging.split(list(bucket.piece_sizes(n)))
+    peers = [q for q in range(n) if q != s]
+    rooms = received.split(pieces[s].numel())
+    parts = exchange(
+        [(q, pieces[q]) for q in peers], list(zip(peers, rooms, strict=True)), groups.shard, _REDUCE_TAG
+    )
+    return Pending(None, after=partial(_sum_after, parts, pieces[s], rooms, output))
+
+
+def _sum_after(
+    parts: Sequence[Pending], own: torch.Tensor, others: Sequence[torch.Tensor], output: torch.Tensor
+) -> None:
+    """Wait for ``parts``, then ``output = own + others[0] + others[1] + ...`` (``output`` may be ``own``)."""
+    for part in parts:
+        part.wait()
+    torch.add(own, others[0], out=output)
+    for other in others[1:]:
+        output.add_(other)
+
+
+def exchange(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    receives: Sequence[tuple[int, torch.Tensor]],
+    group: dist.ProcessGroup,
+    tag: int,
+) -> list[Pending]:
+    """Launch an ``irecv`` per ``(peer, tensor)`` of ``receives``, then an ``isend`` per one of ``sends``.
+
+    Peers are ranks of ``group``. Every rank posts its exchanges in the plan's
+    order, so sends and receives between two ranks with the same ``tag`` pair
+    up first to first ([Note: collective policy] in ``zeroplan.core.comm``).
+    """
+    pending = [launch(partial(dist.irecv, group_src=q, group=group, tag=tag), t) for q, t in receives]
+    pending += [launch(partial(dist.isend, group_dst=q, group=group, tag=tag), t) for q, t in sends]
+    return pending
+
+
 def _copier(output: torch.Tensor, source: torch.Tensor) -> Callable[[], None] | None:
     """``output.copy_(source)`` to run later, or ``None`` when ``output`` is ``source``'s own memory."""
     same = output.data_ptr() == source.data_ptr() and output.dtype == source.dtype
     if same and output.shape == source.shape:
         return None
     return partial(output.copy_, source)
+
+
+def exchange_gather(places: Sequence[torch.Tensor], groups: ProcessGroups, log: CommLog) -> list[Pending]:
+    """Gather a block of equal pieces by point-to-point exchange ([Note: collective policy]).
+
+    ``places[q]`` is shard rank ``q``'s piece of the block; this rank's already
+    holds its values. It is sent to every peer, and each peer's lands in place.
+    """
+    n, s = groups.topology.shard_size, groups.shard_rank
+    sizes = [t.numel() for t in places]
+    log.record("shard", Collective.ALL_GATHER, sizes, s, places[s].element_size(), link=groups.shard_link)
+    peers = [q for q in range(n) if q != s]
+    sends = [(q, places[s]) for q in peers]
+    return exchange(sends, [(q, places[q]) for q in peers], groups.shard, _GATHER_TAG)
 
 
 def all_reduce_replica(piece: torch.Tensor, groups: ProcessGroups, log: CommLog) -> Pending:

@@ -11,9 +11,10 @@ staging buffer, copy gradients into it, free a ``.grad``, launch a bucket (its
 reduce-scatter, or reduce, over the shard group starts asynchronously), or
 complete the oldest reduction, which then starts its all-reduce over the
 replica group (MiCS). Buckets launch strictly in the plan's order (the order
-of collectives must match on every rank). Under the GLOO policy a bucket is
-instead all-reduced over the whole data-parallel group (see [Note: collective
-policy]).
+of collectives must match on every rank). Under the GLOO policy a bucket of
+equal pieces is reduce-scattered by a point-to-point exchange into room after
+its gradients (``StagingLayout.received``), and one of uneven pieces is
+all-reduced over the whole data-parallel group (see [Note: collective policy]).
 
 Stage 2 frees each ``.grad`` once all its buckets are staged, so a gradient
 outlives its arrival only while its bucket is beyond the window. bf16/fp16
@@ -238,7 +239,8 @@ class GradSync:
         layout = self._layouts[b]
         reduced = output if layout.reduced is None else staging[layout.reduced.as_slice()]
         grads = staging[: bucket.numel]
-        pending = reduce_bucket(grads, reduced, bucket, self._groups, self._log)
+        received = None if layout.received is None else staging[layout.received.as_slice()]
+        pending = reduce_bucket(grads, reduced, bucket, self._groups, self._log, received)
         del self._open[b]  # only now: a launch that raised leaves it for reset() to free
         self._inflight.append(_InFlight(bucket, staging, pending, reduced, output))
         self._next += 1

@@ -102,8 +102,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         alignment: elements; shard allocations and bucket bounds are multiples.
         max_inflight_buckets: staging buffers alive at once.
         collectives: ``"min_bytes"`` (reduce-scatter / all-gather), ``"gloo"``
-            (all-reduce / broadcasts, faster on gloo) or ``"auto"`` (by backend);
-            see [Note: collective policy] in ``zeroplan.core.comm``.
+            (the same as point-to-point exchanges, faster on gloo; uneven pieces
+            all-reduced / broadcast) or ``"auto"`` (by backend); see
+            [Note: collective policy] in ``zeroplan.core.comm``.
         strict_memory: raise, not warn, when the planned peak does not fit the GPU.
         **optimizer_defaults: hyper-parameters of the inner optimizer (``lr``, ...).
 

@@ -45,23 +45,26 @@ from torch.utils._pytree import tree_flatten
 
 from zeroplan.core import Block, Collective, Space, ZeroPlan, two_hop_gather
 from zeroplan.facade.buffers import SpaceBuffers
-from zeroplan.facade.collectives import CommLog, Pending, launch
+from zeroplan.facade.collectives import CommLog, Pending, exchange_gather, launch
 from zeroplan.facade.groups import ProcessGroups
 
 __all__ = ["DeferredParameter", "GatheringParameter", "ParamGather", "gather_block", "gather_space"]
 
 
 def gather_block(
-    full: torch.Tensor, block: Block, collective: Collective, groups: ProcessGroups, log: CommLog
+    full: torch.Tensor, block: Block, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
 ) -> list[Pending]:
-    """Launch the gather of one block of ``full``; this rank's piece of it already holds its values."""
+    """Launch the gather of one block of ``full`` as ``zp`` says; this rank's piece holds its values."""
     n = groups.topology.shard_size
     if n == 1:
         return []
     s = groups.shard_rank
     itemsize = full.element_size()
-    if collective is Collective.ALL_GATHER and groups.topology.hierarchical:
+    collective = zp.gather_collective(block)
+    if zp.gathers_in_two_hops(block):
         return _gather_in_two_hops(full, block, groups, log)
+    if zp.exchanges(collective):
+        return exchange_gather([full[block.piece(q).buffer_span.as_slice()] for q in range(n)], groups, log)
     if collective is Collective.ALL_GATHER:
         mine = full[block.piece(s).buffer_span.as_slice()]
         log.record("shard", Collective.ALL_GATHER, list(block.pieces), s, itemsize, link=groups.shard_link)
@@ -112,7 +115,7 @@ def gather_space(
     """
     launched = {}
     for k, block in enumerate(space.blocks):
-        pending = gather_block(full, block, zp.gather_collective(block), groups, log)
+        pending = gather_block(full, block, zp, groups, log)
         if pending:
             launched[k] = pending
     return launched

@@ -220,8 +220,7 @@ class ShardedParams:
         entry.buffer.untyped_storage().resize_(entry.nbytes)
         buf = self._buffers[key[0]]
         buf.write_piece(key[1])
-        collective = self._zp.gather_collective(buf.space.blocks[key[1]])
-        entry.pending = gather_block(entry.buffer, entry.block, collective, self._groups, self._log)
+        entry.pending = gather_block(entry.buffer, entry.block, self._zp, self._groups, self._log)
         entry.state = BlockState.GATHERING
 
     def _ensure(self, key: _Key) -> None:

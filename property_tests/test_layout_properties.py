@@ -212,11 +212,11 @@ def test_buckets_are_the_blocks(strategy_name, specs, shard_size, alignment, buc
                 copied += copy.param_span.numel
             assert bucket.padded == (copied < bucket.numel)
             sizes = bucket.piece_sizes(shard_size)
-            if policy is CollectivePolicy.GLOO:
-                assert bucket.collective is Collective.ALL_REDUCE
-            elif len(set(sizes)) == 1:
+            if len(set(sizes)) == 1:  # under GLOO too: by point-to-point exchange
                 assert bucket.collective is Collective.REDUCE_SCATTER
-            if p.strategy == "flat_even" and policy is CollectivePolicy.MIN_BYTES:
+            elif policy is CollectivePolicy.GLOO:
+                assert bucket.collective is Collective.ALL_REDUCE
+            if p.strategy == "flat_even":
                 assert bucket.collective is Collective.REDUCE_SCATTER
         for rank in range(shard_size):
             # With the pieces of the blocks without elements (pure padding), the buckets tile the shard.

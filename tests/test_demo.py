@@ -162,7 +162,7 @@ def test_stage_3_without_resharding_gathers_once_per_step(runs):
     _assert_success(kept, world=2)
     assert "stage 3 (parameters kept from forward to backward) on 2 ranks in shard groups of 2" in _text(kept)
     _, once, _ = _sent(kept.stdout, "shard", "all_gather")  # min_bytes: one all-gather per block
-    _, twice, _ = _sent(resharded.stdout, "shard", "broadcast")  # gloo: a broadcast per block and rank
+    _, twice, _ = _sent(resharded.stdout, "shard", "all_gather")  # gloo: exchanged, same bytes
     assert twice == 2 * once  # the same blocks of the same model, gathered in forward and in backward
 
 

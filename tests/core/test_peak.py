@@ -8,6 +8,7 @@ import pytest
 
 from zeroplan.core import (
     BackwardPeak,
+    Collective,
     PeakPhase,
     Span,
     Topology,
@@ -66,16 +67,36 @@ def test_a_parameter_larger_than_the_window_stays_alive_until_all_its_buckets_ar
     assert backward_peak(zp)[0] == BackwardPeak(2048, 16384 + 2048)
 
 
+def test_an_exchange_stages_room_for_the_pieces_the_peers_send():
+    # GLOO policy, four 1 KiB buckets of equal pieces: each staging buffer holds its 256 gradients
+    # and the N - 1 pieces received (128 at world 2, 3 x 64 at world 4); a window of 2 buckets.
+    assert backward_peak(_plan([(256,)] * 4, policy="gloo")) == (BackwardPeak(2 * 1536, 2 * 1536 + 1024),) * 2
+    at_4 = backward_peak(_plan([(256,)] * 4, policy="gloo", world=4))
+    assert at_4 == (BackwardPeak(2 * 1792, 2 * 1792 + 1024),) * 4
+    # Uneven pieces are all-reduced in place: no room.
+    rank_major = _plan([(256,)] * 4, policy="gloo", layout="rank_major")
+    assert backward_peak(rank_major) == (BackwardPeak(2048, 3072),) * 2
+
+
 def test_bf16_stage_2_stages_room_for_the_reduced_piece():
     zp = _plan([(512,)], dtype="bf16", bucket_bytes=2**20, policy="min_bytes")
     (bucket,) = zp.buckets.buckets
     assert [staging_layout(zp, bucket, r) for r in (0, 1)] == [
-        (512 + 256, Span(512, 768)),
-        (512 + 256, Span(512, 768)),
+        (512 + 256, Span(512, 768), None),
+        (512 + 256, Span(512, 768), None),
     ]
-    # Under the GLOO policy every rank all-reduces the bucket and keeps its piece in place.
+    # Under the GLOO policy equal pieces are exchanged: room for the peer's piece after the
+    # gradients, and the sum lands in the rank's own window (never sent), then is cast.
     gloo = _plan([(512,)], dtype="bf16", bucket_bytes=2**20, policy="gloo")
-    assert staging_layout(gloo, gloo.buckets.buckets[0], 1) == (512, Span(256, 512))
+    assert [staging_layout(gloo, gloo.buckets.buckets[0], r) for r in (0, 1)] == [
+        (768, Span(0, 256), Span(512, 768)),
+        (768, Span(256, 512), Span(512, 768)),
+    ]
+    # ... and uneven pieces are all-reduced over the world, each rank keeping its piece in place.
+    uneven = _plan([(256,)] * 4, dtype="bf16", bucket_bytes=512, policy="gloo", layout="rank_major")
+    whole = uneven.buckets.buckets[0]  # rank 1's alone
+    assert whole.collective is Collective.ALL_REDUCE
+    assert staging_layout(uneven, whole, 1) == (256, Span(0, 256), None)
     # fp32 gradients are reduced straight into the fp32 shard; stage 1 into its own region.
     assert staging_layout(_plan([(512,)]), _plan([(512,)]).buckets.buckets[0], 1).reduced is None
     stage1 = _plan([(512,)], dtype="bf16", stage=1)

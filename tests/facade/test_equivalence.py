@@ -51,7 +51,8 @@ def test_fp32_matches_unsharded(pools, world, shard, stage, optimizer, collectiv
 
 @pytest.mark.parametrize(("dtype", "eps"), [("bf16", 2**-7), ("fp16", 2**-10)])
 @pytest.mark.parametrize(
-    ("world", "shard", "stage", "collectives"), [(2, None, 2, "gloo"), (4, 2, 1, "min_bytes")]
+    ("world", "shard", "stage", "collectives"),
+    [(2, None, 2, "gloo"), (4, None, 2, "gloo"), (4, 2, 1, "min_bytes")],
 )
 def test_low_precision_masters_match_within_dtype_precision(
     pools, world, shard, stage, collectives, dtype, eps
