@@ -480,6 +480,33 @@ def test_gloo_policy_all_reduces_buckets_over_the_world_and_broadcasts_parameter
     assert zp.fingerprint() != rank_major_plan(specs, topology, alignment=8, bucket_bytes=4096).fingerprint()
 
 
+def test_gloo_policy_exchanges_equal_pieces_sending_what_min_bytes_sends():
+    """Interleaved (equal) pieces under GLOO: the same reduce-scatter, replica all-reduce and
+    all-gather, call for call and byte for byte, as MIN_BYTES (run as point-to-point exchanges);
+    only the peak differs, by the room for the N - 1 received pieces of the buckets in flight."""
+    from zeroplan.core import Collective, CollectivePolicy, Topology, communication, plan, specs_from_shapes
+
+    specs = specs_from_shapes([(17, 257), (3,), (64,)])
+    topology = Topology(world_size=4, shard_size=2)
+    gloo, nccl = (
+        plan(specs, topology, alignment=8, bucket_bytes=4096, policy=p)
+        for p in (CollectivePolicy.GLOO, CollectivePolicy.MIN_BYTES)
+    )
+    assert {b.collective for b in gloo.buckets.buckets} == {Collective.REDUCE_SCATTER}
+    assert all(gloo.exchanges(b.collective) for b in gloo.buckets.buckets)
+    assert not any(nccl.exchanges(b.collective) for b in nccl.buckets.buckets)
+    for rank in range(4):
+        costs = communication(gloo, rank)
+        assert costs == communication(nccl, rank)
+        assert {(c.group, c.collective) for c in costs} == {
+            ("shard", Collective.REDUCE_SCATTER),
+            ("shard", Collective.ALL_GATHER),
+            ("replica", Collective.ALL_REDUCE),
+        }
+    peak = [r.peak_bytes for r in memory_report(gloo).ranks]
+    assert all(a > b for a, b in zip(peak, (r.peak_bytes for r in memory_report(nccl).ranks), strict=True))
+
+
 def test_unknown_collective_policy_is_a_config_error():
     import pytest
 
