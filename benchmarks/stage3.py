@@ -66,7 +66,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -93,6 +92,7 @@ from step_time import (
     Variant,
     _join,
     _spread,
+    leave,
     run_fresh,
     timed_steps,
 )
@@ -232,13 +232,7 @@ def _worker(rank: int, world: int, port: int, opts: Options, config: Config, que
         result = {"failed": _error(exc)}
     if rank == 0:
         queue.put(result)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip the interpreter's teardown: gloo's threads intermittently abort it ("terminate called
-    # without an active exception", SIGABRT) after the result is in, which fails the whole run.
-    os._exit(0)
+    leave()
 
 
 def run_rounds(world: int, opts: Options) -> dict[str, Any]:

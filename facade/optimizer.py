@@ -5,13 +5,30 @@ parts] in ``registry``) hold the state, ``StepLifecycle`` drives each step
 (see [Note: step lifecycle]), ``zeroplan.core`` decides every layout, and the
 functions of ``buffers``, ``grad_sync``, ``collectives`` and ``shard_state``
 do the work.
+
+[Note: importing torch._dynamo here]
+torch imports ``torch._dynamo`` the first time any ``torch.optim`` optimizer
+is built, and one of the modules it loads keeps the frame that called it in a
+reference cycle (``torch.fx.wrap`` holds ``inspect.currentframe()`` in a local).
+That frame's ``f_back`` chain reaches whatever stack was running: when that is
+``ZeroOptimizer.__init__`` (or a user's function that first touched
+``zeroplan.facade.ZeroOptimizer``), everything those frames hold, the first
+``ZeroOptimizer`` and its process groups included, outlives its last
+reference until the cycle collector runs, often not before the interpreter
+finalizes. A gloo group freed then lets its worker thread take the GIL during
+finalization, and the process aborts ("terminate called without an active
+exception") after its work is done. So this module imports it once, then
+collects that garbage cycle at once (:func:`_import_dynamo_now`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import importlib
 import math
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any
@@ -58,6 +75,20 @@ from zeroplan.facade.param_shards import Peers
 from zeroplan.facade.registry import Configured, configure
 from zeroplan.facade.state_dicts import Shards, sharded_state_dict
 from zeroplan.facade.state_loading import LoadedState
+
+
+def _import_dynamo_now() -> None:
+    """Import ``torch._dynamo``, then free the frames it keeps in a cycle.
+
+    See [Note: importing torch._dynamo here].
+    """
+    if "torch._dynamo" in sys.modules:
+        return
+    importlib.import_module("torch._dynamo")
+    gc.collect()
+
+
+_import_dynamo_now()
 
 __all__ = ["MeasuredMemory", "ZeroOptimizer"]
 

@@ -52,3 +52,42 @@ def test_two_rank_jobs_that_add_a_param_group_exit_cleanly():
                 what = _describe(proc.returncode)
                 failures.append(f"run {run} (destroy={destroy}) rank {rank}: {what}\n{out}")
     assert not failures, f"{len(failures)} of {2 * RUNS} processes failed:\n" + "\n".join(failures)
+
+
+_FIRST_OPTIMIZER = """
+import gc, os, sys, weakref
+import torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+gc.disable()  # only reference counts may free it
+
+
+def train():
+    from zeroplan.facade import ZeroOptimizer  # first touched here, as a function may do
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, stage=1)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    return weakref.ref(opt)
+
+
+ref = train()
+print("alive" if ref() is not None else "freed")
+dist.destroy_process_group()
+"""
+
+
+def test_the_first_optimizer_of_a_process_is_freed_with_its_last_reference():
+    """The process's first ``torch.optim`` optimizer imports ``torch._dynamo``, whose frames would keep
+    the caller's stack (and so the optimizer and its groups) alive until the interpreter finalizes
+    ([Note: importing torch._dynamo here] in ``zeroplan.facade.optimizer``)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_OPTIMIZER, str(_free_port())],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "freed", out.stdout + out.stderr
