@@ -263,7 +263,8 @@ class ShardedParams:
     def _rehome(self, entry: _Entry) -> None:
         """Move the block's buffer and parameters to empty storage; the old one stays with its holders."""
         del self._storage[entry.buffer.untyped_storage()._cdata]
-        with torch.no_grad():
+        # Moving a parameter's storage reads none of its values: no member, whatever its class, gathers.
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             entry.buffer.set_(torch.empty_like(entry.buffer))  # the same tensor (the buffers' tuple holds it)
             for p, local in zip(entry.members, entry.offsets, strict=True):
                 p.data = entry.buffer[local : local + p.numel()].view(p.shape)
