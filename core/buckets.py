@@ -111,6 +111,27 @@ class Bucket:
         """Whether part of the staging buffer is padding, which must be zero (interleaved layouts)."""
         return sum(c.param_span.numel for c in self.copies) < self.numel
 
+    def padding(self) -> tuple[Span, ...]:
+        """The ranges of the staging buffer no gradient is copied into: zeroed before each reduction.
+
+        Example:
+            >>> bucket = Bucket(index=0, space=0, span=Span(0, 8), pieces=(), params=(0,),
+            ...     copies=(GradCopy(param=0, param_span=Span(0, 3), staging_offset=2),),
+            ...     collective=Collective.ALL_REDUCE)
+            >>> bucket.padding()
+            (Span(start=0, stop=2), Span(start=5, stop=8))
+        """
+        gaps = []
+        at = 0
+        filled = sorted((c.staging_offset, c.staging_offset + c.param_span.numel) for c in self.copies)
+        for start, stop in filled:
+            if start > at:
+                gaps.append(Span(at, start))
+            at = max(at, stop)
+        if at < self.numel:
+            gaps.append(Span(at, self.numel))
+        return tuple(gaps)
+
     def piece_sizes(self, shard_size: int) -> tuple[int, ...]:
         """Elements of the bucket each shard rank receives (0 for most ranks of a ``reduce``)."""
         sizes = [0] * shard_size

@@ -7,8 +7,8 @@ A rank needs, at the most, the larger of two moments of a step (see [Note: the
 step's peak] in :mod:`zeroplan.core.peak` for the transients):
 
 * **backward** — its persistent bytes (parameters, gradient buffers, fp32
-  masters, optimizer state) + the backward's transient
-  (:attr:`~zeroplan.core.memory.RankReport.backward_transient_bytes`: staging,
+  masters, optimizer state, staging slots) + the backward's transient
+  (:attr:`~zeroplan.core.memory.RankReport.backward_transient_bytes`:
   autograd's gradients) + the activations of its micro-batch (see [Note:
   activation memory] in :mod:`zeroplan.core.activations`). The activations are
   all alive when the backward starts and are freed layer by layer as it goes,
@@ -186,7 +186,7 @@ def fit_report(report: MemoryReport, *, activation_bytes: int, device_bytes: int
         >>> zp = plan(specs_from_shapes([(1024, 1024)], dtype="bf16"), Topology(world_size=2))
         >>> fit = fit_report(memory_report(zp), activation_bytes=2**21, device_bytes=2**25)
         >>> fit.fits, fit.worst.phase.value, fit.worst.backward_bytes - fit.worst.step_bytes
-        (True, 'backward', 5242880)
+        (True, 'backward', 2097152)
     """
     check_config(
         type(activation_bytes) is int and activation_bytes >= 0,
@@ -198,7 +198,7 @@ def fit_report(report: MemoryReport, *, activation_bytes: int, device_bytes: int
     )
     ranks = []
     for r in report.ranks:
-        persistent = r.params_bytes + r.grads_bytes + r.master_bytes + r.optimizer_state_bytes
+        persistent = r.total_bytes
         ranks.append(
             RankFit(
                 rank=r.rank,

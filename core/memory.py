@@ -19,17 +19,15 @@ the facade's measured accounting can be compared with it exactly:
   stages 1-2; at stage 3 an fp32 shard is stepped as it is.
 * ``optimizer_state`` — the inner optimizer's state for what the rank steps.
 * ``buffers`` — stage 0: DDP's flat bucket copy of all gradients. Otherwise the
-  peak of the gradient staging buffers (at most ``max_inflight_buckets``
-  consecutive buckets) or, at stage 1 with bf16/fp16 parameters, of the fp32
-  copy of the reduced shard the step uses, whichever is larger (they are never
-  alive together); stage 3 adds parameter gathers.
+  gradient staging slots (see [Note: staging slots] in :mod:`zeroplan.core.peak`).
 
-``total_bytes`` sums these. ``peak_bytes`` is what the rank holds at the
-step's peak: the persistent categories (all but ``buffers``) plus the
-transient memory of the backward (staging, autograd's gradients not staged
-yet) or of the step (the inner optimizer's temporaries), whichever is larger
-(see [Note: the step's peak] in :mod:`zeroplan.core.peak`). Activations are
-not counted.
+``total_bytes`` sums these, all persistent. ``peak_bytes`` is what the rank
+holds at the step's peak: ``total_bytes`` plus the transient memory of the
+backward (autograd's gradients not staged yet; at stage 3, gathered blocks) or
+of the step (the inner optimizer's temporaries; at stage 1 with bf16/fp16
+parameters, the fp32 copy of the reduced shard), whichever is larger (see
+[Note: the step's peak] in :mod:`zeroplan.core.peak`). Activations are not
+counted.
 
 Traffic follows the cost model of :mod:`zeroplan.core.comm`, per collective,
 process group (``shard``, ``replica`` or ``world``) and link (``intra`` or
@@ -87,7 +85,7 @@ class RankReport:
     Attributes:
         backward_transient_bytes: transient bytes at the backward's peak.
         step_transient_bytes: transient bytes at the peak inside ``step()``.
-        peak_bytes: persistent bytes plus the larger transient.
+        peak_bytes: persistent bytes (``total_bytes``) plus the larger transient.
         peak_phase: where the peak happens.
     """
 
@@ -120,7 +118,7 @@ class RankReport:
         object.__setattr__(self, "total_bytes", sum(parts[:5]))
         object.__setattr__(self, "comm_bytes_per_step", sum(c.bytes for c in self.comm))
         transient = StepPeak(self.backward_transient_bytes, self.step_transient_bytes)
-        object.__setattr__(self, "peak_bytes", sum(parts[:4]) + transient.bytes)
+        object.__setattr__(self, "peak_bytes", sum(parts[:5]) + transient.bytes)
         object.__setattr__(self, "peak_phase", transient.phase)
 
     def as_dict(self) -> dict[str, Any]:
@@ -372,10 +370,9 @@ def communication(
 
 
 def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _RankBytes:
-    """Bytes of a shard rank by category; ``staging``: its peak of staging buffers."""
+    """Bytes of a shard rank by category; ``staging``: its staging slots."""
     stage, specs = zp.stage, zp.specs
     params = grads = master = state = 0
-    scratch = 0
     for space in zp.partition.spaces:
         isz = DTYPE_ITEMSIZE[space.dtype]
         low = space.dtype in LOW_PRECISION
@@ -390,7 +387,6 @@ def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _R
         in_place = stage is Stage.OPTIMIZER and space.shard_is_region  # the rank's region is its shard
         if stage is Stage.OPTIMIZER:
             grads += full
-            scratch += space.extent(shard_rank) * _FP32 if low and in_place else 0
         if not in_place:
             grads += shard * DTYPE_ITEMSIZE[grad_shard_dtype(zp, space)]
         # Else the rank steps its region of the full buffer (stages 1-2) or its own shard (stage 3).
@@ -407,7 +403,7 @@ def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _R
     for tensor in zp.inner_tensors(shard_rank):
         dtype = master_dtype(zp.partition.spaces[tensor.space].dtype)
         state += zp.optimizers[tensor.group].state_bytes(tensor.shape, DTYPE_ITEMSIZE[dtype])
-    return _RankBytes(params + frozen, grads, master, state, max(staging, scratch))
+    return _RankBytes(params + frozen, grads, master, state, staging)
 
 
 def memory_report(
@@ -442,10 +438,8 @@ def memory_report(
     backward = None if zp.stage is Stage.DDP else backward_peak(zp, overlap=overlap, arrivals=arrivals)
     staging = [0] * n if backward is None else [p.staging for p in backward]
     per_shard = [_rank_memory(zp, s, staging[s], frozen) for s in range(n)]
-    buffers = [m.buffers for m in per_shard]
-    reshard = reshard_after_forward
     transients = step_peak(
-        zp, overlap=overlap, ddp_buffer=buffers, backward=backward, reshard_after_forward=reshard
+        zp, overlap=overlap, backward=backward, reshard_after_forward=reshard_after_forward
     )
     traffic = _traffic(zp, clipping, reshard_after_forward)
     ranks = []

@@ -1,16 +1,15 @@
 # zeroplan.core — pure planning: no torch, no I/O.
-# What is alive at the step's peak: staging, autograd gradients, the step's temporaries.
+# What is alive at the step's peak: staging slots, autograd gradients, the step's temporaries.
 """The transient memory of one training step, read off a :class:`ZeroPlan`.
 
 [Note: the step's peak]
 Between steps a rank holds its persistent buffers (parameters, gradient
-buffers, fp32 masters, optimizer state: ``memory_report``'s categories). During
-a step it also holds, at the most:
+buffers, fp32 masters, optimizer state and the staging slots: ``memory_report``'s
+categories). During a step it also holds, at the most:
 
-* **backward** — the gradients autograd allocated that are not staged yet, and
-  the staging buffers of the buckets being filled or reduced. The facade's
-  gradient hook follows the schedule :func:`backward_peak` simulates
-  (the facade's hook carries out the same :func:`~zeroplan.core.schedule.staging_schedule`,
+* **backward** — the gradients autograd allocated that are not staged yet.
+  The facade's gradient hook follows the schedule :func:`backward_peak`
+  replays (the same :func:`~zeroplan.core.schedule.staging_schedule`,
   [Note: staging schedule]):
 
   - a gradient is copied into the staging buffer of each of its buckets as
@@ -46,11 +45,26 @@ At stage 3 the backward also holds gathered blocks (see :func:`gathered_bytes`).
 Activations, the loss and the batch are the user's and are not planned. Stage
 0 describes ``DistributedDataParallel``: its peak is an estimate (see
 :func:`step_peak`).
+
+[Note: staging slots]
+Staging buffers are cut from persistent slots, allocated once with the
+optimizer, not allocated per bucket and step. Since at most
+``max_inflight_buckets`` (``k``) consecutive buckets are alive at once (the
+schedule retires the oldest before a bucket ``k`` later opens), buckets ``b``
+and ``b + k`` are never alive together and bucket ``b`` can use slot
+``b % k``, sized for the largest staging buffer among its buckets
+(:func:`staging_slots`). The slots cost no more than the staging buffers
+alive at the backward's peak when buckets are of one size (the bucket cap),
+and they are alive between steps too, as DeepSpeed's reduction buffers and
+``DistributedDataParallel``'s buckets are. Why: a buffer of tens of MiB
+allocated afresh every step is new memory to the operating system on CPU
+(glibc maps it, and each of its pages faults and is zeroed at first write):
+12 ms per 25 MiB bucket measured on the benchmark machine, 1.2 ms to copy
+into a reused one, which was the whole gap of stage 2 to DDP at world 2.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from enum import Enum
 from itertools import pairwise
@@ -62,17 +76,19 @@ from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import check_config
 from zeroplan.core.partition import Space
 from zeroplan.core.planner import Stage, ZeroPlan
-from zeroplan.core.schedule import Action, ActionKind, staging_schedule
-from zeroplan.core.span import Span
+from zeroplan.core.schedule import ActionKind, staging_schedule
+from zeroplan.core.span import Span, round_up
 
 __all__ = [
     "BackwardPeak",
     "PeakPhase",
     "StagingLayout",
+    "StagingSlots",
     "StepPeak",
     "backward_peak",
     "grad_shard_dtype",
     "staging_layout",
+    "staging_slots",
     "step_peak",
     "step_transient",
 ]
@@ -105,12 +121,31 @@ class StagingLayout(NamedTuple):
     received: Span | None = None
 
 
-class BackwardPeak(NamedTuple):
-    """The most transient bytes of one rank during backward (see [Note: the step's peak]).
+class StagingSlots(NamedTuple):
+    """One rank's persistent staging slots (see [Note: staging slots]).
 
     Attributes:
-        staging: staging buffers alive at once.
-        total: staging buffers and autograd gradients alive at once.
+        nbytes: bytes of each slot.
+    """
+
+    nbytes: tuple[int, ...]
+
+    def slot_of(self, bucket: int) -> int:
+        """The slot bucket ``bucket``'s staging buffer is cut from."""
+        return bucket % len(self.nbytes)
+
+    @property
+    def total(self) -> int:
+        """Bytes of all slots."""
+        return sum(self.nbytes)
+
+
+class BackwardPeak(NamedTuple):
+    """The most bytes of one rank's staging and gradients during backward (see [Note: the step's peak]).
+
+    Attributes:
+        staging: the staging slots (persistent, [Note: staging slots]).
+        total: the staging slots and the most autograd gradients alive at once.
     """
 
     staging: int
@@ -187,53 +222,54 @@ def _room_after(zp: ZeroPlan, bucket: Bucket) -> bool:
     return scattered and zp.topology.shard_size > 1
 
 
-class _Alive(NamedTuple):
-    """A moment of the simulated backward: buckets whose staging is alive, and gradient bytes alive."""
+def staging_slots(zp: ZeroPlan, shard_rank: int) -> StagingSlots:
+    """Shard rank ``shard_rank``'s staging slots (see [Note: staging slots]).
 
-    buckets: tuple[int, ...]
-    grads: int
+    Bucket ``b`` is staged in slot ``b % k`` (``k``: ``max_inflight_buckets``,
+    at most one slot per bucket); a slot is as large as the largest staging
+    buffer (:func:`staging_layout`, in bytes) cut from it, rounded up to a
+    multiple of the largest item size among its buckets.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(256,)] * 3), Topology(world_size=1), alignment=8, bucket_bytes=1024)
+        >>> staging_slots(zp, 0)   # three 1 KiB buckets, two in flight at most
+        StagingSlots(nbytes=(1024, 1024))
+    """
+    buckets = zp.buckets.buckets
+    spaces = zp.partition.spaces
+    sizes = [0] * min(zp.max_inflight_buckets, len(buckets))
+    units = [1] * len(sizes)  # a slot is viewed as each of its buckets' dtypes: a multiple of each size
+    for b in buckets:
+        itemsize = DTYPE_ITEMSIZE[spaces[b.space].dtype]
+        slot = b.index % len(sizes)
+        sizes[slot] = max(sizes[slot], staging_layout(zp, b, shard_rank).numel * itemsize)
+        units[slot] = max(units[slot], itemsize)
+    return StagingSlots(tuple(round_up(n, u) for n, u in zip(sizes, units, strict=True)))
 
 
-def _backward_moments(zp: ZeroPlan, overlap: bool, arrivals: Sequence[int] | None) -> list[_Alive]:
-    """The moments at which the backward's transient memory can peak: the facade's schedule, replayed.
+def _most_grads_alive(zp: ZeroPlan, overlap: bool, arrivals: Sequence[int] | None) -> int:
+    """The most bytes of autograd gradients alive at once: the facade's schedule, replayed.
 
     Drives :func:`~zeroplan.core.schedule.staging_schedule` with gradients
-    arriving in ``arrivals`` order (default: decreasing parameter order) and
-    records what is alive when a gradient arrives and when a staging buffer
-    opens. Rank-independent: only the staging sizes differ between ranks.
+    arriving in ``arrivals`` order (default: decreasing parameter order): a
+    gradient is alive from its arrival until the schedule releases it (stage 1's
+    hook moves it into the gradient buffer at once). Rank-independent.
     """
     nbytes = [s.numel * DTYPE_ITEMSIZE[s.dtype] for s in zp.specs]
-    moved_at_once = zp.stage is Stage.OPTIMIZER  # stage 1's hook moves .grad into the buffer
-    opened: set[int] = set()
-    inflight: deque[int] = deque()
-    moments: list[_Alive] = []
-    grads = 0
-
-    def carry_out(actions: list[Action]) -> None:
-        nonlocal grads
-        for action in actions:
-            if action.kind is ActionKind.RETIRE:
-                inflight.popleft()
-            elif action.kind is ActionKind.OPEN:
-                opened.add(action.bucket)
-                moments.append(_Alive((*inflight, *sorted(opened)), grads))
-            elif action.kind is ActionKind.RELEASE:
-                grads -= nbytes[action.param]
-            elif action.kind is ActionKind.LAUNCH:
-                opened.discard(action.bucket)
-                inflight.append(action.bucket)
-
+    moved_at_once = zp.stage is Stage.OPTIMIZER
     schedule = staging_schedule(zp, overlap=overlap)
     next(schedule)
     order = sorted(zp.trainable_indices, reverse=True) if arrivals is None else _checked(zp, arrivals)
+    grads = most = 0
     for index in order:
         grads += nbytes[index]
-        moments.append(_Alive((*inflight, *sorted(opened)), grads))
+        most = max(most, grads)
         if moved_at_once:
             grads -= nbytes[index]
-        carry_out(schedule.send(index))
-    carry_out(schedule.send(None))
-    return moments
+        actions = schedule.send(index)
+        grads -= sum(nbytes[a.param] for a in actions if a.kind is ActionKind.RELEASE)
+    return most
 
 
 def _checked(zp: ZeroPlan, arrivals: Sequence[int]) -> Sequence[int]:
@@ -261,44 +297,12 @@ def backward_peak(
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
         >>> zp = plan(specs_from_shapes([(256,)] * 4), Topology(world_size=2), alignment=8, bucket_bytes=1024)
-        >>> backward_peak(zp)[0]   # two 1 KiB buckets staged, one 1 KiB gradient arriving
+        >>> backward_peak(zp)[0]   # two 1 KiB staging slots, one 1 KiB gradient arriving
         BackwardPeak(staging=2048, total=3072)
     """
-    # Staging bytes depend only on which buckets are alive: keep, per alive set, its most gradient bytes.
-    grads_of: dict[tuple[int, ...], int] = {}
-    for moment in _backward_moments(zp, overlap, arrivals):
-        alive = tuple(sorted(moment.buckets))
-        grads_of[alive] = max(grads_of.get(alive, 0), moment.grads)
-    moments = [_Alive(alive, grads) for alive, grads in grads_of.items()]
-    spaces = zp.partition.spaces
-    buckets = zp.buckets.buckets
-    isz = [DTYPE_ITEMSIZE[spaces[b.space].dtype] for b in buckets]
-    held = [sum(buckets[b].numel * isz[b] for b in m.buckets) for m in moments]
-    with_grads = (h + m.grads for h, m in zip(held, moments, strict=True))
-    top = BackwardPeak(max(held, default=0), max(with_grads, default=0))
-    # Room past the gradients (a reduced bf16/fp16 piece at stage 2, received pieces of an exchange)
-    # is the only per-rank part: only the moments holding one of a rank's enlarged buckets can
-    # exceed the rank-independent maximum.
-    extra: list[dict[int, int]] = [{} for _ in range(zp.topology.shard_size)]
-    for b in buckets:
-        for piece in b.pieces:
-            room = _piece_layout(zp, b, piece).numel - b.numel
-            if room:
-                extra[piece.rank][b.index] = room * isz[b.index]
-    holding: dict[int, list[int]] = {}
-    if any(extra):
-        for position, moment in enumerate(moments):
-            for b in moment.buckets:
-                holding.setdefault(b, []).append(position)
-    result = []
-    for mine in extra:
-        staging, total = top
-        for position in {m for b in mine for m in holding.get(b, ())}:
-            more = sum(mine.get(b, 0) for b in moments[position].buckets)
-            staging = max(staging, held[position] + more)
-            total = max(total, held[position] + more + moments[position].grads)
-        result.append(BackwardPeak(staging, total))
-    return tuple(result)
+    grads = _most_grads_alive(zp, overlap, arrivals)
+    slots = (staging_slots(zp, r).total for r in range(zp.topology.shard_size))
+    return tuple(BackwardPeak(staging, staging + grads) for staging in slots)
 
 
 def step_transient(zp: ZeroPlan, shard_rank: int) -> int:
@@ -358,23 +362,24 @@ def step_peak(
     zp: ZeroPlan,
     *,
     overlap: bool = True,
-    ddp_buffer: Sequence[int] = (),
     backward: Sequence[BackwardPeak] | None = None,
     reshard_after_forward: bool = True,
 ) -> tuple[StepPeak, ...]:
     """Per shard rank, the transient bytes of backward and step (see [Note: the step's peak]).
 
-    Stages 1 and 2 follow the facade's schedule exactly. Stage 0 is an
-    estimate of ``DistributedDataParallel``: its flat bucket copy
-    (``ddp_buffer[rank]`` bytes) during backward. Stage 3 adds the gathered
-    blocks to the stage-2 backward (see :func:`gathered_bytes`).
-    ``backward``: :func:`backward_peak`'s result when the caller has it already.
+    Transient means on top of the persistent buffers, the staging slots
+    included. Stages 1 and 2 follow the facade's schedule exactly: the backward
+    holds autograd's gradients not staged yet. Stage 3 adds the gathered blocks
+    (see :func:`gathered_bytes`). Stage 0 is an estimate of
+    ``DistributedDataParallel``, whose gradients and bucket copy are persistent:
+    only the step's temporaries. ``backward``: :func:`backward_peak`'s result
+    when the caller has it already.
     """
     n = zp.topology.shard_size
     if zp.stage is Stage.DDP:
-        transient = [ddp_buffer[r] if r < len(ddp_buffer) else 0 for r in range(n)]
+        transient = [0] * n
     else:
         peaks = backward_peak(zp, overlap=overlap) if backward is None else backward
         gathered = gathered_bytes(zp, reshard_after_forward) if zp.stage is Stage.PARAMETERS else 0
-        transient = [p.total + gathered for p in peaks]
+        transient = [p.total - p.staging + gathered for p in peaks]
     return tuple(StepPeak(transient[r], step_transient(zp, r)) for r in range(n))

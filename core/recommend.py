@@ -236,8 +236,8 @@ def recommend(
         'stage 2 with shard groups of 4, AdamW(fused=True)'
         >>> print(r.reason.replace("; ", ";\\n"))
         stage 2 with shard groups of 4, AdamW(fused=True): fits with 137.5 MiB to spare (needs 862.5 MiB ...
-        fused=True saves 33.5 MiB over foreach;
-        stage 1 does not fit (needs 1.00 GiB at the least, with shard groups of 4);
+        fused=True saves 96.0 MiB over foreach;
+        stage 1 does not fit (needs 1.05 GiB at the least, with shard groups of 4);
         stage 3 fits but sends 576.0 MiB per step (shard groups of 4)
         >>> recommend(specs, 4, device_bytes=2**29, activation_bytes=2**26).reason
         'nothing fits in 512.0 MiB: the least any configuration needs is 816.0 MiB (stage 3 ...'

@@ -32,8 +32,8 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def measure(installed: Installed, params: Sequence[torch.Tensor], buffer_peak: int) -> MeasuredMemory:
-    """What ``installed`` and the frozen ``params`` hold now; ``buffer_peak`` is the last step's peak."""
+def measure(installed: Installed, params: Sequence[torch.Tensor]) -> MeasuredMemory:
+    """What ``installed`` and the frozen ``params`` hold now (``buffer_bytes``: the staging slots)."""
     managed = installed.zp.trainable_indices
     frozen = sum(_nbytes(p) for i, p in enumerate(params) if i not in managed)
     state = sum(
@@ -48,5 +48,5 @@ def measure(installed: Installed, params: Sequence[torch.Tensor], buffer_peak: i
         grads_bytes=_storage_bytes([t for b in buffers for t in (b.grads, b.grad_shard) if t is not None]),
         master_bytes=sum(_nbytes(b.master) for b in buffers if b.separate_master),
         optimizer_state_bytes=state,
-        buffer_bytes=buffer_peak,
+        buffer_bytes=installed.sync.staging_bytes,
     )

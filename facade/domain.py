@@ -262,7 +262,6 @@ class Domain:
             reshard_after_forward=self.options.reshard,
             admit=self.lifecycle.admit_gradient,
             log=self.lifecycle.log,
-            tracker=self.lifecycle.tracker,
         )
         # Show the inner optimizer's full settings (LR schedulers read e.g. ``betas``).
         inner = installed.inner.optimizer
@@ -325,7 +324,7 @@ class Domain:
     # ------------------------------------------------------------ accounting
     def measured_memory(self) -> MeasuredMemory:
         """Bytes this domain holds on this rank now (buffers: the last step's peak)."""
-        return measure(self.installed, self.registry.params, self.lifecycle.last.buffer_peak)
+        return measure(self.installed, self.registry.params)
 
     def memory_report(self, clipping: bool) -> MemoryReport:
         """The planner's report of this domain's plan, with the last step's gradient arrival order."""

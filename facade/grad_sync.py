@@ -7,7 +7,8 @@ reduction, and inside ``no_sync()`` it says to keep it local), then sends the
 parameter to the step's staging schedule and carries out what it answers
 ([Note: staging schedule] in ``zeroplan.core.schedule``, the same coroutine the
 planner replays to plan the peak, [Note: the step's peak]): open a bucket's
-staging buffer, copy gradients into it, free a ``.grad``, launch a bucket (its
+staging buffer (cut from its persistent slot, [Note: staging slots]), copy
+gradients into it, free a ``.grad``, launch a bucket (its
 reduce-scatter, or reduce, over the shard group starts asynchronously), or
 complete the oldest reduction, which then starts its all-reduce over the
 replica group (MiCS). Buckets launch strictly in the plan's order (the order
@@ -47,35 +48,22 @@ from typing import NamedTuple
 
 import torch
 
-from zeroplan.core import Bucket, Collective, GradCopy, Stage, StepOrderError, ZeroPlan, staging_layout
+from zeroplan.core import (
+    Bucket,
+    Collective,
+    GradCopy,
+    Stage,
+    StepOrderError,
+    ZeroPlan,
+    staging_layout,
+    staging_slots,
+)
 from zeroplan.core.schedule import Action, ActionKind, staging_schedule
 from zeroplan.facade.buffers import SpaceBuffers, param_views
 from zeroplan.facade.collectives import CommLog, Pending, all_reduce_replica, reduce_bucket
 from zeroplan.facade.groups import ProcessGroups
 
-__all__ = ["GradSync", "PeakTracker"]
-
-
-class PeakTracker:
-    """Bytes of transient buffers alive now, and the peak since the last reset."""
-
-    def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
-
-    def alloc(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Count ``tensor`` as alive; returns it."""
-        self.current += tensor.numel() * tensor.element_size()
-        self.peak = max(self.peak, self.current)
-        return tensor
-
-    def free(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor`` as released."""
-        self.current -= tensor.numel() * tensor.element_size()
-
-    def reset(self) -> None:
-        """Start a new peak measurement (buffers alive now still count)."""
-        self.peak = self.current
+__all__ = ["GradSync"]
 
 
 def _call_weakly(method: weakref.WeakMethod, index: int, param: torch.Tensor) -> None:
@@ -106,7 +94,6 @@ class GradSync:
         overlap: bool,
         admit: Callable[[str], bool],
         log: CommLog,
-        tracker: PeakTracker,
     ) -> None:
         self._zp = zp
         self._params = params
@@ -116,9 +103,13 @@ class GradSync:
         self._overlap = overlap
         self._admit = admit
         self._log = log
-        self._tracker = tracker
         self._buckets = zp.buckets.buckets
         self._layouts = [staging_layout(zp, b, groups.shard_rank) for b in self._buckets]
+        self._padding = [b.padding() for b in self._buckets]
+        slots = staging_slots(zp, groups.shard_rank)  # [Note: staging slots] in zeroplan.core.peak
+        self._slot_of = slots.slot_of
+        device = buffers[0].device if buffers else torch.device("cpu")
+        self._slots = [torch.empty(n, dtype=torch.uint8, device=device) for n in slots.nbytes]
         self._copies: list[dict[int, list[GradCopy]]] = []
         for bucket in self._buckets:
             by_param: dict[int, list[GradCopy]] = {}
@@ -149,16 +140,11 @@ class GradSync:
         inflight, self._inflight = getattr(self, "_inflight", deque()), deque()
         replica, self._replica = getattr(self, "_replica", []), []
         opened, self._open = getattr(self, "_open", {}), {}
-        try:
-            for entry in inflight:
-                entry.pending.wait()
-            for pending in replica:
-                pending.wait()
-        finally:  # freed once, even if a wait raised
-            for entry in inflight:
-                self._tracker.free(entry.staging)
-            for staging in opened.values():
-                self._tracker.free(staging)
+        del opened  # their slots are free again
+        for entry in inflight:
+            entry.pending.wait()
+        for pending in replica:
+            pending.wait()
         self._ready = [False] * len(self._zp.specs)
         self._arrivals: list[int] = []
         self._schedule = staging_schedule(self._zp, overlap=self._overlap)  # [Note: staging schedule]
@@ -205,18 +191,31 @@ class GradSync:
             if action.kind is ActionKind.RETIRE:
                 self._retire_oldest()
             elif action.kind is ActionKind.OPEN:
-                bucket = self._buckets[action.bucket]
-                buf = self._buffers[bucket.space]
-                make = torch.zeros if bucket.padded else torch.empty  # padding is reduced as zeros
-                self._open[action.bucket] = self._tracker.alloc(
-                    make(self._layouts[action.bucket].numel, dtype=buf.dtype, device=buf.device)
-                )
+                self._open[action.bucket] = self._staging(action.bucket)
             elif action.kind is ActionKind.STAGE:
                 self._stage(action.bucket, action.param)
             elif action.kind is ActionKind.RELEASE:
                 self._params[action.param].grad = None
             else:
                 self._launch(action.bucket)
+
+    def _staging(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s staging buffer, cut from its slot, its padding zeroed (it is reduced as zeros)."""
+        dtype = self._buffers[self._buckets[b].space].dtype
+        staging = self._slots[self._slot_of(b)].view(dtype)[: self._layouts[b].numel]
+        for span in self._padding[b]:
+            staging[span.as_slice()].zero_()
+        return staging
+
+    @property
+    def slots(self) -> tuple[torch.Tensor, ...]:
+        """The staging slots (bytes), for inspection: what they hold between steps is garbage."""
+        return tuple(self._slots)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging slots (persistent)."""
+        return sum(slot.numel() for slot in self._slots)
 
     def _stage(self, b: int, index: int) -> None:
         """Copy parameter ``index``'s parts of bucket ``b`` into its (open) staging buffer."""
@@ -263,7 +262,6 @@ class GradSync:
     def _retire(self, entry: _InFlight) -> None:
         entry.pending.wait()
         if entry.reduced is None or entry.output is None:
-            self._tracker.free(entry.staging)
             return
         summed = entry.bucket.collective is Collective.ALL_REDUCE  # already over the replicas too
         replica = None if summed else all_reduce_replica(entry.reduced, self._groups, self._log)
@@ -274,7 +272,6 @@ class GradSync:
             if replica is not None:
                 replica.wait()
             entry.output.copy_(entry.reduced)
-        self._tracker.free(entry.staging)
 
     def finish(self) -> None:
         """Stage and launch everything left, wait for all reductions of this step (once per step).

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from zeroplan.core import Stage, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers, build_buffers
 from zeroplan.facade.collectives import CommLog, broadcast
-from zeroplan.facade.grad_sync import GradSync, PeakTracker
+from zeroplan.facade.grad_sync import GradSync
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import Inner, build_inner
 from zeroplan.facade.param_gather import ParamGather
@@ -82,14 +82,13 @@ def install(
     reshard_after_forward: bool = True,
     admit: Callable[[str], bool],
     log: CommLog,
-    tracker: PeakTracker,
 ) -> Installed:
     """Allocate ``zp``'s buffers (parameters become views), build the inner optimizer, hook gradients.
 
     Args:
         admit: called by each gradient hook with the parameter's name; see
             ``StepLifecycle.admit_gradient``.
-        log, tracker: where the step's collectives and transient buffers are counted.
+        log: where the step's collectives are counted.
     """
     buffers = build_buffers(zp, registry.params, groups.shard_rank, registry.device)
     inner = build_inner(zp, buffers, groups.shard_rank, optimizer_class, param_groups)
@@ -102,7 +101,6 @@ def install(
         overlap=overlap,
         admit=admit,
         log=log,
-        tracker=tracker,
     )
     links = tuple((index, _address(registry.params[index])) for index in sorted(zp.trainable_indices))
     gather: ParamGather | ShardedParams

@@ -55,7 +55,6 @@ import torch.distributed as dist
 from zeroplan.core import CommCost, ConfigError, StepOrderError
 from zeroplan.facade.buffers import param_views, write_pieces
 from zeroplan.facade.collectives import CommLog, all_reduce, all_reduce_shard
-from zeroplan.facade.grad_sync import PeakTracker
 from zeroplan.facade.inner import hyperparameter_digest, sync_hyperparameters
 from zeroplan.facade.installed import Installed
 from zeroplan.facade.param_gather import gather_space
@@ -97,13 +96,11 @@ class StepRecord(NamedTuple):
     Attributes:
         comm: its collectives, per (group, collective).
         clipped: whether ``clip_grad_norm_`` ran in it.
-        buffer_peak: peak bytes of its transient buffers (staging, master gradients).
         applied: ``False`` when the update was skipped because a gradient overflowed.
     """
 
     comm: tuple[CommCost, ...] = ()
     clipped: bool = False
-    buffer_peak: int = 0
     applied: bool = True
 
 
@@ -138,7 +135,6 @@ class StepLifecycle:
         self.phase = Phase.IDLE
         self.accumulation = Accumulation.REDUCE
         self.log = CommLog()
-        self.tracker = PeakTracker()
         self.master_grads: list[torch.Tensor] = []
         self.found_inf = False
         self.clipped = False
@@ -206,7 +202,7 @@ class StepLifecycle:
         for buf in inst.buffers:
             shard = buf.grad_shard  # stage 1 with bf16/fp16 parameters: copied to fp32 for the step
             cast = shard.dtype != buf.master.dtype
-            grad = self.tracker.alloc(shard.to(buf.master.dtype)) if cast else shard
+            grad = shard.to(buf.master.dtype) if cast else shard
             grad.div_(ctx.divisor)
             grads.append(grad)
         self.master_grads = grads
@@ -308,11 +304,8 @@ class StepLifecycle:
             self.publish(inst)
             self.phase = Phase.PUBLISHED
         self.release(inst)
-        self.last = StepRecord(
-            comm=self.log.summary(), clipped=self.clipped, buffer_peak=self.tracker.peak, applied=applied
-        )
+        self.last = StepRecord(comm=self.log.summary(), clipped=self.clipped, applied=applied)
         self.log.clear()
-        self.tracker.reset()
         self.clipped = False
         return applied
 
@@ -324,9 +317,6 @@ class StepLifecycle:
         """Drop the master gradients and this step's reduction progress (``-> IDLE``)."""
         for tensor in inst.inner.tensors:
             tensor.grad = None
-        for grad, buf in zip(self.master_grads, inst.buffers, strict=False):
-            if grad is not buf.grad_shard:
-                self.tracker.free(grad)
         self.master_grads = []
         self.found_inf = False
         inst.sync.reset()

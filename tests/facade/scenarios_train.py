@@ -46,7 +46,11 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         ref = Reference(make_model(dtype=dtype), cls, **hyper)
         ref_sched = _scheduler(cfg.get("scheduler"), ref.optimizer, steps)
     errors, grad_errors, norms, ref_norms, lrs = [], [], [], [], []
+    sync = opt.installed.sync
     for step in range(steps):
+        if cfg.get("poison_slots"):  # garbage left in the staging slots (0xFF bytes: NaN) must not leak
+            for slot in sync.slots:
+                slot.fill_(255)
         for micro in range(accumulate):
             tokens, targets = batch(step * accumulate + micro, rank)
             loss = loss_of(model, tokens, targets) / accumulate
@@ -95,6 +99,9 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "lrs": lrs,
         "params": [p.detach().clone() for p in model.parameters()],
         "strategy": opt.plan.partition.strategy,
+        "padded_buckets": sum(b.padded for b in opt.plan.buckets.buckets),
+        "buckets": len(opt.plan.buckets.buckets),
+        "slots": len(sync.slots),
     }
 
 

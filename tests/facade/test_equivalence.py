@@ -96,6 +96,20 @@ def test_clipping_matches_torch_and_is_identical_on_every_rank(pools, norm_type,
     assert max(results[0]["errors"]) < FP32_TOL
 
 
+@pytest.mark.parametrize(("world", "stage", "collectives"), [(2, 2, "gloo"), (4, 2, "min_bytes")])
+def test_garbage_in_the_staging_slots_never_reaches_the_step(pools, world, stage, collectives):
+    # Staging buffers are cut from persistent slots ([Note: staging slots]); padding is reduced as
+    # zeros, so it is zeroed each time a bucket opens. NaN bytes left in every slot before each step
+    # would make the norm (and the update) NaN otherwise.
+    results = _train(
+        pools, world, stage=stage, clip=0.05, steps=3, collectives=collectives, poison_slots=True
+    )
+    r = results[0]
+    assert r["padded_buckets"] > 0 and r["buckets"] > r["slots"], r  # padding, and slots reused
+    assert all(abs(a - b) <= 1e-6 * b for a, b in zip(r["norms"], r["ref_norms"], strict=True)), r
+    assert max(r["errors"]) < FP32_TOL
+
+
 @pytest.mark.parametrize("scheduler", ["lambda", "onecycle", "cosine"])
 def test_lr_schedulers_drive_the_sharded_step(pools, scheduler):
     results = _train(pools, 2, scheduler=scheduler, steps=4)
