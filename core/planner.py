@@ -149,7 +149,7 @@ class ZeroPlan:
         loss_scaling: whether a dynamic or static loss scale is applied (one
             overflow all-reduce per step).
         max_inflight_buckets: buckets whose staging buffers may be alive at
-            once (bounds the staging memory).
+            once: the number of persistent staging slots ([Note: staging slots]).
 
     Raises:
         ConfigError: inconsistent settings, or a parameter-splitting plan for

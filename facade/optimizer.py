@@ -131,7 +131,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scale: ``None``, a static scale, or ``"dynamic"``.
         scaler: settings of the dynamic loss scale.
         alignment: elements; shard allocations and bucket bounds are multiples.
-        max_inflight_buckets: staging buffers alive at once.
+        max_inflight_buckets: staging buffers alive at once (and persistent staging slots kept).
         collectives: ``"min_bytes"`` (reduce-scatter / all-gather), ``"gloo"``
             (the same as point-to-point exchanges, faster on gloo; uneven pieces
             all-reduced / broadcast) or ``"auto"`` (by backend); see
