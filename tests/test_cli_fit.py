@@ -19,6 +19,7 @@ from zeroplan.core import (
     preset_dims,
     preset_specs,
     recommend,
+    specs_from_shapes,
 )
 from zeroplan.facade.cli.fit import parse_size
 from zeroplan.facade.cli.model_sources import dims_from_hf_config
@@ -119,6 +120,27 @@ def test_json_fields(llama_runs):
 
 
 # ----------------------------------------------------------------- other sources and options
+def test_the_recommender_plans_the_layout_asked_for(tmp_path):
+    # fp32, 1 MiB buckets: an interleaved shard keeps its own master, rank-major steps a view of the buffer.
+    path = tmp_path / "shapes.json"
+    path.write_text(json.dumps([[1024, 1024]] * 4))
+    needs = {}
+    for layout in ("interleaved", "rank_major"):
+        out = zeroplan(
+            "--shapes", str(path), "--dtype", "fp32", "--world", "4", "--layout", layout, "--bucket-mb", "1",
+            "--device-memory", "1GiB", "--activation-bytes", "1M", "--recommend", "--json",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        advice = json.loads(out.stdout)["recommendation"]
+        specs = specs_from_shapes([(1024, 1024)] * 4, dtype="fp32")
+        expected = recommend(
+            specs, 4, device_bytes=2**30, activation_bytes=2**20, layout=layout, bucket_bytes=2**20
+        )
+        assert advice == json.loads(json.dumps(expected.as_dict()))
+        needs[layout] = [o["need_bytes"] for o in advice["options"]]
+    assert needs["interleaved"] != needs["rank_major"]
+
+
 def test_activation_bytes_with_a_shapes_file(tmp_path):
     path = tmp_path / "shapes.json"
     path.write_text(json.dumps([[1024, 1024], [17, 257]]))

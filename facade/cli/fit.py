@@ -213,6 +213,7 @@ def recommendation(
         alignment=args.alignment,
         bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
         loss_scaling=args.loss_scaling,
+        layout=args.layout,
     )
 
 
