@@ -12,7 +12,10 @@ gloo workers) and times phases by wrapping methods of the optimizers:
   still in flight at ``step()``), ``prepare rest`` (``StepLifecycle.reduce``
   minus ``finish``: the step agreement, averaging, overflow check),
   ``inner step``, ``publish`` (all-gather of updated parameters), ``step other``
-  and ``zero_grad``.
+  and ``zero_grad``; ``gather wait``: the overlapped gathers, completed after
+  the step (configurations are interleaved, so no forward of their own could
+  hide them; the barrier before the next step would otherwise wait for them
+  untimed).
 
 Phases are summed within a step, averaged over ranks, and the median over the
 timed steps is printed (ms). ``--cprofile`` writes rank 0's cProfile stats
@@ -108,6 +111,9 @@ def timed_step(runner: Runner, phases: Phases, tokens: torch.Tensor, targets: to
     t3 = _clocks()
     runner.optimizer.zero_grad(set_to_none=runner.variant.set_to_none)
     phases.add("zero_grad", t3)
+    t4 = _clocks()
+    runner.wait()  # gathers still in flight: gloo's barrier before the next step would wait for them
+    phases.add("gather wait", t4)
     phases.add("total", t0)
     phases.end_step()
 
@@ -186,6 +192,7 @@ ORDER = (
     "publish",
     "step other",
     "zero_grad",
+    "gather wait",
     "total",
 )
 
