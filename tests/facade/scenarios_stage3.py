@@ -279,3 +279,45 @@ def replanning(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     opts[1].wait_for_params()
     values2 = _values(models[1])
     return {"equal_to_stage_2": all(torch.equal(a, b) for a, b in zip(values3, values2, strict=True))}
+
+
+def held_while_prefetched(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A block prefetched but never used, whose buffer someone else still holds when the forward ends.
+
+    The head's pre-hook prefetches the next block in buffer order, the ``unused`` layer's, which no
+    forward uses: it is still gathering (its parameters ``ShardedParameter``) when the forward ends and
+    every block is freed. A hook holds an alias of that buffer (as a backend releasing a collective's
+    tensors late does), so freeing moves the parameters to storage of their own ([Note: stage 3]).
+    """
+    models = [_Checkpointed(reentrant=False) for _ in range(2)]
+    opts = [make_optimizer(m, stage=s, collectives="min_bytes") for m, s in zip(models, (3, 2), strict=True)]
+    for m, o in zip(models, opts, strict=True):
+        o.attach(m)
+    held: list[torch.Tensor] = []
+    unused = models[0].unused.weight
+
+    def hold(module: torch.nn.Module, args: Any, output: Any) -> None:
+        with torch._C.DisableTorchFunctionSubclass():  # a plain alias of the buffer; reads nothing
+            held.append(unused.detach())
+
+    handle = models[0].inner.head.register_forward_hook(hold)
+    moved = []
+    for step in range(3):
+        tokens, targets = batch(step, rank)
+        for m, o in zip(models, opts, strict=True):
+            loss = loss_of(m, tokens, targets)
+            if o.plan.stage == 3:
+                with torch._C.DisableTorchFunctionSubclass():
+                    moved.append(unused.untyped_storage().data_ptr() != held[-1].untyped_storage().data_ptr())
+                sharded = type(unused) is ShardedParameter
+            loss.backward()
+            o.step()
+            o.zero_grad()
+    handle.remove()
+    with opts[0].gathered_params():
+        values3 = _values(models[0])
+    return {
+        "equal_to_stage_2": all(torch.equal(a, b) for a, b in zip(values3, _values(models[1]), strict=True)),
+        "moved": moved,
+        "sharded_after_forward": sharded,
+    }

@@ -104,6 +104,15 @@ def test_checkpointing_submodule_calls_kept_state_dicts_and_unused_parameters(po
         assert r["same_eval"]
 
 
+def test_a_prefetched_unused_block_held_by_someone_else_is_moved_not_read(pools):
+    """Freeing a block that is still being gathered while another holder keeps its buffer moves its
+    parameters to storage of their own; moving reads nothing (it used to raise StepOrderError)."""
+    for r in pools(2).run(scenarios_stage3.held_while_prefetched, {}):
+        assert all(r["moved"]), r  # the path ran in every step
+        assert r["sharded_after_forward"]
+        assert r["equal_to_stage_2"]
+
+
 def test_replanning_at_stage_3_equals_stage_2(pools):
     """Freezing, unfreezing (``refresh_trainable``) and ``add_param_group`` re-plan a sharded model."""
     for r in pools(2).run(scenarios_stage3.replanning, {}):
