@@ -5,7 +5,7 @@ Linear stack inside a ``MemTracker`` (so it sees every storage of the rank) and
 train it with ``ZeroOptimizer``; the tracker is re-entered around each whole step
 (forward, backward, ``step()``, ``zero_grad()``), which restarts its peak. The
 table shows the third step's peak next to the plan's ``total_bytes`` (what the
-optimizer holds between steps, its staging slots included) and ``peak_bytes``. The
+optimizer holds between steps, its staging arena included) and ``peak_bytes``. The
 activations of the stack are under 1% of its parameters.
 
 Usage::

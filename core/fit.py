@@ -7,7 +7,7 @@ A rank needs, at the most, the larger of two moments of a step (see [Note: the
 step's peak] in :mod:`zeroplan.core.peak` for the transients):
 
 * **backward** — its persistent bytes (parameters, gradient buffers, fp32
-  masters, optimizer state, staging slots) + the backward's transient
+  masters, optimizer state, staging arena) + the backward's transient
   (:attr:`~zeroplan.core.memory.RankReport.backward_transient_bytes`:
   autograd's gradients) + the activations of its micro-batch (see [Note:
   activation memory] in :mod:`zeroplan.core.activations`). The activations are

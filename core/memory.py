@@ -19,7 +19,7 @@ the facade's measured accounting can be compared with it exactly:
   stages 1-2; at stage 3 an fp32 shard is stepped as it is.
 * ``optimizer_state`` — the inner optimizer's state for what the rank steps.
 * ``buffers`` — stage 0: DDP's flat bucket copy of all gradients. Otherwise the
-  gradient staging slots (see [Note: staging slots] in :mod:`zeroplan.core.peak`).
+  gradient staging arena (see [Note: staging arena] in :mod:`zeroplan.core.peak`).
 
 ``total_bytes`` sums these, all persistent. ``peak_bytes`` is what the rank
 holds at the step's peak: ``total_bytes`` plus the transient memory of the
@@ -370,7 +370,7 @@ def communication(
 
 
 def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _RankBytes:
-    """Bytes of a shard rank by category; ``staging``: its staging slots."""
+    """Bytes of a shard rank by category; ``staging``: its staging arena."""
     stage, specs = zp.stage, zp.specs
     params = grads = master = state = 0
     for space in zp.partition.spaces:

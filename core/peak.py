@@ -1,11 +1,11 @@
 # zeroplan.core — pure planning: no torch, no I/O.
-# What is alive at the step's peak: staging slots, autograd gradients, the step's temporaries.
+# What is alive at the step's peak: staging arena, autograd gradients, the step's temporaries.
 """The transient memory of one training step, read off a :class:`ZeroPlan`.
 
 [Note: the step's peak]
 Between steps a rank holds its persistent buffers (parameters, gradient
-buffers, fp32 masters, optimizer state and the staging slots: ``memory_report``'s
-categories). During a step it also holds, at the most:
+buffers, fp32 masters, optimizer state and the staging arena: ``memory_report``'s
+categories, the staging arena included). During a step it also holds, at the most:
 
 * **backward** — the gradients autograd allocated that are not staged yet.
   The facade's gradient hook follows the schedule :func:`backward_peak`
@@ -46,21 +46,26 @@ Activations, the loss and the batch are the user's and are not planned. Stage
 0 describes ``DistributedDataParallel``: its peak is an estimate (see
 :func:`step_peak`).
 
-[Note: staging slots]
-Staging buffers are cut from persistent slots, allocated once with the
-optimizer, not allocated per bucket and step. Since at most
+[Note: staging arena]
+Staging buffers are cut from one persistent arena per rank, allocated once with
+the optimizer, not allocated per bucket and step. At most
 ``max_inflight_buckets`` (``k``) consecutive buckets are alive at once (the
-schedule retires the oldest before a bucket ``k`` later opens), buckets ``b``
-and ``b + k`` are never alive together and bucket ``b`` can use slot
-``b % k``, sized for the largest staging buffer among its buckets
-(:func:`staging_slots`). The slots cost no more than the staging buffers
-alive at the backward's peak when buckets are of one size (the bucket cap),
-and they are alive between steps too, as DeepSpeed's reduction buffers and
-``DistributedDataParallel``'s buckets are. Why: a buffer of tens of MiB
-allocated afresh every step is new memory to the operating system on CPU
-(glibc maps it, and each of its pages faults and is zeroed at first write):
-12 ms per 25 MiB bucket measured on the benchmark machine, 1.2 ms to copy
-into a reused one, which was the whole gap of stage 2 to DDP at world 2.
+schedule retires the oldest before a bucket ``k`` later opens), so a bucket
+can only be alive with the ``k - 1`` buckets on either side of it:
+:func:`staging_arena` places each, in launch order, at the lowest offset free
+of the ``k - 1`` before it. With buckets of one size that is ``k`` buffers,
+what the backward's peak held before; with uneven ones (the last bucket of a
+space, stage 3's whole blocks) close to the largest ``k`` consecutive.
+
+What it costs: the arena is alive between steps and inside ``step()`` too (as
+DeepSpeed's reduction buffers and ``DistributedDataParallel``'s buckets are),
+so where the step is the peak (a foreach AdamW's temporaries) it adds to it;
+``peak_bytes`` says so. Why: a buffer of tens of MiB allocated afresh every
+step is new memory to the operating system on CPU (glibc maps it, and each of
+its pages faults and is zeroed at first write): 12 ms per 25 MiB bucket on the
+benchmark machine against 1.2 ms to copy into a reused one, most of stage 2's
+gap to DDP at world 2. CUDA's caching allocator would have reused the memory;
+one code path for both keeps the plan the same on both.
 """
 
 from __future__ import annotations
@@ -83,12 +88,13 @@ __all__ = [
     "BackwardPeak",
     "PeakPhase",
     "StagingLayout",
-    "StagingSlots",
+    "STAGING_ALIGNMENT",
+    "StagingArena",
     "StepPeak",
     "backward_peak",
     "grad_shard_dtype",
     "staging_layout",
-    "staging_slots",
+    "staging_arena",
     "step_peak",
     "step_transient",
 ]
@@ -121,31 +127,29 @@ class StagingLayout(NamedTuple):
     received: Span | None = None
 
 
-class StagingSlots(NamedTuple):
-    """One rank's persistent staging slots (see [Note: staging slots]).
+class StagingArena(NamedTuple):
+    """One rank's persistent staging memory and where each bucket's staging buffer lies in it.
+
+    See [Note: staging arena].
 
     Attributes:
-        nbytes: bytes of each slot.
+        nbytes: bytes of the arena.
+        offsets: per bucket, the byte offset of its staging buffer (a multiple of
+            :data:`STAGING_ALIGNMENT`).
+        sizes: per bucket, the bytes of its staging buffer (:func:`staging_layout`).
     """
 
-    nbytes: tuple[int, ...]
-
-    def slot_of(self, bucket: int) -> int:
-        """The slot bucket ``bucket``'s staging buffer is cut from."""
-        return bucket % len(self.nbytes)
-
-    @property
-    def total(self) -> int:
-        """Bytes of all slots."""
-        return sum(self.nbytes)
+    nbytes: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
 
 
 class BackwardPeak(NamedTuple):
     """The most bytes of one rank's staging and gradients during backward (see [Note: the step's peak]).
 
     Attributes:
-        staging: the staging slots (persistent, [Note: staging slots]).
-        total: the staging slots and the most autograd gradients alive at once.
+        staging: the staging arena (persistent, [Note: staging arena]).
+        total: the staging arena and the most autograd gradients alive at once.
     """
 
     staging: int
@@ -222,30 +226,52 @@ def _room_after(zp: ZeroPlan, bucket: Bucket) -> bool:
     return scattered and zp.topology.shard_size > 1
 
 
-def staging_slots(zp: ZeroPlan, shard_rank: int) -> StagingSlots:
-    """Shard rank ``shard_rank``'s staging slots (see [Note: staging slots]).
+#: Byte alignment of a staging buffer inside the arena: any item size, and 16-byte vector loads.
+STAGING_ALIGNMENT = 16
 
-    Bucket ``b`` is staged in slot ``b % k`` (``k``: ``max_inflight_buckets``,
-    at most one slot per bucket); a slot is as large as the largest staging
-    buffer (:func:`staging_layout`, in bytes) cut from it, rounded up to a
-    multiple of the largest item size among its buckets.
+
+def staging_arena(zp: ZeroPlan, shard_rank: int) -> StagingArena:
+    """Shard rank ``shard_rank``'s staging arena (see [Note: staging arena]).
+
+    Two placements, the smaller kept: first fit (buckets in launch order, each
+    at the lowest aligned offset that overlaps none of the ``k - 1`` buckets
+    before it, the only ones it can be alive with; ``k``:
+    ``max_inflight_buckets``), and ``k`` slots (bucket ``b`` in slot ``b % k``,
+    each slot as large as its largest bucket). Either is valid; neither is
+    always the smaller with uneven buckets.
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
         >>> zp = plan(specs_from_shapes([(256,)] * 3), Topology(world_size=1), alignment=8, bucket_bytes=1024)
-        >>> staging_slots(zp, 0)   # three 1 KiB buckets, two in flight at most
-        StagingSlots(nbytes=(1024, 1024))
+        >>> staging_arena(zp, 0)   # three 1 KiB buckets, two in flight at most
+        StagingArena(nbytes=2048, offsets=(0, 1024, 0), sizes=(1024, 1024, 1024))
     """
-    buckets = zp.buckets.buckets
+    k = zp.max_inflight_buckets
     spaces = zp.partition.spaces
-    sizes = [0] * min(zp.max_inflight_buckets, len(buckets))
-    units = [1] * len(sizes)  # a slot is viewed as each of its buckets' dtypes: a multiple of each size
-    for b in buckets:
-        itemsize = DTYPE_ITEMSIZE[spaces[b.space].dtype]
-        slot = b.index % len(sizes)
-        sizes[slot] = max(sizes[slot], staging_layout(zp, b, shard_rank).numel * itemsize)
-        units[slot] = max(units[slot], itemsize)
-    return StagingSlots(tuple(round_up(n, u) for n, u in zip(sizes, units, strict=True)))
+    sizes = [
+        staging_layout(zp, b, shard_rank).numel * DTYPE_ITEMSIZE[spaces[b.space].dtype]
+        for b in zp.buckets.buckets
+    ]
+    first_fit: list[int] = []
+    for b, size in enumerate(sizes):
+        at = 0
+        for start, stop in sorted(
+            (first_fit[j], first_fit[j] + sizes[j]) for j in range(max(0, b - k + 1), b)
+        ):
+            if at + size <= start:
+                break
+            at = max(at, round_up(stop, STAGING_ALIGNMENT))
+        first_fit.append(at)
+    slot_sizes = [round_up(max(sizes[j::k]), STAGING_ALIGNMENT) for j in range(min(k, len(sizes)))]
+    slot_starts = [sum(slot_sizes[:j]) for j in range(len(slot_sizes))]
+    slots = [slot_starts[b % k] for b in range(len(sizes))]
+    placements = [
+        StagingArena(
+            max((o + n for o, n in zip(offsets, sizes, strict=True)), default=0), tuple(offsets), tuple(sizes)
+        )
+        for offsets in (first_fit, slots)
+    ]
+    return min(placements, key=lambda arena: arena.nbytes)  # first fit on a tie
 
 
 def _most_grads_alive(zp: ZeroPlan, overlap: bool, arrivals: Sequence[int] | None) -> int:
@@ -284,7 +310,7 @@ def _checked(zp: ZeroPlan, arrivals: Sequence[int]) -> Sequence[int]:
 def backward_peak(
     zp: ZeroPlan, *, overlap: bool = True, arrivals: Sequence[int] | None = None
 ) -> tuple[BackwardPeak, ...]:
-    """Per shard rank, the most transient bytes during backward (see [Note: the step's peak]).
+    """Per shard rank, the staging arena and the most gradients alive in backward ([Note: the step's peak]).
 
     Args:
         zp: a stage 1 or 2 plan (stage 0 and 3: see :func:`step_peak`).
@@ -297,12 +323,12 @@ def backward_peak(
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
         >>> zp = plan(specs_from_shapes([(256,)] * 4), Topology(world_size=2), alignment=8, bucket_bytes=1024)
-        >>> backward_peak(zp)[0]   # two 1 KiB staging slots, one 1 KiB gradient arriving
+        >>> backward_peak(zp)[0]   # two 1 KiB staging arena, one 1 KiB gradient arriving
         BackwardPeak(staging=2048, total=3072)
     """
     grads = _most_grads_alive(zp, overlap, arrivals)
-    slots = (staging_slots(zp, r).total for r in range(zp.topology.shard_size))
-    return tuple(BackwardPeak(staging, staging + grads) for staging in slots)
+    arenas = (staging_arena(zp, r).nbytes for r in range(zp.topology.shard_size))
+    return tuple(BackwardPeak(staging, staging + grads) for staging in arenas)
 
 
 def step_transient(zp: ZeroPlan, shard_rank: int) -> int:
@@ -367,7 +393,7 @@ def step_peak(
 ) -> tuple[StepPeak, ...]:
     """Per shard rank, the transient bytes of backward and step (see [Note: the step's peak]).
 
-    Transient means on top of the persistent buffers, the staging slots
+    Transient means on top of the persistent buffers, the staging arena
     included. Stages 1 and 2 follow the facade's schedule exactly: the backward
     holds autograd's gradients not staged yet. Stage 3 adds the gathered blocks
     (see :func:`gathered_bytes`). Stage 0 is an estimate of

@@ -149,7 +149,7 @@ class ZeroPlan:
         loss_scaling: whether a dynamic or static loss scale is applied (one
             overflow all-reduce per step).
         max_inflight_buckets: buckets whose staging buffers may be alive at
-            once: the number of persistent staging slots ([Note: staging slots]).
+            once: the number of persistent staging arena ([Note: staging arena]).
 
     Raises:
         ConfigError: inconsistent settings, or a parameter-splitting plan for

@@ -41,9 +41,9 @@ class ActionKind(enum.Enum):
     """What an :class:`Action` asks for (see [Note: staging schedule])."""
 
     RETIRE = "retire"
-    """Complete the oldest reduction in flight and free its staging buffer."""
+    """Complete the oldest reduction in flight; its staging buffer's room is free again."""
     OPEN = "open"
-    """Allocate the staging buffer of ``bucket``."""
+    """Take the staging buffer of ``bucket`` from the arena ([Note: staging arena] in ``peak``)."""
     STAGE = "stage"
     """Copy ``param``'s gradient parts of ``bucket`` into its staging buffer."""
     RELEASE = "release"

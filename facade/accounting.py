@@ -33,7 +33,7 @@ def _storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def measure(installed: Installed, params: Sequence[torch.Tensor]) -> MeasuredMemory:
-    """What ``installed`` and the frozen ``params`` hold now (``buffer_bytes``: the staging slots)."""
+    """What ``installed`` and the frozen ``params`` hold now (``buffer_bytes``: the staging arena)."""
     managed = installed.zp.trainable_indices
     frozen = sum(_nbytes(p) for i, p in enumerate(params) if i not in managed)
     state = sum(

@@ -323,7 +323,7 @@ class Domain:
 
     # ------------------------------------------------------------ accounting
     def measured_memory(self) -> MeasuredMemory:
-        """Bytes this domain holds on this rank now (buffers: the last step's peak)."""
+        """Bytes this domain holds on this rank now (buffers: the staging arena)."""
         return measure(self.installed, self.registry.params)
 
     def memory_report(self, clipping: bool) -> MemoryReport:

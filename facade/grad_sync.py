@@ -7,7 +7,7 @@ reduction, and inside ``no_sync()`` it says to keep it local), then sends the
 parameter to the step's staging schedule and carries out what it answers
 ([Note: staging schedule] in ``zeroplan.core.schedule``, the same coroutine the
 planner replays to plan the peak, [Note: the step's peak]): open a bucket's
-staging buffer (cut from its persistent slot, [Note: staging slots]), copy
+staging buffer (cut from the persistent arena, [Note: staging arena]), copy
 gradients into it, free a ``.grad``, launch a bucket (its
 reduce-scatter, or reduce, over the shard group starts asynchronously), or
 complete the oldest reduction, which then starts its all-reduce over the
@@ -55,8 +55,8 @@ from zeroplan.core import (
     Stage,
     StepOrderError,
     ZeroPlan,
+    staging_arena,
     staging_layout,
-    staging_slots,
 )
 from zeroplan.core.schedule import Action, ActionKind, staging_schedule
 from zeroplan.facade.buffers import SpaceBuffers, param_views
@@ -106,10 +106,10 @@ class GradSync:
         self._buckets = zp.buckets.buckets
         self._layouts = [staging_layout(zp, b, groups.shard_rank) for b in self._buckets]
         self._padding = [b.padding() for b in self._buckets]
-        slots = staging_slots(zp, groups.shard_rank)  # [Note: staging slots] in zeroplan.core.peak
-        self._slot_of = slots.slot_of
+        arena = staging_arena(zp, groups.shard_rank)  # [Note: staging arena] in zeroplan.core.peak
+        self._offsets = arena.offsets
         device = buffers[0].device if buffers else torch.device("cpu")
-        self._slots = [torch.empty(n, dtype=torch.uint8, device=device) for n in slots.nbytes]
+        self._arena = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
         self._copies: list[dict[int, list[GradCopy]]] = []
         for bucket in self._buckets:
             by_param: dict[int, list[GradCopy]] = {}
@@ -140,7 +140,7 @@ class GradSync:
         inflight, self._inflight = getattr(self, "_inflight", deque()), deque()
         replica, self._replica = getattr(self, "_replica", []), []
         opened, self._open = getattr(self, "_open", {}), {}
-        del opened  # their slots are free again
+        del opened  # their room in the arena is free again
         for entry in inflight:
             entry.pending.wait()
         for pending in replica:
@@ -200,22 +200,22 @@ class GradSync:
                 self._launch(action.bucket)
 
     def _staging(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s staging buffer, cut from its slot, its padding zeroed (it is reduced as zeros)."""
+        """Bucket ``b``'s staging buffer, cut from the arena, its padding zeroed (it is reduced as zeros)."""
         dtype = self._buffers[self._buckets[b].space].dtype
-        staging = self._slots[self._slot_of(b)].view(dtype)[: self._layouts[b].numel]
+        staging = self._arena[self._offsets[b] :].view(dtype)[: self._layouts[b].numel]
         for span in self._padding[b]:
             staging[span.as_slice()].zero_()
         return staging
 
     @property
-    def slots(self) -> tuple[torch.Tensor, ...]:
-        """The staging slots (bytes), for inspection: what they hold between steps is garbage."""
-        return tuple(self._slots)
+    def arena(self) -> torch.Tensor:
+        """The staging arena (bytes), for inspection: what it holds between steps is garbage."""
+        return self._arena
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes of the staging slots (persistent)."""
-        return sum(slot.numel() for slot in self._slots)
+        """Bytes of the staging arena (persistent)."""
+        return self._arena.numel()
 
     def _stage(self, b: int, index: int) -> None:
         """Copy parameter ``index``'s parts of bucket ``b`` into its (open) staging buffer."""
@@ -240,7 +240,7 @@ class GradSync:
         grads = staging[: bucket.numel]
         received = None if layout.received is None else staging[layout.received.as_slice()]
         pending = reduce_bucket(grads, reduced, bucket, self._groups, self._log, received)
-        del self._open[b]  # only now: a launch that raised leaves it for reset() to free
+        del self._open[b]  # only now: a launch that raised leaves it open, for reset() to drop
         self._inflight.append(_InFlight(bucket, staging, pending, reduced, output))
         self._next += 1
         if self._grad_views and self._next == len(self._buckets):

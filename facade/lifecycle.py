@@ -37,8 +37,8 @@ clipping twice, a backward between the reduction and ``step()``, a
 ``no_sync()`` backward after a synchronised one.
 
 :class:`StepLifecycle` owns the phase and the per-step state (master
-gradients, overflow flag, the log of collectives and the peak of transient
-buffers); what the last completed step did is kept in :class:`StepRecord`.
+gradients, overflow flag, the log of collectives); what the last completed
+step did is kept in :class:`StepRecord`.
 """
 
 from __future__ import annotations

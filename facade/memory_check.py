@@ -42,7 +42,7 @@ def _largest_part(r: RankReport) -> tuple[str, int]:
         "gradients": r.grads_bytes,
         "fp32 master weights": r.master_bytes,
         "optimizer state": r.optimizer_state_bytes,
-        "staging slots": r.buffer_bytes,
+        "staging arena": r.buffer_bytes,
         f"{r.peak_phase.value} transients": max(r.backward_transient_bytes, r.step_transient_bytes),
     }
     name = max(parts, key=parts.__getitem__)

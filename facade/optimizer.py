@@ -131,7 +131,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scale: ``None``, a static scale, or ``"dynamic"``.
         scaler: settings of the dynamic loss scale.
         alignment: elements; shard allocations and bucket bounds are multiples.
-        max_inflight_buckets: staging buffers alive at once (and persistent staging slots kept).
+        max_inflight_buckets: staging buffers alive at once (and persistent staging arena kept).
         collectives: ``"min_bytes"`` (reduce-scatter / all-gather), ``"gloo"``
             (the same as point-to-point exchanges, faster on gloo; uneven pieces
             all-reduced / broadcast) or ``"auto"`` (by backend); see
@@ -472,7 +472,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------ accounting
     def measured_memory(self) -> MeasuredMemory:
-        """Bytes this rank holds now, by category (every domain); buffers are the last step's peak."""
+        """Bytes this rank holds now, by category (every domain); buffers: the staging arena."""
         parts = [d.measured_memory() for d in self._domains]
         return MeasuredMemory(*(sum(values) for values in zip(*parts, strict=True)))
 

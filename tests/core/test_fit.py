@@ -52,11 +52,11 @@ def test_activations_add_to_the_backward_never_to_the_step():
     [busy] = fit_report(report, activation_bytes=30, device_bytes=170).ranks
     assert (busy.need_bytes, busy.phase, busy.spare_bytes, busy.fits) == (180, PeakPhase.BACKWARD, -10, False)
     assert report.ranks[0].peak_bytes == 170 == quiet.step_bytes
-    # The buffers (staging slots) are persistent: in both moments, and in the peak.
-    slots = report_of(dict(buffer_bytes=5, backward_transient_bytes=50, step_transient_bytes=70))
-    [held] = fit_report(slots, activation_bytes=15, device_bytes=170).ranks
+    # The buffers (staging arena) are persistent: in both moments, and in the peak.
+    arena = report_of(dict(buffer_bytes=5, backward_transient_bytes=50, step_transient_bytes=70))
+    [held] = fit_report(arena, activation_bytes=15, device_bytes=170).ranks
     assert (held.backward_bytes, held.step_bytes) == (105 + 50 + 15, 105 + 70)
-    assert slots.ranks[0].peak_bytes == 175 == held.step_bytes
+    assert arena.ranks[0].peak_bytes == 175 == held.step_bytes
 
 
 def test_every_rank_must_fit():

@@ -189,7 +189,7 @@ def test_frozen_parameters_are_replicated_without_grads_or_state():
             assert {r.grads_bytes for r in report.ranks} == {256}
 
 
-def test_buffers_are_the_staging_slots_and_the_fp32_scratch_is_transient():
+def test_buffers_are_the_staging_arena_and_the_fp32_scratch_is_transient():
     specs = specs_from_shapes([(4096,)], dtype="bf16")
 
     def report(stage, bucket_bytes, inflight=2):
@@ -205,7 +205,7 @@ def test_buffers_are_the_staging_slots_and_the_fp32_scratch_is_transient():
     def buffers(stage, bucket_bytes, inflight=2):
         return report(stage, bucket_bytes, inflight).buffer_bytes
 
-    # Stage 1, 1 KiB buckets: a slot per bucket in flight, 2 or 8 of them ([Note: staging slots]).
+    # Stage 1, 1 KiB buckets: room for the buckets in flight, 2 or 8 of them ([Note: staging arena]).
     assert buffers(1, 1024) == 2048
     assert buffers(1, 1024, inflight=8) == 8192
     # The fp32 copy of the 1024 reduced elements (4 KiB) lives inside step() only.
@@ -215,7 +215,7 @@ def test_buffers_are_the_staging_slots_and_the_fp32_scratch_is_transient():
     # and is reduced to it in place; the 8 KiB one below is reduce-scattered, and each rank's
     # staging has room for its 2 KiB bf16 piece.
     assert buffers(2, 1024) == 2048
-    # One 8 KiB bucket: one slot; stage 3 stages as stage 2 (its gathered blocks are in the
+    # One 8 KiB bucket: room for it alone; stage 3 stages as stage 2 (its gathered blocks are in the
     # backward's transient bytes, not in the buffers).
     assert buffers(1, 2**20) == 8192
     assert buffers(2, 2**20) == 8192 + 2048

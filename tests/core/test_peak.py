@@ -17,9 +17,12 @@ from zeroplan.core import (
     memory_report,
     plan,
     specs_from_shapes,
+    staging_arena,
     staging_layout,
     step_transient,
 )
+from zeroplan.core.peak import STAGING_ALIGNMENT
+from zeroplan.core.schedule import ActionKind, staging_schedule
 
 
 def rank_major_plan(*args, **kwargs):
@@ -48,7 +51,7 @@ def test_stage_2_holds_a_window_of_staging_and_the_arriving_gradient():
 
 def test_without_overlap_every_gradient_waits_for_the_end_of_backward():
     zp = _plan([(256,)] * 4)
-    # All four gradients alive at finish(), next to the two persistent 1 KiB staging slots.
+    # All four gradients alive at finish(), next to the two persistent 1 KiB staging arena.
     assert backward_peak(zp, overlap=False)[0] == BackwardPeak(2048, 4 * 1024 + 2048)
 
 
@@ -57,7 +60,7 @@ def test_stage_1_moves_each_gradient_into_its_buffer_at_once():
     # The arriving gradient is alive while the window holds 2 buckets; it is freed before staging.
     assert backward_peak(zp)[0] == BackwardPeak(2048, 3072)
     # Without overlap nothing is staged during backward, but each gradient is still moved into the
-    # buffer as it arrives: one alive at a time, next to the (persistent) slots.
+    # buffer as it arrives: one alive at a time, next to the (persistent) arena.
     assert backward_peak(zp, overlap=False)[0] == BackwardPeak(2048, 3072)
 
 
@@ -135,9 +138,84 @@ def test_peak_is_persistent_plus_the_larger_transient(stage):
     zp = _plan([(17, 257), (31,), (1000, 7)], stage=stage, dtype="bf16", optimizer="AdamW")
     for r in memory_report(zp).ranks:
         persistent = r.params_bytes + r.grads_bytes + r.master_bytes + r.optimizer_state_bytes
-        assert r.total_bytes == persistent + r.buffer_bytes  # the staging slots are persistent
+        assert r.total_bytes == persistent + r.buffer_bytes  # the staging arena are persistent
         assert r.peak_bytes == r.total_bytes + max(r.backward_transient_bytes, r.step_transient_bytes)
         larger = PeakPhase.STEP if r.step_transient_bytes > r.backward_transient_bytes else PeakPhase.BACKWARD
         assert r.peak_phase is larger
         record = r.as_dict()
         assert (record["peak_bytes"], record["peak_phase"]) == (r.peak_bytes, r.peak_phase.value)
+
+
+# ----------------------------------------------------------------- the staging arena
+def _alive_spans(zp, order, overlap):
+    """Replay the schedule; every set of buckets whose staging is alive at once."""
+    schedule = staging_schedule(zp, overlap=overlap)
+    next(schedule)
+    opened, inflight, seen = set(), [], []
+    for message in [*order, None]:
+        for action in schedule.send(message):
+            if action.kind is ActionKind.RETIRE:
+                inflight.pop(0)
+            elif action.kind is ActionKind.OPEN:
+                opened.add(action.bucket)
+                seen.append({*inflight, *opened})
+            elif action.kind is ActionKind.LAUNCH:
+                opened.discard(action.bucket)
+                inflight.append(action.bucket)
+    return seen
+
+
+ARENA_PLANS = [
+    dict(shapes=[(256,)] * 4),
+    dict(shapes=[(1024,), (16,), (1024,), (32,), (1024,)], stage=3, bucket_bytes=4096),
+    dict(shapes=[(1000, 7), (31,), (17, 257), (5,)], dtype="bf16", world=4, policy="gloo"),
+    dict(shapes=[(300,), (40,), (700,), (9,)], stage=1, world=4, layout="rank_major"),
+    dict(shapes=[(64, 64), (100,), (33, 3)], strategy="lpt_whole", world=4, bucket_bytes=2048),
+]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", range(len(ARENA_PLANS)))
+def test_the_arena_never_places_buckets_alive_together_over_each_other(case, k):
+    options = dict(ARENA_PLANS[case])
+    zp = _plan(options.pop("shapes"), max_inflight_buckets=k, **options)
+    n = len(zp.buckets.buckets)
+    trainable = sorted(zp.trainable_indices, reverse=True)
+    # What the arena relies on: whatever the arrival order (some parameters getting no gradient),
+    # the buckets alive at once are fewer than k apart.
+    for order in (trainable, trainable[::-1], trainable[::2], trainable[1::3]):
+        for overlap in (True, False):
+            for alive in _alive_spans(zp, order, overlap):
+                assert max(alive) - min(alive) < k, (order, alive)
+    for rank in range(zp.topology.shard_size):
+        arena = staging_arena(zp, rank)
+        assert len(arena.offsets) == len(arena.sizes) == n
+        for b, bucket in enumerate(zp.buckets.buckets):
+            itemsize = 2 if options.get("dtype") == "bf16" else 4
+            assert arena.sizes[b] == staging_layout(zp, bucket, rank).numel * itemsize
+            assert arena.offsets[b] % STAGING_ALIGNMENT == 0
+            assert arena.offsets[b] + arena.sizes[b] <= arena.nbytes
+            for later in range(b + 1, min(b + k, n)):
+                apart = (
+                    arena.offsets[b] + arena.sizes[b] <= arena.offsets[later]
+                    or arena.offsets[later] + arena.sizes[later] <= arena.offsets[b]
+                )
+                assert apart, (b, later, arena)
+        assert backward_peak(zp)[rank].staging == arena.nbytes
+
+
+def test_uneven_buckets_take_the_smaller_of_first_fit_and_k_slots():
+    # Stage 3 buckets are whole blocks: 4 KiB, 64 B, 4 KiB, 64 B, 4 KiB (fp32, world 2), k = 3.
+    zp = _plan([(1024,), (16,), (1024,), (16,), (1024,)], stage=3, bucket_bytes=4096, max_inflight_buckets=3)
+    arena = staging_arena(zp, 0)
+    assert arena.sizes == (4096, 64, 4096, 64, 4096)
+    # First fit: the second bucket after the first, the third after both, the fourth at 0 (only the
+    # second and third can be alive with it), the fifth right after it, below the third: 8256 bytes,
+    # where slots b % 3 would hold three 4 KiB buffers (12288).
+    assert (arena.nbytes, arena.offsets) == (8256, (0, 4096, 4160, 0, 64))
+    # With a 128-byte fourth bucket the fifth no longer fits below the third: slots win (12288).
+    # (Buckets follow the backward: the last parameter first.)
+    zp = _plan([(1024,), (32,), (1024,), (16,), (1024,)], stage=3, bucket_bytes=4096, max_inflight_buckets=3)
+    arena = staging_arena(zp, 0)
+    assert arena.sizes == (4096, 64, 4096, 128, 4096)
+    assert (arena.nbytes, arena.offsets) == (12288, (0, 4096, 8192, 0, 4096))

@@ -48,9 +48,8 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     errors, grad_errors, norms, ref_norms, lrs = [], [], [], [], []
     sync = opt.installed.sync
     for step in range(steps):
-        if cfg.get("poison_slots"):  # garbage left in the staging slots (0xFF bytes: NaN) must not leak
-            for slot in sync.slots:
-                slot.fill_(255)
+        if cfg.get("poison_arena"):  # garbage left in the staging arena (0xFF bytes: NaN) must not leak
+            sync.arena.fill_(255)
         for micro in range(accumulate):
             tokens, targets = batch(step * accumulate + micro, rank)
             loss = loss_of(model, tokens, targets) / accumulate
@@ -101,7 +100,7 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "strategy": opt.plan.partition.strategy,
         "padded_buckets": sum(b.padded for b in opt.plan.buckets.buckets),
         "buckets": len(opt.plan.buckets.buckets),
-        "slots": len(sync.slots),
+        "inflight": opt.plan.max_inflight_buckets,
     }
 
 

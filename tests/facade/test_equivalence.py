@@ -96,16 +96,19 @@ def test_clipping_matches_torch_and_is_identical_on_every_rank(pools, norm_type,
     assert max(results[0]["errors"]) < FP32_TOL
 
 
-@pytest.mark.parametrize(("world", "stage", "collectives"), [(2, 2, "gloo"), (4, 2, "min_bytes")])
-def test_garbage_in_the_staging_slots_never_reaches_the_step(pools, world, stage, collectives):
-    # Staging buffers are cut from persistent slots ([Note: staging slots]); padding is reduced as
-    # zeros, so it is zeroed each time a bucket opens. NaN bytes left in every slot before each step
+@pytest.mark.parametrize(
+    ("world", "shard", "stage", "collectives"),
+    [(2, None, 2, "gloo"), (4, None, 2, "min_bytes"), (4, 2, 2, "gloo"), (4, 2, 2, "min_bytes")],
+)
+def test_garbage_in_the_staging_arena_never_reaches_the_step(pools, world, shard, stage, collectives):
+    # Staging buffers are cut from a persistent arena ([Note: staging arena]); padding is reduced as
+    # zeros, so it is zeroed each time a bucket opens. NaN bytes left in the arena before each step
     # would make the norm (and the update) NaN otherwise.
     results = _train(
-        pools, world, stage=stage, clip=0.05, steps=3, collectives=collectives, poison_slots=True
+        pools, world, shard=shard, stage=stage, clip=0.05, steps=3, collectives=collectives, poison_arena=True
     )
     r = results[0]
-    assert r["padded_buckets"] > 0 and r["buckets"] > r["slots"], r  # padding, and slots reused
+    assert r["padded_buckets"] > 0 and r["buckets"] > r["inflight"], r  # padding, and room reused
     assert all(abs(a - b) <= 1e-6 * b for a, b in zip(r["norms"], r["ref_norms"], strict=True)), r
     assert max(r["errors"]) < FP32_TOL
 
