@@ -246,12 +246,47 @@ def staging_arena(zp: ZeroPlan, shard_rank: int) -> StagingArena:
         >>> staging_arena(zp, 0)   # three 1 KiB buckets, two in flight at most
         StagingArena(nbytes=2048, offsets=(0, 1024, 0), sizes=(1024, 1024, 1024))
     """
-    k = zp.max_inflight_buckets
     spaces = zp.partition.spaces
-    sizes = [
+    sizes = tuple(
         staging_layout(zp, b, shard_rank).numel * DTYPE_ITEMSIZE[spaces[b.space].dtype]
         for b in zp.buckets.buckets
-    ]
+    )
+    return _place(sizes, zp.max_inflight_buckets)
+
+
+def _arena_bytes(zp: ZeroPlan) -> tuple[int, ...]:
+    """Per shard rank, :func:`staging_arena`'s bytes, in one pass over the buckets' pieces.
+
+    A rank's staging sizes differ from a rank without a piece only where it has
+    one, and ranks with the same sizes share one placement: at world 1024 the
+    interleaved layout's ranks are all alike (asking :func:`staging_arena` rank
+    by rank would scan every bucket's pieces once per rank).
+    """
+    spaces = zp.partition.spaces
+    buckets = zp.buckets.buckets
+    base = [b.numel * DTYPE_ITEMSIZE[spaces[b.space].dtype] for b in buckets]
+    changed: list[list[tuple[int, int]]] = [[] for _ in range(zp.topology.shard_size)]
+    for b in buckets:
+        isz = DTYPE_ITEMSIZE[spaces[b.space].dtype]
+        for piece in b.pieces:
+            size = _piece_layout(zp, b, piece).numel * isz
+            if size != base[b.index]:
+                changed[piece.rank].append((b.index, size))
+    placed: dict[tuple[tuple[int, int], ...], int] = {}
+    result = []
+    for mine in changed:
+        key = tuple(mine)
+        if key not in placed:
+            sizes = list(base)
+            for index, size in mine:
+                sizes[index] = size
+            placed[key] = _place(tuple(sizes), zp.max_inflight_buckets).nbytes
+        result.append(placed[key])
+    return tuple(result)
+
+
+def _place(sizes: tuple[int, ...], k: int) -> StagingArena:
+    """The smaller of the first-fit and the ``k``-slot placement of buffers of ``sizes`` bytes."""
     first_fit: list[int] = []
     for b, size in enumerate(sizes):
         at = 0
@@ -267,7 +302,7 @@ def staging_arena(zp: ZeroPlan, shard_rank: int) -> StagingArena:
     slots = [slot_starts[b % k] for b in range(len(sizes))]
     placements = [
         StagingArena(
-            max((o + n for o, n in zip(offsets, sizes, strict=True)), default=0), tuple(offsets), tuple(sizes)
+            max((o + n for o, n in zip(offsets, sizes, strict=True)), default=0), tuple(offsets), sizes
         )
         for offsets in (first_fit, slots)
     ]
@@ -327,7 +362,7 @@ def backward_peak(
         BackwardPeak(staging=2048, total=3072)
     """
     grads = _most_grads_alive(zp, overlap, arrivals)
-    arenas = (staging_arena(zp, r).nbytes for r in range(zp.topology.shard_size))
+    arenas = _arena_bytes(zp)
     return tuple(BackwardPeak(staging, staging + grads) for staging in arenas)
 
 
