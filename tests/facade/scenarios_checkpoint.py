@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from factory import OPTIMIZERS, make_optimizer
 from models import DTYPES, batch, loss_of, make_model
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from zeroplan.core import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, ScalerConfig, ZeroplanError
 from zeroplan.facade import ZeroOptimizer, checkpoint, checkpoint_load
+from zeroplan.facade.meter import tracked_bytes
 
 
 def _optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> ZeroOptimizer:
@@ -267,42 +268,30 @@ def state_dict_bad_on_one_rank(rank: int, world: int, case: str) -> dict[str, An
     return {"error": error, "unchanged": _same(before, after)}
 
 
-def _peak_rss() -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def bounded_consolidation(rank: int, world: int, chunk_bytes: int) -> dict[str, Any]:
-    """Peak resident memory added by consolidated_state_dict on each rank."""
+    """Tensor bytes consolidated_state_dict adds on each rank at its peak, by torch's ``MemTracker``.
+
+    The tracker is entered before the model is built, so it knows every storage; re-entered around
+    the consolidation, its peak minus what it held on entry is what the call allocated (the result
+    included). Process RSS would also count allocator and pool-history noise.
+    """
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        *[torch.nn.Linear(512, 512) for _ in range(8)]
-    )  # ~2.1M params: 25 MB of state
-    opt = make_optimizer(
-        model, hyper={"lr": 1e-3}, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=DEFAULT_ALIGNMENT
-    )
-    model(torch.randn(4, 512)).sum().backward()
-    opt.step()
-    opt.zero_grad()
+    tracker = MemTracker()
+    with tracker:
+        # ~2.1M params: 17 MB of AdamW state
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+        opt = make_optimizer(
+            model, hyper={"lr": 1e-3}, bucket_bytes=DEFAULT_BUCKET_BYTES, alignment=DEFAULT_ALIGNMENT
+        )
+        model(torch.randn(4, 512)).sum().backward()
+        opt.step()
+        opt.zero_grad()
     state_bytes = sum(p.numel() for p in model.parameters()) * 4 * 2
-    dist.barrier()
-    if not _reset_peak():
-        return {"supported": False}
-    base = _peak_rss()
-    result = opt.consolidated_state_dict(to_rank=0, chunk_bytes=chunk_bytes)
-    extra = _peak_rss() - base
+    entry = tracked_bytes(tracker)
+    tracker.reset_mod_stats()
+    with tracker:
+        result = opt.consolidated_state_dict(to_rank=0, chunk_bytes=chunk_bytes)
+        extra = tracked_bytes(tracker, "peak") - entry
     output = (
         0
         if result is None
@@ -313,7 +302,7 @@ def bounded_consolidation(rank: int, world: int, chunk_bytes: int) -> dict[str, 
             if torch.is_tensor(v)
         )
     )
-    return {"supported": True, "extra": extra, "output": output, "state_bytes": state_bytes}
+    return {"extra": extra, "output": output, "state_bytes": state_bytes}
 
 
 def latest_snapshot(rank: int, world: int, root: str) -> dict[str, Any]:
