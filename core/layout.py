@@ -27,6 +27,9 @@ bucket, reduced by one collective and gathered by one collective.
 At stage 1 ``plan(layout="auto")`` keeps ``rank_major``: stage 1 holds full gradient
 buffers anyway and reduces into the rank's region of them in place, where an
 interleaved shard would need a reduced-gradient shard of its own (4 bytes x shard).
+Either layout steps fp32 parameters in place at stages 1-2, with no master copy:
+an interleaved shard's elementwise windows are cut at its piece boundaries, so
+each is a view of one piece of the full buffer (``ZeroPlan.master_in_params``).
 
 The number of pieces grows as blocks times ranks. ``layout="auto"`` (the
 default) therefore interleaves unless that product exceeds

@@ -13,10 +13,10 @@ the facade's measured accounting can be compared with it exactly:
   a rank-major layout the rank reduces into its own region of it, in place);
   the reduced shard (stages 2-3, and stage 1 when interleaved), in fp32 for
   bf16/fp16 parameters (reduced straight into it).
-* ``master`` — what the rank steps when it is not its region of the full
-  parameter buffer: fp32 copies for bf16/fp16 parameters, and the shard of an
-  interleaved layout (not contiguous in the full buffer, see [Note: layout]) at
-  stages 1-2; at stage 3 an fp32 shard is stepped as it is.
+* ``master`` — fp32 copies of the rank's shard of bf16/fp16 parameters. fp32
+  parameters need none: at stages 1-2 the rank steps its own pieces of the
+  full buffer in place (one region, or one piece per block of an interleaved
+  layout, see ``ZeroPlan.master_in_params``), at stage 3 its shard.
 * ``optimizer_state`` — the inner optimizer's state for what the rank steps.
 * ``buffers`` — stage 0: DDP's flat bucket copy of all gradients. Otherwise the
   gradient staging arena (see [Note: staging arena] in :mod:`zeroplan.core.peak`).
@@ -389,9 +389,9 @@ def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _R
             grads += full
         if not in_place:
             grads += shard * DTYPE_ITEMSIZE[grad_shard_dtype(zp, space)]
-        # Else the rank steps its region of the full buffer (stages 1-2) or its own shard (stage 3).
-        separate = low or (stage is not Stage.PARAMETERS and not space.shard_is_region)
-        master += shard * DTYPE_ITEMSIZE[master_dtype(space.dtype)] if separate else 0
+        # Only bf16/fp16 parameters get a separate fp32 master: otherwise the rank steps its
+        # pieces of the full buffer in place (stages 1-2, ZeroPlan.master_in_params) or its shard (stage 3).
+        master += shard * DTYPE_ITEMSIZE[master_dtype(space.dtype)] if low else 0
     if stage is Stage.DDP:
         for spec in specs:
             if spec.trainable:

@@ -15,17 +15,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from itertools import groupby
+from itertools import groupby, pairwise
 from typing import NamedTuple
 
 from zeroplan.core.buckets import BucketLayout, plan_buckets
 from zeroplan.core.comm import Collective, CollectivePolicy
+from zeroplan.core.dtypes import master_dtype
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.layout import build_partition
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.partition import PartitionPlan
-from zeroplan.core.space import Block
+from zeroplan.core.space import Block, Space
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs, specs_fingerprint
 from zeroplan.core.topology import Topology
@@ -244,14 +245,28 @@ class ZeroPlan:
         gather = self.gather_collective(block)
         return gather is Collective.ALL_GATHER and self.topology.hierarchical and not self.exchanges(gather)
 
+    def master_in_params(self, space: Space) -> bool:
+        """Whether a rank steps its own pieces of ``space``'s full parameter buffer in place.
+
+        Stages 1 and 2 with parameters already in the master dtype (fp32): the
+        rank's pieces of the full buffer are its master, so no copy is held
+        or made each step. With a rank-major layout they are one region; with
+        an interleaved one, one piece per block, so elementwise windows are cut
+        at piece boundaries (:meth:`inner_tensors`). Stage 3 steps its own shard
+        tensor, and bf16/fp16 parameters get a separate fp32 master.
+        """
+        return self.stage in (Stage.OPTIMIZER, Stage.GRADIENTS) and master_dtype(space.dtype) == space.dtype
+
     def inner_tensors(self, shard_rank: int) -> tuple[InnerTensor, ...]:
         """What the inner optimizer steps on shard rank ``shard_rank``.
 
         Elementwise optimizers get one flat window per run of fragments with
-        the same (param group, cohort) in each space; others get each owned
-        parameter whole, shaped like the parameter. Tensors without elements
-        are left out: there is nothing to step (and some optimizers, such as
-        Adafactor, fail on them).
+        the same (param group, cohort) in each space, cut where the rank's
+        pieces are not contiguous in the full buffer when it steps them in
+        place (:meth:`master_in_params`); others get each owned parameter
+        whole, shaped like the parameter (always inside one piece). Tensors
+        without elements are left out: there is nothing to step (and some
+        optimizers, such as Adafactor, fail on them).
         """
         check_config(
             0 <= shard_rank < self.topology.shard_size,
@@ -277,6 +292,11 @@ class ZeroPlan:
                     )
                 continue
             specs = self.specs
+            cuts = (
+                [p.shard_span.start for p in space.pieces_of(shard_rank)][1:]
+                if self.master_in_params(space) and not space.shard_is_region
+                else []
+            )
             start = 0
             # Zero-size fragments hold nothing; the others, in shard order, form maximal runs.
             held = (f for f in frags if f.param_span.stop > f.param_span.start)
@@ -285,14 +305,12 @@ class ZeroPlan:
             ):
                 *_, last = run
                 stop = last.shard_offset + last.param_span.stop - last.param_span.start
-                tensors.append(
+                edges = [start, *(c for c in cuts if start < c < stop), stop]
+                tensors.extend(
                     InnerTensor(
-                        space=space.index,
-                        group=group,
-                        shard_span=Span(start, stop),
-                        shape=(stop - start,),
-                        cohort=cohort,
+                        space=space.index, group=group, shard_span=Span(a, b), shape=(b - a,), cohort=cohort
                     )
+                    for a, b in pairwise(edges)
                 )
                 start = stop
         return tuple(tensors)

@@ -236,6 +236,25 @@ class Space:
         """Rank ``rank``'s non-empty pieces, in shard (and buffer) order."""
         return tuple(block.piece(rank) for block in self.blocks if block.pieces[rank])
 
+    def buffer_span(self, rank: int, span: Span) -> Span:
+        """Where elements ``span`` of rank ``rank``'s shard lie in the full buffer: inside one piece.
+
+        Raises:
+            PlanInvariantError: ``span`` is empty, past the rank's pieces, or crosses a piece boundary
+                (its elements are not contiguous in the full buffer).
+        """
+        k = bisect_right(self.blocks, span.start, key=lambda b: b.shard_starts[rank]) - 1
+        require(k >= 0 and span.numel > 0, f"rank {rank}'s shard has no piece holding {span}")
+        block = self.blocks[k]
+        piece = block.piece(rank)
+        require(
+            span.stop <= piece.shard_span.stop,
+            f"{span} of rank {rank}'s shard crosses the end of its piece {piece.shard_span} of the "
+            f"{self.dtype} space: not contiguous in the full buffer",
+        )
+        offset = piece.buffer_span.start - piece.shard_span.start
+        return Span(span.start + offset, span.stop + offset)
+
     def region(self, rank: int) -> Span:
         """Rank ``rank``'s region of the full buffer (``rank_major`` layouts only).
 

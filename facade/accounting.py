@@ -46,7 +46,7 @@ def measure(installed: Installed, params: Sequence[torch.Tensor]) -> MeasuredMem
     return MeasuredMemory(
         params_bytes=sum(b.param_bytes for b in buffers) + frozen,
         grads_bytes=_storage_bytes([t for b in buffers for t in (b.grads, b.grad_shard) if t is not None]),
-        master_bytes=sum(_nbytes(b.master) for b in buffers if b.separate_master),
+        master_bytes=sum(_nbytes(b.master_copy) for b in buffers if b.carries_master),
         optimizer_state_bytes=state,
         buffer_bytes=installed.sync.staging_bytes,
     )

@@ -10,11 +10,13 @@ For every dtype space of the plan this rank allocates:
 * ``grad_shard`` — this rank's reduced gradients: at stage 1 with a rank-major
   layout its region of ``grads`` (reduced in place), otherwise ``shard_numel``
   elements of ``grad_shard_dtype`` (fp32 for bf16/fp16 parameters);
-* ``master`` — what the inner optimizer steps: the region of ``params`` itself
-  when the parameters have the master dtype and the layout is rank-major (no
-  copy), otherwise a tensor of its own (fp32 copies of bf16/fp16 parameters,
-  or the shard of an interleaved layout, whose pieces are not contiguous in
-  ``params``, see [Note: layout]).
+* ``master`` — what the inner optimizer steps: fp32 copies of bf16/fp16
+  parameters, a tensor of its own. Parameters of the master dtype are stepped
+  in place (``ZeroPlan.master_in_params``): ``master`` is the rank's region of
+  ``params`` with a rank-major layout, and ``None`` with an interleaved one,
+  whose pieces are not contiguous in ``params`` (see [Note: layout]): the
+  inner optimizer's windows are cut at piece boundaries and each is a view of
+  its piece (:meth:`SpaceBuffers.master_window`).
 
 At stage 3 there is no full buffer that lives between steps (``params`` is
 ``None``): ``blocks`` holds one full buffer per block of the plan, whose
@@ -36,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from zeroplan.core import Space, Stage, ZeroPlan, grad_shard_dtype, master_dtype
+from zeroplan.core import Space, Span, Stage, ZeroPlan, grad_shard_dtype, master_dtype
 from zeroplan.facade.state_tree import torch_dtype
 
 __all__ = [
@@ -56,13 +58,14 @@ class SpaceBuffers(NamedTuple):
     ``extent`` is the length of the rank's shard in the full buffer (its
     pieces, padding included): ``master[:extent]`` and ``grad_shard[:extent]``
     hold everything the rank steps, the rest is allocation padding.
+    ``master`` is ``None`` where the rank steps its pieces of ``params`` in place.
     """
 
     space: Space
     params: torch.Tensor | None
     grads: torch.Tensor | None
     grad_shard: torch.Tensor
-    master: torch.Tensor
+    master: torch.Tensor | None
     extent: int
     shard_rank: int
     blocks: tuple[torch.Tensor, ...] = ()
@@ -76,7 +79,12 @@ class SpaceBuffers(NamedTuple):
     @property
     def device(self) -> torch.device:
         """Where the buffers live."""
-        return self.master.device
+        return self.grad_shard.device
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype the inner optimizer steps (fp32 for bf16/fp16 parameters)."""
+        return torch_dtype(master_dtype(self.space.dtype))
 
     @property
     def param_bytes(self) -> int:
@@ -86,15 +94,25 @@ class SpaceBuffers(NamedTuple):
 
     @property
     def carries_master(self) -> bool:
-        """Whether the master holds more than the parameters (fp32 copies of bf16/fp16 ones): saved, moved."""
-        return self.master.dtype != self.dtype
+        """Whether the master is a tensor of its own (fp32 copies of bf16/fp16 parameters): saved, moved."""
+        return self.master_dtype != self.dtype
 
     @property
-    def separate_master(self) -> bool:
-        """Whether ``master`` is a tensor of its own rather than the rank's parameters (region or shard)."""
-        if self.shard is not None:
-            return self.master.dtype != self.dtype
-        return not (self.space.shard_is_region and self.master.dtype == self.dtype)
+    def master_copy(self) -> torch.Tensor:
+        """The master of bf16/fp16 parameters (``carries_master``).
+
+        Raises:
+            RuntimeError: the rank steps its parameters in place: they are the master.
+        """
+        if self.master is None or not self.carries_master:
+            raise RuntimeError(f"the {self.space.dtype} space steps its parameters in place: no master copy")
+        return self.master
+
+    def master_window(self, span: Span) -> torch.Tensor:
+        """Elements ``span`` of the rank's master, as a view: of ``master``, or of the piece of ``params``."""
+        if self.master is not None:
+            return self.master[span.as_slice()]
+        return self._full()[self.space.buffer_span(self.shard_rank, span).as_slice()]
 
     def shard_values(self) -> torch.Tensor:
         """The rank's shard of the parameters, flat: a view (its region or stage-3 shard) or a copy."""
@@ -109,21 +127,21 @@ class SpaceBuffers(NamedTuple):
 
     def load_master(self) -> None:
         """Copy the rank's shard of the parameters into a separate master."""
-        if not self.separate_master:
+        if not self.carries_master:
             return
         if self.shard is not None:
-            self.master.copy_(self.shard)
+            self.master_copy.copy_(self.shard)
         else:
-            read_pieces(self._full(), self.space, self.shard_rank, self.master)
+            read_pieces(self._full(), self.space, self.shard_rank, self.master_copy)
 
     def publish_master(self) -> None:
         """Copy a separate master into the rank's pieces of the parameters (cast)."""
-        if not self.separate_master:
+        if not self.carries_master:
             return
         if self.shard is not None:
-            self.shard.copy_(self.master)
+            self.shard.copy_(self.master_copy)
         else:
-            write_pieces(self.master, self._full(), self.space, self.shard_rank)
+            write_pieces(self.master_copy, self._full(), self.space, self.shard_rank)
 
     def load_shard(self) -> None:
         """Stage 3: copy the rank's pieces of every (gathered) block into its shard."""
@@ -228,10 +246,11 @@ def build_buffers(
                 shard_numel, dtype=torch_dtype(grad_shard_dtype(zp, space)), device=device
             )
         master_type = torch_dtype(master_dtype(space.dtype))
-        if space.shard_is_region and master_type == dtype:
-            master = full[space.region(shard_rank).as_slice()]
-        else:
+        master: torch.Tensor | None = None  # interleaved and in place: the pieces of ``full``
+        if not zp.master_in_params(space):
             master = torch.zeros(shard_numel, dtype=master_type, device=device)
+        elif space.shard_is_region:
+            master = full[space.region(shard_rank).as_slice()]
         buf = SpaceBuffers(
             space=space,
             params=full,

@@ -226,7 +226,8 @@ def _shard_contents(sh: Shards, leaves: dict[str, Any]) -> tuple[dict[str, torch
     """A shard file's tensors (region, masters, tensor leaves) and the manifest's entries of its leaves."""
     shard_rank = sh.groups.shard_rank
     tensors = {f"region/{b.space.dtype}": b.shard_values() for b in sh.buffers}
-    tensors.update({f"master/{b.space.dtype}": b.master[: b.extent] for b in sh.buffers if b.carries_master})
+    masters = {f"master/{b.space.dtype}": b.master_copy[: b.extent] for b in sh.buffers if b.carries_master}
+    tensors.update(masters)
     state: dict[str, Any] = {}
     for leaf_path, leaf in leaves.items():  # [Note: state codec]
         if torch.is_tensor(leaf):

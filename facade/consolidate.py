@@ -32,7 +32,7 @@ def _broadcast(buf: torch.Tensor, owner: int, sh: Shards) -> None:
 def _window_chunk(sh: Shards, space: int, key: str | None, chunk: Span, out: torch.Tensor) -> None:
     """Fill ``out`` with elements ``chunk`` of this rank's shard of ``key`` (``None``: master)."""
     if key is None:
-        out.copy_(sh.buffers[space].master[chunk.as_slice()])
+        out.copy_(sh.buffers[space].master_copy[chunk.as_slice()])
         return
     for part in windows_in(sh.inner.specs, space, chunk):
         entry = sh.inner.optimizer.state.get(sh.inner.tensors[part.tensor])
@@ -94,7 +94,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
         members = [p for p in space.params if (zp.specs[p].group, zp.specs[p].cohort) in stateful]
         kinds: list[tuple[str | None, str]] = [(k, d) for k, d in keys.get(space.index, [])]
         if buf.carries_master:
-            kinds.insert(0, (None, str(buf.master.dtype)))
+            kinds.insert(0, (None, str(buf.master_dtype)))
         for key, dtype_name in kinds:
             dtype = torch_dtype(dtype_name)
             wanted = space.params if key is None else members

@@ -125,7 +125,7 @@ def build_inner(
 ) -> Inner:
     """Create the inner optimizer over views of this rank's master shards."""
     specs = zp.inner_tensors(shard_rank)
-    tensors = tuple(buffers[t.space].master[t.shard_span.as_slice()].view(t.shape) for t in specs)
+    tensors = tuple(buffers[t.space].master_window(t.shard_span).view(t.shape) for t in specs)
     per_group: list[list[torch.Tensor]] = [[] for _ in groups]
     for spec, tensor in zip(specs, tensors, strict=True):
         per_group[spec.group].append(tensor)

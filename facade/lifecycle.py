@@ -201,8 +201,8 @@ class StepLifecycle:
         grads = []
         for buf in inst.buffers:
             shard = buf.grad_shard  # stage 1 with bf16/fp16 parameters: copied to fp32 for the step
-            cast = shard.dtype != buf.master.dtype
-            grad = shard.to(buf.master.dtype) if cast else shard
+            cast = shard.dtype != buf.master_dtype
+            grad = shard.to(buf.master_dtype) if cast else shard
             grad.div_(ctx.divisor)
             grads.append(grad)
         self.master_grads = grads

@@ -66,7 +66,7 @@ def park(
                 if index == space.index:
                     pieces.setdefault(key, []).append((frag.param_span, values[window].clone()))
             if buf.carries_master:
-                pieces.setdefault(MASTER, []).append((frag.param_span, buf.master[window].clone()))
+                pieces.setdefault(MASTER, []).append((frag.param_span, buf.master_copy[window].clone()))
         parked[p] = ParkedParam(scalars=tree_clone(scalars), pieces=pieces)
     return parked
 
@@ -124,13 +124,13 @@ def unpark(
         space = zp.partition.space_of(p)
         if space is None:
             continue
-        owned, master = space.extent(shard_rank), buffers[space.index].master
+        owned, buf = space.extent(shard_rank), buffers[space.index]
         for frag in (f for f in zp.partition.fragments[p] if f.rank == shard_rank):
             for key, pieces in part.pieces.items():
                 if key != MASTER and (space.index, key) not in state.flat:
                     dtype = pieces[0][1].dtype
                     state.flat[space.index, key] = torch.zeros(owned, dtype=dtype, device=device)
-                target = master if key == MASTER else state.flat[space.index, key]
+                target = buf.master_copy if key == MASTER else state.flat[space.index, key]
                 for shard_span, values in _placed(pieces, frag):
                     target[shard_span.as_slice()] = values.to(device)
         state.scalars[spec.group, spec.cohort] = tree_clone(part.scalars, device)

@@ -137,12 +137,11 @@ def move_shards(
     old_spaces = {s.dtype: s for s in old_zp.partition.spaces}
     for new in new_buffers:
         old_space = old_spaces.get(new.space.dtype)
-        if new.master.dtype == new.dtype or old_space is None:
+        if not new.carries_master or old_space is None:
             continue  # a master of the parameters' own dtype was loaded from them by build_buffers
         old = next(b for b in old_buffers if b.space.dtype == new.space.dtype)
-        _move_flat(
-            old.master[: old.extent], new.master, reshard, new.space.dtype, _extents(old_space), groups
-        )
+        source = old.master_copy[: old.extent]
+        _move_flat(source, new.master_copy, reshard, new.space.dtype, _extents(old_space), groups)
 
     meta = {
         "flat": {

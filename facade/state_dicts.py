@@ -107,7 +107,7 @@ def sharded_state_dict(sh: Shards) -> dict[str, Any]:
         "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
         "param_groups": torch_param_groups(sh.param_groups),
         "cohorts": [s.cohort for s in sh.zp.specs],
-        "master": {b.space.dtype: b.master[: b.extent].clone() for b in sh.buffers if b.carries_master},
+        "master": {b.space.dtype: b.master_copy[: b.extent].clone() for b in sh.buffers if b.carries_master},
         "state": tree_clone(encode_state(state, sh.zp.partition.spaces)),  # [Note: state codec]
         "parked": tree_clone(encode_parked(sh.parked)),  # [Note: parked state]
     }

@@ -198,7 +198,7 @@ def commit_state(installed: Installed, loaded: LoadedState, param_groups: Sequen
         if loaded.masters is None or not buf.carries_master:
             buf.load_master()
         elif buf.space.dtype in loaded.masters:
-            buf.master[: buf.extent].copy_(loaded.masters[buf.space.dtype])
+            buf.master_copy[: buf.extent].copy_(loaded.masters[buf.space.dtype])
     installed.inner.optimizer.state.clear()
     import_state(installed.zp, installed.inner, loaded.state, loaded.stateful)
     sync_hyperparameters(loaded.param_groups, param_groups)

@@ -11,10 +11,13 @@ strategy that splits parameters keeps its rank-major layout, which these propert
   ``reduce_scatter`` and every block one ``all_gather`` (min_bytes policy);
 * whole-parameter strategies: no parameter split, blocks of consecutive parameters within the cap
   (or one parameter alone), pieces padded to the alignment only;
-* the buckets are the blocks that hold elements, laid out like them.
+* the buckets are the blocks that hold elements, laid out like them;
+* spaces stepped in place (fp32, stages 1-2): every elementwise window is a view of one piece.
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 from hypothesis import event, example, given
 from hypothesis import strategies as st
@@ -25,10 +28,12 @@ from zeroplan.core import (
     Collective,
     CollectivePolicy,
     Span,
+    Topology,
     flat_even,
     get_strategy,
     greedy_whole,
     lpt_whole,
+    plan,
     plan_buckets,
     specs_from_shapes,
 )
@@ -227,3 +232,58 @@ def test_buckets_are_the_blocks(strategy_name, specs, shard_size, alignment, buc
     assert lows == sorted(lows, reverse=True)
     if get_strategy(strategy_name) is flat_even:
         event(f"buckets: {min(len(layout.buckets), 5)}{'+' if len(layout.buckets) >= 5 else ''}")
+
+
+@given(
+    specs=param_specs(min_size=1),
+    shard_size=shard_sizes,
+    alignment=alignments,
+    bucket_bytes=bucket_caps,
+    stage=st.sampled_from([1, 2, 3]),
+)
+@example(specs=many_specs(2500, seed=1), shard_size=5, alignment=4, bucket_bytes=512, stage=2)
+def test_windows_stepped_in_place_are_views_of_one_piece(
+    strategy_name, specs, shard_size, alignment, bucket_bytes, stage
+):
+    """fp32 spaces at stages 1-2 are stepped in the full buffer: every window lies in one piece.
+
+    The elementwise windows of a rank tile its shard from 0 in every space; where the space is
+    stepped in place (``master_in_params``) and interleaved, each window maps onto one run of the
+    full buffer that holds exactly its fragments' elements, and windows break only where the
+    (param group, cohort) changes or a piece starts; elsewhere only where the group or cohort changes.
+    """
+    zp = plan(
+        specs,
+        Topology(world_size=shard_size),
+        stage=stage,
+        strategy=strategy_name,
+        alignment=alignment,
+        bucket_bytes=bucket_bytes,
+        layout="interleaved",
+    )
+    for space in zp.partition.spaces:
+        in_place = zp.master_in_params(space)
+        assert in_place == (stage in (1, 2) and space.dtype == "float32")
+        cut = in_place and not space.shard_is_region
+        event(f"stepped in place, interleaved: {cut}")
+        for rank in range(shard_size):
+            windows = [t for t in zp.inner_tensors(rank) if t.space == space.index]
+            held = [f for f in zp.partition.rank_fragments(space.index, rank) if f.param_span.numel]
+            assert (not windows) == (not held)
+            if not windows:
+                continue
+            assert windows[0].shard_span.start == 0
+            assert windows[-1].shard_span.stop == max(f.shard_span.stop for f in held)
+            starts = {pc.shard_span.start for pc in space.pieces_of(rank)}
+            for a, b in pairwise(windows):
+                assert a.shard_span.stop == b.shard_span.start
+                same_run = (a.group, a.cohort) == (b.group, b.cohort)
+                assert not same_run or (cut and b.shard_span.start in starts), (a, b)
+            for frag in held:
+                (w,) = [w for w in windows if w.shard_span.contains(frag.shard_span)]
+                key = (zp.specs[frag.param].group, zp.specs[frag.param].cohort)
+                assert (w.group, w.cohort) == key
+                if cut:
+                    run = space.buffer_span(rank, w.shard_span)
+                    at = run.start + frag.shard_span.start - w.shard_span.start
+                    assert at == space.buffer_offset(frag.param) + frag.param_span.start, (frag, w)

@@ -121,7 +121,8 @@ def test_json_fields(llama_runs):
 
 # ----------------------------------------------------------------- other sources and options
 def test_the_recommender_plans_the_layout_asked_for(tmp_path):
-    # fp32, 1 MiB buckets: an interleaved shard keeps its own master, rank-major steps a view of the buffer.
+    # fp32, 1 MiB buckets: an interleaved stage-1 shard reduces into a gradient shard of its own beside
+    # the full gradients; a rank-major one reduces into its region of them.
     path = tmp_path / "shapes.json"
     path.write_text(json.dumps([[1024, 1024]] * 4))
     needs = {}

@@ -252,10 +252,11 @@ def test_hand_computed_interleaved_traffic_stage_2():
 
 def test_hand_computed_interleaved_memory_stages_1_to_3():
     r1, r2, r3 = (_small(stage)[0] for stage in (1, 2, 3))
-    # The shard (6 fp32 elements) is not a region of the full buffer: the rank steps a master of its
-    # own and reduces into a gradient shard of its own, at stage 1 too (beside the full gradients).
-    assert (r1.params_bytes, r1.grads_bytes, r1.master_bytes, r1.optimizer_state_bytes) == (48, 72, 24, 52)
-    assert (r2.params_bytes, r2.grads_bytes, r2.master_bytes, r2.optimizer_state_bytes) == (48, 24, 24, 52)
+    # The shard (6 fp32 elements) is not a region of the full buffer: the rank reduces into a gradient
+    # shard of its own, at stage 1 too (beside the full gradients), and steps its three 2-element
+    # pieces of the full buffer in place: no master, three AdamW windows of 2 x 2 x 4 bytes + a step each.
+    assert (r1.params_bytes, r1.grads_bytes, r1.master_bytes, r1.optimizer_state_bytes) == (48, 72, 0, 60)
+    assert (r2.params_bytes, r2.grads_bytes, r2.master_bytes, r2.optimizer_state_bytes) == (48, 24, 0, 60)
     # Stage 3 cuts blocks at parameters: [a, pad] and [b, pad], 3 + 4 elements per rank. It keeps the
     # parameter shard itself and steps it: no separate fp32 master.
     assert (r3.params_bytes, r3.grads_bytes, r3.master_bytes, r3.optimizer_state_bytes) == (28, 28, 0, 60)

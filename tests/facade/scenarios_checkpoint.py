@@ -51,7 +51,7 @@ def _snapshot(model: torch.nn.Module, opt: ZeroOptimizer) -> dict[str, Any]:
     inner = opt.inner_optimizer
     return {
         "params": [p.detach().clone() for p in model.parameters()],
-        "masters": [b.master.clone() for b in opt.buffers],
+        "masters": [b.master.clone() for b in opt.buffers if b.master is not None],  # else: the parameters
         "state": copy.deepcopy(inner.state_dict()),
         "inner_state": [
             copy.deepcopy(dict(inner.state.get(t, {}))) for g in inner.param_groups for t in g["params"]

@@ -68,7 +68,10 @@ def _state(model: moe.MoELM, opt: ZeroOptimizer) -> dict[str, Any]:
         params = [p.detach().clone() for p in model.parameters()]
     return {
         "params": params,
-        "masters": [[b.master.clone() for b in d.installed.buffers] for d in opt.domains],
+        # Spaces stepped in place have no master of their own: the parameters are it.
+        "masters": [
+            [b.master.clone() for b in d.installed.buffers if b.master is not None] for d in opt.domains
+        ],
         "inner": [copy.deepcopy(d.installed.inner.optimizer.state_dict()) for d in opt.domains],
         "fingerprints": [d.installed.zp.fingerprint() for d in opt.domains],
         "scale": opt.loss_scale,

@@ -30,7 +30,7 @@ def _everything(opt: ZeroOptimizer, model: nn.Module) -> list[Any]:
     """Clones of what a refused call must not change."""
     return [
         [p.detach().clone() for p in model.parameters()],
-        [b.master.clone() for b in opt.buffers],
+        [b.master.clone() for b in opt.buffers if b.master is not None],  # else: the parameters
         copy.deepcopy(opt.inner_optimizer.state_dict()["state"]),
         opt.scaler_state,
         copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]),

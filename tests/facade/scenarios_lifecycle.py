@@ -24,7 +24,7 @@ def _snapshot(opt: ZeroOptimizer, model: torch.nn.Module) -> list[torch.Tensor]:
         for value in entry.values()
         if torch.is_tensor(value)
     ]
-    masters = [b.master.clone() for b in opt.buffers]
+    masters = [b.master.clone() for b in opt.buffers if b.master is not None]  # else: the parameters
     return [p.detach().clone() for p in model.parameters()] + masters + state
 
 

@@ -110,9 +110,13 @@ def against_stage_2_and_torch(rank: int, world: int, cfg: dict[str, Any]) -> dic
 
 
 def _masters_match(opt: ZeroOptimizer) -> bool:
-    """Whether every master holds exactly this rank's shard of the parameters (cast up)."""
+    """Whether every master holds exactly this rank's shard of the parameters (cast up).
+
+    A space stepped in place (``master is None``: fp32 at stage 2) has no master apart from them.
+    """
     return all(
-        torch.equal(buf.master[: buf.extent], buf.shard_values().to(buf.master.dtype)) for buf in opt.buffers
+        buf.master is None or torch.equal(buf.master[: buf.extent], buf.shard_values().to(buf.master.dtype))
+        for buf in opt.buffers
     )
 
 

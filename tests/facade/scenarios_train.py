@@ -141,7 +141,7 @@ def overflow(rank: int, world: int, stage: int) -> dict[str, Any]:
     first = not opt.last_step_skipped
     opt.zero_grad()
     params = [p.detach().clone() for p in model.parameters()]
-    masters = [b.master.clone() for b in opt.buffers]
+    masters = [b.master.clone() for b in opt.buffers if b.master is not None]  # else: the parameters
     state = copy.deepcopy(opt.inner_optimizer.state_dict())
     scale = opt.loss_scale
     loss = loss_of(model, *batch(1, rank))
@@ -152,7 +152,8 @@ def overflow(rank: int, world: int, stage: int) -> dict[str, Any]:
     applied = not opt.last_step_skipped
     opt.zero_grad()
     unchanged = all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
-    masters_same = all(torch.equal(a, b.master) for a, b in zip(masters, opt.buffers, strict=True))
+    now = [b.master for b in opt.buffers if b.master is not None]
+    masters_same = all(torch.equal(a, b) for a, b in zip(masters, now, strict=True))
     after = opt.inner_optimizer.state_dict()
     state_same = all(
         torch.equal(v, after["state"][k][name]) if torch.is_tensor(v) else v == after["state"][k][name]
