@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -21,7 +22,7 @@ from zeroplan.core import (
     staging_layout,
     step_transient,
 )
-from zeroplan.core.peak import STAGING_ALIGNMENT
+from zeroplan.core.peak import STAGING_ALIGNMENT, _BasePlacement, _nbytes_with, _place
 from zeroplan.core.schedule import ActionKind, staging_schedule
 
 
@@ -219,3 +220,31 @@ def test_uneven_buckets_take_the_smaller_of_first_fit_and_k_slots():
     arena = staging_arena(zp, 0)
     assert arena.sizes == (4096, 64, 4096, 128, 4096)
     assert (arena.nbytes, arena.offsets) == (12288, (0, 4096, 8192, 0, 4096))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 7])
+def test_a_placement_redone_only_where_sizes_changed_is_the_full_placement(k):
+    # _arena_bytes places each rank by redoing the base (no pieces) placement from its first changed
+    # bucket until it falls back into step with the base or with an earlier rank's redone placement
+    # (remembered in `tails`, shared by the ranks of one base): its bytes must be those of placing
+    # the changed sizes anew. Equal buckets make a larger one shift every later placement.
+    rng = random.Random(k)
+    for _ in range(60):
+        n = rng.randint(1, 40)
+        if rng.random() < 0.5:
+            base = (rng.choice([64, 4096]),) * n
+        else:
+            base = tuple(rng.choice([16, 64, 100, 4096, rng.randint(1, 5000)]) for _ in range(n))
+        placement, tails = _BasePlacement.of(base, k), {}
+        assert _nbytes_with(placement, (), tails) == _place(base, k).nbytes
+        for _ in range(20):
+            # Mostly larger sizes (a rank's pieces only add room: the redone path); sometimes any size.
+            grown = rng.random() < 0.8
+            picked = {rng.randrange(n) for _ in range(rng.randint(1, 3))}
+            changes = [
+                (i, base[i] + rng.randint(1, 5000) if grown else rng.randint(1, 9000)) for i in sorted(picked)
+            ]
+            sizes = list(base)
+            for index, size in changes:
+                sizes[index] = size
+            assert _nbytes_with(placement, changes, tails) == _place(tuple(sizes), k).nbytes, (base, changes)
