@@ -251,9 +251,10 @@ class ZeroPlan:
         Stages 1 and 2 with parameters already in the master dtype (fp32): the
         rank's pieces of the full buffer are its master, so no copy is held
         or made each step. With a rank-major layout they are one region; with
-        an interleaved one, one piece per block, so elementwise windows are cut
-        at piece boundaries (:meth:`inner_tensors`). Stage 3 steps its own shard
-        tensor, and bf16/fp16 parameters get a separate fp32 master.
+        an interleaved one, one piece per block, so elementwise windows are
+        cut where one piece does not follow the last in the buffer
+        (:meth:`inner_tensors`). Stage 3 steps its own shard tensor, and
+        bf16/fp16 parameters get a separate fp32 master.
         """
         return self.stage in (Stage.OPTIMIZER, Stage.GRADIENTS) and master_dtype(space.dtype) == space.dtype
 
@@ -262,11 +263,11 @@ class ZeroPlan:
 
         Elementwise optimizers get one flat window per run of fragments with
         the same (param group, cohort) in each space, cut where the rank's
-        pieces are not contiguous in the full buffer when it steps them in
-        place (:meth:`master_in_params`); others get each owned parameter
-        whole, shaped like the parameter (always inside one piece). Tensors
-        without elements are left out: there is nothing to step (and some
-        optimizers, such as Adafactor, fail on them).
+        next piece does not follow its last one in the full buffer when it
+        steps them in place (:meth:`master_in_params`); others get each
+        owned parameter whole, shaped like the parameter (always inside one
+        piece). Tensors without elements are left out: there is nothing to
+        step (and some optimizers, such as Adafactor, fail on them).
         """
         check_config(
             0 <= shard_rank < self.topology.shard_size,
@@ -292,11 +293,13 @@ class ZeroPlan:
                     )
                 continue
             specs = self.specs
-            cuts = (
-                [p.shard_span.start for p in space.pieces_of(shard_rank)][1:]
-                if self.master_in_params(space) and not space.shard_is_region
-                else []
-            )
+            cuts = []  # where the rank's next piece does not follow its last one in the full buffer
+            if self.master_in_params(space) and not space.shard_is_region:
+                cuts = [
+                    b.shard_span.start
+                    for a, b in pairwise(space.pieces_of(shard_rank))
+                    if a.buffer_span.stop != b.buffer_span.start
+                ]
             start = 0
             # Zero-size fragments hold nothing; the others, in shard order, form maximal runs.
             held = (f for f in frags if f.param_span.stop > f.param_span.start)

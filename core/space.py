@@ -26,7 +26,9 @@ blocks, in block order. Two layouts exist (``PartitionPlan.layout``):
   the full buffer; with equal pieces these are one ``reduce_scatter`` and one
   ``all_gather``. Pieces may contain padding (zeros that every rank steps and
   gathers, never a parameter's element). The shard is not contiguous in the
-  buffer, so masters and reduced gradients are separate tensors.
+  buffer, so reduced gradients are a separate tensor, and so is the fp32 master
+  of bf16/fp16 parameters; fp32 parameters are stepped in place, one window per
+  run of pieces that follow each other in the buffer (``ZeroPlan.master_in_params``).
 
 Strategies only decide ownership (or, for interleaved layouts, the blocks too);
 :class:`Space` derives every offset and checks that fragments lie inside their
@@ -237,22 +239,31 @@ class Space:
         return tuple(block.piece(rank) for block in self.blocks if block.pieces[rank])
 
     def buffer_span(self, rank: int, span: Span) -> Span:
-        """Where elements ``span`` of rank ``rank``'s shard lie in the full buffer: inside one piece.
+        """Where elements ``span`` of rank ``rank``'s shard lie in the full buffer, if contiguous there.
+
+        ``span`` may run over several of the rank's pieces when each follows the
+        last in the full buffer (as at shard size 1).
 
         Raises:
-            PlanInvariantError: ``span`` is empty, past the rank's pieces, or crosses a piece boundary
-                (its elements are not contiguous in the full buffer).
+            PlanInvariantError: ``span`` is empty, runs past the rank's pieces, or into a piece that
+                does not follow the last one in the full buffer.
         """
         k = bisect_right(self.blocks, span.start, key=lambda b: b.shard_starts[rank]) - 1
         require(k >= 0 and span.numel > 0, f"rank {rank}'s shard has no piece holding {span}")
-        block = self.blocks[k]
-        piece = block.piece(rank)
-        require(
-            span.stop <= piece.shard_span.stop,
-            f"{span} of rank {rank}'s shard crosses the end of its piece {piece.shard_span} of the "
-            f"{self.dtype} space: not contiguous in the full buffer",
-        )
-        offset = piece.buffer_span.start - piece.shard_span.start
+        piece = self.blocks[k].piece(rank)
+        offset, stop = piece.buffer_span.start - piece.shard_span.start, piece.shard_span.stop
+        while stop < span.stop:
+            k += 1
+            require(k < len(self.blocks), f"{span} runs past rank {rank}'s shard of the {self.dtype} space")
+            piece = self.blocks[k].piece(rank)
+            if piece.shard_span.numel == 0:
+                continue
+            require(
+                piece.buffer_span.start - piece.shard_span.start == offset,
+                f"{span} of rank {rank}'s shard runs into its piece {piece.shard_span} of the {self.dtype} "
+                "space, which does not follow the last one in the full buffer",
+            )
+            stop = piece.shard_span.stop
         return Span(span.start + offset, span.stop + offset)
 
     def region(self, rank: int) -> Span:

@@ -34,7 +34,8 @@ class ParamSpec:
         group: index of the optimizer param group the parameter belongs to.
         trainable: ``requires_grad``; frozen parameters are owned by no rank.
         cohort: parameters whose optimizer state started together. Elementwise
-            optimizers step one flat window per (dtype, group, cohort) run, so a
+            optimizers step one flat window per (dtype, group, cohort) run (cut
+            where fp32 pieces stepped in place are not contiguous), so a
             parameter unfrozen mid-run (a new cohort) keeps its own ``step``
             counter, as it would in ``torch.optim``.
         numel: number of elements (derived).

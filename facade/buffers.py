@@ -56,9 +56,10 @@ class SpaceBuffers(NamedTuple):
     """This rank's buffers of one dtype space (see [Note: flat buffers]).
 
     ``extent`` is the length of the rank's shard in the full buffer (its
-    pieces, padding included): ``master[:extent]`` and ``grad_shard[:extent]``
-    hold everything the rank steps, the rest is allocation padding.
-    ``master`` is ``None`` where the rank steps its pieces of ``params`` in place.
+    pieces, padding included): ``grad_shard[:extent]`` and the master's first
+    ``extent`` elements (:meth:`master_window`) hold everything the rank steps,
+    the rest is allocation padding. ``master`` is ``None`` where the rank steps
+    its pieces of ``params`` in place.
     """
 
     space: Space
@@ -105,7 +106,7 @@ class SpaceBuffers(NamedTuple):
             RuntimeError: the rank steps its parameters in place: they are the master.
         """
         if self.master is None or not self.carries_master:
-            raise RuntimeError(f"the {self.space.dtype} space steps its parameters in place: no master copy")
+            raise RuntimeError(f"the {self.space.dtype} parameters are their own master: no master copy")
         return self.master
 
     def master_window(self, span: Span) -> torch.Tensor:

@@ -138,7 +138,7 @@ def move_shards(
     for new in new_buffers:
         old_space = old_spaces.get(new.space.dtype)
         if not new.carries_master or old_space is None:
-            continue  # a master of the parameters' own dtype was loaded from them by build_buffers
+            continue  # parameters of the master dtype are their own master: nothing to move
         old = next(b for b in old_buffers if b.space.dtype == new.space.dtype)
         source = old.master_copy[: old.extent]
         _move_flat(source, new.master_copy, reshard, new.space.dtype, _extents(old_space), groups)

@@ -249,8 +249,9 @@ def test_windows_stepped_in_place_are_views_of_one_piece(
 
     The elementwise windows of a rank tile its shard from 0 in every space; where the space is
     stepped in place (``master_in_params``) and interleaved, each window maps onto one run of the
-    full buffer that holds exactly its fragments' elements, and windows break only where the
-    (param group, cohort) changes or a piece starts; elsewhere only where the group or cohort changes.
+    full buffer that holds exactly its fragments' elements, and windows break where the (param
+    group, cohort) changes or a piece does not follow the last in the buffer, and nowhere else;
+    elsewhere only where the group or cohort changes.
     """
     zp = plan(
         specs,
@@ -274,11 +275,19 @@ def test_windows_stepped_in_place_are_views_of_one_piece(
                 continue
             assert windows[0].shard_span.start == 0
             assert windows[-1].shard_span.stop == max(f.shard_span.stop for f in held)
-            starts = {pc.shard_span.start for pc in space.pieces_of(rank)}
+            # Where the rank's next piece does not follow its last one in the full buffer.
+            breaks = {
+                q.shard_span.start
+                for p, q in pairwise(space.pieces_of(rank))
+                if p.buffer_span.stop != q.buffer_span.start
+            }
             for a, b in pairwise(windows):
                 assert a.shard_span.stop == b.shard_span.start
                 same_run = (a.group, a.cohort) == (b.group, b.cohort)
-                assert not same_run or (cut and b.shard_span.start in starts), (a, b)
+                assert not same_run or (cut and b.shard_span.start in breaks), (a, b)
+            if cut:  # and every break inside a run is a cut
+                edges = {w.shard_span.start for w in windows}
+                assert all(x in edges for x in breaks if x < windows[-1].shard_span.stop), (breaks, windows)
             for frag in held:
                 (w,) = [w for w in windows if w.shard_span.contains(frag.shard_span)]
                 key = (zp.specs[frag.param].group, zp.specs[frag.param].cohort)

@@ -278,3 +278,21 @@ def test_auto_keeps_stage_1_rank_major():
     topology = Topology(world_size=2)
     assert plan(SMALL, topology, stage=1, alignment=1, bucket_bytes=16).partition.layout == "rank_major"
     assert plan(SMALL, topology, stage=2, alignment=1, bucket_bytes=16).partition.layout == "interleaved"
+
+
+def test_a_shard_group_of_one_steps_its_interleaved_fp32_buffer_as_one_window():
+    # Shard size 1: every block is one piece, each following the last in the full buffer, so the
+    # window is not cut (it was cut per block) and is one run of the buffer.
+    zp = plan(SMALL, Topology(world_size=2, shard_size=1), alignment=1, bucket_bytes=16, layout="interleaved")
+    (space,) = zp.partition.spaces
+    assert len(space.blocks) == 3 and zp.master_in_params(space)
+    (window,) = zp.inner_tensors(0)
+    assert window.shard_span == Span(0, 12) and space.buffer_span(0, window.shard_span) == Span(0, 12)
+    # Two ranks: rank 0's pieces [a0 a1], [a4 b0], [b3 b4] are apart in the buffer: three windows.
+    two = plan(SMALL, Topology(world_size=2), alignment=1, bucket_bytes=16, layout="interleaved")
+    assert [t.shard_span for t in two.inner_tensors(0)] == [Span(0, 2), Span(2, 4), Span(4, 6)]
+    assert [two.partition.spaces[0].buffer_span(0, t.shard_span) for t in two.inner_tensors(0)] == [
+        Span(0, 2),
+        Span(4, 6),
+        Span(8, 10),
+    ]

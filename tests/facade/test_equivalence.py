@@ -27,6 +27,7 @@ CASES = [
     (2, None, 2, "adafactor", "min_bytes"),
     (4, 2, 2, "adafactor", "gloo"),
     (3, None, 2, "adamw", "min_bytes"),
+    (2, 1, 2, "adamw", "gloo"),  # shard groups of one: the fp32 buffer is stepped as one window
 ]
 
 
