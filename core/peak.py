@@ -261,9 +261,9 @@ def _arena_bytes(zp: ZeroPlan) -> tuple[int, ...]:
     one: each rank's placement is the base placement (no pieces) redone only
     from its first such bucket until it falls back into step with the base or
     with another rank's (:func:`_nbytes_with`), and ranks with the same sizes
-    share it. Asking
-    :func:`staging_arena` rank by rank would scan every bucket once per rank
-    (llama-70b at world 4096, rank-major: 5,263 buckets x 4,096 ranks).
+    share it. Asking :func:`staging_arena` rank by rank would place every
+    bucket once per rank (llama-70b at world 4096, rank-major: 5,263 buckets
+    x 4,096 ranks).
     """
     spaces = zp.partition.spaces
     buckets = zp.buckets.buckets
