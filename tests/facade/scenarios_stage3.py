@@ -14,7 +14,7 @@ from factory import OPTIMIZERS, make_optimizer
 from models import DTYPES, Reference, batch, loss_of, make_model, rel_err
 
 from zeroplan.core import StepOrderError
-from zeroplan.facade import checkpoint
+from zeroplan.facade import ZeroOptimizer, checkpoint
 from zeroplan.facade.param_shards import ShardedParameter
 
 
@@ -63,6 +63,14 @@ def _train(model: torch.nn.Module, opt: Any, rank: int, step: int, cfg: dict[str
 
 def _values(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _equal_to_stage_2(models: list[torch.nn.Module], opts: list[ZeroOptimizer]) -> bool:
+    """Whether the stage-3 model (``models[0]``, gathered) holds exactly the stage-2 model's values."""
+    with opts[0].gathered_params():
+        values3 = _values(models[0])
+    opts[1].wait_for_params()
+    return all(torch.equal(a, b) for a, b in zip(values3, _values(models[1]), strict=True))
 
 
 def against_stage_2_and_torch(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -239,10 +247,8 @@ def edge_cases(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         o.step()
         o.zero_grad()
     kept_intact = all(torch.equal(kept[k], snapshot[k]) and torch.equal(kept[k], after_eval[k]) for k in kept)
-    with opts[0].gathered_params():
-        values3 = _values(models[0])
     return {
-        "equal_to_stage_2": all(torch.equal(a, b) for a, b in zip(values3, _values(models[1]), strict=True)),
+        "equal_to_stage_2": _equal_to_stage_2(models, opts),
         "held_after_backward": held_after_backward,
         "kept_intact": kept_intact,
         "same_eval": same_eval,
@@ -274,11 +280,7 @@ def replanning(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             loss.backward()
             o.step()
             o.zero_grad()
-    with opts[0].gathered_params():
-        values3 = _values(models[0])
-    opts[1].wait_for_params()
-    values2 = _values(models[1])
-    return {"equal_to_stage_2": all(torch.equal(a, b) for a, b in zip(values3, values2, strict=True))}
+    return {"equal_to_stage_2": _equal_to_stage_2(models, opts)}
 
 
 def held_while_prefetched(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -314,10 +316,8 @@ def held_while_prefetched(rank: int, world: int, cfg: dict[str, Any]) -> dict[st
             o.step()
             o.zero_grad()
     handle.remove()
-    with opts[0].gathered_params():
-        values3 = _values(models[0])
     return {
-        "equal_to_stage_2": all(torch.equal(a, b) for a, b in zip(values3, _values(models[1]), strict=True)),
+        "equal_to_stage_2": _equal_to_stage_2(models, opts),
         "moved": moved,
         "sharded_after_forward": sharded,
     }
