@@ -305,6 +305,11 @@ def _first_fit(sizes: Sequence[int], k: int) -> list[int]:
     return offsets
 
 
+def _slot_largest(sizes: Sequence[int], k: int) -> list[int]:
+    """Per slot ``j < min(k, len(sizes))`` (buffers ``j, j + k, ...``), its largest buffer."""
+    return [max(sizes[j::k]) for j in range(min(k, len(sizes)))]
+
+
 def _slot_starts(largest: Sequence[int]) -> list[int]:
     """Where each slot starts, given the largest buffer of each: slots as large as it, aligned."""
     return [sum(round_up(x, STAGING_ALIGNMENT) for x in largest[:j]) for j in range(len(largest))]
@@ -312,7 +317,7 @@ def _slot_starts(largest: Sequence[int]) -> list[int]:
 
 def _place(sizes: tuple[int, ...], k: int) -> StagingArena:
     """The smaller of the first-fit and the ``k``-slot placement of buffers of ``sizes`` bytes."""
-    slot_starts = _slot_starts([max(sizes[j::k]) for j in range(min(k, len(sizes)))])
+    slot_starts = _slot_starts(_slot_largest(sizes, k))
     placements = [
         StagingArena(
             max((o + n for o, n in zip(offsets, sizes, strict=True)), default=0), tuple(offsets), sizes
@@ -345,7 +350,7 @@ class _BasePlacement(NamedTuple):
             before.append(max(before[-1], end))
         for end in reversed(ends):
             after.append(max(after[-1], end))
-        largest = tuple(max(sizes[j::k]) for j in range(min(k, len(sizes))))
+        largest = tuple(_slot_largest(sizes, k))
         return cls(sizes, k, tuple(offsets), tuple(before), tuple(reversed(after)), largest)
 
 
@@ -364,9 +369,15 @@ def _nbytes_with(base: _BasePlacement, changes: Sequence[tuple[int, int]], tails
     """
     k, n = base.k, len(base.sizes)
     new = dict(changes)
-    if not new or n == 0 or any(s < base.sizes[j] for j, s in new.items()):
+    if n == 0 or any(s < base.sizes[j] for j, s in new.items()):
         sizes = tuple(new.get(j, x) for j, x in enumerate(base.sizes))
         return _place(sizes, k).nbytes
+    largest = list(base.largest)
+    for j, s in new.items():
+        largest[j % k] = max(largest[j % k], s)
+    slotted = max(start + x for start, x in zip(_slot_starts(largest), largest, strict=True))
+    if not new:
+        return min(base.before[n], slotted)
     first, last = min(new), max(new)
     offsets: dict[int, int] = {}
     ends: dict[int, int] = {}
@@ -394,12 +405,7 @@ def _nbytes_with(base: _BasePlacement, changes: Sequence[tuple[int, int]], tails
         b += 1
     for at, window in reversed(path):
         tail = tails[at, window] = max(tail, ends[at])
-    fitted = max(base.before[first], max(ends.values()), tail)
-    largest = list(base.largest)
-    for j, s in new.items():
-        largest[j % k] = max(largest[j % k], s)
-    slotted = max(start + x for start, x in zip(_slot_starts(largest), largest, strict=True))
-    return min(fitted, slotted)
+    return min(max(base.before[first], max(ends.values()), tail), slotted)
 
 
 def _most_grads_alive(zp: ZeroPlan, overlap: bool, arrivals: Sequence[int] | None) -> int:
@@ -451,7 +457,7 @@ def backward_peak(
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
         >>> zp = plan(specs_from_shapes([(256,)] * 4), Topology(world_size=2), alignment=8, bucket_bytes=1024)
-        >>> backward_peak(zp)[0]   # two 1 KiB staging arena, one 1 KiB gradient arriving
+        >>> backward_peak(zp)[0]   # a 2 KiB staging arena (two 1 KiB buckets), one 1 KiB gradient arriving
         BackwardPeak(staging=2048, total=3072)
     """
     grads = _most_grads_alive(zp, overlap, arrivals)

@@ -15,8 +15,8 @@ For every dtype space of the plan this rank allocates:
   in place (``ZeroPlan.master_in_params``): ``master`` is the rank's region of
   ``params`` with a rank-major layout, and ``None`` with an interleaved one,
   whose pieces are not contiguous in ``params`` (see [Note: layout]): the
-  inner optimizer's windows are cut at piece boundaries and each is a view of
-  its piece (:meth:`SpaceBuffers.master_window`).
+  inner optimizer's windows are cut where a piece does not follow the last in
+  ``params`` and each is a view of ``params`` (:meth:`SpaceBuffers.master_window`).
 
 At stage 3 there is no full buffer that lives between steps (``params`` is
 ``None``): ``blocks`` holds one full buffer per block of the plan, whose
@@ -110,7 +110,7 @@ class SpaceBuffers(NamedTuple):
         return self.master
 
     def master_window(self, span: Span) -> torch.Tensor:
-        """Elements ``span`` of the rank's master, as a view: of ``master``, or of the piece of ``params``."""
+        """Elements ``span`` of the rank's master, as a view: of ``master``, or of its run of ``params``."""
         if self.master is not None:
             return self.master[span.as_slice()]
         return self._full()[self.space.buffer_span(self.shard_rank, span).as_slice()]
