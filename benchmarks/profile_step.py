@@ -18,8 +18,11 @@ gloo workers) and times phases by wrapping methods of the optimizers:
   untimed).
 
 Phases are summed within a step, averaged over ranks, and the median over the
-timed steps is printed (ms). ``--cprofile`` writes rank 0's cProfile stats
-of the ZeroOptimizer stage-2 steps to the given path.
+timed steps is printed (ms), then each configuration's total as a ratio to
+DDP's, and the ratio a sharded optimizer would reach with DDP's forward,
+backward and communication and ``1/world`` of its optimizer step (see ``_bound``).
+``--cprofile`` writes rank 0's cProfile stats of the ZeroOptimizer stage-2
+steps to the given path.
 """
 
 from __future__ import annotations
@@ -197,6 +200,28 @@ ORDER = (
 )
 
 
+def _bound(table: dict[str, dict[str, float]], world: int) -> str:
+    """The ratio to DDP of a step with DDP's costs but ``1/world`` of its optimizer step.
+
+    ``1 - (world - 1) / world * step / total``, from DDP's phases: what sharding
+    the optimizer step alone gains. A sharded optimizer's ratio goes below it
+    only where its communication (staging, exchanging, summing, gathering, and
+    the waits for them) costs less than DDP's all-reduce path, which moves the
+    same bytes; a speed target below it is a target for communication.
+    """
+    if "ddp" not in table:
+        return "(no ddp column: no bound)"
+    ddp = table["ddp"]
+    bound = 1 - (world - 1) / world * ddp["step"] / ddp["total"]
+    ratios = ", ".join(
+        f"{name} {row['total'] / ddp['total']:.3f}" for name, row in table.items() if name != "ddp"
+    )
+    return (
+        f"ratio of total to ddp's: {ratios}; DDP's step minus {world - 1}/{world} of its "
+        f"optimizer step: {bound:.3f}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cprofile", default=None, metavar="PATH")
@@ -233,6 +258,7 @@ def main() -> None:
                     for c in cols
                 ]
                 print(f"| {key} | " + " | ".join(cells) + " |")
+        print(_bound(table, world))
         if known.cprofile:
             pstats.Stats(known.cprofile).sort_stats("tottime").print_stats(25)
 
