@@ -258,10 +258,11 @@ def _arena_bytes(zp: ZeroPlan) -> tuple[int, ...]:
     """Per shard rank, :func:`staging_arena`'s bytes, in one pass over the buckets' pieces.
 
     A rank's staging sizes differ from a rank without a piece only where it has
-    one: each rank's placement is the base placement (no pieces) redone only
-    from its first such bucket until it falls back into step with the base or
-    with another rank's (:func:`_nbytes_with`), and ranks with the same sizes
-    share it. Asking :func:`staging_arena` rank by rank would place every
+    one, and then by its piece's size alone (so it is computed once per size
+    and bucket): each rank's placement is the base placement (no pieces) redone
+    only from its first such bucket until it falls back into step with the base
+    or with another rank's (:func:`_nbytes_with`), and ranks with the same
+    sizes share it. Asking :func:`staging_arena` rank by rank would place every
     bucket once per rank (llama-70b at world 4096, rank-major: 5,263 buckets
     x 4,096 ranks).
     """
@@ -271,8 +272,12 @@ def _arena_bytes(zp: ZeroPlan) -> tuple[int, ...]:
     changed: list[list[tuple[int, int]]] = [[] for _ in range(zp.topology.shard_size)]
     for b in buckets:
         isz = DTYPE_ITEMSIZE[spaces[b.space].dtype]
+        by_size: dict[int, int] = {}  # a staging buffer's size depends on its piece's size alone
         for piece in b.pieces:
-            size = _piece_layout(zp, b, piece).numel * isz
+            numel = piece.shard_span.numel
+            size = by_size.get(numel)
+            if size is None:
+                size = by_size[numel] = _piece_layout(zp, b, piece).numel * isz
             if size != base[b.index]:
                 changed[piece.rank].append((b.index, size))
     placement = _BasePlacement.of(tuple(base), zp.max_inflight_buckets)
