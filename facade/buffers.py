@@ -52,6 +52,10 @@ __all__ = [
 ]
 
 
+#: Elements compared at a time by :meth:`SpaceBuffers.keep_param_writes` (its temporaries stay small).
+_COMPARE_CHUNK = 2**16
+
+
 class SpaceBuffers(NamedTuple):
     """This rank's buffers of one dtype space (see [Note: flat buffers]).
 
@@ -143,6 +147,31 @@ class SpaceBuffers(NamedTuple):
             self.shard.copy_(self.master_copy)
         else:
             write_pieces(self.master_copy, self._full(), self.space, self.shard_rank)
+
+    def keep_param_writes(self) -> int:
+        """Take into the master what was written into the rank's pieces of bf16/fp16 parameters.
+
+        Stages 1 and 2 (see [Note: parameter writes]): every element of the
+        rank's pieces whose parameter no longer holds the cast of its master
+        (``model.load_state_dict(...)``, an in-place edit) gets the parameter's
+        value as its master; the others keep their fp32 bits. Returns how many
+        elements were taken. Compared in chunks, as bits (a NaN equals itself).
+        """
+        if not self.carries_master or self.shard is not None:
+            return 0
+        full, master, kept = self._full(), self.master_copy, 0
+        bits = torch.int16  # bf16 and fp16 alike
+        for piece in self.space.pieces_of(self.shard_rank):
+            shift = piece.buffer_span.start - piece.shard_span.start
+            for chunk in piece.shard_span.chunks(_COMPARE_CHUNK):
+                held = full[chunk.shift(shift).as_slice()]
+                values = master[chunk.as_slice()]
+                written = values.to(self.dtype).view(bits) != held.view(bits)
+                count = int(written.sum())
+                if count:
+                    values.copy_(torch.where(written, held.to(values.dtype), values))
+                    kept += count
+        return kept
 
     def load_shard(self) -> None:
         """Stage 3: copy the rank's pieces of every (gathered) block into its shard."""

@@ -196,6 +196,7 @@ class StepLifecycle:
                 "call zero_grad() to start a new step"
             )
         inst.gather.wait_all()  # the last step's gathers, if no forward waited for them all
+        inst.gather.keep_param_writes()  # [Note: parameter writes]
         inst.sync.finish()
         _agree_on_step(inst, ctx, call)
         grads = []

@@ -546,6 +546,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _clipped(self, clipping: bool | None) -> bool:
         return self._data.lifecycle.last.clipped if clipping is None else clipping
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """Refused: a copy would share the process groups, the hooks and the flat buffers, and fail later.
+
+        Raises:
+            ConfigError: always; copy the state instead.
+        """
+        raise ConfigError(
+            "a ZeroOptimizer cannot be deep-copied: it holds process groups, hooks on the model's "
+            "parameters and the flat buffers they view. Copy its state instead (opt.state_dict(), or "
+            "zeroplan.facade.checkpoint) and build a new ZeroOptimizer over the copied model"
+        )
+
     def wait_for_params(self) -> None:
         """Complete the last step's parameter gathers (before reading parameters outside a forward)."""
         for domain in self._domains:
@@ -577,8 +589,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 on leaving the block normally they go into this rank's shards
                 (stage 3) and the masters are reloaded from them (fp32 masters
                 of bf16/fp16 parameters then hold the parameters' values). Without
-                it, stage 3 drops such changes, and at stages 1 and 2 the next
-                step overwrites bf16/fp16 parameters from the unchanged masters.
+                it, stage 3 drops such changes; stages 1 and 2 keep them anyway
+                at the next step ([Note: parameter writes]).
         """
         with contextlib.ExitStack() as stack:
             for domain in self._domains:

@@ -18,7 +18,7 @@ block is in flight a parameter's class is :class:`GatheringParameter`, an
 ``nn.Parameter`` subclass whose ``__torch_function__`` waits for the block,
 restores the class and runs the operation. Every torch operation on it waits
 this way: a module's forward, ``model.state_dict()``, ``torch.save``, ``p.data``,
-an EMA update, a second optimizer; so **no read sees stale values**. Metadata
+an EMA update, a second optimizer; so **no read of a parameter sees stale values**. Metadata
 (``shape``, ``dtype``, ``grad``, ``numel()``, ``data_ptr()``, ...) does not
 wait, so ``zero_grad()`` keeps the overlap. Every ``ZeroOptimizer`` call that
 reads or writes parameters, masters or state (``step()``, state dicts,
@@ -28,6 +28,27 @@ holding a parameter of another class is waited for inside ``step()``.
 
 ``overlap_param_gather=False`` waits inside ``step()`` and gives bit-identical
 results.
+
+A plain tensor aliasing a parameter's storage (``w = p.data`` or ``p.detach()``
+kept from before ``step()``) is not the parameter: reading it does not wait and
+may see the previous step's values until ``opt.wait_for_params()`` (or any use
+of the parameter itself) completed the gather.
+
+[Note: parameter writes]
+Between steps the parameters are the user's to write: ``model.load_state_dict``,
+an in-place edit under ``torch.no_grad()``. fp32 parameters at stages 1 and 2
+are their own master (stepped in place), so a write is kept. bf16/fp16
+parameters are stepped through fp32 masters, whose cast the next step would
+publish over the write. So before each step (``StepLifecycle.reduce``), where a
+space's parameters were written since this optimizer's last writes completed
+(the sum of their version counters moved: an in-place write through a
+parameter bumps it, this optimizer's writes into the flat buffer do not), each
+rank compares its pieces with the cast of its master, as bits, and takes the
+parameter's value into the master wherever they differ; the other elements keep
+their fp32 bits. A rank sees only its own pieces, so write on every rank (as
+loading a state dict does). Writes through ``p.data`` (a tensor with a version
+counter of its own) are not seen: use the parameter itself. Stage 3 keeps writes
+made inside ``gathered_params(writeback=True)`` only.
 """
 
 from __future__ import annotations
@@ -234,6 +255,34 @@ class ParamGather:
                     self._members.setdefault(key, []).append(params[index])
         self._pending: dict[tuple[int, int], list[Pending]] = {}
         self._self = weakref.ref(self)
+        # Per space, its parameters: their version counters move with every in-place write through
+        # them (model.load_state_dict, p.copy_, p.clamp_), never with this optimizer's own writes,
+        # which go into the flat buffer they view.
+        self._space_params = [[params[i] for i in buf.space.params] for buf in buffers]
+        self._settled: list[int] = []
+        self._settle()
+
+    def _versions(self) -> list[int]:
+        return [sum(p._version for p in members) for members in self._space_params]
+
+    def _settle(self) -> None:
+        """Note the parameters' versions once this optimizer's writes into them are done."""
+        self._settled = self._versions()
+
+    def keep_param_writes(self) -> int:
+        """Before a step: keep what was written into bf16/fp16 parameters since the last gather.
+
+        See [Note: parameter writes]. Only spaces whose parameters were written
+        since (a version counter moved: an in-place write through a parameter
+        bumps it) are compared with their masters. Returns the elements taken.
+        """
+        self.wait_all()
+        kept = 0
+        for buf, settled, now in zip(self._buffers, self._settled, self._versions(), strict=True):
+            if now != settled:
+                kept += buf.keep_param_writes()
+        self._settle()
+        return kept
 
     def launch(self, log: CommLog) -> None:
         """Publish this rank's updated shards and gather every block; waits unless overlapping."""
@@ -243,11 +292,13 @@ class ParamGather:
         for buf in self._buffers:
             for k, pending in gather_space(buf.params, buf.space, self._zp, self._groups, log).items():
                 self._pending[buf.space.index, k] = pending
+        if not self._pending:  # nothing to gather (a world of one): the writes are done
+            self._settle()
+            return
         if not self.overlap:
             self.wait_all()
             return
-        if self._pending:
-            _IN_FLIGHT.add(self)
+        _IN_FLIGHT.add(self)
         for key in list(self._pending):
             members = self._members.get(key, [])
             if any(type(p) not in (torch.nn.Parameter, GatheringParameter) for p in members):
@@ -262,6 +313,7 @@ class ParamGather:
             p.wait()
         if not self._pending:
             _IN_FLIGHT.discard(self)
+            self._settle()
         for param in self._members.get(key, ()):
             if type(param) is GatheringParameter and not any(
                 k in self._pending for k in self._blocks_of[id(param)]

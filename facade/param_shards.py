@@ -329,6 +329,13 @@ class ShardedParams:
             if entry.state is BlockState.GATHERING:
                 self._ensure(key)
 
+    def keep_param_writes(self) -> int:
+        """Nothing to keep: stage 3 keeps writes made inside ``gathered_params(writeback=True)`` only.
+
+        See [Note: parameter writes]; between steps a stage-3 parameter holds no values of its own.
+        """
+        return 0
+
     def forget(self) -> None:
         """Drop gathers in flight without waiting (the process group is gone)."""
         for entry in self._entries.values():

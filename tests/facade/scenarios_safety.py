@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -52,6 +53,8 @@ def bad_arguments(rank: int, world: int) -> dict[str, str | None]:
     out["untouched"] = all(
         torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
     ) and ptrs == [p.data_ptr() for p in model.parameters()]
+    valid = ZeroOptimizer(params, lr=0.1)  # after the check above: it moves the parameters
+    out["deepcopy"] = _error(lambda: copy.deepcopy(valid))
     return out
 
 

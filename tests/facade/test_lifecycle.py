@@ -36,3 +36,15 @@ def test_out_of_order_calls_are_refused_and_change_nothing(pools, stage, dtype):
 
 def test_a_plan_without_trainable_parameters_steps_quietly(pools):
     assert pools(2).run(scenarios_lifecycle.frozen_model_steps_quietly) == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("stage", "dtype", "overlap"),
+    [(1, "bf16", True), (2, "bf16", True), (2, "bf16", False), (2, "fp32", True)],
+)
+def test_writes_into_parameters_between_steps_are_kept(pools, stage, dtype, overlap):
+    """``model.load_state_dict`` and in-place edits survive the next step, bf16 as fp32 (no revert)."""
+    for r in pools(2).run(scenarios_lifecycle.parameter_writes, stage, dtype, overlap):
+        assert r["alias_current"]
+        assert r["kept"], r
+        assert r["untouched"], r

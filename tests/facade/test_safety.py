@@ -25,6 +25,7 @@ def test_every_bad_argument_is_a_clear_error_on_every_rank(pools):
         "bad_loss_scale": "loss_scale must be",
         "unknown_strategy": "unknown partition strategy",
         "splitting_non_elementwise": "not elementwise",
+        "deepcopy": "cannot be deep-copied",
     }
     for r in results:
         assert r["untouched"], "a failed construction modified the model"
