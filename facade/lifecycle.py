@@ -196,9 +196,9 @@ class StepLifecycle:
                 "call zero_grad() to start a new step"
             )
         inst.gather.wait_all()  # the last step's gathers, if no forward waited for them all
-        inst.gather.keep_param_writes()  # [Note: parameter writes]
         inst.sync.finish()
         _agree_on_step(inst, ctx, call)
+        inst.gather.keep_param_writes()  # [Note: parameter writes]; only once every rank agreed
         grads = []
         for buf in inst.buffers:
             shard = buf.grad_shard  # stage 1 with bf16/fp16 parameters: copied to fp32 for the step
