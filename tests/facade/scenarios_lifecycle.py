@@ -129,11 +129,12 @@ def frozen_model_steps_quietly(rank: int, world: int) -> bool:
 def parameter_writes(rank: int, world: int, stage: int, dtype: str, overlap: bool) -> dict[str, Any]:
     """Writes into the parameters between steps are kept ([Note: parameter writes]).
 
-    Trains a step, then (on every rank) loads another model's weights with
-    ``model.load_state_dict`` and clamps one element in place; a step with
-    ``lr=0`` and no weight decay (AdamW then changes nothing) must leave exactly
-    those values, and every master element nobody wrote keeps its fp32 bits.
-    Also: an alias taken before ``step()`` (``w = p.data``) is current once
+    Trains a step, then switches to ``lr=0`` and no weight decay (AdamW then
+    changes no parameter) and, on every rank: clamps one element in place and
+    steps (the element keeps its value, and every other master element keeps
+    its fp32 bits), then loads another model's weights with
+    ``model.load_state_dict`` and steps (the model keeps them). Also: an alias
+    taken before ``step()`` (``w = p.data``) is current once
     ``opt.wait_for_params()`` returned.
     """
     torch_dtype = DTYPES[dtype]
@@ -143,30 +144,31 @@ def parameter_writes(rank: int, world: int, stage: int, dtype: str, overlap: boo
     )
     alias = next(model.parameters()).data
     tokens, targets = batch(rank, 0)
-    loss_of(model, tokens, targets).backward()
-    opt.step()
-    opt.zero_grad()
-    opt.wait_for_params()
+
+    def step() -> None:
+        loss_of(model, tokens, targets).backward()
+        opt.step()
+        opt.zero_grad()
+        opt.wait_for_params()
+
+    step()
     alias_current = torch.equal(alias, next(model.parameters()))
-    with opt.gathered_params():
-        before = [b.master_copy.clone() for b in opt.buffers if b.carries_master]
-    loaded = make_model(seed=1, dtype=torch_dtype).state_dict()
-    model.load_state_dict(loaded)
-    name, first = next(iter(model.named_parameters()))
-    with torch.no_grad():
-        first.view(-1)[:1].clamp_(max=-3.0)
-    written = {k: v.clone() for k, v in model.state_dict().items()}
     for group in opt.param_groups:
         group["lr"], group["weight_decay"] = 0.0, 0.0
-    loss_of(model, tokens, targets).backward()
-    opt.step()
-    opt.wait_for_params()
-    after = model.state_dict()
-    kept = all(torch.equal(after[k], written[k]) for k in written)
-    # Masters: the written elements hold the parameters' values; master bits untouched elsewhere.
-    untouched = True
-    for buf, old in zip([b for b in opt.buffers if b.carries_master], before, strict=True):
-        new = buf.master_copy[: buf.extent]
-        same = new.to(buf.dtype).view(torch.int16) == old[: buf.extent].to(buf.dtype).view(torch.int16)
-        untouched = untouched and torch.equal(new[same], old[: buf.extent][same])
-    return {"alias_current": alias_current, "kept": kept, "untouched": untouched, "first": name}
+    masters = [b for b in opt.buffers if b.carries_master]
+    before = [b.master_copy[: b.extent].clone() for b in masters]
+    first = next(model.parameters())
+    with torch.no_grad():
+        first.view(-1)[:1].clamp_(max=-3.0)
+    clamped = first.detach().clone()
+    step()
+    # Only the clamped element's master may have changed (on the rank that owns it).
+    changed = sum(
+        int((b.master_copy[: b.extent] != old).sum()) for b, old in zip(masters, before, strict=True)
+    )
+    clamp_kept = torch.equal(first, clamped)
+    loaded = make_model(seed=1, dtype=torch_dtype).state_dict()
+    model.load_state_dict(loaded)
+    step()
+    kept = all(torch.equal(value, loaded[key]) for key, value in model.state_dict().items())
+    return {"alias_current": alias_current, "clamp_kept": clamp_kept, "changed": changed, "kept": kept}
