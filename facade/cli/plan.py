@@ -243,6 +243,8 @@ def _print_experts(
     """The model, one table per domain, then every rank's total."""
     from rich.console import Console
 
+    from zeroplan.facade.cli.tables import print_table
+
     e, world = args.expert_parallel, args.world
     group = world // e
     optimizer = dp.plans[0].optimizers[0].name
@@ -276,12 +278,14 @@ def _print_experts(
             args.rows,
             **titles,
         )
-    console.print(
+    print_table(
+        console,
         _memory_table(
             "per rank total, data + experts (GiB; peak: the domains' peaks added, an upper bound)",
             totals,
             args.rows,
-        )
+        ),
+        sections=_SECTIONS,
     )
     console.print(
         f"rank r is expert-parallel rank r % {e} (expert-parallel groups are {e} consecutive ranks) and rank "
@@ -335,6 +339,8 @@ def _print_table(
     from rich.console import Console
     from rich.table import Table
 
+    from zeroplan.facade.cli.tables import print_table
+
     console = Console()
     console.print(
         f"[bold]{source}[/]: {report.total_params:,} parameters in {len(specs)} tensors, "
@@ -343,13 +349,18 @@ def _print_table(
         f"strategy {report.strategy}, layout {layout}, {buckets} buckets, fingerprint {report.fingerprint} "
         f"(planned in {elapsed:.3f} s)"
     )
-    console.print(_memory_table(title, report.ranks, rows, fit))
+    print_table(console, _memory_table(title, report.ranks, rows, fit), sections=_SECTIONS)
     comm = Table(title=comm_title)
     for column in ("group", "collective", "link", "calls", "GiB sent"):
         comm.add_column(column, justify="right")
     for c in report.ranks[0].comm:
         comm.add_row(c.group, c.collective.value, c.link.value, f"{c.calls:,}", _gib(c.bytes))
-    console.print(comm)
+    print_table(console, comm, key=3)
+
+
+#: Where the memory table splits in a narrow terminal: memory held | peak, need and traffic
+#: (see [Note: narrow terminals] in ``zeroplan.facade.cli.tables``).
+_SECTIONS = ("params", "peak")
 
 
 def _memory_table(title: str, ranks: tuple[RankReport, ...], rows: int, fit: FitReport | None = None) -> Any:
@@ -392,13 +403,15 @@ def _print_fit(settings: fitting.FitSettings, fit: FitReport | None, advice: Rec
     """The activations, whether the plan fits, and the recommendation (see [Note: fit options])."""
     from rich.console import Console
 
+    from zeroplan.facade.cli.tables import print_table
+
     console = Console(highlight=False)
     console.print(fitting.activations_line(settings))
     if fit is not None:
         console.print(f"fit in {fitting.gib(fit.device_bytes)}: {fit.summary()}")
     if advice is None:
         return
-    console.print(fitting.grid(advice))
+    print_table(console, fitting.grid(advice))
     console.print(f"[bold]recommendation[/]: {advice.reason}")
     if advice.best is None:
         console.print(fitting.hint(settings))

@@ -9,6 +9,7 @@ from rich.table import Table
 from zeroplan.core import CommCost
 from zeroplan.facade import MeasuredMemory
 from zeroplan.facade.cli.demo.outcome import Outcome, RankRecord, agreement
+from zeroplan.facade.cli.tables import print_table
 
 __all__ = ["comm_rows", "print_report", "problems"]
 
@@ -124,7 +125,7 @@ def print_report(outcome: Outcome, console: Console | None = None) -> int:
     """Print the tables and the verdict; returns the exit code (0 when everything agrees)."""
     console = console or Console()
     console.print(_summary(outcome))
-    console.print(_ranks(outcome.records))
+    print_table(console, _ranks(outcome.records))
     if outcome.gathered_estimate is not None:
         console.print(
             "stage 3: params are the shard each rank holds between steps, buffers its gradient staging; "
@@ -134,7 +135,7 @@ def print_report(outcome: Outcome, console: Console | None = None) -> int:
             "this demo: not in the table or the verdict)"
         )
     if outcome.records[0].planned_comm:
-        console.print(_traffic(outcome.records[0]))
+        print_table(console, _traffic(outcome.records[0]), key=3)
     else:
         console.print("no traffic: a shard group of one rank sends nothing")
     console.print(
