@@ -10,7 +10,7 @@ activations of the stack are under 1% of its parameters.
 
 Usage::
 
-    python benchmarks/peak_memory.py                  # the configurations of the README table
+    python benchmarks/peak_memory.py                  # the configurations of docs/benchmarks.md
     python benchmarks/peak_memory.py --json out.json  # also write the rows
 """
 

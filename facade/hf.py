@@ -53,7 +53,7 @@ names :class:`ZeroTrainer` (the model it moved no longer shares the optimizer's
 storage).
 
 [Note: Accelerate]
-In a hand-written ``accelerate`` loop the same points apply (see the README):
+In a hand-written ``accelerate`` loop the same points apply (see docs/huggingface.md):
 move the model to ``accelerator.device`` *before* building the optimizer; pass
 the model to ``accelerator.prepare_model(model, device_placement=False,
 evaluation_mode=True)`` (autocast and compile, no DDP, no move), never to

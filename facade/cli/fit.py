@@ -232,7 +232,7 @@ def hint(settings: FitSettings) -> str:
 def update_document(
     document: dict[str, Any], settings: FitSettings, fit: FitReport | None, advice: Recommendation | None
 ) -> None:
-    """Add the fit fields to the ``--json`` document (see the README's field list)."""
+    """Add the fit fields to the ``--json`` document (see the field list in docs/planner.md)."""
     if not settings.active:
         return
     if settings.activations is not None:
