@@ -1,10 +1,15 @@
 """Hypothesis profiles, the ``--strategy`` option and the ``strategy_name`` parametrization.
 
-Profiles (pick with ``HYPOTHESIS_PROFILE``; default ``ci``):
+Profiles (pick with ``--hypothesis-profile NAME`` or ``HYPOTHESIS_PROFILE``; default ``ci``):
 
+* ``fast`` — the fast test tier's: reproducible like ``ci``, with a sixth of its examples, so the
+  suite takes well under a minute ([Note: test tiers] in ``tests/conftest.py``);
 * ``ci``  — reproducible (``derandomize=True``, no example database) and sized so the
-  whole suite stays within about three minutes on two cores;
+  whole suite stays within about three minutes on two cores; the full tier runs it;
 * ``dev`` — more, randomized examples with the local example database, for hunting bugs.
+
+Every test here is marked ``property``: the full tier selects them again (``-m "full or property"``)
+to run them at the ``ci`` profile.
 
 Strategies under test: every test that takes a ``strategy_name`` argument runs once per
 partition strategy. Without options these are all registered strategies
@@ -45,6 +50,12 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     stateful_step_count=50,
+)
+settings.register_profile(
+    "fast",
+    parent=settings.get_profile("ci"),
+    max_examples=10,
+    stateful_step_count=20,
 )
 settings.register_profile(
     "dev",
@@ -116,6 +127,13 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     return f"zeroplan strategies under test: {', '.join(config.stash.get(_STRATEGIES, ()))}"
+
+
+def pytest_collection_modifyitems(items):
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.property)
 
 
 def pytest_generate_tests(metafunc):

@@ -8,9 +8,9 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from cli_runs import LazyRuns, run_cli
 
 from zeroplan.core import Collective, CommCost
 from zeroplan.facade import MeasuredMemory
@@ -22,16 +22,18 @@ _ENV = {**os.environ, "COLUMNS": "120", "PYTHONWARNINGS": "ignore"}
 
 
 def zeroplan(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run ``zeroplan demo ARGS`` in a fresh interpreter."""
+    """Run ``zeroplan demo ARGS`` in a fresh interpreter.
+
+    Not in process: rank 0's worker prints the report, and the demo's forkserver (started once per
+    interpreter) would keep writing to whatever the first demo's standard output was."""
     command = [sys.executable, "-m", "zeroplan.facade.cli", "demo", *args]
     return subprocess.run(command, capture_output=True, text=True, env=_ENV, timeout=timeout)
 
 
-def zeroplan_many(runs: dict[str, tuple[str, ...]]) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Run several ``zeroplan demo`` commands concurrently; results by key."""
-    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-        futures = {key: pool.submit(zeroplan, *args) for key, args in runs.items()}
-        return {key: future.result() for key, future in futures.items()}
+def zeroplan_many(runs: dict[str, tuple[str, ...]]) -> LazyRuns:
+    """Several ``zeroplan demo`` commands by key, each run when a test first reads it, one at a time
+    (a demo's workers already use every core)."""
+    return LazyRuns(runs, zeroplan)
 
 
 # ----------------------------------------------------------------- real runs
@@ -53,7 +55,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs():
-    """The demo runs, started together (their processes overlap their start-up)."""
+    """The demo runs, each run when a test first reads it."""
     return zeroplan_many(RUNS)
 
 
@@ -187,9 +189,14 @@ BAD = [
 ]
 
 
+def _demo_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    """``zeroplan demo ARGS`` in this process: for arguments refused before any worker starts."""
+    return run_cli("demo", *args, columns=120)
+
+
 @pytest.fixture(scope="module")
 def bad_runs():
-    return zeroplan_many({" ".join(args): tuple(args) for args, _ in BAD})
+    return LazyRuns({" ".join(args): tuple(args) for args, _ in BAD}, _demo_in_process)
 
 
 def assert_one_line_error(out: subprocess.CompletedProcess[str], needle: str) -> None:
@@ -210,7 +217,7 @@ def test_cuda_without_gpus_is_a_one_line_error():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    out = zeroplan("--device", "cuda", "--world", "2")
+    out = _demo_in_process("--device", "cuda", "--world", "2")
     assert_one_line_error(out, "--device cuda needs one GPU per rank: --world 2, but 0 CUDA device(s)")
 
 

@@ -9,7 +9,6 @@ import shutil
 import socket
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -42,14 +41,14 @@ def torchrun(script: str, *args: str, nproc: int = 2) -> subprocess.CompletedPro
     return subprocess.run(command, capture_output=True, text=True, env=_ENV, timeout=300)
 
 
-def concurrently(**runs: tuple) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Several ``torchrun`` calls at once (``name=(script, *args)`` or ``(script, *args, {nproc})``)."""
-    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-        futures = {}
-        for name, (script, *args) in runs.items():
-            options = args.pop() if args and isinstance(args[-1], dict) else {}
-            futures[name] = pool.submit(torchrun, script, *args, **options)
-        return {name: future.result() for name, future in futures.items()}
+def one_by_one(**runs: tuple) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Several ``torchrun`` calls (``name=(script, *args)`` or ``(script, *args, {nproc})``), one after
+    the other: each already runs a process per core, more at once would only contend for them."""
+    results = {}
+    for name, (script, *args) in runs.items():
+        options = args.pop() if args and isinstance(args[-1], dict) else {}
+        results[name] = torchrun(script, *args, **options)
+    return results
 
 
 def losses(out: subprocess.CompletedProcess[str]) -> tuple[float, float]:
@@ -75,7 +74,7 @@ def runs(tmp_path_factory):
         started["first_half"] = (
             "train_gpt.py", *SHORT, "--ckpt-dir", str(ckpt), "--ckpt-every", "4", "--stop-at", "8", "--resume"
         )  # fmt: skip
-    results = concurrently(**started)
+    results = one_by_one(**started)
     results["ckpt"] = ckpt
     return results
 
@@ -106,7 +105,7 @@ def test_resume_continues_the_run_exactly_and_at_another_world_size(runs, tmp_pa
     assert "no checkpoint in" in first_half.stdout and "saved step 8" in first_half.stdout
     elastic = tmp_path / "elastic"
     shutil.copytree(runs["ckpt"], elastic)
-    resumed = concurrently(
+    resumed = one_by_one(
         same=("train_gpt.py", *SHORT, "--ckpt-dir", str(runs["ckpt"]), "--resume"),
         elastic=("train_gpt.py", *SHORT, "--ckpt-dir", str(elastic), "--resume", {"nproc": 1}),
     )
