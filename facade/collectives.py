@@ -1,9 +1,27 @@
-"""Collectives that execute a plan, each logged with the core cost model.
+"""Every ``torch.distributed`` call of a step, issued here and logged with the core cost model.
 
-Free functions in the style of FSDP2's ``foreach_all_gather``: the optimizer
-decides *when*, these decide *how*. Every call is recorded in a :class:`CommLog`
-with the bytes :func:`zeroplan.core.send_elements` assigns to it, computed from
-the sizes of the tensors actually passed, and the link of the group it ran on,
+[Note: one place for collectives]
+Free functions in the style of FSDP2's ``foreach_all_gather``: the modules
+that own a step's phases decide *when* (``grad_sync`` as buckets fill,
+``param_gather`` and ``param_shards`` after ``step()`` and around each module,
+``lifecycle`` for norms, overflow verdicts and the step agreement); these
+functions decide *how*: which collective, on which group, from which views,
+in which order pieces are summed. No other facade module calls
+``torch.distributed`` during a step, so a new wire format or summation order
+changes this module only.
+
+One naming rule for asynchronous work, after Megatron's pairs: ``start_*``
+issues the calls and returns :class:`Pending` handles, and
+:meth:`Pending.finish` completes one (waits, retires the tensors as below,
+then runs what was to follow: a copy out of a staging buffer, a sum of
+received pieces). The owners name their own phases the same way
+(``start_param_sync``/``finish_param_sync``, ``finish_grad_sync``). Blocking
+helpers (:func:`all_reduce`, :func:`all_reduce_shard`, :func:`broadcast`,
+:func:`all_gather_objects`) are plain verbs.
+
+Every call of the step's traffic is recorded in a :class:`CommLog` with the
+bytes :func:`zeroplan.core.send_elements` assigns to it, computed from the
+sizes of the tensors actually passed, and the link of the group it ran on,
 so measured traffic can be compared with the plan's.
 
 [Note: retiring a collective]
@@ -17,14 +35,14 @@ first, that is the worker thread; if the interpreter is finalizing by then
 inside a ``noexcept`` destructor and the process dies with SIGABRT,
 "terminate called without an active exception", after all its work is done.
 
-So a collective is not finished when its work is. :func:`launch` gives the
+So a collective is not finished when its work is. :func:`_start` gives the
 backend fresh aliases of the tensors (views nothing else refers to) and
-:meth:`Pending.wait` waits for the work, drops it, then waits, with the GIL
+:meth:`Pending.finish` waits for the work, drops it, then waits, with the GIL
 released, until the backend has dropped its reference to each alias's
 Python object; the aliases themselves are freed later, by Python. Weaker
 signals are not enough: the C++ reference count falls just *before* the
 worker takes the GIL, and an alias freed by the worker thread is seen gone
-while that thread still has to take the GIL again. When ``wait()``
+while that thread still has to take the GIL again. When ``finish()``
 returns, no backend thread has anything of the facade's left to release,
 so returning from ``step()`` (or any collective method) and exiting is
 safe. The blocking helpers (:func:`all_reduce_shard`, :func:`broadcast`,
@@ -43,7 +61,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import Bucket, Collective, CommCost, Link, send_elements
+from zeroplan.core import (
+    Block,
+    Bucket,
+    Collective,
+    CommCost,
+    Link,
+    Space,
+    ZeroPlan,
+    send_elements,
+    two_hop_gather,
+)
 from zeroplan.facade.groups import ProcessGroups
 
 __all__ = [
@@ -51,13 +79,12 @@ __all__ = [
     "Pending",
     "all_gather_objects",
     "all_reduce",
-    "all_reduce_replica",
     "all_reduce_shard",
     "broadcast",
-    "exchange",
-    "exchange_gather",
-    "launch",
-    "reduce_bucket",
+    "start_block_gather",
+    "start_bucket_reduce",
+    "start_replica_reduce",
+    "start_space_gather",
 ]
 
 _REDUCE_TAG = 0x5A01
@@ -66,16 +93,16 @@ _GATHER_TAG = 0x5A02
 
 _RELEASE_POLL_S = 1e-5
 _RELEASE_LIMIT_S = 10.0
-"""How long :meth:`Pending.wait` waits for the backend to let go of a finished collective's tensors.
+"""How long :meth:`Pending.finish` waits for the backend to let go of a finished collective's tensors.
 
 It normally takes microseconds; past the limit the tensors are left to the backend (some other C++
 owner keeps them alive, so the backend's release cannot be the one that touches Python)."""
 
 
 class Pending:
-    """An asynchronous collective and what to do once it completed; :meth:`wait` consumes it.
+    """An asynchronous collective and what to do once it completed; :meth:`finish` consumes it.
 
-    See [Note: retiring a collective]. Build it with :func:`launch`.
+    See [Note: retiring a collective]. Build it with :func:`_start`.
     """
 
     __slots__ = ("_after", "_held", "_work")
@@ -90,7 +117,7 @@ class Pending:
         self._after = after
         self._held = tuple(held)
 
-    def wait(self) -> None:
+    def finish(self) -> None:
         """Block until the collective completed and the backend let go of its tensors, then run ``after``.
 
         A second call does nothing.
@@ -120,7 +147,7 @@ def _await_release(held: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
             time.sleep(_RELEASE_POLL_S)
 
 
-def launch(
+def _start(
     start: Callable[..., dist.Work | None], *tensors: Any, after: Callable[[], None] | None = None
 ) -> Pending:
     """``start(*aliases)`` with a fresh alias of each tensor (or list of tensors); its :class:`Pending`.
@@ -151,13 +178,13 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     sizes = torch.zeros(size, dtype=torch.int64, device=device)
     mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    launch(partial(dist.all_gather, group=group, async_op=True), list(sizes.split(1)), mine).wait()
+    _start(partial(dist.all_gather, group=group, async_op=True), list(sizes.split(1)), mine).finish()
     lengths = sizes.tolist()
     longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
     gathered = torch.empty(size, longest, dtype=torch.uint8, device=device)
-    launch(partial(dist.all_gather, group=group, async_op=True), list(gathered.unbind()), padded).wait()
+    _start(partial(dist.all_gather, group=group, async_op=True), list(gathered.unbind()), padded).finish()
     rows = gathered.cpu()
     return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
@@ -197,7 +224,7 @@ class CommLog:
         self._totals.clear()
 
 
-def reduce_bucket(
+def start_bucket_reduce(
     staging: torch.Tensor,
     output: torch.Tensor | None,
     bucket: Bucket,
@@ -235,7 +262,7 @@ def reduce_bucket(
         log.record(
             "world", Collective.ALL_REDUCE, [staging.numel()] * world, groups.rank, itemsize, link=link
         )
-        return launch(partial(dist.all_reduce, group=groups.world, async_op=True), staging, after=after)
+        return _start(partial(dist.all_reduce, group=groups.world, async_op=True), staging, after=after)
     if n == 1:
         if output is not None:
             copy = _copier(output, staging)
@@ -250,24 +277,24 @@ def reduce_bucket(
         log.record(
             "shard", bucket.collective, [staging.numel() // n] * n, s, itemsize, link=groups.shard_link
         )
-        return launch(partial(dist.reduce_scatter_single, group=groups.shard, async_op=True), output, staging)
+        return _start(partial(dist.reduce_scatter_single, group=groups.shard, async_op=True), output, staging)
     if bucket.collective is Collective.REDUCE:
         owner = bucket.pieces[0].rank
         sizes = [staging.numel() if q == owner else 0 for q in range(n)]
         log.record("shard", bucket.collective, sizes, s, itemsize, link=groups.shard_link)
         after = None if output is None else _copier(output, staging)
         reduce = partial(dist.reduce, group_dst=owner, group=groups.shard, async_op=True)
-        return launch(reduce, staging, after=after)
+        return _start(reduce, staging, after=after)
     inputs = list(staging.split(list(bucket.piece_sizes(n))))
     log.record("shard", bucket.collective, [t.numel() for t in inputs], s, itemsize, link=groups.shard_link)
     target = output if output is not None else staging.new_empty(0)
-    return launch(partial(dist.reduce_scatter, group=groups.shard, async_op=True), target, inputs)
+    return _start(partial(dist.reduce_scatter, group=groups.shard, async_op=True), target, inputs)
 
 
 def _exchange_reduce(
     staging: torch.Tensor, received: torch.Tensor, output: torch.Tensor, bucket: Bucket, groups: ProcessGroups
 ) -> Pending:
-    """Send each peer its piece of ``staging``, receive this rank's piece from each peer; sum on wait.
+    """Send each peer its piece of ``staging``, receive this rank's piece from each peer; sum on finish.
 
     The sum is this rank's own piece, then the received ones in rank order
     (``output`` may be the own piece's window of ``staging``, which is never sent).
@@ -276,7 +303,7 @@ def _exchange_reduce(
     pieces = staging.split(list(bucket.piece_sizes(n)))
     peers = [q for q in range(n) if q != s]
     rooms = received.split(pieces[s].numel())
-    parts = exchange(
+    parts = _start_exchange(
         [(q, pieces[q]) for q in peers], list(zip(peers, rooms, strict=True)), groups.shard, _REDUCE_TAG
     )
     return Pending(None, after=partial(_sum_after, parts, pieces[s], rooms, output))
@@ -287,13 +314,13 @@ def _sum_after(
 ) -> None:
     """Wait for ``parts``, then ``output = own + others[0] + others[1] + ...`` (``output`` may be ``own``)."""
     for part in parts:
-        part.wait()
+        part.finish()
     torch.add(own, others[0], out=output)
     for other in others[1:]:
         output.add_(other)
 
 
-def exchange(
+def _start_exchange(
     sends: Sequence[tuple[int, torch.Tensor]],
     receives: Sequence[tuple[int, torch.Tensor]],
     group: dist.ProcessGroup,
@@ -305,8 +332,8 @@ def exchange(
     order, so sends and receives between two ranks with the same ``tag`` pair
     up first to first ([Note: collective policy] in ``zeroplan.core.comm``).
     """
-    pending = [launch(partial(dist.irecv, group_src=q, group=group, tag=tag), t) for q, t in receives]
-    pending += [launch(partial(dist.isend, group_dst=q, group=group, tag=tag), t) for q, t in sends]
+    pending = [_start(partial(dist.irecv, group_src=q, group=group, tag=tag), t) for q, t in receives]
+    pending += [_start(partial(dist.isend, group_dst=q, group=group, tag=tag), t) for q, t in sends]
     return pending
 
 
@@ -318,7 +345,9 @@ def _copier(output: torch.Tensor, source: torch.Tensor) -> Callable[[], None] | 
     return partial(output.copy_, source)
 
 
-def exchange_gather(places: Sequence[torch.Tensor], groups: ProcessGroups, log: CommLog) -> list[Pending]:
+def _start_exchange_gather(
+    places: Sequence[torch.Tensor], groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
     """Gather a block of equal pieces by point-to-point exchange ([Note: collective policy]).
 
     ``places[q]`` is shard rank ``q``'s piece of the block; this rank's already
@@ -329,10 +358,10 @@ def exchange_gather(places: Sequence[torch.Tensor], groups: ProcessGroups, log: 
     log.record("shard", Collective.ALL_GATHER, sizes, s, places[s].element_size(), link=groups.shard_link)
     peers = [q for q in range(n) if q != s]
     sends = [(q, places[s]) for q in peers]
-    return exchange(sends, [(q, places[q]) for q in peers], groups.shard, _GATHER_TAG)
+    return _start_exchange(sends, [(q, places[q]) for q in peers], groups.shard, _GATHER_TAG)
 
 
-def all_reduce_replica(piece: torch.Tensor, groups: ProcessGroups, log: CommLog) -> Pending:
+def start_replica_reduce(piece: torch.Tensor, groups: ProcessGroups, log: CommLog) -> Pending:
     """Sum a reduced shard piece over the replica group (MiCS); nothing without replicas."""
     if groups.replica is None or piece.numel() == 0:
         return Pending(None)
@@ -345,7 +374,7 @@ def all_reduce_replica(piece: torch.Tensor, groups: ProcessGroups, log: CommLog)
         piece.element_size(),
         link=groups.replica_link,
     )
-    return launch(partial(dist.all_reduce, group=groups.replica, async_op=True), piece)
+    return _start(partial(dist.all_reduce, group=groups.replica, async_op=True), piece)
 
 
 def all_reduce_shard(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGroups, log: CommLog) -> None:
@@ -357,14 +386,86 @@ def all_reduce_shard(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGrou
     log.record(
         "shard", Collective.ALL_REDUCE, [value.numel()] * n, groups.shard_rank, size, link=groups.shard_link
     )
-    launch(partial(dist.all_reduce, op=op, group=groups.shard, async_op=True), value).wait()
+    _start(partial(dist.all_reduce, op=op, group=groups.shard, async_op=True), value).finish()
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> None:
     """Blocking all-reduce of a small control tensor over ``group`` (not logged: not a step's bytes)."""
-    launch(partial(dist.all_reduce, op=op, group=group, async_op=True), tensor).wait()
+    _start(partial(dist.all_reduce, op=op, group=group, async_op=True), tensor).finish()
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
     """Blocking broadcast of ``tensor`` from ``group`` rank ``src`` (not logged: setup and state moves)."""
-    launch(partial(dist.broadcast, group_src=src, group=group, async_op=True), tensor).wait()
+    _start(partial(dist.broadcast, group_src=src, group=group, async_op=True), tensor).finish()
+
+
+def start_block_gather(
+    full: torch.Tensor, block: Block, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """Start the gather of one block of ``full`` as ``zp`` says; this rank's piece holds its values."""
+    n = groups.topology.shard_size
+    if n == 1:
+        return []
+    s = groups.shard_rank
+    itemsize = full.element_size()
+    collective = zp.gather_collective(block)
+    if zp.gathers_in_two_hops(block):
+        return _start_two_hop_gather(full, block, groups, log)
+    if zp.exchanges(collective):
+        return _start_exchange_gather(
+            [full[block.piece(q).buffer_span.as_slice()] for q in range(n)], groups, log
+        )
+    if collective is Collective.ALL_GATHER:
+        mine = full[block.piece(s).buffer_span.as_slice()]
+        log.record("shard", Collective.ALL_GATHER, list(block.pieces), s, itemsize, link=groups.shard_link)
+        out = full[block.span.as_slice()]
+        return [_start(partial(dist.all_gather_single, group=groups.shard, async_op=True), out, mine)]
+    pending = []
+    for q in range(n):
+        if not block.pieces[q]:
+            continue
+        sizes = [block.pieces[q] if p == q else 0 for p in range(n)]
+        log.record("shard", Collective.BROADCAST, sizes, s, itemsize, link=groups.shard_link)
+        start = partial(dist.broadcast, group_src=q, group=groups.shard, async_op=True)
+        pending.append(_start(start, full[block.piece(q).buffer_span.as_slice()]))
+    return pending
+
+
+def _start_two_hop_gather(
+    full: torch.Tensor, block: Block, groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """Gather a block of equal pieces across nodes, wait, then start the gather inside the node.
+
+    See [Note: hierarchical all-gather]: the first hop lands each piece in its
+    own place (a list all-gather); the second fills each node chunk in place.
+    """
+    if groups.node is None or groups.cross_node is None:
+        raise RuntimeError(f"{groups.topology} gathers in two hops but its node groups were not made")
+    hops = two_hop_gather(block, groups.topology, groups.shard_rank)
+    itemsize = full.element_size()
+    across = hops.across
+    log.record("shard", Collective.ALL_GATHER, across.sizes, across.position, itemsize, link=across.link)
+    places = [full[p.as_slice()] for p in across.pieces]
+    start = partial(dist.all_gather, group=groups.cross_node, async_op=True)
+    _start(start, places, full[across.own.as_slice()]).finish()  # the second hop sends what arrived
+    pending = []
+    for call in hops.within:
+        log.record("shard", Collective.ALL_GATHER, call.sizes, call.position, itemsize, link=call.link)
+        start = partial(dist.all_gather_single, group=groups.node, async_op=True)
+        pending.append(_start(start, full[call.span.as_slice()], full[call.own.as_slice()]))
+    return pending
+
+
+def start_space_gather(
+    full: torch.Tensor, space: Space, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+) -> dict[int, list[Pending]]:
+    """Start the gathers of every block of ``full`` (a space's full buffer), in buffer order.
+
+    Returns, per block index, its collectives (blocks that needed none are left out).
+    """
+    started = {}
+    for k, block in enumerate(space.blocks):
+        pending = start_block_gather(full, block, zp, groups, log)
+        if pending:
+            started[k] = pending
+    return started

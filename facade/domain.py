@@ -285,7 +285,7 @@ class Domain:
         if zp.fingerprint() == self.installed.zp.fingerprint():
             return
         old = self.installed
-        old.gather.wait_all()
+        old.gather.finish_param_sync()
         self.lifecycle.release(old)
         if isinstance(old.gather, ShardedParams):
             old.gather.gather_all()  # the new plan's buffers are filled from the parameters' values
@@ -315,7 +315,7 @@ class Domain:
             with gather.all_gathered(writeback=writeback):
                 yield
             return
-        gather.wait_all()
+        gather.finish_param_sync()
         yield
         if writeback:
             for buf in self.installed.buffers:
@@ -340,7 +340,7 @@ class Domain:
     def shards(self, scaler: Any) -> Shards:
         """What its state dicts and checkpoints read."""
         inst = self.installed
-        inst.gather.wait_all()  # they read the parameters: the last step's gathers must be complete
+        inst.gather.finish_param_sync()  # they read the parameters: the last step's gathers must be complete
         return Shards(
             zp=inst.zp,
             buffers=inst.buffers,
@@ -359,7 +359,7 @@ class Domain:
 
     def restore(self, loaded: LoadedState) -> None:
         """Install validated state of this domain; cannot fail for a user reason (scaler: the caller's)."""
-        self.installed.gather.wait_all()
+        self.installed.gather.finish_param_sync()
         self.lifecycle.release(self.installed)
         if loaded.target.fingerprint() != self.installed.zp.fingerprint():
             self.registry = self.registry.with_cohorts([s.cohort for s in loaded.target.specs])

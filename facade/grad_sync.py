@@ -60,7 +60,7 @@ from zeroplan.core import (
 )
 from zeroplan.core.schedule import Action, ActionKind, staging_schedule
 from zeroplan.facade.buffers import SpaceBuffers, param_views
-from zeroplan.facade.collectives import CommLog, Pending, all_reduce_replica, reduce_bucket
+from zeroplan.facade.collectives import CommLog, Pending, start_bucket_reduce, start_replica_reduce
 from zeroplan.facade.groups import ProcessGroups
 
 __all__ = ["GradSync"]
@@ -142,9 +142,9 @@ class GradSync:
         opened, self._open = getattr(self, "_open", {}), {}
         del opened  # their room in the arena is free again
         for entry in inflight:
-            entry.pending.wait()
+            entry.pending.finish()
         for pending in replica:
-            pending.wait()
+            pending.finish()
         self._ready = [False] * len(self._zp.specs)
         self._arrivals: list[int] = []
         self._schedule = staging_schedule(self._zp, overlap=self._overlap)  # [Note: staging schedule]
@@ -189,7 +189,7 @@ class GradSync:
         """Carry out the schedule's actions on tensors ([Note: staging schedule])."""
         for action in actions:
             if action.kind is ActionKind.RETIRE:
-                self._retire_oldest()
+                self._finish_oldest()
             elif action.kind is ActionKind.OPEN:
                 self._open[action.bucket] = self._staging(action.bucket)
             elif action.kind is ActionKind.STAGE:
@@ -197,7 +197,7 @@ class GradSync:
             elif action.kind is ActionKind.RELEASE:
                 self._params[action.param].grad = None
             else:
-                self._launch(action.bucket)
+                self._start_reduce(action.bucket)
 
     def _staging(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s staging buffer, cut from the arena, its padding zeroed (it is reduced as zeros)."""
@@ -229,7 +229,7 @@ class GradSync:
                 target.copy_(grad.reshape(-1)[copy.param_span.as_slice()])
 
     # ------------------------------------------------------------- launching
-    def _launch(self, b: int) -> None:
+    def _start_reduce(self, b: int) -> None:
         bucket = self._buckets[b]
         staging = self._open[b]
         buf = self._buffers[bucket.space]
@@ -239,17 +239,17 @@ class GradSync:
         reduced = output if layout.reduced is None else staging[layout.reduced.as_slice()]
         grads = staging[: bucket.numel]
         received = None if layout.received is None else staging[layout.received.as_slice()]
-        pending = reduce_bucket(grads, reduced, bucket, self._groups, self._log, received)
+        pending = start_bucket_reduce(grads, reduced, bucket, self._groups, self._log, received)
         del self._open[b]  # only now: a launch that raised leaves it open, for reset() to drop
         self._inflight.append(_InFlight(bucket, staging, pending, reduced, output))
         self._next += 1
         if self._grad_views and self._next == len(self._buckets):
             self._written = self._grad_versions()  # stage 1: see written_back()
 
-    def _retire_oldest(self) -> None:
+    def _finish_oldest(self) -> None:
         """Complete the oldest reduction in flight; it leaves the queue only once completed."""
         before = self._grad_versions()
-        self._retire(self._inflight[0])
+        self._finish_reduce(self._inflight[0])
         self._inflight.popleft()
         if self._written is not None:  # this optimizer's own writes into the gradient buffers
             after = self._grad_versions()
@@ -259,21 +259,21 @@ class GradSync:
         """Version counters of the stage-1 gradient buffers (every in-place write bumps them)."""
         return [buf.grads._version for buf in self._buffers if buf.grads is not None]
 
-    def _retire(self, entry: _InFlight) -> None:
-        entry.pending.wait()
+    def _finish_reduce(self, entry: _InFlight) -> None:
+        entry.pending.finish()
         if entry.reduced is None or entry.output is None:
             return
         summed = entry.bucket.collective is Collective.ALL_REDUCE  # already over the replicas too
-        replica = None if summed else all_reduce_replica(entry.reduced, self._groups, self._log)
+        replica = None if summed else start_replica_reduce(entry.reduced, self._groups, self._log)
         if entry.reduced is entry.output:
             if replica is not None:
                 self._replica.append(replica)
         else:  # an fp32 shard of bf16/fp16 gradients: sum over replicas in the staging, then cast
             if replica is not None:
-                replica.wait()
+                replica.finish()
             entry.output.copy_(entry.reduced)
 
-    def finish(self) -> None:
+    def finish_grad_sync(self) -> None:
         """Stage and launch everything left, wait for all reductions of this step (once per step).
 
         Parameters that got no gradient in this step contribute zeros; gradients
@@ -283,7 +283,7 @@ class GradSync:
         self._carry_out(self._schedule.send(None))
         self.last_arrivals = tuple(self._arrivals)
         for pending in self._replica:
-            pending.wait()
+            pending.finish()
         self._replica = []
 
     def written_back(self) -> int | None:

@@ -54,10 +54,9 @@ import torch.distributed as dist
 
 from zeroplan.core import CommCost, ConfigError, StepOrderError
 from zeroplan.facade.buffers import param_views, write_pieces
-from zeroplan.facade.collectives import CommLog, all_reduce, all_reduce_shard
+from zeroplan.facade.collectives import CommLog, all_reduce, all_reduce_shard, start_space_gather
 from zeroplan.facade.inner import hyperparameter_digest, sync_hyperparameters
 from zeroplan.facade.installed import Installed
-from zeroplan.facade.param_gather import gather_space
 
 __all__ = [
     "Accumulation",
@@ -195,8 +194,8 @@ class StepLifecycle:
                 f"{call} in phase {self.phase.value}: the previous step() did not complete; "
                 "call zero_grad() to start a new step"
             )
-        inst.gather.wait_all()  # the last step's gathers, if no forward waited for them all
-        inst.sync.finish()
+        inst.gather.finish_param_sync()  # the last step's gathers, if no forward waited for them all
+        inst.sync.finish_grad_sync()
         _agree_on_step(inst, ctx, call)
         inst.gather.keep_param_writes()  # [Note: parameter writes]; only once every rank agreed
         grads = []
@@ -312,7 +311,7 @@ class StepLifecycle:
 
     def publish(self, inst: Installed) -> None:
         """Write updated shards into the parameter buffers and gather them (see [Note: parameter gather])."""
-        inst.gather.launch(self.log)
+        inst.gather.start_param_sync(self.log)
 
     def release(self, inst: Installed) -> None:
         """Drop the master gradients and this step's reduction progress (``-> IDLE``)."""
@@ -333,9 +332,9 @@ class StepLifecycle:
         for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
             full = grad.new_zeros(buf.space.buffer_numel)
             write_pieces(grad, full, buf.space, inst.groups.shard_rank)
-            for pending in gather_space(full, buf.space, inst.zp, inst.groups, log).values():
+            for pending in start_space_gather(full, buf.space, inst.zp, inst.groups, log).values():
                 for p in pending:
-                    p.wait()
+                    p.finish()
             for index, view in param_views(full, buf.space, ctx.params).items():
                 result[index] = view.clone()
         return result

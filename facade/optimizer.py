@@ -561,7 +561,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def wait_for_params(self) -> None:
         """Complete the last step's parameter gathers (before reading parameters outside a forward)."""
         for domain in self._domains:
-            domain.installed.gather.wait_all()
+            domain.installed.gather.finish_param_sync()
 
     def attach(self, model: torch.nn.Module) -> None:
         """Let ``model``'s forward gather the stage-3 parameters it uses (see [Note: stage 3]).

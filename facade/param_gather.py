@@ -57,89 +57,17 @@ import atexit
 import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from zeroplan.core import Block, Collective, Space, ZeroPlan, two_hop_gather
+from zeroplan.core import ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers
-from zeroplan.facade.collectives import CommLog, Pending, exchange_gather, launch
+from zeroplan.facade.collectives import CommLog, Pending, start_space_gather
 from zeroplan.facade.groups import ProcessGroups
 
-__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather", "gather_block", "gather_space"]
-
-
-def gather_block(
-    full: torch.Tensor, block: Block, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
-) -> list[Pending]:
-    """Launch the gather of one block of ``full`` as ``zp`` says; this rank's piece holds its values."""
-    n = groups.topology.shard_size
-    if n == 1:
-        return []
-    s = groups.shard_rank
-    itemsize = full.element_size()
-    collective = zp.gather_collective(block)
-    if zp.gathers_in_two_hops(block):
-        return _gather_in_two_hops(full, block, groups, log)
-    if zp.exchanges(collective):
-        return exchange_gather([full[block.piece(q).buffer_span.as_slice()] for q in range(n)], groups, log)
-    if collective is Collective.ALL_GATHER:
-        mine = full[block.piece(s).buffer_span.as_slice()]
-        log.record("shard", Collective.ALL_GATHER, list(block.pieces), s, itemsize, link=groups.shard_link)
-        out = full[block.span.as_slice()]
-        return [launch(partial(dist.all_gather_single, group=groups.shard, async_op=True), out, mine)]
-    pending = []
-    for q in range(n):
-        if not block.pieces[q]:
-            continue
-        sizes = [block.pieces[q] if p == q else 0 for p in range(n)]
-        log.record("shard", Collective.BROADCAST, sizes, s, itemsize, link=groups.shard_link)
-        start = partial(dist.broadcast, group_src=q, group=groups.shard, async_op=True)
-        pending.append(launch(start, full[block.piece(q).buffer_span.as_slice()]))
-    return pending
-
-
-def _gather_in_two_hops(
-    full: torch.Tensor, block: Block, groups: ProcessGroups, log: CommLog
-) -> list[Pending]:
-    """Gather a block of equal pieces across nodes, wait, then launch the gather inside the node.
-
-    See [Note: hierarchical all-gather]: the first hop lands each piece in its
-    own place (a list all-gather); the second fills each node chunk in place.
-    """
-    if groups.node is None or groups.cross_node is None:
-        raise RuntimeError(f"{groups.topology} gathers in two hops but its node groups were not made")
-    hops = two_hop_gather(block, groups.topology, groups.shard_rank)
-    itemsize = full.element_size()
-    across = hops.across
-    log.record("shard", Collective.ALL_GATHER, across.sizes, across.position, itemsize, link=across.link)
-    places = [full[p.as_slice()] for p in across.pieces]
-    start = partial(dist.all_gather, group=groups.cross_node, async_op=True)
-    launch(start, places, full[across.own.as_slice()]).wait()  # the second hop sends what arrived
-    pending = []
-    for call in hops.within:
-        log.record("shard", Collective.ALL_GATHER, call.sizes, call.position, itemsize, link=call.link)
-        start = partial(dist.all_gather_single, group=groups.node, async_op=True)
-        pending.append(launch(start, full[call.span.as_slice()], full[call.own.as_slice()]))
-    return pending
-
-
-def gather_space(
-    full: torch.Tensor, space: Space, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
-) -> dict[int, list[Pending]]:
-    """Launch the gathers of every block of ``full`` (a space's full buffer), in buffer order.
-
-    Returns, per block index, its collectives (blocks that needed none are left out).
-    """
-    launched = {}
-    for k, block in enumerate(space.blocks):
-        pending = gather_block(full, block, zp, groups, log)
-        if pending:
-            launched[k] = pending
-    return launched
+__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather"]
 
 
 class DeferredParameter(torch.nn.Parameter):
@@ -216,7 +144,7 @@ def _retire_at_exit() -> None:
     """
     for gather in list(_IN_FLIGHT):
         try:
-            gather.wait_all()
+            gather.finish_param_sync()
         except Exception:  # a destroyed group: nothing is left to wait for
             gather.forget()
 
@@ -276,7 +204,7 @@ class ParamGather:
         since (a version counter moved: an in-place write through a parameter
         bumps it) are compared with their masters. Returns the elements taken.
         """
-        self.wait_all()
+        self.finish_param_sync()
         kept = 0
         for buf, settled, now in zip(self._buffers, self._settled, self._versions(), strict=True):
             if now != settled:
@@ -284,33 +212,33 @@ class ParamGather:
         self._settle()
         return kept
 
-    def launch(self, log: CommLog) -> None:
-        """Publish this rank's updated shards and gather every block; waits unless overlapping."""
-        self.wait_all()
+    def start_param_sync(self, log: CommLog) -> None:
+        """Publish this rank's updated shards and start every block's gather; finished unless overlapping."""
+        self.finish_param_sync()
         for buf in self._buffers:
             buf.publish_master()
         for buf in self._buffers:
-            for k, pending in gather_space(buf.params, buf.space, self._zp, self._groups, log).items():
+            for k, pending in start_space_gather(buf.params, buf.space, self._zp, self._groups, log).items():
                 self._pending[buf.space.index, k] = pending
         if not self._pending:  # nothing to gather (a world of one): the writes are done
             self._settle()
             return
         if not self.overlap:
-            self.wait_all()
+            self.finish_param_sync()
             return
         _IN_FLIGHT.add(self)
         for key in list(self._pending):
             members = self._members.get(key, [])
             if any(type(p) not in (torch.nn.Parameter, GatheringParameter) for p in members):
-                self._complete(key)  # a parameter class of the user's own: not swapped, so not deferred
+                self._finish_block(key)  # a parameter class of the user's own: not swapped, so not deferred
                 continue
             for p in members:
                 p._zeroplan_gather = self._self  # type: ignore[attr-defined]
                 p.__class__ = GatheringParameter
 
-    def _complete(self, key: tuple[int, int]) -> None:
+    def _finish_block(self, key: tuple[int, int]) -> None:
         for p in self._pending.pop(key, ()):
-            p.wait()
+            p.finish()
         if not self._pending:
             _IN_FLIGHT.discard(self)
             self._settle()
@@ -320,16 +248,16 @@ class ParamGather:
             ):
                 param.__class__ = torch.nn.Parameter
 
-    def wait_all(self) -> None:
-        """Complete every gather in flight, in launch order."""
+    def finish_param_sync(self) -> None:
+        """Finish every gather in flight, in the order they started."""
         for key in list(self._pending):
-            self._complete(key)
+            self._finish_block(key)
         _IN_FLIGHT.discard(self)
 
     def wait_for(self, param: torch.Tensor) -> None:
         """Complete the gathers of the blocks holding ``param``."""
         for key in self._blocks_of.get(id(param), ()):
-            self._complete(key)
+            self._finish_block(key)
 
     def forget(self) -> None:
         """Drop what is in flight without waiting (the process group is gone); restore the classes."""

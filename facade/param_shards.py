@@ -69,9 +69,9 @@ import torch
 
 from zeroplan.core import Block, StepOrderError, ZeroPlan
 from zeroplan.facade.buffers import SpaceBuffers, block_positions
-from zeroplan.facade.collectives import CommLog, Pending
+from zeroplan.facade.collectives import CommLog, Pending, start_block_gather
 from zeroplan.facade.groups import ProcessGroups
-from zeroplan.facade.param_gather import DeferredParameter, gather_block
+from zeroplan.facade.param_gather import DeferredParameter
 
 __all__ = ["Peers", "ShardedParameter", "ShardedParams"]
 
@@ -212,7 +212,7 @@ class ShardedParams:
             if type(p) in (torch.nn.Parameter, ShardedParameter):
                 p.__class__ = cls
 
-    def _launch(self, key: _Key) -> None:
+    def _start_gather(self, key: _Key) -> None:
         """Allocate block ``key``'s buffer, write this rank's piece, start its gather."""
         entry = self._entries[key]
         if entry.state is not BlockState.SHARDED:
@@ -220,17 +220,17 @@ class ShardedParams:
         entry.buffer.untyped_storage().resize_(entry.nbytes)
         buf = self._buffers[key[0]]
         buf.write_piece(key[1])
-        entry.pending = gather_block(entry.buffer, entry.block, self._zp, self._groups, self._log)
+        entry.pending = start_block_gather(entry.buffer, entry.block, self._zp, self._groups, self._log)
         entry.state = BlockState.GATHERING
 
     def _ensure(self, key: _Key) -> None:
         """Block ``key`` gathered and complete (its parameters plain ``nn.Parameter`` again)."""
         entry = self._entries[key]
         if entry.state is BlockState.SHARDED:
-            self._launch(key)
+            self._start_gather(key)
         if entry.state is BlockState.GATHERING:
             for pending in entry.pending:
-                pending.wait()
+                pending.finish()
             entry.pending = []
             entry.state = BlockState.GATHERED
             self._set_class(entry, torch.nn.Parameter)
@@ -247,7 +247,7 @@ class ShardedParams:
         if entry.state is BlockState.SHARDED:
             return
         for pending in entry.pending:
-            pending.wait()
+            pending.finish()
         entry.pending = []
         storage = entry.buffer.untyped_storage()
         # Holders: the buffer, each parameter, ``storage`` itself and the tensors autograd saved (they
@@ -289,7 +289,7 @@ class ShardedParams:
         nxt = (key[0], key[1] + step)
         if nxt in self._entries and nxt not in visited:
             visited.add(nxt)
-            self._launch(nxt)
+            self._start_gather(nxt)
 
     def shard_all(self) -> None:
         """Free every block: each rank holds only its shards (after install, and after a step)."""
@@ -299,7 +299,7 @@ class ShardedParams:
     def gather_all(self) -> None:
         """Gather every block (collective)."""
         for key in self._entries:
-            self._launch(key)
+            self._start_gather(key)
         for key in self._entries:
             self._ensure(key)
 
@@ -316,14 +316,14 @@ class ShardedParams:
         return sum(e.nbytes for e in self._entries.values() if e.state is not BlockState.SHARDED)
 
     # ------------------------------------------------------- the step's calls
-    def launch(self, log: CommLog) -> None:
+    def start_param_sync(self, log: CommLog) -> None:
         """After the inner optimizer stepped: free the (stale) blocks, write masters into the shards."""
         del log  # the next forward gathers, into the log of its own step
         self.shard_all()
         for buf in self._buffers:
             buf.publish_master()
 
-    def wait_all(self) -> None:
+    def finish_param_sync(self) -> None:
         """Complete every gather in flight (blocks stay gathered)."""
         for key, entry in self._entries.items():
             if entry.state is BlockState.GATHERING:
@@ -374,7 +374,7 @@ class ShardedParams:
                     del p._zeroplan_shards
             entry.members, entry.indices, entry.offsets = [], [], []
             for pending in entry.pending:
-                pending.wait()
+                pending.finish()
             entry.pending = []
             entry.buffer.untyped_storage().resize_(0)  # the new plan's buffers hold the values now
             entry.state = BlockState.SHARDED
@@ -506,7 +506,7 @@ class ShardedParams:
             return
         if key not in self._visited_backward:  # every block is gathered once per backward, needed or not
             self._visited_backward.add(key)
-            self._launch(key)
+            self._start_gather(key)
         count = self._arrived[key] = self._arrived.get(key, 0) + 1
         self._prefetch(key, -1, self._visited_backward)
         if count >= self._entries[key].trainable and self._hold == 0:

@@ -186,3 +186,21 @@ def test_checks_catch_mistakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert cited_notes(page) == [(1, "a note")]
     assert NOTE_DEFINED.match("    [Note: stage 3]") and NOTE_DEFINED.match("# [Note: tolerance]")
     assert not NOTE_DEFINED.match("    See [Note: stage 3].") and not NOTE_DEFINED.match("x  # [Note: y]")
+
+
+def test_the_design_index_lists_every_note():
+    """docs/design.md's index of notes names every note the code defines, with the files defining it."""
+    index = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    rows = {
+        name: sorted(re.findall(r"`([^`]+)`", cell))
+        for name, cell in re.findall(r"^\| \[Note: ([^\]]+)\] \| (.+?) \|$", index, flags=re.M)
+    }
+    notes = defined_notes()
+    missing = [f"[Note: {name}] ({', '.join(files)})" for name, files in notes.items() if name not in rows]
+    assert missing == [], "add these to the index in docs/design.md"
+    wrong = [
+        f"[Note: {n}]: {rows[n]} != {files}"
+        for n, files in notes.items()
+        if n in rows and rows[n] != sorted(files)
+    ]
+    assert wrong == [], "the index names other files than the ones defining the note"

@@ -29,7 +29,7 @@ after the bucket's staging copy), sums on the host in gloo's worker thread
 with the other rank, and copies back on that stream. No reduction kernel runs
 on the GPU, so a profiler would show only memcpys; the ``Work``'s future
 completing (host sum done on both ranks) is the clearest signal, and the probe
-uses it. NCCL at world 1 would not help: at world 1 ``reduce_bucket`` issues
+uses it. NCCL at world 1 would not help: at world 1 ``start_bucket_reduce`` issues
 no collective at all (the reduction is a copy), and NCCL refuses two ranks on
 one GPU, so with one GPU gloo is the only way to have a real reduction in flight.
 
