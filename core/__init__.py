@@ -23,7 +23,13 @@ from zeroplan.core.activations import (
     dims_from_config,
 )
 from zeroplan.core.buckets import Bucket, BucketLayout, GradCopy, Piece, plan_buckets
-from zeroplan.core.comm import Collective, CollectivePolicy, send_elements
+from zeroplan.core.comm import (
+    STEP_AGREEMENT_ELEMENTS,
+    STEP_AGREEMENT_ITEMSIZE,
+    Collective,
+    CollectivePolicy,
+    send_elements,
+)
 from zeroplan.core.domains import (
     Domain,
     DomainPlans,
@@ -103,6 +109,8 @@ from zeroplan.core.topology import Link, Topology
 __all__ = [
     "AUTO_MAX_PIECES",
     "LAYOUTS",
+    "STEP_AGREEMENT_ELEMENTS",
+    "STEP_AGREEMENT_ITEMSIZE",
     "Block",
     "ShardPiece",
     "build_partition",

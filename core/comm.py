@@ -26,6 +26,19 @@ group sits on one node and ``inter`` otherwise ([Note: nodes and links] in
 equal pieces is two hops, each an all-gather costed by the rule above on its
 own group ([Note: hierarchical all-gather] in ``zeroplan.core.hierarchy``);
 together they send what the one-hop ring sends.
+
+[Note: control calls]
+Besides moving gradients and parameters, a step makes small all-reduces that
+keep the ranks in agreement; the plan lists them with the rest, so a report's
+calls are every call a step makes (on NCCL each is a launch and a latency):
+
+* the step agreement, every step at stages 1-3: ``STEP_AGREEMENT_ELEMENTS``
+  integers of ``STEP_AGREEMENT_ITEMSIZE`` bytes over the world (a detached
+  parameter, a gradient written back, the hyper-parameters' digest);
+* the overflow verdict with loss scaling, and the clip norm when clipping:
+  one fp32 scalar each over the shard group (over the world at stage 0);
+* with several domains, the joint verdict and norm: one fp32 scalar each
+  over domain 0's world (``DomainsReport.controls``).
 """
 
 from __future__ import annotations
@@ -38,6 +51,8 @@ from zeroplan.core.errors import ConfigError, check_config
 __all__ = [
     "GATHERING",
     "REDUCING",
+    "STEP_AGREEMENT_ELEMENTS",
+    "STEP_AGREEMENT_ITEMSIZE",
     "Collective",
     "CollectivePolicy",
     "all_reduce_send",
@@ -148,6 +163,12 @@ def send_elements(collective: Collective, pieces: Sequence[int], rank: int) -> i
     if collective is Collective.ALL_REDUCE:
         return all_reduce_send(pieces[rank], n, rank)
     raise ConfigError(f"unknown collective {collective!r}; pass a Collective member")
+
+
+STEP_AGREEMENT_ELEMENTS = 4
+"""Integers the step agreement all-reduces over the world each step ([Note: control calls])."""
+STEP_AGREEMENT_ITEMSIZE = 8
+"""Bytes of each (int64: the hyper-parameters' digest needs 64 bits)."""
 
 
 def all_reduce_send(total: int, n: int, rank: int) -> int:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from zeroplan.core.buckets import Bucket
-from zeroplan.core.comm import Collective, all_reduce_send
+from zeroplan.core.comm import STEP_AGREEMENT_ELEMENTS, STEP_AGREEMENT_ITEMSIZE, Collective, all_reduce_send
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import require
 from zeroplan.core.hierarchy import two_hop_send
@@ -330,6 +330,10 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
             if size > 1:
                 nbytes = controls * all_reduce_send(1, size, position) * _FP32
                 tally.add(w, group, Collective.ALL_REDUCE, link, nbytes, controls)
+    if zp.stage is not Stage.DDP and world > 1:  # the step agreement ([Note: control calls])
+        for w in range(world):
+            nbytes = all_reduce_send(STEP_AGREEMENT_ELEMENTS, world, w) * STEP_AGREEMENT_ITEMSIZE
+            tally.add(w, "world", Collective.ALL_REDUCE, topo.world_link, nbytes, 1)
     return tally
 
 

@@ -16,7 +16,7 @@ issues the calls and returns :class:`Pending` handles, and
 then runs what was to follow: a copy out of a staging buffer, a sum of
 received pieces). The owners name their own phases the same way
 (``start_param_sync``/``finish_param_sync``, ``finish_grad_sync``). Blocking
-helpers (:func:`all_reduce`, :func:`all_reduce_shard`, :func:`broadcast`,
+helpers (:func:`all_reduce`, :func:`all_reduce_shard`, :func:`all_reduce_world`, :func:`broadcast`,
 :func:`all_gather_objects`) are plain verbs.
 
 Every call of the step's traffic is recorded in a :class:`CommLog` with the
@@ -80,6 +80,7 @@ __all__ = [
     "all_gather_objects",
     "all_reduce",
     "all_reduce_shard",
+    "all_reduce_world",
     "broadcast",
     "start_block_gather",
     "start_bucket_reduce",
@@ -387,6 +388,18 @@ def all_reduce_shard(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGrou
         "shard", Collective.ALL_REDUCE, [value.numel()] * n, groups.shard_rank, size, link=groups.shard_link
     )
     _start(partial(dist.all_reduce, op=op, group=groups.shard, async_op=True), value).finish()
+
+
+def all_reduce_world(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGroups, log: CommLog) -> None:
+    """Blocking all-reduce of a small control tensor over the world (the step agreement, planned as
+    [Note: control calls] in ``zeroplan.core.comm`` says)."""
+    world = groups.topology.world_size
+    if world == 1:
+        return
+    link = groups.topology.world_link
+    size = value.element_size()
+    log.record("world", Collective.ALL_REDUCE, [value.numel()] * world, groups.rank, size, link=link)
+    _start(partial(dist.all_reduce, op=op, group=groups.world, async_op=True), value).finish()
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> None:

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from zeroplan.core import CommCost, ConfigError, StepOrderError
 from zeroplan.facade.buffers import param_views, write_pieces
-from zeroplan.facade.collectives import CommLog, all_reduce, all_reduce_shard, start_space_gather
+from zeroplan.facade.collectives import CommLog, all_reduce_shard, all_reduce_world, start_space_gather
 from zeroplan.facade.inner import hyperparameter_digest, sync_hyperparameters
 from zeroplan.facade.installed import Installed
 
@@ -196,7 +196,7 @@ class StepLifecycle:
             )
         inst.gather.finish_param_sync()  # the last step's gathers, if no forward waited for them all
         inst.sync.finish_grad_sync()
-        _agree_on_step(inst, ctx, call)
+        _agree_on_step(inst, ctx, call, self.log)
         inst.gather.keep_param_writes()  # [Note: parameter writes]; only once every rank agreed
         grads = []
         for buf in inst.buffers:
@@ -366,14 +366,15 @@ def finish_norm(combined: torch.Tensor, norm_type: float) -> torch.Tensor:
     return combined if norm_type == math.inf else combined ** (1.0 / norm_type)
 
 
-def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:
+def _agree_on_step(inst: Installed, ctx: StepContext, call: str, log: CommLog) -> None:
     """Every rank raises unless no rank's gradients or parameters went astray and all share settings.
 
     After the reduction finished, one all-reduce (MAX) of four integers over
     the world: a detached-parameter flag, a written-back-gradient flag and the
     hyper-parameter digest, once negated, so that equal digests on every rank
-    show as ``max == -max(-digest)``. Control traffic: not logged. Nothing the
-    step changes (parameters, masters, optimizer state) has been touched yet.
+    show as ``max == -max(-digest)``; planned and logged as a control call
+    ([Note: control calls] in ``zeroplan.core.comm``). Nothing the step
+    changes (parameters, masters, optimizer state) has been touched yet.
     """
     detached = inst.detached(ctx.params)
     rewritten = inst.sync.written_back()
@@ -383,8 +384,7 @@ def _agree_on_step(inst: Installed, ctx: StepContext, call: str) -> None:
         dtype=torch.int64,
         device=inst.device,
     )
-    if inst.groups.topology.world_size > 1:
-        all_reduce(flags, dist.ReduceOp.MAX, inst.groups.world)  # control traffic: not logged
+    all_reduce_world(flags, dist.ReduceOp.MAX, inst.groups, log)
     if detached is not None:
         raise ConfigError(
             f"{call}: parameter {ctx.names[detached]!r} no longer shares storage with the optimizer's flat "

@@ -9,7 +9,8 @@ The facade issues, per step and world rank (stages 1 and 2):
   chunk inside the node), or one ``broadcast`` per rank ``q`` with a piece (pieces
   ``[0, .., piece[q], .., 0]``);
 * one single-element fp32 all-reduce on the shard group for the loss-scale overflow check and
-  one for gradient clipping, when used.
+  one for gradient clipping, when used;
+* the step agreement: one all-reduce of 4 int64 over the world.
 
 Groups of one rank issue nothing. Each call is on the link of its group's ranks. ``communication``
 computes the same totals in closed form.
@@ -42,6 +43,7 @@ def _per_call_traffic(zp, rank, clipping):
     links = {
         "shard": topology.shard_group(rank),
         "replica": topology.replica_group(rank),
+        "world": tuple(range(topology.world_size)),
     }
     links = {
         group: Link.INTER if topology.spans_nodes(ranks) else Link.INTRA for group, ranks in links.items()
@@ -92,6 +94,9 @@ def _per_call_traffic(zp, rank, clipping):
     for used in (zp.loss_scaling, clipping):
         if used and n > 1:
             call("shard", Collective.ALL_REDUCE, send_elements(Collective.ALL_REDUCE, [1] * n, s), 4)
+    world = topology.world_size
+    if world > 1:
+        call("world", Collective.ALL_REDUCE, send_elements(Collective.ALL_REDUCE, [4] * world, rank), 8)
     return {key: tuple(value) for key, value in totals.items()}
 
 

@@ -297,28 +297,44 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:,.3f}"
 
 
-def _groups(ranks: tuple[RankReport, ...], fit: FitReport | None = None) -> list[tuple[int, int, RankReport]]:
-    """Consecutive ranks with identical figures (their fit's too), as (first, last, report)."""
+def _cells(r: RankReport, fit: FitReport | None) -> tuple[str, ...]:
+    """The memory table's figures of rank ``r``, as printed (ranks the first column)."""
+    need: tuple[str, ...] = ()
+    if fit is not None:
+        f = fit.ranks[r.rank]
+        need = (_gib(f.need_bytes), f.phase.value, "yes" if f.fits else "no")
+    return (
+        _gib(r.params_bytes),
+        _gib(r.grads_bytes),
+        _gib(r.master_bytes),
+        _gib(r.optimizer_state_bytes),
+        _gib(r.buffer_bytes),
+        _gib(r.total_bytes),
+        _gib(r.peak_bytes),
+        r.peak_phase.value,
+        *need,
+        _gib(r.comm_bytes_per_step),
+    )
 
-    def key(r: RankReport) -> tuple[object, ...]:
-        need = () if fit is None else (fit.ranks[r.rank].need_bytes, fit.ranks[r.rank].phase)
-        return (
-            *need,
-            r.params_bytes,
-            r.grads_bytes,
-            r.master_bytes,
-            r.optimizer_state_bytes,
-            r.buffer_bytes,
-            r.peak_bytes,
-            r.comm_bytes_per_step,
-        )
 
-    groups: list[tuple[int, int, RankReport]] = []
+_Group = tuple[int, int, tuple[str, ...]]
+"""Consecutive ranks printed as one row: first, last, the row's figures."""
+
+
+def _groups(ranks: tuple[RankReport, ...], fit: FitReport | None = None) -> list[_Group]:
+    """Consecutive ranks whose printed figures are identical, as (first, last, cells).
+
+    Grouped as printed, not by exact bytes: a control all-reduce of a few scalars costs ranks a
+    few bytes more or less ([Note: control calls] in ``zeroplan.core.comm``), which ``--json``
+    keeps per rank and the table, in GiB, cannot show.
+    """
+    groups: list[_Group] = []
     for r in ranks:
-        if groups and key(groups[-1][2]) == key(r):
-            groups[-1] = (groups[-1][0], r.rank, groups[-1][2])
+        cells = _cells(r, fit)
+        if groups and groups[-1][2] == cells:
+            groups[-1] = (groups[-1][0], r.rank, cells)
         else:
-            groups.append((r.rank, r.rank, r))
+            groups.append((r.rank, r.rank, cells))
     return groups
 
 
@@ -364,7 +380,7 @@ _SECTIONS = ("params", "peak")
 
 
 def _memory_table(title: str, ranks: tuple[RankReport, ...], rows: int, fit: FitReport | None = None) -> Any:
-    """A rich table of ``ranks``' memory and traffic, consecutive identical ranks in one row."""
+    """A rich table of ``ranks``' memory and traffic, consecutive ranks printed alike in one row."""
     from rich.table import Table
 
     table = Table(title=title)
@@ -376,26 +392,10 @@ def _memory_table(title: str, ranks: tuple[RankReport, ...], rows: int, fit: Fit
         table.add_column(column, justify="right")
     groups = _groups(ranks, fit)
     shown = groups if len(groups) <= rows else [*groups[: rows - 1], groups[-1]]
-    for i, (first, last, r) in enumerate(shown):
+    for i, (first, last, cells) in enumerate(shown):
         if len(groups) > rows and i == rows - 1:
             table.add_row("…", *[""] * (len(columns) - 1))
-        need: tuple[str, ...] = ()
-        if fit is not None:
-            f = fit.ranks[first]  # a group shares its need
-            need = (_gib(f.need_bytes), f.phase.value, "yes" if f.fits else "no")
-        table.add_row(
-            str(first) if first == last else f"{first}-{last}",
-            _gib(r.params_bytes),
-            _gib(r.grads_bytes),
-            _gib(r.master_bytes),
-            _gib(r.optimizer_state_bytes),
-            _gib(r.buffer_bytes),
-            _gib(r.total_bytes),
-            _gib(r.peak_bytes),
-            r.peak_phase.value,
-            *need,
-            _gib(r.comm_bytes_per_step),
-        )
+        table.add_row(str(first) if first == last else f"{first}-{last}", *cells)
     return table
 
 

@@ -166,6 +166,7 @@ def test_hand_computed_two_hop_traffic_world_4_as_2_nodes_of_2():
             ("shard", "reduce_scatter", "inter"): (1, 3 * 64 * 4),
             ("shard", "all_gather", "inter"): (1, 64 * 4),  # one piece to the other node
             ("shard", "all_gather", "intra"): (2, 2 * 64 * 4),  # one piece per node chunk, to the neighbour
+            ("world", "all_reduce", "inter"): (1, 6 * 8),  # the step agreement: 4 int64 over both nodes
         }
     flat = plan(specs, Topology(world_size=4), stage=2, alignment=64, layout="interleaved")
     assert _comm(flat, 0)[("shard", "all_gather", "intra")] == (1, 3 * 64 * 4)

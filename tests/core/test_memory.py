@@ -254,8 +254,9 @@ def test_hand_computed_traffic_stage_2():
             ("shard", "reduce"): (2, 16),  # r0 sends [8,12) to r1; r1 sends [0,4) to r0: 4 fp32
             ("shard", "reduce_scatter"): (1, 8),  # 2 of 4 elements leave each rank
             ("shard", "all_gather"): (1, 24),  # 12-element buffer, 6 per rank: each sends 6
+            ("world", "all_reduce"): (1, 32),  # the step agreement: 4 int64, a 2-rank ring sends 4
         }
-        assert r.comm_bytes_per_step == 48
+        assert r.comm_bytes_per_step == 80
 
 
 def test_hand_computed_memory_stage_1_and_2():
@@ -283,6 +284,7 @@ def test_hand_computed_traffic_stage_3_gathers_each_block_twice():
             ("shard", "reduce"): (2, 16),
             ("shard", "reduce_scatter"): (1, 8),
             ("shard", "all_gather"): (2, 48),
+            ("world", "all_reduce"): (1, 32),  # the step agreement
         }
     assert r0.params_bytes == 24  # its shard
 
@@ -383,6 +385,8 @@ def _per_call(zp, clipping: bool) -> list[dict[tuple[str, Collective, Link], lis
         for _ in range(int(zp.loss_scaling) + int(clipping)):
             if size > 1:
                 add(group, Collective.ALL_REDUCE, all_reduce_send(1, size, position) * 4)
+        if zp.stage is not Stage.DDP and topo.world_size > 1:  # the step agreement: 4 int64 over the world
+            add("world", Collective.ALL_REDUCE, all_reduce_send(4, topo.world_size, w) * 8)
         out.append(dict(tally))
     return out
 
@@ -477,9 +481,10 @@ def test_gloo_policy_all_reduces_buckets_over_the_world_and_broadcasts_parameter
     assert {b.collective for b in zp.buckets.buckets} == {Collective.ALL_REDUCE}
     for rank in range(4):
         costs = {(c.group, c.collective): c for c in communication(zp, rank)}
-        world = costs["world", Collective.ALL_REDUCE]
-        assert world.calls == len(zp.buckets.buckets)
-        assert world.bytes == sum(all_reduce_send(b.numel, 4, rank) * 4 for b in zp.buckets.buckets)
+        world = costs["world", Collective.ALL_REDUCE]  # the buckets, and the step agreement (4 int64)
+        assert world.calls == len(zp.buckets.buckets) + 1
+        buckets = sum(all_reduce_send(b.numel, 4, rank) * 4 for b in zp.buckets.buckets)
+        assert world.bytes == buckets + all_reduce_send(4, 4, rank) * 8
         gather = costs["shard", Collective.BROADCAST]
         space = zp.partition.spaces[0]
         assert gather.calls == sum(1 for o in space.owned if o)
@@ -510,6 +515,7 @@ def test_gloo_policy_exchanges_equal_pieces_sending_what_min_bytes_sends():
             ("shard", Collective.REDUCE_SCATTER),
             ("shard", Collective.ALL_GATHER),
             ("replica", Collective.ALL_REDUCE),
+            ("world", Collective.ALL_REDUCE),  # the step agreement
         }
     peak = [r.peak_bytes for r in memory_report(gloo).ranks]
     assert all(a > b for a, b in zip(peak, (r.peak_bytes for r in memory_report(nccl).ranks), strict=True))
