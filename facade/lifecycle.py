@@ -17,7 +17,8 @@ Every step walks the same phases, forward only::
   step is refused: its gradients could no longer join the reduction.
 * ``REDUCED``: ``clip_grad_norm_``, ``step``, ``grad_norm`` or
   ``averaged_gradients`` finished the reduction. First every rank agreed (one
-  small all-reduce, not counted in the step's traffic) that none of its
+  small all-reduce, a control call of the step: [Note: control calls] in
+  ``zeroplan.core.comm``) that none of its
   parameters was detached from the flat buffers and that all hold the same
   hyper-parameters. This rank's *master gradients* (the shard the inner
   optimizer reads) are then averaged over the world and unscaled, and every
@@ -46,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -218,19 +219,15 @@ class StepLifecycle:
             tensor.grad = grads[spec.space][spec.shard_span.as_slice()].view(spec.shape)
         self.phase = Phase.REDUCED
 
-    def clip(self, inst: Installed, ctx: StepContext, max_norm: float, norm_type: float) -> torch.Tensor:
-        """Clip the master gradients to a total norm of ``max_norm``; return the norm (``-> CLIPPED``).
+    def shard_norm(self, inst: Installed, norm_type: float, log: CommLog) -> torch.Tensor:
+        """The domain's gradient norm (after :meth:`reduce`), identical on every rank of the shard group.
 
-        Raises:
-            StepOrderError: already clipped in this step, or no backward ran.
+        This rank's part (:meth:`local_norm`) combined over the shard group by
+        one scalar all-reduce, logged in ``log`` (a throwaway log for inspection).
         """
-        norm_type = norm_type_of(norm_type)
-        self.check_unclipped()
-        self.reduce(inst, ctx, "clip_grad_norm_()")
         local = self.local_norm(inst, norm_type)
-        total = _finish_norm(local, norm_type, lambda op: all_reduce_shard(local, op, inst.groups, self.log))
-        self.apply_clip(total, max_norm)
-        return total
+        all_reduce_shard(local, norm_op(norm_type), inst.groups, log)
+        return finish_norm(local, norm_type)
 
     def check_unclipped(self) -> None:
         """Raise unless this step can still be clipped.
@@ -269,21 +266,6 @@ class StepLifecycle:
     def agree_overflow(self, found_inf: bool) -> None:
         """Adopt the overflow verdict of the whole model (every domain, see [Note: expert domains])."""
         self.found_inf = found_inf
-
-    def grad_norm(self, inst: Installed, ctx: StepContext, norm_type: float) -> torch.Tensor:
-        """The total norm of the master gradients, as :meth:`clip` computes it, without scaling them.
-
-        Reduces first if needed (``-> REDUCED``); after :meth:`clip` it is the
-        norm of the clipped gradients. Its all-reduce is inspection traffic,
-        not part of the step's (as ``averaged_gradients``).
-
-        Raises:
-            StepOrderError: no backward ran in this step.
-        """
-        norm_type = norm_type_of(norm_type)
-        self.reduce(inst, ctx, "grad_norm()")
-        local = self.local_norm(inst, norm_type)
-        return _finish_norm(local, norm_type, lambda op: all_reduce_shard(local, op, inst.groups, CommLog()))
 
     # ------------------------------------------------------------ step
     def step(self, inst: Installed, ctx: StepContext, **kwargs: Any) -> bool:
@@ -351,14 +333,6 @@ def norm_type_of(value: float) -> float:
 def norm_op(norm_type: float) -> dist.ReduceOp:
     """How ranks combine their parts of a ``norm_type`` norm: ``MAX`` for inf, else ``SUM``."""
     return dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-
-
-def _finish_norm(
-    local: torch.Tensor, norm_type: float, combine: Callable[[dist.ReduceOp], None]
-) -> torch.Tensor:
-    """The norm from this rank's part ``local``, once ``combine(op)`` reduced it in place over the ranks."""
-    combine(norm_op(norm_type))
-    return finish_norm(local, norm_type)
 
 
 def finish_norm(combined: torch.Tensor, norm_type: float) -> torch.Tensor:

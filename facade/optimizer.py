@@ -24,12 +24,10 @@ collects that garbage cycle at once (:func:`_import_dynamo_now`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import importlib
-import math
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -39,7 +37,6 @@ import torch.distributed as dist
 from zeroplan.core import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
-    Collective,
     CommCost,
     ConfigError,
     DomainPlans,
@@ -50,14 +47,11 @@ from zeroplan.core import (
     ZeroPlan,
     ZeroplanError,
     initial_state,
-    update,
 )
-from zeroplan.core import Domain as CoreDomain
 from zeroplan.facade import replanning, state_loading
 from zeroplan.facade.accounting import MeasuredMemory
 from zeroplan.facade.agreement import verdicts
 from zeroplan.facade.buffers import SpaceBuffers
-from zeroplan.facade.collectives import CommLog, all_reduce
 from zeroplan.facade.consolidate import consolidated_state_dict
 from zeroplan.facade.domain import (
     Domain,
@@ -69,7 +63,8 @@ from zeroplan.facade.domain import (
 )
 from zeroplan.facade.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.installed import Installed
-from zeroplan.facade.lifecycle import Phase, StepContext, StepLifecycle, finish_norm, norm_op, norm_type_of
+from zeroplan.facade.joint import JointStep
+from zeroplan.facade.lifecycle import StepLifecycle
 from zeroplan.facade.memory_check import check_device_memory
 from zeroplan.facade.param_shards import Peers
 from zeroplan.facade.registry import Configured, configure
@@ -228,7 +223,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             check_partition(inputs, world)  # before any expert group's own collective
             plans[1:] = _agreed_expert_plans(inputs, configured, plans, world)
         # Nothing below can fail for a user reason: state changes start here.
-        self._mode = configured[0].mode
         ordered: list[dict[str, Any]] = [{} for _ in range(sum(len(i.positions) for i in inputs))]
         for item, c in zip(inputs, configured, strict=True):
             params_of = c.registry.params
@@ -237,16 +231,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 ordered[position] = {**g, **extra, "params": [params_of[i] for i in g["params"]]}
         super().__init__(ordered, optimizer_defaults)
         self._world = world
-        self._scaler: ScalerState | None = (
-            initial_state(scaler or ScalerConfig()) if self._mode == "dynamic" else None
-        )
+        mode = configured[0].mode
         options = ExecutionOptions(
             overlap=overlap_grad_reduce,
             overlap_gather=bool(overlap_param_gather),
             reshard=bool(reshard_after_forward),
         )
         peers = Peers()  # [Note: several sharded domains]
-        self._domains: tuple[Domain, ...] = tuple(
+        domains = [
             Domain(
                 name=item.name,
                 world=item.group,
@@ -261,22 +253,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 peers=peers,
             )
             for item, c, zp in zip(inputs, configured, plans, strict=True)
+        ]
+        self._joint = JointStep(  # [Note: joint step]
+            domains,
+            world,
+            scaler=initial_state(scaler or ScalerConfig()) if mode == "dynamic" else None,
+            static_scale=mode if isinstance(mode, float) else 1.0,
         )
         self._initialized = True
 
-    def _context(self, domain: Domain) -> StepContext:
-        """What a step of ``domain`` needs (the same loss scale and divisor for every domain)."""
-        return domain.context(self.loss_scale, self._data_world)
-
     @property
-    def _data_world(self) -> int:
-        """What every domain's summed gradients are divided by (before the loss scale): the world's size."""
-        return self._data.settings.topology.world_size
+    def _domains(self) -> tuple[Domain, ...]:
+        return self._joint.domains
 
     @property
     def _data(self) -> Domain:
         """Domain 0: the data-parallel domain (the only one without expert groups)."""
-        return self._domains[0]
+        return self._joint.data
 
     # ------------------------------------------------------------ properties
     @property
@@ -317,14 +310,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         """Current loss scale (1.0 without loss scaling)."""
-        if self._scaler is not None:
-            return self._scaler.scale
-        return self._mode if isinstance(self._mode, float) else 1.0
+        return self._joint.loss_scale
 
     @property
     def scaler_state(self) -> ScalerState | None:
         """The dynamic loss scaler's state, or ``None``."""
-        return self._scaler
+        return self._joint.scaler
 
     # ------------------------------------------------------------ training API
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -333,54 +324,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             loss = loss * self.loss_scale
         loss.backward(**kwargs)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Context in which backward accumulates gradients locally, without reduction."""
-        with contextlib.ExitStack() as stack:
-            for domain in self._domains:
-                stack.enter_context(domain.lifecycle.local_accumulation())
-            yield
-
-    def _reduce(self, call: str) -> None:
-        """Finish every domain's reduction; with several, agree on one overflow verdict (one all-reduce)."""
-        if len(self._domains) == 1:
-            self._data.lifecycle.reduce(self._data.installed, self._context(self._data), call)
-            return
-        phases = [d.lifecycle.phase for d in self._domains]
-        if all(p in (Phase.REDUCED, Phase.CLIPPED) for p in phases):
-            return
-        live = any(p is not Phase.IDLE for p in phases)  # a domain without gradients here reduces zeros
-        for domain in self._domains:
-            domain.lifecycle.reduce(domain.installed, self._context(domain), call, idle_ok=live)
-        if self._data.installed.zp.loss_scaling:
-            flag = torch.tensor(
-                [float(any(d.lifecycle.found_inf for d in self._domains))], device=self._data.installed.device
-            )
-            self._log_joint(self._data.lifecycle.log)
-            all_reduce(flag, dist.ReduceOp.MAX, self._world)
-            for domain in self._domains:
-                domain.lifecycle.agree_overflow(bool(flag.item() > 0))
-
-    def _log_joint(self, log: CommLog) -> None:
-        """Log one float32 scalar all-reduce over the world (planned as ``DomainsReport.controls``)."""
-        topology = self._data.settings.topology
-        world = topology.world_size
-        log.record(
-            "world", Collective.ALL_REDUCE, [1] * world, self._data.groups.rank, 4, link=topology.world_link
-        )
-
-    def _joint_norm(self, norm_type: float, log: CommLog) -> torch.Tensor:
-        """The norm over every domain's gradients: one all-reduce over the world ([Note: expert domains])."""
-        local = torch.zeros((), dtype=torch.float32, device=self._data.installed.device)
-        for domain in self._domains:
-            part = domain.lifecycle.local_norm(domain.installed, norm_type)
-            if norm_type == math.inf:
-                local = torch.maximum(local, part)
-            else:  # every shard group holds the domain's gradient once: count it once over the world
-                local = local + part / domain.settings.topology.replica_size
-        self._log_joint(log)
-        all_reduce(local, norm_op(norm_type), self._world)
-        return finish_norm(local, norm_type)
+        return self._joint.no_sync()
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -392,17 +338,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (with expert groups: over every expert of every group).
         Once per step, between backward and :meth:`step`.
         """
-        if len(self._domains) == 1:
-            data = self._data
-            return data.lifecycle.clip(data.installed, self._context(data), max_norm, norm_type)
-        norm_type = norm_type_of(norm_type)
-        for domain in self._domains:
-            domain.lifecycle.check_unclipped()
-        self._reduce("clip_grad_norm_()")
-        total = self._joint_norm(norm_type, self._data.lifecycle.log)
-        for domain in self._domains:
-            domain.lifecycle.apply_clip(total, max_norm)
-        return total
+        return self._joint.clip_grad_norm_(max_norm, norm_type)
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -416,12 +352,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         needed; after :meth:`clip_grad_norm_` it is the norm of the clipped
         gradients. For the gradients themselves, see :meth:`averaged_gradients`.
         """
-        if len(self._domains) == 1:
-            data = self._data
-            return data.lifecycle.grad_norm(data.installed, self._context(data), norm_type)
-        norm_type = norm_type_of(norm_type)
-        self._reduce("grad_norm()")
-        return self._joint_norm(norm_type, CommLog())
+        return self._joint.grad_norm(norm_type)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -435,24 +366,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._reduce("step()")
-        applied = True
-        for domain in self._domains:
-            applied = domain.lifecycle.step(domain.installed, self._context(domain), **kwargs)
-        if self._scaler is not None:
-            self._scaler = update(self._scaler, not applied)
+        self._joint.step(**kwargs)
         return loss
 
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last ``step()`` skipped its update because a gradient overflowed (inf/NaN)."""
-        return not self._data.lifecycle.last.applied
+        return self._joint.last_step_skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients (stage 1 keeps ``.grad`` as views of its buffer when not set to ``None``)."""
-        for domain in self._domains:
-            domain.lifecycle.release(domain.installed)
-            domain.installed.sync.zero_grad(set_to_none)
+        self._joint.zero_grad(set_to_none)
 
     def averaged_gradients(self) -> list[torch.Tensor | None]:
         """The gradients the next ``step()`` applies, whole, per parameter (collective).
@@ -463,18 +387,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         frozen parameters, in the order of ``param_groups``. It gathers every
         shard on every rank of the shard group: meant for inspection and tests.
         """
-        self._reduce("averaged_gradients()")
-        found: dict[int, torch.Tensor | None] = {}
-        for domain in self._domains:
-            grads = domain.lifecycle.averaged_gradients(domain.installed, self._context(domain))
-            found.update((id(p), g) for p, g in zip(domain.registry.params, grads, strict=True))
-        return [found[id(p)] for group in self.param_groups for p in group["params"]]
+        return self._joint.averaged_gradients(self.param_groups)
 
     # ------------------------------------------------------------ accounting
     def measured_memory(self) -> MeasuredMemory:
         """Bytes this rank holds now, by category (every domain); buffers: the staging arena."""
-        parts = [d.measured_memory() for d in self._domains]
-        return MeasuredMemory(*(sum(values) for values in zip(*parts, strict=True)))
+        return self._joint.measured_memory()
 
     def last_step_comm(self) -> tuple[CommCost, ...]:
         """Collectives of the last completed step: calls and bytes sent, per (group, collective).
@@ -482,12 +400,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         With expert groups, the groups of domains other than ``"data"`` are
         named ``"<domain>/<group>"`` (``"experts/shard"``).
         """
-        costs = list(self._data.lifecycle.last.comm)
-        for domain in self._domains[1:]:
-            costs += [
-                dataclasses.replace(c, group=f"{domain.name}/{c.group}") for c in domain.lifecycle.last.comm
-            ]
-        return tuple(costs)
+        return self._joint.last_step_comm()
 
     def memory_report(self, *, clipping: bool | None = None) -> MemoryReport:
         """The planner's report for this optimizer's plan (no communication).
@@ -506,7 +419,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "memory_report() describes one plan, but this optimizer has expert groups (one plan per "
                 "domain); use memory_reports(), whose .rank(...) sums a rank's domains"
             )
-        return self._data.memory_report(self._clipped(clipping))
+        return self._data.memory_report(self._joint.clipped(clipping))
 
     def memory_reports(self, *, clipping: bool | None = None) -> DomainsReport:
         """The planner's report of every domain ([Note: expert domains]); ``clipping``: see ``memory_report``.
@@ -515,36 +428,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         what :meth:`last_step_comm` measures (with several domains the clipping
         norm and the overflow verdict are one all-reduce each over the world).
         """
-        clipped = self._clipped(clipping)
-        joint = len(self._domains) > 1
-        controls = int(clipped) + int(self._data.installed.zp.loss_scaling) if joint else 0
-        return DomainsReport(
-            domains=self.domain_plans().domains,
-            reports=tuple(d.memory_report(clipped and not joint) for d in self._domains),
-            controls=controls,
-        )
+        return self._joint.memory_reports(self._positions(), clipping)
 
     def domain_plans(self) -> DomainPlans:
         """Every domain's plan, with the user's group positions (pure value)."""
-        positions = {id(g): i for i, g in enumerate(self.param_groups)}
-        return DomainPlans(
-            domains=tuple(
-                CoreDomain(
-                    name=d.name,
-                    groups=tuple(positions[id(g)] for g in d.param_groups),
-                    topology=d.settings.topology,
-                )
-                for d in self._domains
-            ),
-            plans=tuple(d.installed.zp for d in self._domains),
-        )
+        return self._joint.domain_plans(self._positions())
+
+    def _positions(self) -> dict[int, int]:
+        return {id(g): i for i, g in enumerate(self.param_groups)}
 
     def domain_positions(self) -> tuple[int, ...]:
         """This rank's position in each domain's process group (what ``memory_reports().rank`` takes)."""
         return tuple(d.groups.rank for d in self._domains)
-
-    def _clipped(self, clipping: bool | None) -> bool:
-        return self._data.lifecycle.last.clipped if clipping is None else clipping
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """Refused: a copy would share the process groups, the hooks and the flat buffers, and fail later.
@@ -560,8 +455,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def wait_for_params(self) -> None:
         """Complete the last step's parameter gathers (before reading parameters outside a forward)."""
-        for domain in self._domains:
-            domain.installed.gather.finish_param_sync()
+        self._joint.wait_for_params()
 
     def attach(self, model: torch.nn.Module) -> None:
         """Let ``model``'s forward gather the stage-3 parameters it uses (see [Note: stage 3]).
@@ -571,11 +465,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         module whose forward runs the model (the root). At stages 1 and 2 it
         does nothing (parameters are whole there), so code can call it always.
         """
-        for domain in self._domains:
-            domain.attach(model)
+        self._joint.attach(model)
 
-    @contextlib.contextmanager
-    def gathered_params(self, *, writeback: bool = False) -> Iterator[None]:
+    def gathered_params(self, *, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
         """Inside the block every parameter holds its whole values (collective: call on every rank).
 
         At stage 3 this gathers every block and frees them after the block;
@@ -592,10 +484,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 it, stage 3 drops such changes; stages 1 and 2 keep them anyway
                 at the next step ([Note: parameter writes]).
         """
-        with contextlib.ExitStack() as stack:
-            for domain in self._domains:
-                stack.enter_context(domain.gathered(writeback=writeback))
-            yield
+        return self._joint.gathered_params(writeback=writeback)
 
     # ------------------------------------------------------------ state dicts
     def shards(self) -> Shards:
@@ -613,7 +502,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "domain) and no rank holds every expert; save with zeroplan.facade.checkpoint.save(opt, "
                 "path) or opt.state_dict() on every rank"
             )
-        return self._data.shards(self._scaler)
+        return self._data.shards(self._joint.scaler)
 
     def plan_with_cohorts(self, cohorts: Iterable[int]) -> ZeroPlan:
         """This optimizer's plan with the parameters in other cohorts (pure: changes nothing)."""
@@ -631,7 +520,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return sharded_state_dict(self.shards())
         return {
             "format": DOMAINS_FORMAT,
-            "domains": {d.name: sharded_state_dict(d.shards(self._scaler)) for d in self._domains},
+            "domains": {d.name: sharded_state_dict(d.shards(self._joint.scaler)) for d in self._domains},
         }
 
     @torch.no_grad()
@@ -706,7 +595,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loaded: list[LoadedState] = []
         problem: Exception | None = None
         for domain in self._domains:
-            sh = domain.shards(self._scaler)
+            sh = domain.shards(self._joint.scaler)
             try:
                 what = f"state dict of domain {domain.name!r}"
                 loaded.append(state_loading.agreed_state(partial(read, domain, sh), sh, what=what))
@@ -726,8 +615,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._restore_scaler(loaded)
 
     def _restore_scaler(self, loaded: LoadedState) -> None:
-        if loaded.scaler is not None and self._scaler is not None:
-            self._scaler = ScalerState(config=self._scaler.config, **loaded.scaler)
+        scaler = self._joint.scaler
+        if loaded.scaler is not None and scaler is not None:
+            self._joint.scaler = ScalerState(config=scaler.config, **loaded.scaler)
 
     # ------------------------------------------------------------ re-planning
     def refresh_trainable(self) -> None:
