@@ -32,14 +32,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import Collective, CommCost, DomainPlans, DomainsReport, ScalerState, update
+from zeroplan.core import (
+    Collective,
+    CommCost,
+    ConfigError,
+    DomainPlans,
+    DomainsReport,
+    ScalerState,
+    ZeroPlan,
+    update,
+)
 from zeroplan.core import Domain as CoreDomain
 from zeroplan.facade.accounting import MeasuredMemory
+from zeroplan.facade.agreement import verdicts
 from zeroplan.facade.collectives import CommLog, all_reduce
-from zeroplan.facade.domain import Domain
+from zeroplan.facade.domain import Domain, same_ranks
 from zeroplan.facade.lifecycle import Phase, StepContext, finish_norm, norm_op, norm_type_of
+from zeroplan.facade.registry import ParamRegistry
+from zeroplan.facade.state_loading import LoadedState
 
 __all__ = ["JointStep"]
+
+_UNKNOWN_GROUP = (
+    "add_param_group: its process_group is none of this optimizer's (the data-parallel group or an "
+    "expert group given at construction); pass every expert group when creating the optimizer"
+)
 
 
 class JointStep:
@@ -73,6 +90,19 @@ class JointStep:
     def joint(self) -> bool:
         """Whether verdicts and norms need the joint all-reduce over the world (several domains)."""
         return len(self.domains) > 1
+
+    def only_domain(self, call: str, why: str) -> Domain:
+        """The data domain, for a ``call`` that describes one plan; with expert groups, why it cannot.
+
+        Raises:
+            ConfigError: there are several domains (``why`` says what to use instead).
+        """
+        if self.joint:
+            raise ConfigError(
+                f"{call} describes one plan, but this optimizer has expert groups (one plan "
+                f"per domain): {why}"
+            )
+        return self.data
 
     @property
     def loss_scale(self) -> float:
@@ -219,6 +249,58 @@ class JointStep:
             ),
             plans=tuple(d.installed.zp for d in self.domains),
         )
+
+    def restore(self, states: Sequence[LoadedState]) -> None:
+        """Install validated state: ``states[d]`` into domain ``d`` (the first ``len(states)`` domains; a
+        checkpoint restores the others itself), the loss scaler from domain 0's state."""
+        for domain, state in zip(self.domains, states, strict=False):
+            domain.restore(state)
+        if states and states[0].scaler is not None and self.scaler is not None:
+            self.scaler = ScalerState(config=self.scaler.config, **states[0].scaler)
+
+    # ------------------------------------------------------------ re-planning
+    def refresh_trainable(self) -> None:
+        """Re-plan every domain after ``requires_grad`` changed; all agree first, or all raise."""
+        planned, problem = [], None
+        for domain in self.domains:  # every domain agrees over its group; nothing changes yet
+            try:
+                planned.append(domain.plan_refresh())
+            except Exception as exc:
+                problem = problem or exc
+        verdicts(
+            problem, self.world, failed="could not re-plan after requires_grad changed", error=ConfigError
+        )
+        for domain, (registry, zp) in zip(self.domains, planned, strict=True):
+            domain.adopt(registry, zp)
+
+    def plan_group(self, param_group: Any) -> tuple[Domain, tuple[ParamRegistry, ZeroPlan, dict[str, Any]]]:
+        """The domain a new param group joins (by its ``process_group``) and its plan with the group.
+
+        Every rank agrees on the domain and on the plan, or every rank raises; nothing changes here.
+        """
+        pg = param_group.get("process_group") if isinstance(param_group, dict) else None
+        if pg is not None and isinstance(pg, dist.ProcessGroup) and same_ranks(pg, self.world):
+            pg = None  # the world's ranks: the data-parallel domain, as at construction
+        target = self.world if pg is None else pg
+        index = next((i for i, d in enumerate(self.domains) if d.world is target), None)
+        unknown = None if index is not None else ConfigError(_UNKNOWN_GROUP)
+        routes = verdicts(unknown, self.world, failed="could not add the param group", facts=index)
+        if len(set(routes)) > 1:
+            raise ConfigError(
+                f"add_param_group: the ranks add the group to different domains ({routes}, by rank); give "
+                "every rank a group of the same domain (the data-parallel one, or each its expert group)"
+            )
+        domain = self.domains[routes[0]]
+        if isinstance(param_group, dict):
+            param_group = {k: v for k, v in param_group.items() if k != "process_group"}
+        planned, problem = None, None
+        try:  # agreed over the domain's group; one verdict over the world then reaches every rank
+            planned = domain.plan_group(param_group)
+        except Exception as exc:
+            problem = exc
+        verdicts(problem, self.world, failed="rejected the new param group", error=ConfigError)
+        assert planned is not None  # verdicts raised otherwise
+        return domain, planned
 
     # ------------------------------------------------------------ parameters
     def wait_for_params(self) -> None:

@@ -5,30 +5,12 @@ parts] in ``registry``) hold the state, ``StepLifecycle`` drives each step
 (see [Note: step lifecycle]), ``zeroplan.core`` decides every layout, and the
 functions of ``buffers``, ``grad_sync``, ``collectives`` and ``shard_state``
 do the work.
-
-[Note: importing torch._dynamo here]
-torch imports ``torch._dynamo`` the first time any ``torch.optim`` optimizer
-is built, and one of the modules it loads keeps the frame that called it in a
-reference cycle (``torch.fx.wrap`` holds ``inspect.currentframe()`` in a local).
-That frame's ``f_back`` chain reaches whatever stack was running: when that is
-``ZeroOptimizer.__init__`` (or a user's function that first touched
-``zeroplan.facade.ZeroOptimizer``), everything those frames hold, the first
-``ZeroOptimizer`` and its process groups included, outlives its last
-reference until the cycle collector runs, often not before the interpreter
-finalizes. A gloo group freed then lets its worker thread take the GIL during
-finalization, and the process aborts ("terminate called without an active
-exception") after its work is done. So this module imports it once, then
-collects that garbage cycle at once (:func:`_import_dynamo_now`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import importlib
-import sys
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -45,45 +27,20 @@ from zeroplan.core import (
     ScalerConfig,
     ScalerState,
     ZeroPlan,
-    ZeroplanError,
-    initial_state,
 )
-from zeroplan.facade import replanning, state_loading
+from zeroplan.facade import construction, domain_states
 from zeroplan.facade.accounting import MeasuredMemory
-from zeroplan.facade.agreement import verdicts
 from zeroplan.facade.buffers import SpaceBuffers
 from zeroplan.facade.consolidate import consolidated_state_dict
 from zeroplan.facade.domain import (
     Domain,
-    DomainInput,
     ExecutionOptions,
-    check_partition,
-    same_ranks,
-    split_domains,
 )
 from zeroplan.facade.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.installed import Installed
-from zeroplan.facade.joint import JointStep
 from zeroplan.facade.lifecycle import StepLifecycle
-from zeroplan.facade.memory_check import check_device_memory
-from zeroplan.facade.param_shards import Peers
-from zeroplan.facade.registry import Configured, configure
-from zeroplan.facade.state_dicts import Shards, sharded_state_dict
+from zeroplan.facade.state_dicts import Shards
 from zeroplan.facade.state_loading import LoadedState
-
-
-def _import_dynamo_now() -> None:
-    """Import ``torch._dynamo``, then free the frames it keeps in a cycle.
-
-    See [Note: importing torch._dynamo here].
-    """
-    if "torch._dynamo" in sys.modules:
-        return
-    importlib.import_module("torch._dynamo")
-    gc.collect()
-
-
-_import_dynamo_now()
 
 __all__ = ["MeasuredMemory", "ZeroOptimizer"]
 
@@ -171,100 +128,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ) -> None:
         self._initialized = False
         world = data_parallel_group(process_group)
-        split_problem: ConfigError | None = None
-        try:
-            inputs = split_domains(params, world)  # [Note: expert domains]
-        except ConfigError as exc:  # raised on every rank by the agreement below, not here alone
-            inputs, split_problem = [], exc
-        configured: list[Configured] = []
-        plans: list[ZeroPlan] = []
-
-        def make() -> tuple[ZeroPlan, list[dict[str, Any]]]:
-            if split_problem is not None:
-                raise split_problem
-            configured[:], plans[:] = [], []
-            for d, item in enumerate(inputs):
-                c = configure(
-                    item.param_groups,
-                    optimizer_class,
-                    optimizer_defaults,
-                    world=item.group,
-                    stage=stage,
-                    shard_group_size=shard_group_size if d == 0 else None,
-                    strategy=strategy,
-                    alignment=alignment,
-                    bucket_bytes=bucket_bytes,
-                    loss_scale=loss_scale,
-                    max_inflight_buckets=max_inflight_buckets,
-                    collectives=collectives,
-                    layout=layout,
-                    ranks_per_node=ranks_per_node if d == 0 else None,
-                )
-                zp = c.settings.plan(c.registry, c.groups)
-                check_device_memory(zp, c, item.group, overlap=overlap_grad_reduce, strict=strict_memory)
-                configured.append(c)
-                plans.append(zp)
-            _check_disjoint(inputs, configured)
-            return plans[0], configured[0].groups
-
-        # ranks_per_node is not fingerprinted (it changes no layout) but decides the groups made below.
-        layout_of_domains = [(i.positions, dist.get_world_size(i.group)) for i in inputs]
-        plans[:1] = [
-            replanning.agreed_plan(
-                make,
-                world,
-                loss_scale=repr(loss_scale),
-                scaler=repr(scaler),
-                ranks_per_node=repr(ranks_per_node),
-                domains=repr(layout_of_domains),
-            )
-        ]
-        if len(inputs) > 1:
-            check_partition(inputs, world)  # before any expert group's own collective
-            plans[1:] = _agreed_expert_plans(inputs, configured, plans, world)
+        request = construction.Request(
+            optimizer_class=optimizer_class,
+            optimizer_defaults=optimizer_defaults,
+            stage=stage,
+            shard_group_size=shard_group_size,
+            ranks_per_node=ranks_per_node,
+            strategy=strategy,
+            bucket_bytes=bucket_bytes,
+            layout=layout,
+            loss_scale=loss_scale,
+            scaler=scaler,
+            alignment=alignment,
+            max_inflight_buckets=max_inflight_buckets,
+            collectives=collectives,
+            overlap_grad_reduce=overlap_grad_reduce,
+            strict_memory=strict_memory,
+        )
+        agreed = construction.agree(params, world, request)
         # Nothing below can fail for a user reason: state changes start here.
-        ordered: list[dict[str, Any]] = [{} for _ in range(sum(len(i.positions) for i in inputs))]
-        for item, c in zip(inputs, configured, strict=True):
-            params_of = c.registry.params
-            for position, g in zip(item.positions, c.groups, strict=True):
-                extra = {} if item.group is world else {"process_group": item.group}
-                ordered[position] = {**g, **extra, "params": [params_of[i] for i in g["params"]]}
-        super().__init__(ordered, optimizer_defaults)
-        self._world = world
-        mode = configured[0].mode
+        super().__init__(agreed.param_groups(world), optimizer_defaults)
         options = ExecutionOptions(
-            overlap=overlap_grad_reduce,
-            overlap_gather=bool(overlap_param_gather),
-            reshard=bool(reshard_after_forward),
+            overlap_grad_reduce, bool(overlap_param_gather), bool(reshard_after_forward)
         )
-        peers = Peers()  # [Note: several sharded domains]
-        domains = [
-            Domain(
-                name=item.name,
-                world=item.group,
-                configured=c,
-                zp=zp,
-                param_groups=[self.param_groups[p] for p in item.positions],
-                defaults=self.defaults,
-                # Expert buckets reduce at step(): an expert that got no token on one rank has no
-                # gradient there, and a backward hook waiting for its bucket would wait for that rank,
-                # which launches it only in step(), after the data domain it may be waiting on.
-                options=options if item.group is world else options._replace(overlap=False),
-                peers=peers,
-            )
-            for item, c, zp in zip(inputs, configured, plans, strict=True)
-        ]
-        self._joint = JointStep(  # [Note: joint step]
-            domains,
-            world,
-            scaler=initial_state(scaler or ScalerConfig()) if mode == "dynamic" else None,
-            static_scale=mode if isinstance(mode, float) else 1.0,
-        )
+        groups, defaults = self.param_groups, self.defaults
+        self._joint = construction.joint_step(agreed, groups, defaults, world, options, scaler)
         self._initialized = True
-
-    @property
-    def _domains(self) -> tuple[Domain, ...]:
-        return self._joint.domains
 
     @property
     def _data(self) -> Domain:
@@ -280,7 +169,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def domains(self) -> tuple[Domain, ...]:
         """Its domains ([Note: expert domains]): only ``"data"`` unless param groups carry a process group."""
-        return self._domains
+        return self._joint.domains
 
     @property
     def process_groups(self) -> ProcessGroups:
@@ -414,12 +303,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ConfigError: the optimizer has expert groups: one report would leave
                 them out; use :meth:`memory_reports`.
         """
-        if len(self._domains) > 1:
-            raise ConfigError(
-                "memory_report() describes one plan, but this optimizer has expert groups (one plan per "
-                "domain); use memory_reports(), whose .rank(...) sums a rank's domains"
-            )
-        return self._data.memory_report(self._joint.clipped(clipping))
+        domain = self._joint.only_domain("memory_report()", _ONE_REPORT)
+        return domain.memory_report(self._joint.clipped(clipping))
 
     def memory_reports(self, *, clipping: bool | None = None) -> DomainsReport:
         """The planner's report of every domain ([Note: expert domains]); ``clipping``: see ``memory_report``.
@@ -439,7 +324,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def domain_positions(self) -> tuple[int, ...]:
         """This rank's position in each domain's process group (what ``memory_reports().rank`` takes)."""
-        return tuple(d.groups.rank for d in self._domains)
+        return tuple(d.groups.rank for d in self._joint.domains)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """Refused: a copy would share the process groups, the hooks and the flat buffers, and fail later.
@@ -447,11 +332,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Raises:
             ConfigError: always; copy the state instead.
         """
-        raise ConfigError(
-            "a ZeroOptimizer cannot be deep-copied: it holds process groups, hooks on the model's "
-            "parameters and the flat buffers they view. Copy its state instead (opt.state_dict(), or "
-            "zeroplan.facade.checkpoint) and build a new ZeroOptimizer over the copied model"
-        )
+        raise ConfigError(_NO_DEEPCOPY)
 
     def wait_for_params(self) -> None:
         """Complete the last step's parameter gathers (before reading parameters outside a forward)."""
@@ -496,13 +377,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 out; ``zeroplan.facade.checkpoint`` and ``state_dict()`` save
                 every domain (each domain's parts: ``opt.domains[d].shards(...)``).
         """
-        if len(self._domains) > 1:
-            raise ConfigError(
-                "consolidated state dicts hold one plan, but this optimizer has expert groups (one plan per "
-                "domain) and no rank holds every expert; save with zeroplan.facade.checkpoint.save(opt, "
-                "path) or opt.state_dict() on every rank"
-            )
-        return self._data.shards(self._joint.scaler)
+        return self._joint.only_domain("shards()", _ONE_PLAN).shards(self._joint.scaler)
 
     def plan_with_cohorts(self, cohorts: Iterable[int]) -> ZeroPlan:
         """This optimizer's plan with the parameters in other cohorts (pure: changes nothing)."""
@@ -516,12 +391,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         :meth:`consolidated_state_dict` or ``zeroplan.facade.checkpoint``. With
         expert groups it holds one sharded dict per domain (``"domains"``).
         """
-        if len(self._domains) == 1:
-            return sharded_state_dict(self.shards())
-        return {
-            "format": DOMAINS_FORMAT,
-            "domains": {d.name: sharded_state_dict(d.shards(self._joint.scaler)) for d in self._domains},
-        }
+        return domain_states.state_dict(self._joint)
 
     @torch.no_grad()
     def consolidated_state_dict(
@@ -551,58 +421,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ConfigError, IncompatiblePlanError: on every rank, if any rank's
                 dict is invalid or the ranks' dicts disagree.
         """
-        if len(self._domains) > 1:
-            loaded = self._read_domains(state_dict)
-            for domain, state in zip(self._domains, loaded, strict=True):
-                domain.restore(state)
-            self._restore_scaler(loaded[0])
-            return
-        sh = self.shards()
-        with self.gathered_params():  # a plain dict without masters reads the parameters' values
-            state = state_loading.agreed_state(
-                lambda: state_loading.read_state_dict(state_dict, sh, self.plan_with_cohorts),
-                sh,
-                what="state dict",
-            )
-        self.restore(state)
-
-    def _read_domains(self, state_dict: dict[str, Any]) -> list[LoadedState]:
-        """Every domain's validated state from a multi-domain dict; raises on every rank if any rank fails.
-
-        Every rank enters every domain's agreement (a dict this rank rejects
-        outright fails inside it), then one verdict over the world carries an
-        expert group's failure to the ranks outside it.
-        """
-        names = [d.name for d in self._domains]
-        held = sorted(state_dict.get("domains", {})) if isinstance(state_dict, dict) else None
-        rejected: ConfigError | None = None
-        if not (isinstance(state_dict, dict) and state_dict.get("format") == DOMAINS_FORMAT):
-            rejected = ConfigError(
-                "this optimizer has expert groups and loads only its own state_dict() (one sharded dict per "
-                f"domain, format {DOMAINS_FORMAT!r}); plain torch.optim dicts, single-domain sharded dicts "
-                "and consolidated dicts do not say which expert group their state belongs to"
-            )
-        elif held != sorted(names):
-            rejected = ConfigError(f"the state dict holds domains {held}, the optimizer {names}")
-
-        def read(domain: Domain, sh: Shards) -> LoadedState:
-            if rejected is not None:
-                raise rejected
-            return state_loading.read_state_dict(
-                state_dict["domains"][domain.name], sh, domain.plan_with_cohorts
-            )
-
-        loaded: list[LoadedState] = []
-        problem: Exception | None = None
-        for domain in self._domains:
-            sh = domain.shards(self._joint.scaler)
-            try:
-                what = f"state dict of domain {domain.name!r}"
-                loaded.append(state_loading.agreed_state(partial(read, domain, sh), sh, what=what))
-            except Exception as exc:  # raised on every rank of that domain; the others go on agreeing
-                problem = problem or exc
-        verdicts(problem, self._world, failed="rejected the state dict", error=ConfigError)
-        return loaded
+        domain_states.load_state_dict(self._joint, state_dict)
 
     @torch.no_grad()
     def restore(self, loaded: LoadedState) -> None:
@@ -611,13 +430,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Adopts the plan the state is laid out for (same parameters, other
         cohorts) first; every rank must call it with state of the same plan.
         """
-        self._data.restore(loaded)
-        self._restore_scaler(loaded)
-
-    def _restore_scaler(self, loaded: LoadedState) -> None:
-        scaler = self._joint.scaler
-        if loaded.scaler is not None and scaler is not None:
-            self._joint.scaler = ScalerState(config=scaler.config, **loaded.scaler)
+        self._joint.restore([loaded])
 
     # ------------------------------------------------------------ re-planning
     def refresh_trainable(self) -> None:
@@ -628,17 +441,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters trainable for the first time start fresh (their own ``step``
         counter). Collective: call on every rank.
         """
-        planned, problem = [], None
-        for domain in self._domains:  # every domain agrees over its group; nothing changes yet
-            try:
-                planned.append(domain.plan_refresh())
-            except Exception as exc:
-                problem = problem or exc
-        verdicts(
-            problem, self._world, failed="could not re-plan after requires_grad changed", error=ConfigError
-        )
-        for domain, (registry, zp) in zip(self._domains, planned, strict=True):
-            domain.adopt(registry, zp)
+        self._joint.refresh_trainable()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (collective: call on every rank with the same group).
@@ -650,78 +453,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._initialized:  # torch.optim.Optimizer.__init__ adds the first groups
             super().add_param_group(param_group)
             return
-        pg = param_group.get("process_group") if isinstance(param_group, dict) else None
-        if pg is not None and isinstance(pg, dist.ProcessGroup) and same_ranks(pg, self._world):
-            pg = None  # the world's ranks: the data-parallel domain, as at construction
-        target = self._world if pg is None else pg
-        index = next((i for i, d in enumerate(self._domains) if d.world is target), None)
-        unknown = None
-        if index is None:
-            unknown = ConfigError(
-                "add_param_group: its process_group is none of this optimizer's (the data-parallel group or "
-                "an expert group given at construction); pass every expert group when creating the optimizer"
-            )
-        routes = verdicts(unknown, self._world, failed="could not add the param group", facts=index)
-        if len(set(routes)) > 1:
-            raise ConfigError(
-                f"add_param_group: the ranks add the group to different domains ({routes}, by rank); give "
-                "every rank a group of the same domain (the data-parallel one, or each its expert group)"
-            )
-        domain = self._domains[routes[0]]
-        if isinstance(param_group, dict):
-            param_group = {k: v for k, v in param_group.items() if k != "process_group"}
-        planned, problem = None, None
-        try:  # agreed over the domain's group; one verdict over the world then reaches every rank
-            planned = domain.plan_group(param_group)
-        except Exception as exc:
-            problem = exc
-        verdicts(problem, self._world, failed="rejected the new param group", error=ConfigError)
-        assert planned is not None  # verdicts raised otherwise
-        registry, zp, group = planned
+        domain, (registry, zp, group) = self._joint.plan_group(param_group)
         new = registry.params[len(domain.registry.params) :]
         extra = {} if domain is self._data else {"process_group": domain.world}
         super().add_param_group({**group, **extra, "params": list(new)})
         domain.adopt_group(registry, zp, self.param_groups[-1])
 
 
-#: ``format`` of a multi-domain ``state_dict()`` (see [Note: expert domains]).
-DOMAINS_FORMAT = "zeroplan.domains/1"
-
-
-def _check_disjoint(inputs: list[DomainInput], configured: list[Configured]) -> None:
-    """Raise if a parameter is in two domains' groups."""
-    owner: dict[int, str] = {}
-    for item, c in zip(inputs, configured, strict=True):
-        for param, name in zip(c.registry.params, c.registry.names, strict=True):
-            if owner.setdefault(id(param), item.name) != item.name:
-                raise ConfigError(
-                    f"parameter {name!r} is in a group of domain {owner[id(param)]!r} and in one of "
-                    f"{item.name!r} (groups with another process_group); list each parameter once"
-                )
-
-
-def _agreed_expert_plans(
-    inputs: list[DomainInput], configured: list[Configured], plans: list[ZeroPlan], world: dist.ProcessGroup
-) -> list[ZeroPlan]:
-    """Every expert domain's plan once its group's ranks agreed; raises on every rank if any group failed.
-
-    Each expert group agrees over itself (its ranks hold the same experts);
-    one verdict over the world then carries any group's failure to all.
-    """
-    agreed: list[ZeroPlan] = []
-    problem: Exception | None = None
-    for d in range(1, len(inputs)):
-        try:
-            agreed.append(
-                replanning.agreed_plan(lambda d=d: (plans[d], configured[d].groups), inputs[d].group)
-            )
-        except Exception as exc:  # the other expert groups still agree, so no rank waits
-            ranks = dist.get_process_group_ranks(inputs[d].group)
-            where = (
-                f"domain {inputs[d].name!r} (param groups {list(inputs[d].positions)}, global ranks {ranks})"
-            )
-            if isinstance(exc, ZeroplanError):
-                exc = type(exc)(f"{where}: {exc} (ranks and group indices are the domain's own)")
-            problem = problem or exc
-    verdicts(problem, world, failed="(in an expert group) rejected the optimizer settings", error=ConfigError)
-    return agreed
+_ONE_REPORT = "one report would leave them out; use memory_reports(), whose .rank(...) sums a rank's domains"
+_ONE_PLAN = (
+    "consolidated state dicts hold one plan and no rank holds every expert; save with "
+    "zeroplan.facade.checkpoint.save(opt, path) or opt.state_dict() on every rank"
+)
+_NO_DEEPCOPY = (
+    "a ZeroOptimizer cannot be deep-copied: it holds process groups, hooks on the model's parameters "
+    "and the flat buffers they view. Copy its state instead (opt.state_dict(), or "
+    "zeroplan.facade.checkpoint) and build a new ZeroOptimizer over the copied model"
+)
