@@ -148,18 +148,19 @@ class SpaceBuffers(NamedTuple):
         else:
             write_pieces(self.master_copy, self._full(), self.space, self.shard_rank)
 
-    def keep_param_writes(self) -> int:
+    def keep_param_writes(self) -> None:
         """Take into the master what was written into the rank's pieces of bf16/fp16 parameters.
 
         Stages 1 and 2 (see [Note: parameter writes]): every element of the
         rank's pieces whose parameter no longer holds the cast of its master
         (``model.load_state_dict(...)``, an in-place edit) gets the parameter's
-        value as its master; the others keep their fp32 bits. Returns how many
-        elements were taken. Compared in chunks, as bits (a NaN equals itself).
+        value as its master; the others keep their fp32 bits. Compared in
+        chunks, as bits (a NaN equals itself), on the device: nothing is read
+        on the host ([Note: one host read] in ``joint``).
         """
         if not self.carries_master or self.shard is not None:
-            return 0
-        full, master, kept = self._full(), self.master_copy, 0
+            return
+        full, master = self._full(), self.master_copy
         bits = torch.int16  # bf16 and fp16 alike
         for piece in self.space.pieces_of(self.shard_rank):
             shift = piece.buffer_span.start - piece.shard_span.start
@@ -167,11 +168,7 @@ class SpaceBuffers(NamedTuple):
                 held = full[chunk.shift(shift).as_slice()]
                 values = master[chunk.as_slice()]
                 written = values.to(self.dtype).view(bits) != held.view(bits)
-                count = int(written.sum())
-                if count:
-                    values.copy_(torch.where(written, held.to(values.dtype), values))
-                    kept += count
-        return kept
+                values.copy_(torch.where(written, held.to(values.dtype), values))
 
     def load_shard(self) -> None:
         """Stage 3: copy the rank's pieces of every (gathered) block into its shard."""

@@ -86,6 +86,7 @@ __all__ = [
     "start_bucket_reduce",
     "start_replica_reduce",
     "start_space_gather",
+    "to_device",
 ]
 
 _REDUCE_TAG = 0x5A01
@@ -400,6 +401,19 @@ def all_reduce_world(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGrou
     size = value.element_size()
     log.record("world", Collective.ALL_REDUCE, [value.numel()] * world, groups.rank, size, link=link)
     _start(partial(dist.all_reduce, op=op, group=groups.world, async_op=True), value).finish()
+
+
+def to_device(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, without the host waiting for the device.
+
+    ``torch.tensor(values, device=cuda)`` copies from pageable memory, which waits for every kernel
+    queued before it; a pinned buffer and a non-blocking copy queue the copy instead (the caching host
+    allocator keeps the buffer until the copy ran). On the CPU it is the tensor itself.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> None:

@@ -47,7 +47,7 @@ from zeroplan.facade.accounting import MeasuredMemory
 from zeroplan.facade.agreement import verdicts
 from zeroplan.facade.collectives import CommLog, all_reduce
 from zeroplan.facade.domain import Domain, same_ranks
-from zeroplan.facade.lifecycle import Phase, StepContext, finish_norm, norm_op, norm_type_of
+from zeroplan.facade.lifecycle import VERDICT_LENGTH, Phase, StepContext, finish_norm, norm_op, norm_type_of
 from zeroplan.facade.registry import ParamRegistry
 from zeroplan.facade.state_loading import LoadedState
 
@@ -123,19 +123,39 @@ class JointStep:
             yield
 
     def reduce(self, call: str) -> None:
-        """Finish every domain's reduction, then agree on one overflow verdict (``call``: for errors)."""
+        """Finish every domain's reduction and settle the step's verdict with one host read.
+
+        [Note: one host read]
+        On a GPU every read of a device value on the host (``item()``, ``bool``)
+        waits for all the work queued before it: the whole backward. A step
+        reads once: every domain starts its reduction and its verdict (the step
+        agreement, its overflow flag) on the device, several domains join their
+        overflow flags over the world, and the verdicts of every domain travel
+        to the host together; then each domain settles (raises, or takes the
+        step). ``call`` names the public method for error messages.
+        """
         phases = [d.lifecycle.phase for d in self.domains]
         if all(p in (Phase.REDUCED, Phase.CLIPPED) for p in phases):
             return
         live = any(p is not Phase.IDLE for p in phases)  # a domain without gradients here reduces zeros
-        for domain in self.domains:
-            domain.lifecycle.reduce(domain.installed, self.context(domain), call, idle_ok=live)
-        if self.joint and self.data.installed.zp.loss_scaling:
-            found = any(d.lifecycle.found_inf for d in self.domains)
-            flag = torch.tensor([float(found)], device=self.data.installed.device)
-            self._all_reduce_joint(flag, dist.ReduceOp.MAX, self.data.lifecycle.log)
-            for domain in self.domains:
-                domain.lifecycle.agree_overflow(bool(flag.item() > 0))
+        started = [
+            d.lifecycle.start_reduce(d.installed, self.context(d), call, idle_ok=live) for d in self.domains
+        ]
+        parts = [v for v in started if v is not None]
+        joint = None
+        if self.joint and self.data.installed.zp.loss_scaling:  # one verdict for the whole model
+            joint = torch.stack([v[VERDICT_LENGTH - 1] for v in parts]).max().float().reshape(1)
+            self._all_reduce_joint(joint, dist.ReduceOp.MAX, self.data.lifecycle.log)
+            parts.append(joint.to(torch.int64))
+        read = torch.cat(parts).tolist() if parts else []  # the step's one host read
+        whole_model = read.pop() if joint is not None else None
+        for d, verdict in zip(self.domains, started, strict=True):
+            if verdict is None:
+                continue
+            mine, read = read[:VERDICT_LENGTH], read[VERDICT_LENGTH:]
+            if whole_model is not None:
+                mine[VERDICT_LENGTH - 1] = whole_model
+            d.lifecycle.settle(d.installed, self.context(d), call, mine)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
         """Clip every domain's gradients by the norm over all of them; return that norm."""

@@ -54,8 +54,14 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import CommCost, ConfigError, StepOrderError
-from zeroplan.facade.buffers import param_views, write_pieces
-from zeroplan.facade.collectives import CommLog, all_reduce_shard, all_reduce_world, start_space_gather
+from zeroplan.facade.buffers import SpaceBuffers, param_views, write_pieces
+from zeroplan.facade.collectives import (
+    CommLog,
+    all_reduce_shard,
+    all_reduce_world,
+    start_space_gather,
+    to_device,
+)
 from zeroplan.facade.inner import hyperparameter_digest, sync_hyperparameters
 from zeroplan.facade.installed import Installed
 
@@ -139,6 +145,7 @@ class StepLifecycle:
         self.found_inf = False
         self.clipped = False
         self.last = StepRecord()
+        self._local = _Local(None, None)
 
     # ------------------------------------------------------------ backward
     def admit_gradient(self, name: str) -> bool:
@@ -178,16 +185,29 @@ class StepLifecycle:
             self.accumulation = previous
 
     # ------------------------------------------------------------ reduce
-    def reduce(self, inst: Installed, ctx: StepContext, call: str, *, idle_ok: bool = False) -> None:
-        """Agree across ranks, finish the reduction, average and unscale (``-> REDUCED``).
+    def reduce(self, inst: Installed, ctx: StepContext, call: str) -> None:
+        """Finish the reduction and settle its verdict (:meth:`start_reduce`, one read, :meth:`settle`)."""
+        verdict = self.start_reduce(inst, ctx, call)
+        if verdict is not None:
+            self.settle(inst, ctx, call, verdict.tolist())
 
-        A no-op once reduced in this step; ``call`` names the public method for
-        error messages. ``idle_ok``: no gradient arrived here but the step has
-        some elsewhere (another domain of this rank, see [Note: expert
-        domains]): reduce zeros instead of refusing.
+    def start_reduce(
+        self, inst: Installed, ctx: StepContext, call: str, *, idle_ok: bool = False
+    ) -> torch.Tensor | None:
+        """Finish the reduction, average and unscale, and start the step's verdict, reading nothing.
+
+        Returns the verdict as a device tensor of ``VERDICT_LENGTH`` integers
+        (the step agreement, then this domain's overflow flag), to be read
+        once, with other domains' ([Note: one host read]), and handed to
+        :meth:`settle`; ``None`` once reduced in this step. ``call`` names the
+        public method for error messages. ``idle_ok``: no gradient arrived here
+        but the step has some elsewhere (another domain of this rank, see
+        [Note: expert domains]): reduce zeros instead of refusing. Nothing the
+        step changes (parameters, masters, optimizer state) is touched until
+        :meth:`settle`; a refused step keeps the averaged gradients for a retry.
         """
         if self.phase in (Phase.REDUCED, Phase.CLIPPED):
-            return
+            return None
         if self.phase is Phase.IDLE and inst.zp.partition.spaces and not idle_ok:
             raise StepOrderError(_NO_GRADIENT.format(call=call))
         if self.phase not in _REDUCIBLE:
@@ -197,26 +217,30 @@ class StepLifecycle:
             )
         inst.gather.finish_param_sync()  # the last step's gathers, if no forward waited for them all
         inst.sync.finish_grad_sync()
-        _agree_on_step(inst, ctx, call, self.log)
-        inst.gather.keep_param_writes()  # [Note: parameter writes]; only once every rank agreed
-        grads = []
-        for buf in inst.buffers:
-            shard = buf.grad_shard  # stage 1 with bf16/fp16 parameters: copied to fp32 for the step
-            cast = shard.dtype != buf.master_dtype
-            grad = shard.to(buf.master_dtype) if cast else shard
-            grad.div_(ctx.divisor)
-            grads.append(grad)
-        self.master_grads = grads
-        self.found_inf = False
+        flags, self._local = _start_agreement(inst, ctx, self.log)
+        if not self.master_grads:  # averaged once per step, kept if the verdict refuses the step
+            self.master_grads = [_averaged(buf, ctx.divisor) for buf in inst.buffers]
+        overflow = torch.zeros(1, dtype=torch.float32, device=inst.device)
         if inst.zp.loss_scaling:
-            flag = torch.zeros(1, dtype=torch.float32, device=inst.device)
-            for grad, buf in zip(grads, inst.buffers, strict=True):
-                if buf.extent and not bool(torch.isfinite(grad[: buf.extent].sum())):
-                    flag.fill_(1.0)
-            all_reduce_shard(flag, dist.ReduceOp.MAX, inst.groups, self.log)
-            self.found_inf = bool(flag.item() > 0)
+            for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
+                if buf.extent:
+                    overflow = torch.maximum(overflow, (~torch.isfinite(grad[: buf.extent].sum())).float())
+            all_reduce_shard(overflow, dist.ReduceOp.MAX, inst.groups, self.log)
+        return torch.cat([flags, overflow.to(torch.int64)])
+
+    def settle(self, inst: Installed, ctx: StepContext, call: str, verdict: Sequence[int]) -> None:
+        """Raise on every rank unless every rank agreed; else hand the gradients to the step (``-> REDUCED``).
+
+        ``verdict``: what :meth:`start_reduce` returned, read; its overflow flag
+        may be the whole model's (several domains, [Note: joint step]).
+        Parameters written since the last step are taken into the masters only
+        here, once every rank agreed ([Note: parameter writes]).
+        """
+        _check_agreement(ctx, call, self._local, verdict[: VERDICT_LENGTH - 1])
+        inst.gather.keep_param_writes()  # [Note: parameter writes]; only once every rank agreed
+        self.found_inf = verdict[VERDICT_LENGTH - 1] > 0
         for spec, tensor in zip(inst.inner.specs, inst.inner.tensors, strict=True):
-            tensor.grad = grads[spec.space][spec.shard_span.as_slice()].view(spec.shape)
+            tensor.grad = self.master_grads[spec.space][spec.shard_span.as_slice()].view(spec.shape)
         self.phase = Phase.REDUCED
 
     def shard_norm(self, inst: Installed, norm_type: float, log: CommLog) -> torch.Tensor:
@@ -263,10 +287,6 @@ class StepLifecycle:
         self.clipped = True
         self.phase = Phase.CLIPPED
 
-    def agree_overflow(self, found_inf: bool) -> None:
-        """Adopt the overflow verdict of the whole model (every domain, see [Note: expert domains])."""
-        self.found_inf = found_inf
-
     # ------------------------------------------------------------ step
     def step(self, inst: Installed, ctx: StepContext, **kwargs: Any) -> bool:
         """Reduce if needed, update the shard, publish it, end the step; ``False`` if skipped (overflow).
@@ -275,7 +295,8 @@ class StepLifecycle:
         optimizer writes into its param groups while stepping are copied back
         into the user's groups.
         """
-        self.reduce(inst, ctx, "step()")
+        if self.phase not in (Phase.REDUCED, Phase.CLIPPED):
+            raise StepOrderError(f"step() in phase {self.phase.value}: the step was not reduced")
         applied = not self.found_inf
         if applied:
             inner = inst.inner.optimizer
@@ -340,25 +361,46 @@ def finish_norm(combined: torch.Tensor, norm_type: float) -> torch.Tensor:
     return combined if norm_type == math.inf else combined ** (1.0 / norm_type)
 
 
-def _agree_on_step(inst: Installed, ctx: StepContext, call: str, log: CommLog) -> None:
-    """Every rank raises unless no rank's gradients or parameters went astray and all share settings.
+class _Local(NamedTuple):
+    """What this rank found before the step agreement: the index of a detached parameter and of a
+    gradient written back, or ``None`` (for the messages of the error it raises)."""
 
-    After the reduction finished, one all-reduce (MAX) of four integers over
-    the world: a detached-parameter flag, a written-back-gradient flag and the
+    detached: int | None
+    rewritten: int | None
+
+
+VERDICT_LENGTH = 5
+"""The step's verdict per domain: the agreement's four integers, then the overflow flag."""
+
+
+def _start_agreement(inst: Installed, ctx: StepContext, log: CommLog) -> tuple[torch.Tensor, _Local]:
+    """Start the step agreement: one all-reduce (MAX) of four integers over the world, not read here.
+
+    A detached-parameter flag, a written-back-gradient flag and the
     hyper-parameter digest, once negated, so that equal digests on every rank
     show as ``max == -max(-digest)``; planned and logged as a control call
-    ([Note: control calls] in ``zeroplan.core.comm``). Nothing the step
-    changes (parameters, masters, optimizer state) has been touched yet.
+    ([Note: control calls] in ``zeroplan.core.comm``). The integers travel to
+    the device without a host sync (``to_device``).
     """
-    detached = inst.detached(ctx.params)
-    rewritten = inst.sync.written_back()
+    local = _Local(inst.detached(ctx.params), inst.sync.written_back())
     digest = hyperparameter_digest(ctx.param_groups)
-    flags = torch.tensor(
-        [int(detached is not None), int(rewritten is not None), digest, -digest],
-        dtype=torch.int64,
-        device=inst.device,
-    )
+    values = [int(local.detached is not None), int(local.rewritten is not None), digest, -digest]
+    flags = to_device(values, torch.int64, inst.device)
     all_reduce_world(flags, dist.ReduceOp.MAX, inst.groups, log)
+    return flags, local
+
+
+def _averaged(buf: SpaceBuffers, divisor: float) -> torch.Tensor:
+    """The rank's reduced gradient shard of ``buf``, in the master dtype, divided by ``divisor``."""
+    shard = buf.grad_shard  # stage 1 with bf16/fp16 parameters: copied to fp32 for the step
+    grad = shard.to(buf.master_dtype) if shard.dtype != buf.master_dtype else shard
+    return grad.div_(divisor)
+
+
+def _check_agreement(ctx: StepContext, call: str, local: _Local, flags: Sequence[int]) -> None:
+    """Raise unless no rank's gradients or parameters went astray and all share settings (every rank
+    reads the same ``flags``, so every rank raises alike)."""
+    detached, rewritten = local
     if detached is not None:
         raise ConfigError(
             f"{call}: parameter {ctx.names[detached]!r} no longer shares storage with the optimizer's flat "
@@ -386,7 +428,7 @@ def _agree_on_step(inst: Installed, ctx: StepContext, call: str, log: CommLog) -
             f"{call}: another rank has a parameter detached from the optimizer's flat buffer or a gradient "
             "written back after the reduction; see the error on that rank"
         )
-    if int(flags[2]) != -int(flags[3]):
+    if flags[2] != -flags[3]:
         raise ConfigError(
             f"{call}: the ranks hold different hyper-parameters in param_groups (an edit such as "
             "param_groups[0]['lr'] = ... made on some ranks only, or a scheduler stepped on some ranks "

@@ -197,20 +197,18 @@ class ParamGather:
         """Note the parameters' versions once this optimizer's writes into them are done."""
         self._settled = self._versions()
 
-    def keep_param_writes(self) -> int:
+    def keep_param_writes(self) -> None:
         """Before a step: keep what was written into bf16/fp16 parameters since the last gather.
 
         See [Note: parameter writes]. Only spaces whose parameters were written
         since (a version counter moved: an in-place write through a parameter
-        bumps it) are compared with their masters. Returns the elements taken.
+        bumps it) are compared with their masters.
         """
         self.finish_param_sync()
-        kept = 0
         for buf, settled, now in zip(self._buffers, self._settled, self._versions(), strict=True):
             if now != settled:
-                kept += buf.keep_param_writes()
+                buf.keep_param_writes()
         self._settle()
-        return kept
 
     def start_param_sync(self, log: CommLog) -> None:
         """Publish this rank's updated shards and start every block's gather; finished unless overlapping."""

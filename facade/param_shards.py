@@ -329,12 +329,11 @@ class ShardedParams:
             if entry.state is BlockState.GATHERING:
                 self._ensure(key)
 
-    def keep_param_writes(self) -> int:
+    def keep_param_writes(self) -> None:
         """Nothing to keep: stage 3 keeps writes made inside ``gathered_params(writeback=True)`` only.
 
         See [Note: parameter writes]; between steps a stage-3 parameter holds no values of its own.
         """
-        return 0
 
     def forget(self) -> None:
         """Drop gathers in flight without waiting (the process group is gone)."""
