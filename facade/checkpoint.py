@@ -15,6 +15,9 @@
         experts-experts-00000.pt  # with expert groups: per expert domain and rank of the
         ...                       # world, that rank's shard of its expert group (below)
 
+Every name above, and the names of the tensors in the files, comes from
+``checkpoint_names`` (see [Note: checkpoint names]).
+
 Optimizer state is written as the leaves of [Note: state codec]: tensors go to
 the shard files under ``state/<leaf path>`` and the manifest records, per
 leaf, its dtype, the ranks whose file holds it and (``whole/`` and
@@ -88,11 +91,22 @@ from zeroplan.facade.checkpoint_load import domain_shards, load
 from zeroplan.facade.checkpoint_manifest import (
     EXPERTS_FORMAT,
     FORMAT,
-    expert_file,
     partition_document,
     seal,
 )
-from zeroplan.facade.checkpoint_root import PARTIAL, claim, cleanup, next_name, resolve
+from zeroplan.facade.checkpoint_names import (
+    FROZEN,
+    LATEST,
+    MANIFEST,
+    PARTIAL,
+    expert_file,
+    master_tensor,
+    param_tensor,
+    region_tensor,
+    shard_file,
+    state_tensor,
+)
+from zeroplan.facade.checkpoint_root import claim, cleanup, next_name, resolve
 from zeroplan.facade.checkpoint_root import point_latest as _point_latest  # crash tests patch it here
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import hyperparameters
@@ -124,7 +138,7 @@ def latest(path: str | Path) -> Path | None:
         CheckpointError: ``latest`` is damaged (see [Note: checkpoint root]).
     """
     root = Path(path)
-    if not (root / "latest").is_file() and not (root / "manifest.json").is_file():
+    if not (root / LATEST).is_file() and not (root / MANIFEST).is_file():
         return None
     return resolve(root)
 
@@ -177,11 +191,11 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
     try:
         if groups.replica_rank == 0:
             tensors, info["state"] = _shard_contents(sh, leaves)
-            shard_file = f"shard-{groups.shard_rank:05d}.pt"
-            info["files"][shard_file] = write_tensors(partial / shard_file, tensors)
+            mine = shard_file(groups.shard_rank)
+            info["files"][mine] = write_tensors(partial / mine, tensors)
         frozen = _frozen(sh)
         if groups.rank == 0 and frozen:
-            info["files"]["frozen.pt"] = write_tensors(partial / "frozen.pt", frozen)
+            info["files"][FROZEN] = write_tensors(partial / FROZEN, frozen)
         if experts:
             info["experts"] = {}
         for domain, esh, eleaves in zip(opt.domains[1:], experts, expert_leaves, strict=True):
@@ -200,7 +214,7 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
     if groups.rank == 0:
         try:
             names = [d.name for d in opt.domains[1:]]
-            write_json(partial / "manifest.json", seal(_manifest(sh, infos, encoded_extra, names)))
+            write_json(partial / MANIFEST, seal(_manifest(sh, infos, encoded_extra, names)))
             partial.rename(snapshot)
             _point_latest(root, name)
             cleanup(root, keep, name)
@@ -219,19 +233,20 @@ def _leaves(sh: Shards) -> dict[str, Any]:
 
 def _frozen(sh: Shards) -> dict[str, torch.Tensor]:
     """A domain's frozen parameters, whole, by name in the file."""
-    return {f"param/{s.index}": sh.params[s.index].detach() for s in sh.zp.specs if not s.trainable}
+    return {param_tensor(s.index): sh.params[s.index].detach() for s in sh.zp.specs if not s.trainable}
 
 
 def _shard_contents(sh: Shards, leaves: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A shard file's tensors (region, masters, tensor leaves) and the manifest's entries of its leaves."""
     shard_rank = sh.groups.shard_rank
-    tensors = {f"region/{b.space.dtype}": b.shard_values() for b in sh.buffers}
-    masters = {f"master/{b.space.dtype}": b.master_copy[: b.extent] for b in sh.buffers if b.carries_master}
-    tensors.update(masters)
+    tensors = {region_tensor(b.space.dtype): b.shard_values() for b in sh.buffers}
+    tensors.update(
+        {master_tensor(b.space.dtype): b.master_copy[: b.extent] for b in sh.buffers if b.carries_master}
+    )
     state: dict[str, Any] = {}
     for leaf_path, leaf in leaves.items():  # [Note: state codec]
         if torch.is_tensor(leaf):
-            tensors[f"state/{leaf_path}"] = leaf
+            tensors[state_tensor(leaf_path)] = leaf
             meta = tensor_meta(leaf)
             described: dict[str, Any] = {"dtype": meta.dtype, "ranks": [shard_rank]}
             if not leaf_path.startswith("flat/"):

@@ -30,9 +30,17 @@ from zeroplan.facade.checkpoint_manifest import (
     check_expert_group,
     check_frozen_file,
     check_shard_file,
-    expert_file,
     partition_from,
     read_manifest,
+)
+from zeroplan.facade.checkpoint_names import (
+    FROZEN,
+    expert_file,
+    master_tensor,
+    param_tensor,
+    region_tensor,
+    shard_file,
+    state_tensor,
 )
 from zeroplan.facade.checkpoint_root import resolve
 from zeroplan.facade.groups import ProcessGroups
@@ -128,11 +136,11 @@ def _saved_param(source: _Source, index: int, open_file: Callable[[str], TensorF
     spec = source.partition.specs[index]
     if not spec.trainable:
         return [
-            open_file(source.frozen_file).read(f"param/{index}", 0, spec.numel, verify=source.checker == 0)
+            open_file(source.frozen_file).read(param_tensor(index), 0, spec.numel, verify=source.checker == 0)
         ]
     return [
         open_file(source.file_of(f.rank)).read(
-            f"region/{spec.dtype}",
+            region_tensor(spec.dtype),
             f.shard_offset,
             f.shard_span.stop,
             verify=f.rank % source.readers == source.checker,
@@ -181,13 +189,9 @@ def _prepare(
             files[name] = TensorFile(snapshot / name, manifest["files"][name])
         return files[name]
 
-    missing = [
-        f"shard-{q:05d}.pt"
-        for q in range(saved.shard_size)
-        if f"shard-{q:05d}.pt" in manifest["files"] and not (snapshot / f"shard-{q:05d}.pt").is_file()
-    ]
-    listed = {f"shard-{q:05d}.pt" for q in range(saved.shard_size)}
-    missing += sorted(listed - set(manifest["files"]))
+    shard_files = [shard_file(q) for q in range(saved.shard_size)]
+    missing = [n for n in shard_files if n in manifest["files"] and not (snapshot / n).is_file()]
+    missing += sorted(set(shard_files) - set(manifest["files"]))
     if missing:
         raise CheckpointError(
             f"{str(snapshot)!r} is missing shard files of saved ranks: {', '.join(missing)}"
@@ -196,10 +200,10 @@ def _prepare(
     rank, world = sh.groups.rank, sh.groups.topology.world_size
     # Cross-check the files whose checksums this rank verifies against the manifest.
     for q in range(rank, saved.shard_size, world):
-        check_shard_file(open_file(f"shard-{q:05d}.pt"), q, saved, manifest)
-    if rank == 0 and "frozen.pt" in manifest["files"]:
-        check_frozen_file(open_file("frozen.pt"), saved)
-    source = _Source(manifest, saved, lambda q: f"shard-{q:05d}.pt", "frozen.pt", rank, world)
+        check_shard_file(open_file(shard_file(q)), q, saved, manifest)
+    if rank == 0 and FROZEN in manifest["files"]:
+        check_frozen_file(open_file(FROZEN), saved)
+    source = _Source(manifest, saved, shard_file, FROZEN, rank, world)
     scaler, digest = manifest["scaler"], manifest["digest"]
     loaded = _read(source, target, reshard, sh, open_file, scaler=scaler, digest=digest)
     states = [
@@ -237,9 +241,9 @@ def _read(
     for space in target.partition.spaces:
         mine = [c for c in copies if c.dtype == space.dtype]
         flat = [p for p in state if p.startswith(f"flat/{space.dtype}/")]
-        kinds = [(f"state/{p}", p, torch_dtype(state[p]["dtype"])) for p in flat]
+        kinds = [(state_tensor(p), p, torch_dtype(state[p]["dtype"])) for p in flat]
         if space.dtype in doc["separate_master"]:
-            kinds.insert(0, (f"master/{space.dtype}", "", torch.float32))
+            kinds.insert(0, (master_tensor(space.dtype), "", torch.float32))
         for name, leaf_path, dtype in kinds:
             out = torch.zeros(space.extent(shard_rank), dtype=dtype, device=device)  # padding stays zero
             for c in mine:
@@ -262,7 +266,7 @@ def _read(
                 if "value" in described:
                     leaves[leaf_path] = decode(described["value"])
                     continue
-                stored = open_file(source.file_of(described["ranks"][0])).tensor(f"state/{leaf_path}")
+                stored = open_file(source.file_of(described["ranks"][0])).tensor(state_tensor(leaf_path))
                 leaves[leaf_path] = stored.to(device, copy=True)
     for leaf_path in (p for p in state if p.startswith("scalars/")):
         leaves[leaf_path] = tree_clone(decode(state[leaf_path]["value"]), device)
@@ -276,7 +280,7 @@ def _read(
         if "value" in described:
             parked_leaves[leaf_path] = tree_clone(decode(described["value"]), device)
             continue
-        stored = open_file(source.file_of(described["ranks"][0])).tensor(f"state/{leaf_path}")
+        stored = open_file(source.file_of(described["ranks"][0])).tensor(state_tensor(leaf_path))
         parked_leaves[leaf_path] = stored.to(device, copy=True)
     shard_state = decode_state(leaves, target.partition.spaces)
     stateful = set(shard_state.scalars) | {

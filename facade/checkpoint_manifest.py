@@ -44,6 +44,16 @@ from zeroplan.core import (
     plan_from_assignment,
 )
 from zeroplan.facade.checkpoint_files import TensorFile, read_json
+from zeroplan.facade.checkpoint_names import (
+    FROZEN,
+    MANIFEST,
+    expert_file,
+    master_tensor,
+    param_tensor,
+    region_tensor,
+    shard_file,
+    state_tensor,
+)
 from zeroplan.facade.state_tree import TensorMeta, dtype_name, torch_dtype
 
 __all__ = [
@@ -53,7 +63,6 @@ __all__ = [
     "check_expert_group",
     "check_frozen_file",
     "check_shard_file",
-    "expert_file",
     "expert_files",
     "partition_document",
     "partition_from",
@@ -191,7 +200,7 @@ def read_manifest(snapshot: Path) -> dict[str, Any]:
     Raises:
         CheckpointError: missing, of another format, edited (digest) or malformed.
     """
-    path = snapshot / "manifest.json"
+    path = snapshot / MANIFEST
     document = read_json(path)
     found = document.get("format") if isinstance(document, dict) else None
     if found not in (FORMAT, EXPERTS_FORMAT):
@@ -255,16 +264,6 @@ def _check_experts(path: Path, experts: Any, world_size: int) -> None:
             raise malformed(f"splits ranks {ranks!r} into the groups of domain {name!r}, not 0..{world - 1}")
 
 
-def expert_file(domain: str, rank: int) -> str:
-    """The file of ``rank`` (in the saving world) in expert domain ``domain``.
-
-    Example:
-        >>> expert_file("experts", 3)
-        'experts-experts-00003.pt'
-    """
-    return f"experts-{domain}-{rank:05d}.pt"
-
-
 def expert_files(document: dict[str, Any]) -> set[str]:
     """Every expert file a (well formed) manifest implies: one per domain and rank of the saving world."""
     if "experts" not in document:
@@ -316,8 +315,8 @@ def check_against_partition(document: dict[str, Any], saved: PartitionPlan, snap
         CheckpointError: naming the field that disagrees.
     """
     _check_state_against(document, saved, repr(str(snapshot)))
-    files = {f"shard-{q:05d}.pt" for q in range(saved.shard_size)}
-    files |= {"frozen.pt"} if any(not s.trainable for s in saved.specs) else set()
+    files = {shard_file(q) for q in range(saved.shard_size)}
+    files |= {FROZEN} if any(not s.trainable for s in saved.specs) else set()
     files |= expert_files(document)
     if not files <= set(document["files"]):
         return  # which shard files are missing is reported when they are opened
@@ -396,14 +395,14 @@ def check_shard_file(
         CheckpointError: an unlisted, missing or mismatched tensor (named).
     """
     owned = {space.dtype: (space.extent(shard_rank),) for space in saved.spaces}
-    expected = {f"region/{dtype}": TensorMeta(shape, dtype) for dtype, shape in owned.items()}
+    expected = {region_tensor(dtype): TensorMeta(shape, dtype) for dtype, shape in owned.items()}
     for dtype in document["separate_master"]:
-        expected[f"master/{dtype}"] = TensorMeta(owned[dtype], master_dtype(dtype))
+        expected[master_tensor(dtype)] = TensorMeta(owned[dtype], master_dtype(dtype))
     for leaf, described in document["state"].items():
         if shard_rank in described.get("ranks", ()):
             kind, first = leaf.split("/", 2)[:2]
             shape = owned[first] if kind == "flat" else tuple(described["shape"])
-            expected[f"state/{leaf}"] = TensorMeta(shape, dtype_name(torch_dtype(described["dtype"])))
+            expected[state_tensor(leaf)] = TensorMeta(shape, dtype_name(torch_dtype(described["dtype"])))
     if frozen:
         expected.update(_frozen_metas(saved))
     _compare(file, expected)
@@ -415,4 +414,4 @@ def check_frozen_file(file: TensorFile, saved: PartitionPlan) -> None:
 
 
 def _frozen_metas(saved: PartitionPlan) -> dict[str, TensorMeta]:
-    return {f"param/{s.index}": TensorMeta(s.shape, s.dtype) for s in saved.specs if not s.trainable}
+    return {param_tensor(s.index): TensorMeta(s.shape, s.dtype) for s in saved.specs if not s.trainable}
