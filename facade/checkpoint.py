@@ -15,6 +15,9 @@
         experts-experts-00000.pt  # with expert groups: per expert domain and rank of the
         ...                       # world, that rank's shard of its expert group (below)
 
+Every name above, and the names of the tensors in the files, comes from
+``checkpoint_names`` (see [Note: checkpoint names]).
+
 Optimizer state is written as the leaves of [Note: state codec]: tensors go to
 the shard files under ``state/<leaf path>`` and the manifest records, per
 leaf, its dtype, the ranks whose file holds it and (``whole/`` and
@@ -70,9 +73,11 @@ resharding it would provide is the core's reshard plan here.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -80,19 +85,37 @@ import torch.distributed as dist
 from zeroplan.core import (
     CheckpointError,
     ConfigError,
+    Stage,
     ZeroplanError,
 )
 from zeroplan.facade.agreement import as_zeroplan_error, verdicts
 from zeroplan.facade.checkpoint_files import encode, write_json, write_tensors
 from zeroplan.facade.checkpoint_load import domain_shards, load
 from zeroplan.facade.checkpoint_manifest import (
-    EXPERTS_FORMAT,
     FORMAT,
-    expert_file,
-    partition_document,
-    seal,
+    Encoded,
+    ExpertDomain,
+    ExpertGroup,
+    ListedFile,
+    Manifest,
+    SavedShards,
+    StateLeaf,
+    TensorLeaf,
+    ValueLeaf,
 )
-from zeroplan.facade.checkpoint_root import PARTIAL, claim, cleanup, next_name, resolve
+from zeroplan.facade.checkpoint_names import (
+    FROZEN,
+    LATEST,
+    MANIFEST,
+    PARTIAL,
+    expert_file,
+    master_tensor,
+    param_tensor,
+    region_tensor,
+    shard_file,
+    state_tensor,
+)
+from zeroplan.facade.checkpoint_root import claim, cleanup, next_name, resolve
 from zeroplan.facade.checkpoint_root import point_latest as _point_latest  # crash tests patch it here
 from zeroplan.facade.groups import ProcessGroups
 from zeroplan.facade.inner import hyperparameters
@@ -105,6 +128,7 @@ from zeroplan.facade.state_tree import (
 )
 
 if TYPE_CHECKING:
+    from zeroplan.facade.domain import Domain
     from zeroplan.facade.optimizer import ZeroOptimizer
 
 __all__ = ["FORMAT", "latest", "load", "save"]
@@ -124,7 +148,7 @@ def latest(path: str | Path) -> Path | None:
         CheckpointError: ``latest`` is damaged (see [Note: checkpoint root]).
     """
     root = Path(path)
-    if not (root / "latest").is_file() and not (root / "manifest.json").is_file():
+    if not (root / LATEST).is_file() and not (root / MANIFEST).is_file():
         return None
     return resolve(root)
 
@@ -173,24 +197,16 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
     name: str = verdicts(problem, groups.world, failed=failed, facts=start, error=CheckpointError)[0]
     partial = root / (name + PARTIAL)
 
-    info: dict[str, Any] = {"files": {}, "state": {}}
+    written: _Written | None = None
     try:
-        if groups.replica_rank == 0:
-            tensors, info["state"] = _shard_contents(sh, leaves)
-            shard_file = f"shard-{groups.shard_rank:05d}.pt"
-            info["files"][shard_file] = write_tensors(partial / shard_file, tensors)
-        frozen = _frozen(sh)
-        if groups.rank == 0 and frozen:
-            info["files"]["frozen.pt"] = write_tensors(partial / "frozen.pt", frozen)
-        if experts:
-            info["experts"] = {}
-        for domain, esh, eleaves in zip(opt.domains[1:], experts, expert_leaves, strict=True):
-            info["experts"][domain.name] = _write_experts(partial, domain.name, esh, eleaves, groups, info)
+        written = _write(partial, sh, leaves, opt.domains[1:], experts, expert_leaves)
     except Exception as exc:  # any I/O failure must reach every rank, not hang them
         problem = as_zeroplan_error(exc, CheckpointError, f"cannot write into {str(partial)!r}")
     try:
         failed = "could not write its checkpoint file"
-        infos = verdicts(problem, groups.world, failed=failed, facts=info, error=CheckpointError)
+        infos: list[_Written] = verdicts(
+            problem, groups.world, failed=failed, facts=written, error=CheckpointError
+        )
     except ZeroplanError:
         if groups.rank == 0:  # our own partial: nothing references it
             shutil.rmtree(partial, ignore_errors=True)
@@ -200,7 +216,7 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
     if groups.rank == 0:
         try:
             names = [d.name for d in opt.domains[1:]]
-            write_json(partial / "manifest.json", seal(_manifest(sh, infos, encoded_extra, names)))
+            write_json(partial / MANIFEST, _manifest(sh, infos, encoded_extra, names).sealed())
             partial.rename(snapshot)
             _point_latest(root, name)
             cleanup(root, keep, name)
@@ -219,105 +235,162 @@ def _leaves(sh: Shards) -> dict[str, Any]:
 
 def _frozen(sh: Shards) -> dict[str, torch.Tensor]:
     """A domain's frozen parameters, whole, by name in the file."""
-    return {f"param/{s.index}": sh.params[s.index].detach() for s in sh.zp.specs if not s.trainable}
+    return {param_tensor(s.index): sh.params[s.index].detach() for s in sh.zp.specs if not s.trainable}
 
 
-def _shard_contents(sh: Shards, leaves: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+class _ExpertWritten(NamedTuple):
+    """What one rank wrote of an expert domain.
+
+    Attributes:
+        ranks: its expert group's ranks in the world, in group order.
+        state: the state leaves of its file.
+        group: group rank 0's: what the group saved, state aside; ``None`` on the others.
+    """
+
+    ranks: tuple[int, ...]
+    state: tuple[StateLeaf, ...]
+    group: SavedShards | None
+
+
+class _Written(NamedTuple):
+    """What one rank wrote into a snapshot, for rank 0's manifest.
+
+    Attributes:
+        files: the files it wrote, in order, with their sizes.
+        state: the state leaves of its shard file (none if it wrote none).
+        experts: by expert domain name, what it wrote of the domain.
+    """
+
+    files: tuple[ListedFile, ...]
+    state: tuple[StateLeaf, ...]
+    experts: dict[str, _ExpertWritten]
+
+
+def _write(
+    partial: Path,
+    sh: Shards,
+    leaves: dict[str, Any],
+    domains: Sequence[Domain],
+    experts: Sequence[Shards],
+    expert_leaves: Sequence[dict[str, Any]],
+) -> _Written:
+    """Write this rank's files into ``partial``: its shard file (replica rank 0), ``frozen.pt``
+    (rank 0) and its file of each expert domain; return what the manifest records of them."""
+    groups = sh.groups
+    files: list[ListedFile] = []
+    state: tuple[StateLeaf, ...] = ()
+    if groups.replica_rank == 0:
+        tensors, state = _shard_contents(sh, leaves)
+        files.append(_write_file(partial, shard_file(groups.shard_rank), tensors))
+    frozen = _frozen(sh)
+    if groups.rank == 0 and frozen:
+        files.append(_write_file(partial, FROZEN, frozen))
+    written: dict[str, _ExpertWritten] = {}
+    for domain, esh, eleaves in zip(domains, experts, expert_leaves, strict=True):
+        file, written[domain.name] = _write_experts(partial, domain.name, esh, eleaves, groups)
+        files.append(file)
+    return _Written(files=tuple(files), state=state, experts=written)
+
+
+def _write_file(partial: Path, name: str, tensors: dict[str, torch.Tensor]) -> ListedFile:
+    """Write file ``name`` of the snapshot (through ``write_tensors``, which crash tests patch here)."""
+    return ListedFile(name=name, size=write_tensors(partial / name, tensors))
+
+
+def _shard_contents(
+    sh: Shards, leaves: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], tuple[StateLeaf, ...]]:
     """A shard file's tensors (region, masters, tensor leaves) and the manifest's entries of its leaves."""
     shard_rank = sh.groups.shard_rank
-    tensors = {f"region/{b.space.dtype}": b.shard_values() for b in sh.buffers}
-    masters = {f"master/{b.space.dtype}": b.master_copy[: b.extent] for b in sh.buffers if b.carries_master}
-    tensors.update(masters)
-    state: dict[str, Any] = {}
+    tensors = {region_tensor(b.space.dtype): b.shard_values() for b in sh.buffers}
+    tensors.update(
+        {master_tensor(b.space.dtype): b.master_copy[: b.extent] for b in sh.buffers if b.carries_master}
+    )
+    state: list[StateLeaf] = []
     for leaf_path, leaf in leaves.items():  # [Note: state codec]
         if torch.is_tensor(leaf):
-            tensors[f"state/{leaf_path}"] = leaf
+            tensors[state_tensor(leaf_path)] = leaf
             meta = tensor_meta(leaf)
-            described: dict[str, Any] = {"dtype": meta.dtype, "ranks": [shard_rank]}
-            if not leaf_path.startswith("flat/"):
-                described["shape"] = list(meta.shape)
-            state[leaf_path] = described
+            shape = None if leaf_path.startswith("flat/") else tuple(meta.shape)
+            state.append(TensorLeaf(path=leaf_path, dtype=meta.dtype, ranks=(shard_rank,), shape=shape))
         else:
-            state[leaf_path] = {"value": encode(leaf)}
-    return tensors, state
+            state.append(ValueLeaf(path=leaf_path, value=encode(leaf)))
+    return tensors, tuple(state)
+
+
+def _saved_shards(sh: Shards, state: tuple[StateLeaf, ...]) -> SavedShards:
+    """What a domain's shard group saves besides the data: partition, masters, ``state``, hyper-parameters."""
+    return SavedShards(
+        partition=sh.zp.partition,
+        separate_master=tuple(b.space.dtype for b in sh.buffers if b.carries_master),
+        state=state,
+        param_groups=tuple(encode([hyperparameters(g) for g in sh.param_groups])),
+    )
 
 
 def _write_experts(
-    partial: Path, name: str, sh: Shards, leaves: dict[str, Any], world: ProcessGroups, info: dict[str, Any]
-) -> dict[str, Any]:
-    """Write this rank's file of expert domain ``name``; return what the manifest records of it.
+    partial: Path, name: str, sh: Shards, leaves: dict[str, Any], world: ProcessGroups
+) -> tuple[ListedFile, _ExpertWritten]:
+    """Write this rank's file of expert domain ``name``; return it and what the manifest records of it.
 
-    Group rank 0 adds the group's entry (partition, masters, hyper-parameters)
-    and its frozen parameters; every rank the entries of its state leaves.
+    Group rank 0 adds what its group saved (partition, masters,
+    hyper-parameters) and its frozen parameters; every rank its state leaves.
     """
     if sh.zp.topology.replica_size != 1:  # expert domains shard over their whole group
         raise CheckpointError(f"expert domain {name!r} has replica groups: its files would not be per rank")
-    ranks = [dist.get_group_rank(world.world, q) for q in dist.get_process_group_ranks(sh.groups.world)]
+    ranks = tuple(dist.get_group_rank(world.world, q) for q in dist.get_process_group_ranks(sh.groups.world))
     tensors, state = _shard_contents(sh, leaves)
-    mine: dict[str, Any] = {"ranks": ranks, "state": state}
+    group = None
     if sh.groups.rank == 0:
         tensors.update(_frozen(sh))
-        mine["group"] = {
-            "partition": partition_document(sh.zp.partition),
-            "separate_master": [b.space.dtype for b in sh.buffers if b.carries_master],
-            "param_groups": encode([hyperparameters(g) for g in sh.param_groups]),
-        }
-    file = expert_file(name, world.rank)
-    info["files"][file] = write_tensors(partial / file, tensors)
-    return mine
+        group = _saved_shards(sh, state=())
+    file = _write_file(partial, expert_file(name, world.rank), tensors)
+    return file, _ExpertWritten(ranks=ranks, state=state, group=group)
 
 
-def _merge_state(into: dict[str, dict[str, Any]], state: dict[str, dict[str, Any]]) -> None:
-    """Add one rank's state leaf entries; a tensor leaf several ranks hold lists all of them."""
-    for leaf_path, described in state.items():
-        known = into.setdefault(leaf_path, described)
-        if known is not described and "ranks" in described:
-            known["ranks"] = sorted({*known["ranks"], *described["ranks"]})
+def _merge_leaves(parts: Iterable[tuple[StateLeaf, ...]]) -> tuple[StateLeaf, ...]:
+    """The ranks' state leaves in the order first seen; a tensor leaf several ranks hold lists all of them."""
+    merged: dict[str, StateLeaf] = {}
+    for leaves in parts:
+        for leaf in leaves:
+            known = merged.setdefault(leaf.path, leaf)
+            if known is not leaf and isinstance(known, TensorLeaf) and isinstance(leaf, TensorLeaf):
+                merged[leaf.path] = dataclasses.replace(
+                    known, ranks=tuple(sorted({*known.ranks, *leaf.ranks}))
+                )
+    return tuple(merged.values())
 
 
-def _manifest(
-    sh: Shards, infos: list[dict[str, Any]], extra: Any, experts: list[str] | None = None
-) -> dict[str, Any]:
+def _manifest(sh: Shards, infos: list[_Written], extra: Encoded, experts: Sequence[str] = ()) -> Manifest:
     """The manifest: the plan, every rank's files and state leaves, hyper-parameters and ``extra``.
 
-    With expert domains (their names in ``experts``) it adds the ``experts``
-    section (see [Note: checkpoint layout]) and has format ``EXPERTS_FORMAT``.
+    With expert domains (their names in ``experts``) it has their entries
+    (see [Note: checkpoint layout]) and format ``EXPERTS_FORMAT``.
     """
     zp = sh.zp
-    files: dict[str, int] = {}
-    state: dict[str, dict[str, Any]] = {}
-    for info in infos:
-        files.update(info["files"])
-        _merge_state(state, info["state"])
-    document = {
-        "format": FORMAT,
-        "optimizer": sh.optimizer_name,
-        "elementwise": zp.elementwise,
-        "world_size": zp.topology.world_size,
-        "shard_size": zp.topology.shard_size,
-        "stage": int(zp.stage),
-        "partition": partition_document(zp.partition),
-        "separate_master": [b.space.dtype for b in sh.buffers if b.carries_master],
-        "state": state,
-        "param_groups": encode([hyperparameters(g) for g in sh.param_groups]),
-        "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
-        "files": files,
-        "extra": extra,
-    }
-    if experts:
-        document["format"] = EXPERTS_FORMAT
-        document["experts"] = {"world_size": len(infos), "domains": [_domain(n, infos) for n in experts]}
-    return document
+    return Manifest(
+        optimizer=sh.optimizer_name,
+        elementwise=zp.elementwise,
+        world_size=zp.topology.world_size,
+        shard_size=zp.topology.shard_size,
+        stage=Stage(zp.stage),
+        shards=_saved_shards(sh, _merge_leaves(w.state for w in infos)),
+        scaler=None if sh.scaler is None else sh.scaler.as_dict(),
+        files=tuple(file for w in infos for file in w.files),
+        extra=extra,
+        expert_domains=tuple(_domain(name, infos) for name in experts),
+    )
 
 
-def _domain(name: str, infos: list[dict[str, Any]]) -> dict[str, Any]:
-    """An expert domain's manifest entry: its groups, each with its partition and its ranks' state leaves."""
-    groups: dict[tuple[int, ...], dict[str, Any]] = {}
-    for info in infos:
-        mine = info["experts"][name]
-        if "group" in mine:
-            groups[tuple(mine["ranks"])] = {"ranks": mine["ranks"], **mine["group"], "state": {}}
-    for info in infos:
-        mine = info["experts"][name]
-        _merge_state(groups[tuple(mine["ranks"])]["state"], mine["state"])
-    return {"name": name, "groups": sorted(groups.values(), key=lambda g: g["ranks"])}
+def _domain(name: str, infos: list[_Written]) -> ExpertDomain:
+    """An expert domain's entry: its groups, each with what it saved and its ranks' state leaves."""
+    heads = {w.experts[name].ranks: w.experts[name].group for w in infos if w.experts[name].group is not None}
+    states: dict[tuple[int, ...], list[tuple[StateLeaf, ...]]] = {ranks: [] for ranks in heads}
+    for w in infos:
+        states[w.experts[name].ranks].append(w.experts[name].state)
+    groups = [
+        ExpertGroup(ranks=ranks, shards=dataclasses.replace(head, state=_merge_leaves(states[ranks])))
+        for ranks, head in heads.items()
+        if head is not None
+    ]
+    return ExpertDomain(name=name, groups=tuple(sorted(groups, key=lambda g: g.ranks)))

@@ -24,15 +24,29 @@ from zeroplan.core import (
     compare_specs,
     plan_reshard,
 )
-from zeroplan.facade.checkpoint_files import TensorFile, decode
-from zeroplan.facade.checkpoint_manifest import (
+from zeroplan.facade.checkpoint_checks import (
     check_against_partition,
     check_expert_group,
     check_frozen_file,
     check_shard_file,
-    expert_file,
-    partition_from,
+)
+from zeroplan.facade.checkpoint_files import TensorFile, decode
+from zeroplan.facade.checkpoint_manifest import (
+    ExpertGroup,
+    LeafKind,
+    Manifest,
+    SavedShards,
+    ValueLeaf,
     read_manifest,
+)
+from zeroplan.facade.checkpoint_names import (
+    FROZEN,
+    expert_file,
+    master_tensor,
+    param_tensor,
+    region_tensor,
+    shard_file,
+    state_tensor,
 )
 from zeroplan.facade.checkpoint_root import resolve
 from zeroplan.facade.groups import ProcessGroups
@@ -106,17 +120,14 @@ class _Source(NamedTuple):
     committing).
 
     Attributes:
-        doc: the manifest, or an expert group's entry (``separate_master``,
-            ``state``, ``param_groups``).
-        partition: the saved partition.
+        shards: what was saved: the data domain's, or an expert group's.
         file_of: the file of saved shard ``q``.
         frozen_file: the file holding the frozen parameters, whole.
         checker: this rank's position among the readers.
         readers: how many ranks read the domain.
     """
 
-    doc: dict[str, Any]
-    partition: PartitionPlan
+    shards: SavedShards
     file_of: Callable[[int], str]
     frozen_file: str
     checker: int
@@ -125,19 +136,19 @@ class _Source(NamedTuple):
 
 def _saved_param(source: _Source, index: int, open_file: Callable[[str], TensorFile]) -> list[torch.Tensor]:
     """Parameter ``index`` as saved, flat, in consecutive parts: its fragments, or its frozen copy."""
-    spec = source.partition.specs[index]
+    spec = source.shards.partition.specs[index]
     if not spec.trainable:
         return [
-            open_file(source.frozen_file).read(f"param/{index}", 0, spec.numel, verify=source.checker == 0)
+            open_file(source.frozen_file).read(param_tensor(index), 0, spec.numel, verify=source.checker == 0)
         ]
     return [
         open_file(source.file_of(f.rank)).read(
-            f"region/{spec.dtype}",
+            region_tensor(spec.dtype),
             f.shard_offset,
             f.shard_span.stop,
             verify=f.rank % source.readers == source.checker,
         )
-        for f in source.partition.fragments[index]
+        for f in source.shards.partition.fragments[index]
     ]
 
 
@@ -155,14 +166,14 @@ def _prepare(
     """
     snapshot = resolve(path)
     manifest = read_manifest(snapshot)  # [Note: manifest integrity]
-    if manifest["optimizer"] != sh.optimizer_name:
+    if manifest.optimizer != sh.optimizer_name:
         raise IncompatiblePlanError(
-            f"checkpoint of optimizer {manifest['optimizer']!r}, "
+            f"checkpoint of optimizer {manifest.optimizer!r}, "
             f"but this ZeroOptimizer wraps {sh.optimizer_name!r}"
         )
     expert_groups = _expert_groups(manifest, domains, sh.groups, snapshot)
-    saved = partition_from(manifest["partition"])
-    check_against_partition(manifest, saved, snapshot)
+    saved = manifest.shards.partition
+    check_against_partition(manifest, snapshot)
     compare_specs(saved, sh.zp.partition, allow_trainable_change=False)
     for spec_saved, spec_here in zip(saved.specs, sh.zp.specs, strict=True):
         if spec_saved.group != spec_here.group:
@@ -176,18 +187,15 @@ def _prepare(
 
     def open_file(name: str) -> TensorFile:
         if name not in files:
-            if name not in manifest["files"]:
+            size = manifest.size_of(name)
+            if size is None:
                 raise CheckpointError(f"{str(snapshot)!r}: the manifest lists no file {name!r}")
-            files[name] = TensorFile(snapshot / name, manifest["files"][name])
+            files[name] = TensorFile(snapshot / name, size)
         return files[name]
 
-    missing = [
-        f"shard-{q:05d}.pt"
-        for q in range(saved.shard_size)
-        if f"shard-{q:05d}.pt" in manifest["files"] and not (snapshot / f"shard-{q:05d}.pt").is_file()
-    ]
-    listed = {f"shard-{q:05d}.pt" for q in range(saved.shard_size)}
-    missing += sorted(listed - set(manifest["files"]))
+    shard_files = [shard_file(q) for q in range(saved.shard_size)]
+    missing = [n for n in shard_files if n in manifest.names and not (snapshot / n).is_file()]
+    missing += sorted(set(shard_files) - manifest.names)
     if missing:
         raise CheckpointError(
             f"{str(snapshot)!r} is missing shard files of saved ranks: {', '.join(missing)}"
@@ -196,17 +204,16 @@ def _prepare(
     rank, world = sh.groups.rank, sh.groups.topology.world_size
     # Cross-check the files whose checksums this rank verifies against the manifest.
     for q in range(rank, saved.shard_size, world):
-        check_shard_file(open_file(f"shard-{q:05d}.pt"), q, saved, manifest)
-    if rank == 0 and "frozen.pt" in manifest["files"]:
-        check_frozen_file(open_file("frozen.pt"), saved)
-    source = _Source(manifest, saved, lambda q: f"shard-{q:05d}.pt", "frozen.pt", rank, world)
-    scaler, digest = manifest["scaler"], manifest["digest"]
-    loaded = _read(source, target, reshard, sh, open_file, scaler=scaler, digest=digest)
+        check_shard_file(open_file(shard_file(q)), q, manifest.shards)
+    if rank == 0 and FROZEN in manifest.names:
+        check_frozen_file(open_file(FROZEN), saved)
+    source = _Source(manifest.shards, shard_file, FROZEN, rank, world)
+    loaded = _read(source, target, reshard, sh, open_file, scaler=manifest.scaler, digest=manifest.digest)
     states = [
         _read_experts(domain, esh, group, snapshot, open_file, manifest)
         for domain, esh, group in zip(domains, experts, expert_groups, strict=True)
     ]
-    return loaded, decode(manifest["extra"]), states
+    return loaded, decode(manifest.extra), states
 
 
 def _read(
@@ -217,10 +224,10 @@ def _read(
     open_file: Callable[[str], TensorFile],
     *,
     scaler: dict[str, Any] | None,
-    digest: str,
+    digest: str | None,
 ) -> LoadedState:
     """One domain's parameters and this rank's state in ``target``'s layout, read through ``reshard``."""
-    saved, doc = source.partition, source.doc
+    saved, shards = source.shards.partition, source.shards
     params = [_saved_param(source, spec.index, open_file) for spec in saved.specs]
     for i, (parts, p) in enumerate(zip(params, sh.params, strict=True)):
         if any(part.dtype != p.dtype for part in parts):
@@ -231,15 +238,14 @@ def _read(
     shard_rank = sh.groups.shard_rank
     copies = reshard.reads(shard_rank)
     device = sh.device
-    state: dict[str, dict[str, Any]] = doc["state"]
     masters: dict[str, torch.Tensor] = {}
     leaves: dict[str, Any] = {}
     for space in target.partition.spaces:
         mine = [c for c in copies if c.dtype == space.dtype]
-        flat = [p for p in state if p.startswith(f"flat/{space.dtype}/")]
-        kinds = [(f"state/{p}", p, torch_dtype(state[p]["dtype"])) for p in flat]
-        if space.dtype in doc["separate_master"]:
-            kinds.insert(0, (f"master/{space.dtype}", "", torch.float32))
+        flat = shards.flat_leaves(space.dtype)
+        kinds = [(state_tensor(leaf.path), leaf.path, torch_dtype(leaf.dtype)) for leaf in flat]
+        if space.dtype in shards.separate_master:
+            kinds.insert(0, (master_tensor(space.dtype), "", torch.float32))
         for name, leaf_path, dtype in kinds:
             out = torch.zeros(space.extent(shard_rank), dtype=dtype, device=device)  # padding stays zero
             for c in mine:
@@ -257,27 +263,26 @@ def _read(
                 masters[space.dtype] = out
     if not target.elementwise:
         for t in target.inner_tensors(shard_rank):
-            for leaf_path in (p for p in state if p.startswith(f"whole/{t.param}/")):
-                described = state[leaf_path]
-                if "value" in described:
-                    leaves[leaf_path] = decode(described["value"])
+            for leaf in shards.leaves_of(LeafKind.WHOLE, t.param):
+                if isinstance(leaf, ValueLeaf):
+                    leaves[leaf.path] = decode(leaf.value)
                     continue
-                stored = open_file(source.file_of(described["ranks"][0])).tensor(f"state/{leaf_path}")
-                leaves[leaf_path] = stored.to(device, copy=True)
-    for leaf_path in (p for p in state if p.startswith("scalars/")):
-        leaves[leaf_path] = tree_clone(decode(state[leaf_path]["value"]), device)
+                stored = open_file(source.file_of(leaf.ranks[0])).tensor(state_tensor(leaf.path))
+                leaves[leaf.path] = stored.to(device, copy=True)
+    for leaf in shards.leaves_of(LeafKind.SCALARS):
+        if isinstance(leaf, ValueLeaf):  # always: scalar state is never a tensor leaf
+            leaves[leaf.path] = tree_clone(decode(leaf.value), device)
     # Parked state of frozen parameters: each parameter's, whole, on shard rank ``index % shard size``
     # (see [Note: parked state]); it is exchanged when the parameter is unfrozen.
     parked_leaves: dict[str, Any] = {}
-    for leaf_path, described in state.items():
-        kind, param = [*leaf_path.split("/", 2), ""][:2]
-        if kind != "parked" or int(param) % target.topology.shard_size != shard_rank:
+    for leaf in shards.leaves_of(LeafKind.PARKED):
+        if int(leaf.owner) % target.topology.shard_size != shard_rank:
             continue
-        if "value" in described:
-            parked_leaves[leaf_path] = tree_clone(decode(described["value"]), device)
+        if isinstance(leaf, ValueLeaf):
+            parked_leaves[leaf.path] = tree_clone(decode(leaf.value), device)
             continue
-        stored = open_file(source.file_of(described["ranks"][0])).tensor(f"state/{leaf_path}")
-        parked_leaves[leaf_path] = stored.to(device, copy=True)
+        stored = open_file(source.file_of(leaf.ranks[0])).tensor(state_tensor(leaf.path))
+        parked_leaves[leaf.path] = stored.to(device, copy=True)
     shard_state = decode_state(leaves, target.partition.spaces)
     stateful = set(shard_state.scalars) | {
         (target.specs[p].group, target.specs[p].cohort) for p in shard_state.whole
@@ -287,7 +292,7 @@ def _read(
         state=shard_state,
         stateful=stateful,
         masters=masters,
-        param_groups=decode(doc["param_groups"]),
+        param_groups=decode(list(shards.param_groups)),
         scaler=scaler,
         param_values=params,
         parked=decode_parked(parked_leaves),
@@ -297,8 +302,8 @@ def _read(
 
 # --------------------------------------------------------------------------- load: expert domains
 def _expert_groups(
-    manifest: dict[str, Any], domains: Sequence[Domain], world: ProcessGroups, snapshot: Path
-) -> list[dict[str, Any]]:
+    manifest: Manifest, domains: Sequence[Domain], world: ProcessGroups, snapshot: Path
+) -> list[ExpertGroup]:
     """This rank's group entry of each expert domain ([Note: checkpoint layout]); reads no data file.
 
     Raises:
@@ -306,23 +311,21 @@ def _expert_groups(
             no expert groups, or the reverse, or other domains, another world
             size or other expert groups.
     """
-    saved = manifest.get("experts")
-    if saved is None and not domains:
+    saved = manifest.expert_domains
+    if not saved and not domains:
         return []
     where, names = repr(str(snapshot)), [d.name for d in domains]
-    if saved is None:
+    if not saved:
         raise CheckpointError(
             f"{where} holds no expert state (the optimizer that saved it had no expert param groups), but "
             f"this optimizer has expert domains {names}: nothing says which experts a rank holds. Load it "
             "into an optimizer without expert groups, or load a checkpoint saved with these expert groups"
         )
-    saved_names = [d["name"] for d in saved["domains"]]
-    sizes = " or ".join(
-        str(n) for n in sorted({len(g["ranks"]) for d in saved["domains"] for g in d["groups"]})
-    )
+    saved_names = [d.name for d in saved]
+    sizes = " or ".join(str(n) for n in sorted({len(g.ranks) for d in saved for g in d.groups}))
     if not domains:
         raise CheckpointError(
-            f"{where} holds expert state (domains {saved_names}, saved at world size {saved['world_size']} "
+            f"{where} holds expert state (domains {saved_names}, saved at world size {manifest.world_size} "
             f"with expert groups of {sizes} ranks), but this optimizer has no expert param groups: build it "
             "as the job that saved it did, each expert param group with its 'process_group'"
         )
@@ -331,21 +334,21 @@ def _expert_groups(
             f"{where} holds expert domains {saved_names}, this optimizer has {names}: build it with the same "
             "expert param groups (a 'process_group' each) as the job that saved it"
         )
-    if saved["world_size"] != world.topology.world_size:
+    if manifest.world_size != world.topology.world_size:
         raise CheckpointError(
-            f"{where} holds expert state saved at world size {saved['world_size']}, this job runs at world "
+            f"{where} holds expert state saved at world size {manifest.world_size}, this job runs at world "
             f"size {world.topology.world_size}: a rank's experts load only at the world size and with the "
-            f"expert groups they were saved with; resume at world size {saved['world_size']} (checkpoints "
+            f"expert groups they were saved with; resume at world size {manifest.world_size} (checkpoints "
             "without expert groups load at any world size)"
         )
     entries = []
-    for domain, saved_domain in zip(domains, saved["domains"], strict=True):
+    for domain, saved_domain in zip(domains, saved, strict=True):
         here = [dist.get_group_rank(world.world, q) for q in dist.get_process_group_ranks(domain.world)]
-        mine = next(g for g in saved_domain["groups"] if world.rank in g["ranks"])
-        if mine["ranks"] != here:
+        mine = saved_domain.group_of(world.rank)
+        if list(mine.ranks) != here:
             raise CheckpointError(
                 f"{where}: expert domain {domain.name!r} was saved with expert groups "
-                f"{[g['ranks'] for g in saved_domain['groups']]} (ranks of the world), but rank {world.rank} "
+                f"{[list(g.ranks) for g in saved_domain.groups]} (ranks of the world), but rank {world.rank} "
                 f"is in expert group {here} here: a rank's experts load only with the expert groups they "
                 "were saved with; create the expert groups (each param group's 'process_group') as the job "
                 "that saved it did"
@@ -357,10 +360,10 @@ def _expert_groups(
 def _read_experts(
     domain: Domain,
     sh: Shards,
-    group: dict[str, Any],
+    group: ExpertGroup,
     snapshot: Path,
     open_file: Callable[[str], TensorFile],
-    manifest: dict[str, Any],
+    manifest: Manifest,
 ) -> LoadedState:
     """This rank's state of expert domain ``domain``, saved by its group in ``group``'s files.
 
@@ -369,7 +372,8 @@ def _read_experts(
     parameters in it) and reads its peers' regions for the parameters.
     """
     where = f"{str(snapshot)!r}, expert domain {domain.name!r}"
-    saved = check_expert_group(group, snapshot, domain.name)
+    check_expert_group(group, snapshot, domain.name)
+    saved = group.shards.partition
     try:
         compare_specs(saved, sh.zp.partition, allow_trainable_change=False)
     except IncompatiblePlanError as exc:
@@ -383,19 +387,19 @@ def _read_experts(
             f"optimizer's ({_describe(target.partition)}): expert state loads only into the partition it was "
             "saved with; build the optimizer with the same param groups, strategy, alignment and layout"
         )
-    names = [expert_file(domain.name, q) for q in group["ranks"]]
-    missing = [n for n in names if n not in manifest["files"] or not (snapshot / n).is_file()]
+    names = [expert_file(domain.name, q) for q in group.ranks]
+    missing = [n for n in names if n not in manifest.names or not (snapshot / n).is_file()]
     if missing:
         raise CheckpointError(
             f"{str(snapshot)!r} is missing expert files of domain {domain.name!r}, which the ranks of expert "
-            f"group {group['ranks']} read: {', '.join(missing)}; restore them from a copy or load another "
+            f"group {list(group.ranks)} read: {', '.join(missing)}; restore them from a copy or load another "
             "snapshot"
         )
     me = sh.groups.rank  # an expert domain shards over its whole group: its shard rank
-    check_shard_file(open_file(names[me]), me, saved, group, frozen=me == 0)
-    source = _Source(group, saved, names.__getitem__, names[0], me, len(names))
+    check_shard_file(open_file(names[me]), me, group.shards, frozen=me == 0)
+    source = _Source(group.shards, names.__getitem__, names[0], me, len(names))
     reshard = plan_reshard(saved, target.partition)  # the identity: each rank reads its own shard
-    loaded = _read(source, target, reshard, sh, open_file, scaler=None, digest=manifest["digest"])
+    loaded = _read(source, target, reshard, sh, open_file, scaler=None, digest=manifest.digest)
     if len(loaded.param_groups) != len(sh.param_groups):
         raise CheckpointError(
             f"{where}: {len(loaded.param_groups)} param groups saved, {len(sh.param_groups)} here: build the "

@@ -1,4 +1,4 @@
-"""A snapshot's manifest: written sealed, read only if intact and consistent with its data files.
+"""A snapshot's manifest as a typed value: written sealed, read only if intact and well formed.
 
 [Note: manifest integrity]
 The manifest is the one file a shard checksum does not cover, and it carries
@@ -9,21 +9,35 @@ exist. So it is checked three ways before anything is read from the data:
 1. *Sealed*: ``digest`` is the sha256 of the rest of the document in
    canonical JSON (:func:`seal`); an edited or damaged manifest fails it.
 2. *Well formed*: every field has its type, every state leaf its kind's form
-   (:func:`read_manifest`), and ``separate_master`` and the file list are
-   what the saved partition implies (:func:`check_against_partition`).
+   and every partition its fingerprint (:func:`read_manifest`), and
+   ``separate_master``, the state leaves and the file list are what the saved
+   partition implies (:func:`~zeroplan.facade.checkpoint_checks.check_against_partition`).
 3. *Cross-checked*: each shard file holds exactly the tensors the manifest
    lists for it, with the listed dtypes and the shapes the partition implies
-   (:func:`check_shard_file`, :func:`check_frozen_file`). Each rank checks the
-   files whose checksums it verifies (shard ``q``: rank ``q % world``), and
-   all ranks agree before committing, so every file is checked once.
+   (``check_shard_file``, ``check_frozen_file`` in ``checkpoint_checks``). Each
+   rank checks the files whose checksums it verifies (shard ``q``: rank
+   ``q % world``), and all ranks agree before committing, so every file is
+   checked once.
 
 A manifest rewritten and sealed again by a tool passes 1 and 2; 3 still
 catches anything it says about the data (dtypes, keys, shapes, masters).
 
 A snapshot of an optimizer with expert groups has format :data:`EXPERTS_FORMAT`
 and an ``experts`` section (see [Note: checkpoint layout]); each expert group's
-entry is checked the same three ways (:func:`check_expert_group`, and
-:func:`check_shard_file` on each expert file by the rank that wrote it).
+entry is checked the same three ways (``check_expert_group``, and
+``check_shard_file`` on each expert file by the rank that wrote it).
+
+[Note: typed manifest]
+This module is the only one that reads or writes the manifest's JSON.
+:func:`read_manifest` checks 1 and the form of 2 on the document and parses
+it once into a :class:`Manifest` (partitions rebuilt into ``PartitionPlan``);
+the loader and the checks read its attributes. The writer builds a
+``Manifest`` and writes :meth:`Manifest.sealed`. The order of the keys in
+:meth:`Manifest.document` is part of the format: the digest does not depend on
+it (canonical JSON), but the manifest's bytes do, and a manifest saved twice
+from the same state must be the same file. Opaque payloads (hyper-parameters,
+plain state values, ``extra``, the scaler) stay in their encoded JSON form
+(:func:`~zeroplan.facade.checkpoint_files.encode`); their readers decode them.
 """
 
 from __future__ import annotations
@@ -31,8 +45,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from zeroplan.core import (
     CheckpointError,
@@ -40,23 +56,28 @@ from zeroplan.core import (
     ParamSpec,
     PartitionPlan,
     Span,
-    master_dtype,
+    Stage,
     plan_from_assignment,
 )
-from zeroplan.facade.checkpoint_files import TensorFile, read_json
-from zeroplan.facade.state_tree import TensorMeta, dtype_name, torch_dtype
+from zeroplan.core.errors import require
+from zeroplan.facade.checkpoint_files import read_json
+from zeroplan.facade.checkpoint_names import MANIFEST
+from zeroplan.facade.state_tree import torch_dtype
 
 __all__ = [
     "EXPERTS_FORMAT",
     "FORMAT",
-    "check_against_partition",
-    "check_expert_group",
-    "check_frozen_file",
-    "check_shard_file",
-    "expert_file",
-    "expert_files",
-    "partition_document",
-    "partition_from",
+    "MISMATCH",
+    "Encoded",
+    "ExpertDomain",
+    "ExpertGroup",
+    "LeafKind",
+    "ListedFile",
+    "Manifest",
+    "SavedShards",
+    "StateLeaf",
+    "TensorLeaf",
+    "ValueLeaf",
     "read_manifest",
     "seal",
 ]
@@ -64,6 +85,11 @@ __all__ = [
 FORMAT = "zeroplan.checkpoint/v3"
 #: The format of a snapshot with expert files: v3 plus ``experts`` (older readers refuse it by name).
 EXPERTS_FORMAT = "zeroplan.checkpoint/v3+experts"
+#: How an error about a manifest that contradicts itself or its data ends.
+MISMATCH = "the manifest does not match its data files; restore the snapshot from a copy or load another one"
+
+#: Plain JSON data as ``checkpoint_files.encode`` makes it (hyper-parameters, state values, ``extra``).
+Encoded: TypeAlias = Any
 
 #: Top-level fields of a manifest and their JSON types.
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -91,9 +117,276 @@ _GROUP_FIELDS: dict[str, tuple[type, ...]] = {
     "param_groups": (list,),
 }
 _DOMAIN_NAME = re.compile(r"[a-z][a-z0-9_]*")
-_MISMATCH = "the manifest does not match its data files; restore the snapshot from a copy or load another one"
 
 
+# --------------------------------------------------------------------------- the typed manifest
+class LeafKind(str, Enum):
+    """The kind of a state leaf: the first part of its path (see [Note: state codec])."""
+
+    FLAT = "flat"
+    SCALARS = "scalars"
+    WHOLE = "whole"
+    PARKED = "parked"
+
+
+_KINDS = {kind.value for kind in LeafKind}
+
+
+def _kind_and_owner(path: str) -> tuple[str, str]:
+    """The first two parts of a leaf path (the second is ``""`` if there is none)."""
+    kind, owner = [*path.split("/", 2), ""][:2]
+    return kind, owner
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Leaf:
+    """A state leaf's path and what it tells (see [Note: state codec])."""
+
+    path: str
+
+    def __post_init__(self) -> None:
+        require(_kind_and_owner(self.path)[0] in _KINDS, f"state leaf {self.path!r} is of no known kind")
+
+    @property
+    def kind(self) -> LeafKind:
+        """The kind of state the leaf holds."""
+        return LeafKind(_kind_and_owner(self.path)[0])
+
+    @property
+    def owner(self) -> str:
+        """The second part of the path: a dtype (flat), a param group (scalars) or a parameter index."""
+        return _kind_and_owner(self.path)[1]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorLeaf(_Leaf):
+    """A state leaf saved as tensor ``state/<path>`` in the shard files of ``ranks``.
+
+    Attributes:
+        dtype: the tensor's dtype name.
+        ranks: the shard ranks whose files hold it.
+        shape: its shape for ``whole/`` and ``parked/`` leaves; ``None`` for
+            ``flat/`` ones, whose shape is their shard's extent.
+    """
+
+    dtype: str
+    ranks: tuple[int, ...]
+    shape: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _Leaf.__post_init__(self)
+        require(bool(self.ranks), f"state leaf {self.path!r} lies in no shard file")
+        require(self.kind is not LeafKind.SCALARS, f"state leaf {self.path!r} must be a plain value")
+        flat = self.kind is LeafKind.FLAT
+        require((self.shape is None) == flat, f"state leaf {self.path!r} has a shape iff it is not flat")
+
+    def document(self) -> dict[str, Any]:
+        """The leaf's entry in the manifest's ``state``."""
+        shape = {} if self.shape is None else {"shape": list(self.shape)}
+        return {"dtype": self.dtype, "ranks": list(self.ranks), **shape}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValueLeaf(_Leaf):
+    """A state leaf saved in the manifest itself: a plain value (a cohort's ``step``), encoded.
+
+    Attributes:
+        value: the value, encoded (never of a ``flat/`` leaf).
+    """
+
+    value: Encoded
+
+    def __post_init__(self) -> None:
+        _Leaf.__post_init__(self)
+        require(self.kind is not LeafKind.FLAT, f"state leaf {self.path!r} cannot be a plain value")
+
+    def document(self) -> dict[str, Any]:
+        """The leaf's entry in the manifest's ``state``."""
+        return {"value": self.value}
+
+
+#: A leaf of saved optimizer state: a tensor in shard files or a value in the manifest.
+StateLeaf: TypeAlias = TensorLeaf | ValueLeaf
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedShards:
+    """What a domain's shard group saved: the data domain's, or one expert group's.
+
+    Attributes:
+        partition: the saved partition (its fingerprint checked).
+        separate_master: the dtypes whose fp32 masters the shard files hold.
+        state: the state leaves, in the order they are written.
+        param_groups: the hyper-parameters of each param group, encoded.
+    """
+
+    partition: PartitionPlan
+    separate_master: tuple[str, ...]
+    state: tuple[StateLeaf, ...]
+    param_groups: tuple[Encoded, ...]
+
+    def __post_init__(self) -> None:
+        paths = [leaf.path for leaf in self.state]
+        require(len(set(paths)) == len(paths), f"state leaves listed twice in {paths}")
+
+    def leaves_of(self, kind: LeafKind, owner: str | int | None = None) -> list[StateLeaf]:
+        """The leaves of ``kind`` (and ``owner``: a dtype, param group or parameter index), in order."""
+        prefix = f"{kind.value}/" if owner is None else f"{kind.value}/{owner}/"
+        return [leaf for leaf in self.state if leaf.path.startswith(prefix)]
+
+    def flat_leaves(self, dtype: str) -> list[TensorLeaf]:
+        """The per-element leaves of dtype space ``dtype``, in order."""
+        return [leaf for leaf in self.leaves_of(LeafKind.FLAT, dtype) if isinstance(leaf, TensorLeaf)]
+
+    def leaves_in(self, shard_rank: int) -> list[TensorLeaf]:
+        """The tensor leaves shard ``shard_rank``'s file holds, in order."""
+        return [leaf for leaf in self.state if isinstance(leaf, TensorLeaf) and shard_rank in leaf.ranks]
+
+    def fields(self) -> dict[str, Any]:
+        """As JSON data, in the order of an expert group's entry (the manifest's top level has its own)."""
+        return {
+            "partition": _partition_document(self.partition),
+            "separate_master": list(self.separate_master),
+            "param_groups": list(self.param_groups),
+            "state": {leaf.path: leaf.document() for leaf in self.state},
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertGroup:
+    """An expert group's entry: its ranks and what it saved (group rank ``q`` wrote shard ``q``).
+
+    Attributes:
+        ranks: the group's ranks in the saving world, in group order.
+        shards: what the group saved, sharded over all its ranks.
+    """
+
+    ranks: tuple[int, ...]
+    shards: SavedShards
+
+    def document(self) -> dict[str, Any]:
+        """The group's entry in its domain's ``groups``."""
+        return {"ranks": list(self.ranks), **self.shards.fields()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertDomain:
+    """An expert domain's entry (see [Note: checkpoint layout]): its groups split the saving world.
+
+    Attributes:
+        name: the domain's name.
+        groups: its expert groups, by increasing ranks.
+    """
+
+    name: str
+    groups: tuple[ExpertGroup, ...]
+
+    def __post_init__(self) -> None:
+        require(_DOMAIN_NAME.fullmatch(self.name) is not None, f"expert domain name {self.name!r}")
+        require(bool(self.groups), f"expert domain {self.name!r} has no groups")
+
+    def group_of(self, rank: int) -> ExpertGroup:
+        """The group that world rank ``rank`` belongs to.
+
+        Raises:
+            PlanInvariantError: no group holds ``rank``.
+        """
+        found = [group for group in self.groups if rank in group.ranks]
+        require(bool(found), f"no expert group of domain {self.name!r} holds rank {rank}")
+        return found[0]
+
+    def document(self) -> dict[str, Any]:
+        """The domain's entry in the ``experts`` section."""
+        return {"name": self.name, "groups": [group.document() for group in self.groups]}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListedFile:
+    """A data file of the snapshot and its size in bytes (a shorter file is truncated)."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """A snapshot's manifest (see [Note: typed manifest]).
+
+    Attributes:
+        optimizer: the inner optimizer's class name.
+        elementwise: whether the saving plan was elementwise.
+        world_size: ranks of the saving world.
+        shard_size: ranks of the saving shard group (data domain).
+        stage: the saving stage.
+        shards: what the data domain saved.
+        scaler: the dynamic loss scaler's fields, or ``None``.
+        files: the data files, in the order they are listed.
+        extra: the caller's ``extra``, encoded.
+        expert_domains: each expert domain's entry; none without expert groups.
+        digest: the digest the manifest was read with; ``None`` for one not written yet.
+        names: the names of ``files`` (derived).
+    """
+
+    optimizer: str
+    elementwise: bool
+    world_size: int
+    shard_size: int
+    stage: Stage
+    shards: SavedShards
+    scaler: dict[str, Encoded] | None
+    files: tuple[ListedFile, ...]
+    extra: Encoded
+    expert_domains: tuple[ExpertDomain, ...] = ()
+    digest: str | None = None
+    names: frozenset[str] = field(init=False, repr=False, compare=False)
+    _sizes: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sizes = {file.name: file.size for file in self.files}
+        object.__setattr__(self, "_sizes", sizes)
+        object.__setattr__(self, "names", frozenset(sizes))
+        require(len(sizes) == len(self.files), "the manifest lists a file twice")
+        names = [domain.name for domain in self.expert_domains]
+        require(len(set(names)) == len(names), f"expert domains named twice in {names}")
+
+    @property
+    def format(self) -> str:
+        """:data:`EXPERTS_FORMAT` with expert domains, else :data:`FORMAT`."""
+        return EXPERTS_FORMAT if self.expert_domains else FORMAT
+
+    def size_of(self, name: str) -> int | None:
+        """The listed size of data file ``name``; ``None`` if the manifest does not list it."""
+        return self._sizes.get(name)
+
+    def document(self) -> dict[str, Any]:
+        """The manifest as JSON data, without its digest, in the order it is written."""
+        shards = self.shards.fields()
+        document = {
+            "format": self.format,
+            "optimizer": self.optimizer,
+            "elementwise": self.elementwise,
+            "world_size": self.world_size,
+            "shard_size": self.shard_size,
+            "stage": int(self.stage),
+            "partition": shards["partition"],
+            "separate_master": shards["separate_master"],
+            "state": shards["state"],
+            "param_groups": shards["param_groups"],
+            "scaler": self.scaler,
+            "files": {file.name: file.size for file in self.files},
+            "extra": self.extra,
+        }
+        if self.expert_domains:
+            domains = [domain.document() for domain in self.expert_domains]
+            document["experts"] = {"world_size": self.world_size, "domains": domains}
+        return document
+
+    def sealed(self) -> dict[str, Any]:
+        """:meth:`document` with its digest: what is written (see [Note: manifest integrity])."""
+        return seal(self.document())
+
+
+# --------------------------------------------------------------------------- JSON
 def _digest(document: dict[str, Any]) -> str:
     body = {k: v for k, v in document.items() if k != "digest"}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
@@ -111,7 +404,7 @@ def seal(document: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in document.items() if k != "digest"}, "digest": _digest(document)}
 
 
-def partition_document(partition: PartitionPlan) -> dict[str, Any]:
+def _partition_document(partition: PartitionPlan) -> dict[str, Any]:
     """The saved partition as plain data (specs and fragments, and its fingerprint)."""
     return {
         "strategy": partition.strategy,
@@ -134,8 +427,8 @@ def partition_document(partition: PartitionPlan) -> dict[str, Any]:
     }
 
 
-def partition_from(document: dict[str, Any]) -> PartitionPlan:
-    """Inverse of :func:`partition_document`, checked against the fingerprint.
+def _partition_from(document: dict[str, Any]) -> PartitionPlan:
+    """Inverse of :func:`_partition_document`, checked against the fingerprint.
 
     Raises:
         CheckpointError: the rebuilt partition does not match its fingerprint.
@@ -185,13 +478,14 @@ def partition_from(document: dict[str, Any]) -> PartitionPlan:
     return partition
 
 
-def read_manifest(snapshot: Path) -> dict[str, Any]:
+def read_manifest(snapshot: Path) -> Manifest:
     """The manifest of ``snapshot``, sealed and well formed (see [Note: manifest integrity]).
 
     Raises:
-        CheckpointError: missing, of another format, edited (digest) or malformed.
+        CheckpointError: missing, of another format, edited (digest), malformed,
+            or with a partition that does not match its fingerprint.
     """
-    path = snapshot / "manifest.json"
+    path = snapshot / MANIFEST
     document = read_json(path)
     found = document.get("format") if isinstance(document, dict) else None
     if found not in (FORMAT, EXPERTS_FORMAT):
@@ -212,80 +506,60 @@ def read_manifest(snapshot: Path) -> dict[str, Any]:
                 "copy or load another one"
             )
         if not isinstance(document[key], types) or (int in types and isinstance(document[key], bool)):
-            raise CheckpointError(f"{str(path)!r}: {key!r} is a {type(document[key]).__name__}: {_MISMATCH}")
-    for leaf, described in document["state"].items():
-        _check_leaf(path, leaf, described, document["shard_size"])
+            raise CheckpointError(f"{str(path)!r}: {key!r} is a {type(document[key]).__name__}: {MISMATCH}")
+    state = tuple(_leaf_from(path, *entry, document["shard_size"]) for entry in document["state"].items())
     if (found == EXPERTS_FORMAT) != ("experts" in document):
         raise CheckpointError(
             f"{str(path)!r} is of format {found!r} but {'lacks' if found == EXPERTS_FORMAT else 'has'} an "
-            f"'experts' section: {_MISMATCH}"
+            f"'experts' section: {MISMATCH}"
         )
-    if found == EXPERTS_FORMAT:
-        _check_experts(path, document["experts"], document["world_size"])
-    return document
+    domains = (
+        _experts_from(path, document["experts"], document["world_size"]) if found == EXPERTS_FORMAT else ()
+    )
+    if document["stage"] not in {int(stage) for stage in Stage}:
+        raise CheckpointError(
+            f"{str(path)!r}: 'stage' is {document['stage']!r}, which is no stage: {MISMATCH}"
+        )
+    for name, size in document["files"].items():
+        if type(size) is not int:
+            raise CheckpointError(f"{str(path)!r}: file {name!r} has size {size!r}: {MISMATCH}")
+    return Manifest(
+        optimizer=document["optimizer"],
+        elementwise=document["elementwise"],
+        world_size=document["world_size"],
+        shard_size=document["shard_size"],
+        stage=Stage(document["stage"]),
+        shards=_shards_from(document, state),
+        scaler=document["scaler"],
+        files=tuple(ListedFile(name=name, size=size) for name, size in document["files"].items()),
+        extra=document["extra"],
+        expert_domains=domains,
+        digest=document["digest"],
+    )
 
 
-def _check_experts(path: Path, experts: Any, world_size: int) -> None:
-    """The ``experts`` section has its form: every domain's groups split the saving world's ranks."""
-
-    def malformed(what: str) -> CheckpointError:
-        return CheckpointError(f"{str(path)!r}: the 'experts' section {what}: {_MISMATCH}")
-
-    if not (isinstance(experts, dict) and isinstance(experts.get("domains"), list) and experts["domains"]):
-        raise malformed("lists no domains")
-    world = experts.get("world_size")
-    if world != world_size or type(world) is not int:
-        raise malformed(f"has world_size {world!r}")
-    names = [d.get("name") if isinstance(d, dict) else None for d in experts["domains"]]
-    named = all(isinstance(n, str) and _DOMAIN_NAME.fullmatch(n) for n in names)
-    if not named or len(set(names)) < len(names):
-        raise malformed(f"names domains {names!r}")
-    for name, domain in zip(names, experts["domains"], strict=True):
-        groups = domain.get("groups")
-        if not (isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)):
-            raise malformed(f"lists no groups of domain {name!r}")
-        for group in groups:
-            for key, types in _GROUP_FIELDS.items():
-                if not isinstance(group.get(key), types):
-                    raise malformed(f"gives domain {name!r} a group without a valid {key!r}")
-            for leaf, described in group["state"].items():
-                _check_leaf(path, leaf, described, len(group["ranks"]))
-        ranks = [q for g in groups for q in g["ranks"]]
-        if not all(type(q) is int for q in ranks) or sorted(ranks) != list(range(world)):
-            raise malformed(f"splits ranks {ranks!r} into the groups of domain {name!r}, not 0..{world - 1}")
+def _shards_from(document: dict[str, Any], state: tuple[StateLeaf, ...]) -> SavedShards:
+    """What a well-formed manifest or expert group entry says its shard group saved."""
+    return SavedShards(
+        partition=_partition_from(document["partition"]),
+        separate_master=tuple(document["separate_master"]),
+        state=state,
+        param_groups=tuple(document["param_groups"]),
+    )
 
 
-def expert_file(domain: str, rank: int) -> str:
-    """The file of ``rank`` (in the saving world) in expert domain ``domain``.
+def _leaf_from(path: Path, leaf: str, described: Any, shard_size: int) -> StateLeaf:
+    """A state leaf's entry, checked for its kind's form (see [Note: checkpoint layout]).
 
-    Example:
-        >>> expert_file("experts", 3)
-        'experts-experts-00003.pt'
+    Keys its kind does not use are ignored, as they always were.
     """
-    return f"experts-{domain}-{rank:05d}.pt"
-
-
-def expert_files(document: dict[str, Any]) -> set[str]:
-    """Every expert file a (well formed) manifest implies: one per domain and rank of the saving world."""
-    if "experts" not in document:
-        return set()
-    return {
-        expert_file(domain["name"], q)
-        for domain in document["experts"]["domains"]
-        for group in domain["groups"]
-        for q in group["ranks"]
-    }
-
-
-def _check_leaf(path: Path, leaf: str, described: Any, shard_size: int) -> None:
-    """A state leaf's description has its kind's form (see [Note: checkpoint layout])."""
-    kind = leaf.split("/", 1)[0]
+    kind = _kind_and_owner(leaf)[0]
     problem = None
-    if not isinstance(described, dict) or kind not in ("flat", "scalars", "whole", "parked"):
+    if not isinstance(described, dict) or kind not in _KINDS:
         problem = "is no state leaf"
     elif "value" in described:
-        problem = "must be a tensor" if kind == "flat" else None
-    elif kind == "scalars":
+        problem = "must be a tensor" if kind == LeafKind.FLAT else None
+    elif kind == LeafKind.SCALARS:
         problem = "must be a value"
     elif not isinstance(described.get("dtype"), str):
         problem = "has no dtype"
@@ -295,7 +569,7 @@ def _check_leaf(path: Path, leaf: str, described: Any, shard_size: int) -> None:
         and all(type(q) is int and 0 <= q < shard_size for q in described["ranks"])
     ):
         problem = f"has ranks {described.get('ranks')!r}, not shard ranks of 0..{shard_size - 1}"
-    elif kind in ("whole", "parked") and not (
+    elif kind in (LeafKind.WHOLE, LeafKind.PARKED) and not (
         isinstance(described.get("shape"), list)
         and all(type(n) is int and n >= 0 for n in described["shape"])
     ):
@@ -306,113 +580,45 @@ def _check_leaf(path: Path, leaf: str, described: Any, shard_size: int) -> None:
         except ValueError:
             problem = f"has dtype {described['dtype']!r}"
     if problem is not None:
-        raise CheckpointError(f"{str(path)!r}: state leaf {leaf!r} {problem}: {_MISMATCH}")
+        raise CheckpointError(f"{str(path)!r}: state leaf {leaf!r} {problem}: {MISMATCH}")
+    if "value" in described:
+        return ValueLeaf(path=leaf, value=described["value"])
+    shape = None if kind == LeafKind.FLAT else tuple(described["shape"])
+    return TensorLeaf(path=leaf, dtype=described["dtype"], ranks=tuple(described["ranks"]), shape=shape)
 
 
-def check_against_partition(document: dict[str, Any], saved: PartitionPlan, snapshot: Path) -> None:
-    """``separate_master``, state leaves and the file list agree with the saved partition.
+def _experts_from(path: Path, experts: Any, world_size: int) -> tuple[ExpertDomain, ...]:
+    """The ``experts`` section, checked for its form: every domain's groups split the saving world's ranks."""
 
-    Raises:
-        CheckpointError: naming the field that disagrees.
-    """
-    _check_state_against(document, saved, repr(str(snapshot)))
-    files = {f"shard-{q:05d}.pt" for q in range(saved.shard_size)}
-    files |= {"frozen.pt"} if any(not s.trainable for s in saved.specs) else set()
-    files |= expert_files(document)
-    if not files <= set(document["files"]):
-        return  # which shard files are missing is reported when they are opened
-    if set(document["files"]) != files or not all(type(n) is int for n in document["files"].values()):
-        raise CheckpointError(
-            f"{str(snapshot)!r}: the manifest lists files {sorted(document['files'])}, the partition "
-            f"implies {sorted(files)}: {_MISMATCH}"
-        )
+    def malformed(what: str) -> CheckpointError:
+        return CheckpointError(f"{str(path)!r}: the 'experts' section {what}: {MISMATCH}")
 
-
-def _check_state_against(document: dict[str, Any], saved: PartitionPlan, where: str) -> None:
-    """``separate_master`` and the state leaves of a domain's entry agree with its saved partition."""
-    dtypes = [space.dtype for space in saved.spaces]
-    masters = sorted(d for d in dtypes if master_dtype(d) != d)
-    if sorted(document["separate_master"]) != masters:
-        raise CheckpointError(
-            f"{where}: the manifest's separate_master is {document['separate_master']!r}, but "
-            f"the saved partition has fp32 masters for {masters!r}: {_MISMATCH}"
-        )
-    for leaf in document["state"]:
-        kind, first, _ = [*leaf.split("/", 2), "", ""][:3]
-        known = first in dtypes if kind == "flat" else first.isdigit() and int(first) < len(saved.specs)
-        if kind == "parked" and known and saved.specs[int(first)].trainable:
-            known = False  # parked state belongs to frozen parameters only
-        if kind != "scalars" and not known:
-            raise CheckpointError(f"{where}: state leaf {leaf!r} names no saved {kind} space or parameter")
-
-
-def check_expert_group(group: dict[str, Any], snapshot: Path, domain: str) -> PartitionPlan:
-    """The saved partition of an expert group's entry, checked against the entry.
-
-    An expert domain is sharded over its whole group: group rank ``q`` wrote
-    shard ``q`` into the file of world rank ``group["ranks"][q]``.
-
-    Raises:
-        CheckpointError: a partition that does not match its fingerprint or
-            group size, or masters and state leaves it does not imply.
-    """
-    where = f"{str(snapshot)!r}, expert domain {domain!r}, group {group['ranks']}"
-    saved = partition_from(group["partition"])
-    if saved.shard_size != len(group["ranks"]):
-        raise CheckpointError(
-            f"{where}: the partition has {saved.shard_size} shards, the group {len(group['ranks'])} ranks: "
-            f"{_MISMATCH}"
-        )
-    _check_state_against(group, saved, where)
-    return saved
-
-
-def _compare(file: TensorFile, expected: dict[str, TensorMeta]) -> None:
-    found = {name: file.meta(name) for name in file.names()}
-    for name in sorted(found.keys() - expected.keys()):
-        raise CheckpointError(
-            f"{str(file.path)!r} holds {name!r}, which the manifest does not list: {_MISMATCH}"
-        )
-    for name in sorted(expected.keys() - found.keys()):
-        raise CheckpointError(f"{str(file.path)!r} lacks {name!r}, which the manifest lists: {_MISMATCH}")
-    for name, meta in expected.items():
-        here = found[name]
-        if here != meta:
-            raise CheckpointError(
-                f"{str(file.path)!r}: {name!r} is {here.dtype} of shape {here.shape} in the file, the "
-                f"manifest says {meta.dtype} of shape {meta.shape}: {_MISMATCH}"
+    if not (isinstance(experts, dict) and isinstance(experts.get("domains"), list) and experts["domains"]):
+        raise malformed("lists no domains")
+    world = experts.get("world_size")
+    if world != world_size or type(world) is not int:
+        raise malformed(f"has world_size {world!r}")
+    names = [d.get("name") if isinstance(d, dict) else None for d in experts["domains"]]
+    named = all(isinstance(n, str) and _DOMAIN_NAME.fullmatch(n) for n in names)
+    if not named or len(set(names)) < len(names):
+        raise malformed(f"names domains {names!r}")
+    domains = []
+    for name, domain in zip(names, experts["domains"], strict=True):
+        groups = domain.get("groups")
+        if not (isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups)):
+            raise malformed(f"lists no groups of domain {name!r}")
+        states = []
+        for group in groups:
+            for key, types in _GROUP_FIELDS.items():
+                if not isinstance(group.get(key), types):
+                    raise malformed(f"gives domain {name!r} a group without a valid {key!r}")
+            states.append(
+                tuple(_leaf_from(path, *entry, len(group["ranks"])) for entry in group["state"].items())
             )
-
-
-def check_shard_file(
-    file: TensorFile, shard_rank: int, saved: PartitionPlan, document: dict[str, Any], *, frozen: bool = False
-) -> None:
-    """Shard file ``shard_rank`` holds exactly what the manifest says, in dtypes and shapes.
-
-    ``document`` is the manifest, or an expert group's entry; ``frozen``: the
-    file also holds the frozen parameters, whole (an expert group's first file).
-
-    Raises:
-        CheckpointError: an unlisted, missing or mismatched tensor (named).
-    """
-    owned = {space.dtype: (space.extent(shard_rank),) for space in saved.spaces}
-    expected = {f"region/{dtype}": TensorMeta(shape, dtype) for dtype, shape in owned.items()}
-    for dtype in document["separate_master"]:
-        expected[f"master/{dtype}"] = TensorMeta(owned[dtype], master_dtype(dtype))
-    for leaf, described in document["state"].items():
-        if shard_rank in described.get("ranks", ()):
-            kind, first = leaf.split("/", 2)[:2]
-            shape = owned[first] if kind == "flat" else tuple(described["shape"])
-            expected[f"state/{leaf}"] = TensorMeta(shape, dtype_name(torch_dtype(described["dtype"])))
-    if frozen:
-        expected.update(_frozen_metas(saved))
-    _compare(file, expected)
-
-
-def check_frozen_file(file: TensorFile, saved: PartitionPlan) -> None:
-    """``frozen.pt`` holds each frozen parameter, whole, in its saved dtype and shape."""
-    _compare(file, _frozen_metas(saved))
-
-
-def _frozen_metas(saved: PartitionPlan) -> dict[str, TensorMeta]:
-    return {f"param/{s.index}": TensorMeta(s.shape, s.dtype) for s in saved.specs if not s.trainable}
+        ranks = [q for g in groups for q in g["ranks"]]
+        if not all(type(q) is int for q in ranks) or sorted(ranks) != list(range(world)):
+            raise malformed(f"splits ranks {ranks!r} into the groups of domain {name!r}, not 0..{world - 1}")
+        entries = zip(groups, states, strict=True)
+        saved = (ExpertGroup(ranks=tuple(g["ranks"]), shards=_shards_from(g, state)) for g, state in entries)
+        domains.append(ExpertDomain(name=name, groups=tuple(saved)))
+    return tuple(domains)

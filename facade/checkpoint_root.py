@@ -38,21 +38,25 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from zeroplan.core import CheckpointError
+from zeroplan.facade.checkpoint_names import (
+    LATEST,
+    LOCK,
+    MANIFEST,
+    PARTIAL,
+    partial_number,
+    snapshot_name,
+    snapshot_number,
+)
 
-__all__ = ["LOCK", "PARTIAL", "claim", "cleanup", "next_name", "point_latest", "resolve"]
-
-LOCK = "writer.lock"
-PARTIAL = ".partial"
-_NAME = re.compile(r"snapshot-(\d+)")
-_PARTIAL_NAME = re.compile(r"snapshot-(\d+)\.partial")
+__all__ = ["claim", "cleanup", "next_name", "point_latest", "resolve"]
 
 #: This process, as written in the lock's record.
 _ME = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
@@ -67,33 +71,22 @@ _ANOTHER_WRITER = (
 )
 
 
-def snapshot_number(name: str) -> int | None:
-    """The number of a committed snapshot's directory name, ``None`` for any other name.
-
-    Example:
-        >>> snapshot_number("snapshot-00000012"), snapshot_number("snapshot-backup")
-        (12, None)
-    """
-    match = _NAME.fullmatch(name)
-    return None if match is None else int(match.group(1))
-
-
-def _numbered(root: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
-    """Directories of ``root`` whose names match ``pattern``, by increasing number."""
+def _numbered(root: Path, number_of: Callable[[str], int | None]) -> list[tuple[int, Path]]:
+    """Directories of ``root`` whose names ``number_of`` numbers, by increasing number."""
     if not root.is_dir():
         return []
     found = []
     for path in root.iterdir():
-        match = pattern.fullmatch(path.name)
-        if match is not None and path.is_dir():
-            found.append((int(match.group(1)), path))
+        number = number_of(path.name)
+        if number is not None and path.is_dir():
+            found.append((number, path))
     return sorted(found)
 
 
 def next_name(root: Path) -> str:
     """The name of the next snapshot: one more than any committed or partial number in ``root``."""
-    used = [n for n, _ in _numbered(root, _NAME) + _numbered(root, _PARTIAL_NAME)]
-    return f"snapshot-{max(used, default=0) + 1:08d}"
+    used = [n for n, _ in _numbered(root, snapshot_number) + _numbered(root, partial_number)]
+    return snapshot_name(max(used, default=0) + 1)
 
 
 def resolve(path: Path) -> Path:
@@ -105,7 +98,7 @@ def resolve(path: Path) -> Path:
     """
     if path.name.endswith(PARTIAL):
         raise CheckpointError(f"{str(path)!r} is an interrupted save, not a checkpoint")
-    pointer = path / "latest"
+    pointer = path / LATEST
     if pointer.is_file():
         name = pointer.read_text().strip()
         if snapshot_number(name) is None:
@@ -123,19 +116,19 @@ def resolve(path: Path) -> Path:
                 "own directory; copy the snapshot in instead of linking it"
             )
         return snapshot
-    if (path / "manifest.json").is_file():
+    if (path / MANIFEST).is_file():
         return path
     raise CheckpointError(f"no zeroplan checkpoint at {str(path)!r} (no 'latest' and no manifest.json)")
 
 
 def point_latest(root: Path, name: str) -> None:
     """Atomically make ``root/latest`` name snapshot ``name``."""
-    temporary = root / "latest.tmp"
+    temporary = root / (LATEST + ".tmp")
     with open(temporary, "w") as handle:
         handle.write(name)
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(temporary, root / "latest")
+    os.replace(temporary, root / LATEST)
 
 
 # --------------------------------------------------------------------------- the writer lock
@@ -240,8 +233,8 @@ def cleanup(root: Path, keep: int, committed: str) -> None:
     Only the lock holder calls it, after committing ``committed`` (which is
     ``latest`` and never deleted); names that are not ours are left alone.
     """
-    snapshots = [path for _, path in _numbered(root, _NAME)]
+    snapshots = [path for _, path in _numbered(root, snapshot_number)]
     doomed = [path for path in snapshots[:-keep] if path.name != committed]
-    doomed += [path for _, path in _numbered(root, _PARTIAL_NAME)]
+    doomed += [path for _, path in _numbered(root, partial_number)]
     # They are no longer referenced: delete them without holding up training.
     threading.Thread(target=_remove, args=(doomed,), name="zeroplan-checkpoint-cleanup", daemon=True).start()

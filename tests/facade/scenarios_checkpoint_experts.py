@@ -109,11 +109,9 @@ def round_trip(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[st
     if rank == 0:
         manifest = read_manifest(Path(snapshot))
         result["files"] = sorted(os.listdir(snapshot))
-        result["listed"] = sorted(manifest["files"])
-        result["format"] = manifest["format"]
-        result["experts"] = {
-            d["name"]: [g["ranks"] for g in d["groups"]] for d in manifest["experts"]["domains"]
-        }
+        result["listed"] = sorted(manifest.names)
+        result["format"] = manifest.format
+        result["experts"] = {d.name: [list(g.ranks) for g in d.groups] for d in manifest.expert_domains}
     return result
 
 
