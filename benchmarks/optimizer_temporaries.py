@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from zeroplan.core import describe_optimizer, known_optimizers
-from zeroplan.facade.meter import step_temporaries
+from zeroplan.facade.diagnostics.meter import step_temporaries
 
 #: Hyper-parameter variants that change the step's temporaries (the others only change numbers).
 VARIANTS: dict[str, list[dict[str, Any]]] = {

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from zeroplan.facade import ZeroOptimizer
-from zeroplan.facade.meter import step_peaks
+from zeroplan.facade.diagnostics.meter import step_peaks
 
 WIDTH, DEPTH, BATCH = 512, 8, 4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

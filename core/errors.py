@@ -11,7 +11,7 @@ All errors derive from :class:`ZeroplanError`, so callers can catch one type.
   an argument of the wrong kind, where ``torch.optim`` raises ``TypeError``.
 * :class:`StepOrderError` — a ``ConfigError`` for optimizer calls out of order
   (``step()`` before any backward, clipping twice, a backward after the
-  reduction); see [Note: step lifecycle] in ``zeroplan.facade.lifecycle``.
+  reduction); see [Note: step lifecycle] in ``zeroplan.facade.runtime.lifecycle``.
 * :class:`PlanInvariantError` — a plan violates one of its own invariants. Built-in
   strategies never trigger it; a user strategy that produces an inconsistent
   assignment does, and the message says which invariant broke.

@@ -7,7 +7,7 @@
 whose gradient arrives (and was admitted for reduction), then ``None`` when the
 step's reduction finishes, and answers each with the :class:`Action` s to carry
 out, in order. The facade's gradient hook executes them on tensors
-(``facade/grad_sync.py``); :func:`zeroplan.core.peak.backward_peak` executes
+(``facade/runtime/grad_sync.py``); :func:`zeroplan.core.peak.backward_peak` executes
 them on byte counts. One schedule, so the planned peak is the executed one.
 
 * An arriving gradient is queued on each of its buckets. Queued gradients of

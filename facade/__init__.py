@@ -16,11 +16,11 @@ __all__ = ["MeasuredMemory", "ZeroOptimizer", "broadcast_buffers"]
 
 def __getattr__(name: str) -> Any:
     if name in ("ZeroOptimizer", "MeasuredMemory"):
-        from zeroplan.facade import optimizer
+        from zeroplan.facade.runtime import optimizer
 
         return getattr(optimizer, name)
     if name == "broadcast_buffers":
-        from zeroplan.facade import module_buffers
+        from zeroplan.facade.params import module_buffers
 
         return module_buffers.broadcast_buffers
     raise AttributeError(f"module 'zeroplan.facade' has no attribute {name!r}")

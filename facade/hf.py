@@ -87,8 +87,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from zeroplan.core import CheckpointError, ConfigError
 from zeroplan.facade import checkpoint
-from zeroplan.facade.module_buffers import broadcast_buffers
-from zeroplan.facade.optimizer import ZeroOptimizer
+from zeroplan.facade.params.module_buffers import broadcast_buffers
+from zeroplan.facade.runtime.optimizer import ZeroOptimizer
 
 __all__ = ["CHECKPOINT_DIR", "ZeroTrainer"]
 

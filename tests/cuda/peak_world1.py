@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroplan.facade import ZeroOptimizer
-from zeroplan.facade.meter import tracked_bytes
+from zeroplan.facade.diagnostics.meter import tracked_bytes
 
 WIDTH, DEPTH, BATCH = 2048, 8, 8
 CONFIGS = [

@@ -24,7 +24,7 @@ from factory import make_optimizer
 from models import batch, loss_of, make_model
 
 from zeroplan.facade import checkpoint
-from zeroplan.facade import checkpoint_files as files
+from zeroplan.facade.checkpoint import files as files
 
 
 def _die() -> None:

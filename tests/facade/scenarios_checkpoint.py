@@ -13,8 +13,9 @@ from models import DTYPES, batch, loss_of, make_model
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from zeroplan.core import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES, ScalerConfig, ZeroplanError
-from zeroplan.facade import ZeroOptimizer, checkpoint, checkpoint_load
-from zeroplan.facade.meter import tracked_bytes
+from zeroplan.facade import ZeroOptimizer, checkpoint
+from zeroplan.facade.checkpoint import loading as checkpoint_load
+from zeroplan.facade.diagnostics.meter import tracked_bytes
 
 
 def _optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> ZeroOptimizer:

@@ -22,8 +22,9 @@ from scenarios_checkpoint import _same
 from scenarios_experts import OPTIMIZERS, _groups, _loss, _optimizer
 
 from zeroplan.core import ZeroplanError
-from zeroplan.facade import ZeroOptimizer, checkpoint, checkpoint_load
-from zeroplan.facade.checkpoint_manifest import read_manifest
+from zeroplan.facade import ZeroOptimizer, checkpoint
+from zeroplan.facade.checkpoint import loading as checkpoint_load
+from zeroplan.facade.checkpoint.manifest import read_manifest
 
 EXTRA = {"step": 2, "note": ("tuple", 1.5), "schedule": {"warmup": [1, 2.5]}}
 

@@ -18,7 +18,7 @@ from factory import make_optimizer
 from models import DTYPES, batch, rel_err
 
 from zeroplan.core import ZeroplanError
-from zeroplan.facade.param_shards import ShardedParams
+from zeroplan.facade.params.sharded import ShardedParams
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),

@@ -14,7 +14,7 @@ from factory import make_optimizer
 from models import DTYPES, batch, loss_of, make_model
 
 from zeroplan.facade import checkpoint
-from zeroplan.facade.param_gather import GatheringParameter
+from zeroplan.facade.params.gather import GatheringParameter
 
 
 def _values(model: torch.nn.Module) -> list[torch.Tensor]:

@@ -1,6 +1,6 @@
 """Step lifecycle scenarios: calls out of order are refused on every rank and change nothing.
 
-See [Note: step lifecycle] in ``zeroplan.facade.lifecycle``.
+See [Note: step lifecycle] in ``zeroplan.facade.runtime.lifecycle``.
 """
 
 from __future__ import annotations

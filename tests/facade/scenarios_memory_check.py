@@ -9,7 +9,8 @@ import torch
 from models import make_model
 
 from zeroplan.core import ConfigError
-from zeroplan.facade import ZeroOptimizer, memory_check
+from zeroplan.facade import ZeroOptimizer
+from zeroplan.facade.diagnostics import memory_check
 
 
 def construct(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:

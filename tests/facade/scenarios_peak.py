@@ -10,7 +10,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from zeroplan.core import memory_report
 from zeroplan.facade import ZeroOptimizer
-from zeroplan.facade.meter import step_peaks, tracked_bytes
+from zeroplan.facade.diagnostics.meter import step_peaks, tracked_bytes
 
 #: A Linear stack: activations (batch x width per layer) are under 1% of the parameters' bytes.
 WIDTH, DEPTH, BATCH = 192, 6, 2

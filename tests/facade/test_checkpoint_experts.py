@@ -16,7 +16,7 @@ import pytest
 import scenarios_checkpoint_experts as scenarios
 from checkpoint_damage import flip_tensor_byte, snapshot_of
 
-from zeroplan.facade.checkpoint_manifest import EXPERTS_FORMAT, seal
+from zeroplan.facade.checkpoint.manifest import EXPERTS_FORMAT, seal
 
 ROUND_TRIPS = [
     {"stage": 2},

@@ -17,7 +17,7 @@ import scenarios_checkpoint
 import torch
 from checkpoint_damage import flip_tensor_byte, snapshot_of
 
-from zeroplan.facade.checkpoint_manifest import seal
+from zeroplan.facade.checkpoint.manifest import seal
 
 HERE = Path(__file__).parent
 

@@ -14,7 +14,7 @@ import pytest
 import scenarios_old_checkpoints as old
 
 from zeroplan.core import ParamSpec, PlanInvariantError, Stage, Topology, plan
-from zeroplan.facade.checkpoint_manifest import (
+from zeroplan.facade.checkpoint.manifest import (
     EXPERTS_FORMAT,
     FORMAT,
     ExpertDomain,
@@ -27,7 +27,7 @@ from zeroplan.facade.checkpoint_manifest import (
     ValueLeaf,
     read_manifest,
 )
-from zeroplan.facade.checkpoint_names import FROZEN, MANIFEST, expert_file, shard_file
+from zeroplan.facade.checkpoint.names import FROZEN, MANIFEST, expert_file, shard_file
 
 
 @pytest.mark.parametrize("name", list(old.FIXTURES))

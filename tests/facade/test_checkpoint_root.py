@@ -14,7 +14,8 @@ import pytest
 import scenarios_checkpoint_root
 
 from zeroplan.core import CheckpointError
-from zeroplan.facade import checkpoint, checkpoint_root
+from zeroplan.facade import checkpoint
+from zeroplan.facade.checkpoint import root as checkpoint_root
 
 HERE = Path(__file__).parent
 

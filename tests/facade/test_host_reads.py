@@ -1,4 +1,4 @@
-"""At most one host read of a device value per step ([Note: one host read] in ``facade/joint.py``).
+"""At most one host read of a device value per step ([Note: one host read] in ``facade/runtime/joint.py``).
 
 Counted on CPU (``scenarios_host_reads.py``) over two steps' backward, clipping, ``step()`` and the
 next forward, at stages 1-3, with a dynamic loss scale, with expert groups, and after a parameter was
@@ -36,4 +36,6 @@ def test_a_step_reads_the_host_at_most_once(pools, world, cfg):
 
 def test_the_counter_sees_reads_zeroplan_makes(pools):
     for r in pools(2).run(scenarios_host_reads.control):
-        assert sum(r.values()) >= 1 and all(where.startswith("facade/collectives.py") for where in r), r
+        assert sum(r.values()) >= 1 and all(
+            where.startswith("facade/runtime/collectives.py") for where in r
+        ), r

@@ -34,9 +34,9 @@ from torch.utils._foreach_utils import (
 
 from zeroplan.core import ConfigError, Implementation, Topology, describe_optimizer, known_optimizers
 from zeroplan.core.implementations import FOREACH_DEVICES, FUSED_DEVICES
-from zeroplan.facade.inputs import collect_params
-from zeroplan.facade.meter import step_temporaries
-from zeroplan.facade.registry import ParamRegistry, PlanSettings
+from zeroplan.facade.diagnostics.meter import step_temporaries
+from zeroplan.facade.runtime.inputs import collect_params
+from zeroplan.facade.runtime.registry import ParamRegistry, PlanSettings
 
 #: Hyper-parameter variants that change what a step allocates.
 VARIANTS: dict[str, list[dict[str, Any]]] = {

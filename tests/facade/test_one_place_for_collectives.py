@@ -1,5 +1,6 @@
-"""Every ``torch.distributed`` communication call of the library is issued from ``facade/collectives.py``
-([Note: one place for collectives]); the demo's own training loop is user code and may call torch itself.
+"""Every ``torch.distributed`` communication call of the library is issued from
+``facade/runtime/collectives.py`` ([Note: one place for collectives]); the demo's own training loop is
+user code and may call torch itself.
 
 Read from the source (AST), so a call added anywhere else fails here before it can escape a new wire
 format or summation order.
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 FACADE = Path(__file__).resolve().parents[2] / "facade"
-HOME = FACADE / "collectives.py"
+HOME = FACADE / "runtime" / "collectives.py"
 USER_CODE = (FACADE / "cli" / "demo" / "train.py",)
 
 #: Names of torch.distributed that move data or synchronize ranks (not queries such as get_rank).
@@ -49,7 +50,7 @@ def test_only_collectives_py_calls_torch_distributed():
         if path != HOME and path not in USER_CODE
         for line, name in _calls(path)
     ]
-    assert elsewhere == [], "issue these through zeroplan.facade.collectives"
+    assert elsewhere == [], "issue these through zeroplan.facade.runtime.collectives"
 
 
 def test_the_check_sees_the_calls_it_is_about():

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from zeroplan.core import ParamSpec, Space, Topology, ZeroPlan, plan
-from zeroplan.facade.state_tree import (
+from zeroplan.facade.runtime.dtypes import torch_dtype
+from zeroplan.facade.state.tree import (
     ShardState,
     TensorMeta,
     decode_state,
     encode_state,
     tensor_meta,
-    torch_dtype,
     tree_clone,
 )
 

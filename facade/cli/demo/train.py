@@ -20,7 +20,7 @@ every rank reports its measured bytes (``measured_memory``, ``last_step_comm``) 
 runs, prints the tables (``report``) and hands the exit code back.
 
 At stage 3 every rank holds only its shard of each parameter between steps
-([Note: stage 3] in ``param_shards``): the model is attached to the optimizer
+([Note: stage 3] in ``params.sharded``): the model is attached to the optimizer
 before the first forward, and the final parameters are copied inside
 ``gathered_params()`` on every rank (collective). Memory is measured outside
 it, between steps, where the plan counts only the shards.

@@ -1,0 +1,415 @@
+"""``checkpoint.load``: read a snapshot, check it, reshard it into the running optimizer, agree, restore.
+
+See [Note: checkpoint layout] in ``zeroplan.facade.checkpoint`` (which re-exports
+:func:`load`): every rank reads, memory-mapped, only the pieces the core's reshard
+plan assigns it, verifies them, and nothing changes on any rank until every rank
+read and agreed (see [Note: load agreement] in ``state.loading``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import (
+    CheckpointError,
+    IncompatiblePlanError,
+    PartitionPlan,
+    ReshardPlan,
+    ZeroPlan,
+    compare_specs,
+    plan_reshard,
+)
+from zeroplan.facade.checkpoint.checks import (
+    check_against_partition,
+    check_expert_group,
+    check_frozen_file,
+    check_shard_file,
+)
+from zeroplan.facade.checkpoint.files import TensorFile, decode
+from zeroplan.facade.checkpoint.manifest import (
+    ExpertGroup,
+    LeafKind,
+    Manifest,
+    SavedShards,
+    ValueLeaf,
+    read_manifest,
+)
+from zeroplan.facade.checkpoint.names import (
+    FROZEN,
+    expert_file,
+    master_tensor,
+    param_tensor,
+    region_tensor,
+    shard_file,
+    state_tensor,
+)
+from zeroplan.facade.checkpoint.root import resolve
+from zeroplan.facade.runtime.dtypes import torch_dtype
+from zeroplan.facade.runtime.groups import ProcessGroups
+from zeroplan.facade.state.dicts import Shards
+from zeroplan.facade.state.loading import LoadedState, agreed_state
+from zeroplan.facade.state.tree import (
+    decode_parked,
+    decode_state,
+    tree_clone,
+)
+
+if TYPE_CHECKING:
+    from zeroplan.facade.runtime.domain import Domain
+    from zeroplan.facade.runtime.optimizer import ZeroOptimizer
+
+__all__ = ["domain_shards", "load"]
+
+
+def domain_shards(opt: ZeroOptimizer) -> tuple[Shards, list[Shards]]:
+    """What the data domain and each expert domain save and load (see [Note: expert domains])."""
+    if len(opt.domains) == 1:
+        return opt.shards(), []
+    return opt.domains[0].shards(opt.scaler_state), [d.shards(opt.scaler_state) for d in opt.domains[1:]]
+
+
+@torch.no_grad()
+def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
+    """Load the latest snapshot under ``path`` into ``opt`` and its parameters; collective.
+
+    Works at any world size, shard-group size and strategy. With expert
+    groups only the data-parallel state is elastic: the expert state loads at
+    the world size, expert groups and expert partitions it was saved with.
+    Returns the ``extra`` saved with it.
+
+    Raises:
+        CheckpointError: missing, incomplete, truncated, corrupted or edited
+            files, a ``latest`` that names no snapshot of ``path``, or any
+            other failure while reading; with expert groups also a snapshot
+            without their state (or expert state for an optimizer without
+            them), another world size, other expert groups or partitions.
+        IncompatiblePlanError: a checkpoint of another model or optimizer
+            class, or ranks that read different snapshots.
+        In every case, on every rank, and the optimizer and parameters are unchanged.
+    """
+    sh, experts = domain_shards(opt)
+    domains = opt.domains[1:]
+    extra: list[dict[str, Any]] = []
+    expert_states: list[LoadedState] = []
+
+    def read() -> LoadedState:
+        loaded, saved_extra, states = _prepare(sh, opt.plan_with_cohorts, Path(path), domains, experts)
+        extra.append(saved_extra)
+        expert_states.extend(states)
+        return loaded
+
+    # One agreement over the world covers every domain: any rank's failure, expert files included,
+    # raises on every rank before anything changes.
+    opt.restore(agreed_state(read, sh, what="checkpoint", wrap=CheckpointError))
+    for domain, state in zip(domains, expert_states, strict=True):
+        domain.restore(state)
+    return extra[0]
+
+
+class _Source(NamedTuple):
+    """Where one domain's saved state lies in a snapshot, and which of its blocks this rank verifies.
+
+    Every reader reads every parameter; shard ``q``'s blocks are verified by
+    the reader with ``q % readers == checker``, frozen parameters by reader 0
+    (a failure there fails the load on every rank, since all agree before
+    committing).
+
+    Attributes:
+        shards: what was saved: the data domain's, or an expert group's.
+        file_of: the file of saved shard ``q``.
+        frozen_file: the file holding the frozen parameters, whole.
+        checker: this rank's position among the readers.
+        readers: how many ranks read the domain.
+    """
+
+    shards: SavedShards
+    file_of: Callable[[int], str]
+    frozen_file: str
+    checker: int
+    readers: int
+
+
+def _saved_param(source: _Source, index: int, open_file: Callable[[str], TensorFile]) -> list[torch.Tensor]:
+    """Parameter ``index`` as saved, flat, in consecutive parts: its fragments, or its frozen copy."""
+    spec = source.shards.partition.specs[index]
+    if not spec.trainable:
+        return [
+            open_file(source.frozen_file).read(param_tensor(index), 0, spec.numel, verify=source.checker == 0)
+        ]
+    return [
+        open_file(source.file_of(f.rank)).read(
+            region_tensor(spec.dtype),
+            f.shard_offset,
+            f.shard_span.stop,
+            verify=f.rank % source.readers == source.checker,
+        )
+        for f in source.shards.partition.fragments[index]
+    ]
+
+
+def _prepare(
+    sh: Shards,
+    plan_with_cohorts: Callable[[Iterable[int]], ZeroPlan],
+    path: Path,
+    domains: Sequence[Domain] = (),
+    experts: Sequence[Shards] = (),
+) -> tuple[LoadedState, dict[str, Any], list[LoadedState]]:
+    """Read and check everything this rank needs; change nothing.
+
+    Returns the data domain's state, ``extra`` and each expert domain's state
+    (``domains``, whose parts are ``experts``).
+    """
+    snapshot = resolve(path)
+    manifest = read_manifest(snapshot)  # [Note: manifest integrity]
+    if manifest.optimizer != sh.optimizer_name:
+        raise IncompatiblePlanError(
+            f"checkpoint of optimizer {manifest.optimizer!r}, "
+            f"but this ZeroOptimizer wraps {sh.optimizer_name!r}"
+        )
+    expert_groups = _expert_groups(manifest, domains, sh.groups, snapshot)
+    saved = manifest.shards.partition
+    check_against_partition(manifest, snapshot)
+    compare_specs(saved, sh.zp.partition, allow_trainable_change=False)
+    for spec_saved, spec_here in zip(saved.specs, sh.zp.specs, strict=True):
+        if spec_saved.group != spec_here.group:
+            raise IncompatiblePlanError(
+                f"parameter {spec_here.index} ({spec_here.name!r}) is in param group "
+                f"{spec_saved.group} in the checkpoint but in group {spec_here.group} here"
+            )
+    target = plan_with_cohorts([s.cohort for s in saved.specs])
+    reshard = plan_reshard(saved, target.partition)
+    files: dict[str, TensorFile] = {}
+
+    def open_file(name: str) -> TensorFile:
+        if name not in files:
+            size = manifest.size_of(name)
+            if size is None:
+                raise CheckpointError(f"{str(snapshot)!r}: the manifest lists no file {name!r}")
+            files[name] = TensorFile(snapshot / name, size)
+        return files[name]
+
+    shard_files = [shard_file(q) for q in range(saved.shard_size)]
+    missing = [n for n in shard_files if n in manifest.names and not (snapshot / n).is_file()]
+    missing += sorted(set(shard_files) - manifest.names)
+    if missing:
+        raise CheckpointError(
+            f"{str(snapshot)!r} is missing shard files of saved ranks: {', '.join(missing)}"
+        )
+
+    rank, world = sh.groups.rank, sh.groups.topology.world_size
+    # Cross-check the files whose checksums this rank verifies against the manifest.
+    for q in range(rank, saved.shard_size, world):
+        check_shard_file(open_file(shard_file(q)), q, manifest.shards)
+    if rank == 0 and FROZEN in manifest.names:
+        check_frozen_file(open_file(FROZEN), saved)
+    source = _Source(manifest.shards, shard_file, FROZEN, rank, world)
+    loaded = _read(source, target, reshard, sh, open_file, scaler=manifest.scaler, digest=manifest.digest)
+    states = [
+        _read_experts(domain, esh, group, snapshot, open_file, manifest)
+        for domain, esh, group in zip(domains, experts, expert_groups, strict=True)
+    ]
+    return loaded, decode(manifest.extra), states
+
+
+def _read(
+    source: _Source,
+    target: ZeroPlan,
+    reshard: ReshardPlan,
+    sh: Shards,
+    open_file: Callable[[str], TensorFile],
+    *,
+    scaler: dict[str, Any] | None,
+    digest: str | None,
+) -> LoadedState:
+    """One domain's parameters and this rank's state in ``target``'s layout, read through ``reshard``."""
+    saved, shards = source.shards.partition, source.shards
+    params = [_saved_param(source, spec.index, open_file) for spec in saved.specs]
+    for i, (parts, p) in enumerate(zip(params, sh.params, strict=True)):
+        if any(part.dtype != p.dtype for part in parts):
+            raise IncompatiblePlanError(
+                f"parameter {i} is {parts[0].dtype} in the checkpoint, {p.dtype} here"
+            )
+
+    shard_rank = sh.groups.shard_rank
+    copies = reshard.reads(shard_rank)
+    device = sh.device
+    masters: dict[str, torch.Tensor] = {}
+    leaves: dict[str, Any] = {}
+    for space in target.partition.spaces:
+        mine = [c for c in copies if c.dtype == space.dtype]
+        flat = shards.flat_leaves(space.dtype)
+        kinds = [(state_tensor(leaf.path), leaf.path, torch_dtype(leaf.dtype)) for leaf in flat]
+        if space.dtype in shards.separate_master:
+            kinds.insert(0, (master_tensor(space.dtype), "", torch.float32))
+        for name, leaf_path, dtype in kinds:
+            out = torch.zeros(space.extent(shard_rank), dtype=dtype, device=device)  # padding stays zero
+            for c in mine:
+                if c.dst_span.numel:
+                    file = open_file(source.file_of(c.src_rank))
+                    piece = file.read(name, c.src_span.start, c.src_span.stop)
+                    if piece.dtype != dtype:  # never cast silently (its checking rank reports why)
+                        raise CheckpointError(
+                            f"{str(file.path.parent)!r}: {name!r} of shard {c.src_rank} is {piece.dtype}"
+                        )
+                    out[c.dst_span.as_slice()] = piece
+            if leaf_path:
+                leaves[leaf_path] = out
+            else:
+                masters[space.dtype] = out
+    if not target.elementwise:
+        for t in target.inner_tensors(shard_rank):
+            for leaf in shards.leaves_of(LeafKind.WHOLE, t.param):
+                if isinstance(leaf, ValueLeaf):
+                    leaves[leaf.path] = decode(leaf.value)
+                    continue
+                stored = open_file(source.file_of(leaf.ranks[0])).tensor(state_tensor(leaf.path))
+                leaves[leaf.path] = stored.to(device, copy=True)
+    for leaf in shards.leaves_of(LeafKind.SCALARS):
+        if isinstance(leaf, ValueLeaf):  # always: scalar state is never a tensor leaf
+            leaves[leaf.path] = tree_clone(decode(leaf.value), device)
+    # Parked state of frozen parameters: each parameter's, whole, on shard rank ``index % shard size``
+    # (see [Note: parked state]); it is exchanged when the parameter is unfrozen.
+    parked_leaves: dict[str, Any] = {}
+    for leaf in shards.leaves_of(LeafKind.PARKED):
+        if int(leaf.owner) % target.topology.shard_size != shard_rank:
+            continue
+        if isinstance(leaf, ValueLeaf):
+            parked_leaves[leaf.path] = tree_clone(decode(leaf.value), device)
+            continue
+        stored = open_file(source.file_of(leaf.ranks[0])).tensor(state_tensor(leaf.path))
+        parked_leaves[leaf.path] = stored.to(device, copy=True)
+    shard_state = decode_state(leaves, target.partition.spaces)
+    stateful = set(shard_state.scalars) | {
+        (target.specs[p].group, target.specs[p].cohort) for p in shard_state.whole
+    }
+    return LoadedState(
+        target=target,
+        state=shard_state,
+        stateful=stateful,
+        masters=masters,
+        param_groups=decode(list(shards.param_groups)),
+        scaler=scaler,
+        param_values=params,
+        parked=decode_parked(parked_leaves),
+        source=digest,
+    )
+
+
+# --------------------------------------------------------------------------- load: expert domains
+def _expert_groups(
+    manifest: Manifest, domains: Sequence[Domain], world: ProcessGroups, snapshot: Path
+) -> list[ExpertGroup]:
+    """This rank's group entry of each expert domain ([Note: checkpoint layout]); reads no data file.
+
+    Raises:
+        CheckpointError: the snapshot holds expert state and the optimizer has
+            no expert groups, or the reverse, or other domains, another world
+            size or other expert groups.
+    """
+    saved = manifest.expert_domains
+    if not saved and not domains:
+        return []
+    where, names = repr(str(snapshot)), [d.name for d in domains]
+    if not saved:
+        raise CheckpointError(
+            f"{where} holds no expert state (the optimizer that saved it had no expert param groups), but "
+            f"this optimizer has expert domains {names}: nothing says which experts a rank holds. Load it "
+            "into an optimizer without expert groups, or load a checkpoint saved with these expert groups"
+        )
+    saved_names = [d.name for d in saved]
+    sizes = " or ".join(str(n) for n in sorted({len(g.ranks) for d in saved for g in d.groups}))
+    if not domains:
+        raise CheckpointError(
+            f"{where} holds expert state (domains {saved_names}, saved at world size {manifest.world_size} "
+            f"with expert groups of {sizes} ranks), but this optimizer has no expert param groups: build it "
+            "as the job that saved it did, each expert param group with its 'process_group'"
+        )
+    if saved_names != names:
+        raise CheckpointError(
+            f"{where} holds expert domains {saved_names}, this optimizer has {names}: build it with the same "
+            "expert param groups (a 'process_group' each) as the job that saved it"
+        )
+    if manifest.world_size != world.topology.world_size:
+        raise CheckpointError(
+            f"{where} holds expert state saved at world size {manifest.world_size}, this job runs at world "
+            f"size {world.topology.world_size}: a rank's experts load only at the world size and with the "
+            f"expert groups they were saved with; resume at world size {manifest.world_size} (checkpoints "
+            "without expert groups load at any world size)"
+        )
+    entries = []
+    for domain, saved_domain in zip(domains, saved, strict=True):
+        here = [dist.get_group_rank(world.world, q) for q in dist.get_process_group_ranks(domain.world)]
+        mine = saved_domain.group_of(world.rank)
+        if list(mine.ranks) != here:
+            raise CheckpointError(
+                f"{where}: expert domain {domain.name!r} was saved with expert groups "
+                f"{[list(g.ranks) for g in saved_domain.groups]} (ranks of the world), but rank {world.rank} "
+                f"is in expert group {here} here: a rank's experts load only with the expert groups they "
+                "were saved with; create the expert groups (each param group's 'process_group') as the job "
+                "that saved it did"
+            )
+        entries.append(mine)
+    return entries
+
+
+def _read_experts(
+    domain: Domain,
+    sh: Shards,
+    group: ExpertGroup,
+    snapshot: Path,
+    open_file: Callable[[str], TensorFile],
+    manifest: Manifest,
+) -> LoadedState:
+    """This rank's state of expert domain ``domain``, saved by its group in ``group``'s files.
+
+    The domain loads only into the partition it was saved with; each rank
+    verifies the file its group rank wrote (and group rank 0 the frozen
+    parameters in it) and reads its peers' regions for the parameters.
+    """
+    where = f"{str(snapshot)!r}, expert domain {domain.name!r}"
+    check_expert_group(group, snapshot, domain.name)
+    saved = group.shards.partition
+    try:
+        compare_specs(saved, sh.zp.partition, allow_trainable_change=False)
+    except IncompatiblePlanError as exc:
+        raise CheckpointError(
+            f"{where}: {exc}; expert state loads only into the expert parameters it was saved from"
+        ) from None
+    target = domain.plan_with_cohorts([s.cohort for s in saved.specs])
+    if target.partition.fingerprint() != saved.fingerprint():
+        raise CheckpointError(
+            f"{where}: saved with another partition of the expert parameters ({_describe(saved)}) than this "
+            f"optimizer's ({_describe(target.partition)}): expert state loads only into the partition it was "
+            "saved with; build the optimizer with the same param groups, strategy, alignment and layout"
+        )
+    names = [expert_file(domain.name, q) for q in group.ranks]
+    missing = [n for n in names if n not in manifest.names or not (snapshot / n).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{str(snapshot)!r} is missing expert files of domain {domain.name!r}, which the ranks of expert "
+            f"group {list(group.ranks)} read: {', '.join(missing)}; restore them from a copy or load another "
+            "snapshot"
+        )
+    me = sh.groups.rank  # an expert domain shards over its whole group: its shard rank
+    check_shard_file(open_file(names[me]), me, group.shards, frozen=me == 0)
+    source = _Source(group.shards, names.__getitem__, names[0], me, len(names))
+    reshard = plan_reshard(saved, target.partition)  # the identity: each rank reads its own shard
+    loaded = _read(source, target, reshard, sh, open_file, scaler=None, digest=manifest.digest)
+    if len(loaded.param_groups) != len(sh.param_groups):
+        raise CheckpointError(
+            f"{where}: {len(loaded.param_groups)} param groups saved, {len(sh.param_groups)} here: build the "
+            "optimizer with the same expert param groups as the job that saved it"
+        )
+    return loaded
+
+
+def _describe(partition: PartitionPlan) -> str:
+    return (
+        f"strategy {partition.strategy!r}, alignment {partition.alignment}, {partition.shard_size} shards, "
+        f"fingerprint {partition.fingerprint()}"
+    )

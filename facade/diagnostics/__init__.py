@@ -1,0 +1,1 @@
+"""What a rank holds and sends, measured; the device memory check."""

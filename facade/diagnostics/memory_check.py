@@ -1,0 +1,107 @@
+"""Does the plan's peak fit the device? Checked once, at construction, before any buffer is allocated.
+
+[Note: device memory check]
+On CUDA, ``ZeroOptimizer`` compares the plan's ``peak_bytes`` for this rank
+(see [Note: the step's peak] in ``zeroplan.core.peak``) with what the rank
+can use: the device's free memory plus the bytes its parameters already hold
+(the flat buffers take their place). Activations are not planned, so a plan
+that fits here may still run out of memory in the forward; one that does not
+fit here certainly will. The message names the largest part of the peak and
+the cheapest other configuration that fits (stage, shard group size, a fused
+inner optimizer). It is a warning, or, with ``strict_memory=True``, a
+``ConfigError`` raised on every rank (inside the plan agreement). CPU memory
+is shared by the ranks of a host and is not checked.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import ConfigError, RankReport, ZeroPlan, memory_report
+from zeroplan.core.fit import gib
+from zeroplan.core.recommend import recommend
+from zeroplan.facade.runtime.registry import Configured
+
+__all__ = ["check_device_memory", "device_memory_problem", "free_bytes"]
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` in bytes, or ``None`` where it is not checked (CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def _largest_part(r: RankReport) -> tuple[str, int]:
+    parts = {
+        "parameters": r.params_bytes,
+        "gradients": r.grads_bytes,
+        "fp32 master weights": r.master_bytes,
+        "optimizer state": r.optimizer_state_bytes,
+        "staging arena": r.buffer_bytes,
+        f"{r.peak_phase.value} transients": max(r.backward_transient_bytes, r.step_transient_bytes),
+    }
+    name = max(parts, key=parts.__getitem__)
+    return name, parts[name]
+
+
+def _advice(configured: Configured, available: int) -> str:
+    """The cheapest executed configuration that fits ``available`` bytes (``core.recommend.recommend``)."""
+    settings, groups = configured.settings, configured.groups
+    try:
+        recommendation = recommend(
+            configured.registry.specs(),
+            settings.topology.world_size,
+            device_bytes=available,
+            optimizer=settings.optimizer_name,
+            settings=groups[0] if groups else None,  # the implementation (fused, foreach) of the first group
+            stages=(1, 2),
+            **settings.plan_options(),
+        )
+    except ConfigError as exc:  # e.g. an optimizer zeroplan has no description of
+        return f"no advice on other configurations ({exc})"
+    best = recommendation.best
+    if best is None:
+        return "no stage 1 or 2 configuration fits; use more ranks or a smaller model"
+    return f"{best.label} would fit, with a planned peak of {gib(best.fit.need_bytes)}"
+
+
+def device_memory_problem(zp: ZeroPlan, configured: Configured, rank: int, *, overlap: bool) -> str | None:
+    """What is wrong when ``rank``'s planned peak does not fit its device ([Note: device memory check])."""
+    registry = configured.registry
+    device = registry.device
+    free = free_bytes(device)
+    if free is None:
+        return None
+    held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in registry.params}
+    available = free + sum(held.values())
+    report = memory_report(zp, overlap=overlap).ranks[rank]
+    if report.peak_bytes <= available:
+        return None
+    part, nbytes = _largest_part(report)
+    advice = _advice(configured, available)
+    peak, phase = gib(report.peak_bytes), report.peak_phase.value
+    return (
+        f"rank {rank}: the plan's peak is {peak} (in the {phase}, before activations), but "
+        f"{gib(available)} of {device} are available to it; the largest part is the {part} "
+        f"({gib(nbytes)}). {advice}"
+    )
+
+
+def check_device_memory(
+    zp: ZeroPlan, configured: Configured, world: dist.ProcessGroup, *, overlap: bool, strict: bool
+) -> None:
+    """Warn, or raise ``ConfigError`` with ``strict``, when ``zp``'s peak does not fit this rank's device.
+
+    See [Note: device memory check]; ``world`` is the data-parallel group.
+    """
+    problem = device_memory_problem(zp, configured, dist.get_rank(world), overlap=overlap)
+    if problem is None:
+        return
+    if strict:
+        raise ConfigError(f"{problem} (strict_memory=True)")
+    warnings.warn(problem, ResourceWarning, stacklevel=5)

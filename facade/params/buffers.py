@@ -1,0 +1,327 @@
+"""Flat buffers laid out by the plan; parameters become views into them.
+
+[Note: flat buffers]
+For every dtype space of the plan this rank allocates:
+
+* ``params`` — the full parameter buffer (``buffer_numel`` elements, padding
+  included, zero); each trainable parameter's ``.data`` becomes a view of it
+  (no second full copy);
+* ``grads`` — stage 1 only: the full gradient buffer, parameter ``.grad`` views;
+* ``grad_shard`` — this rank's reduced gradients: at stage 1 with a rank-major
+  layout its region of ``grads`` (reduced in place), otherwise ``shard_numel``
+  elements of ``grad_shard_dtype`` (fp32 for bf16/fp16 parameters);
+* ``master`` — what the inner optimizer steps: fp32 copies of bf16/fp16
+  parameters, a tensor of its own. Parameters of the master dtype are stepped
+  in place (``ZeroPlan.master_in_params``): ``master`` is the rank's region of
+  ``params`` with a rank-major layout, and ``None`` with an interleaved one,
+  whose pieces are not contiguous in ``params`` (see [Note: layout]): the
+  inner optimizer's windows are cut where a piece does not follow the last in
+  ``params`` and each is a view of ``params`` (:meth:`SpaceBuffers.master_window`).
+
+At stage 3 there is no full buffer that lives between steps (``params`` is
+``None``): ``blocks`` holds one full buffer per block of the plan, whose
+storage is allocated only while the block is gathered ([Note: stage 3] in
+``params.sharded``), parameters are views of their block, and ``shard`` holds
+the rank's pieces of every block for good (its ``master`` when the parameters
+have the master dtype).
+
+The rank's shard in the full buffer is its *pieces*; :func:`read_pieces` and
+:func:`write_pieces` move a flat shard out of and into them. All offsets come
+from the plan; nothing here computes a layout.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from zeroplan.core import Space, Span, Stage, ZeroPlan, grad_shard_dtype, master_dtype
+from zeroplan.facade.runtime.dtypes import torch_dtype
+
+__all__ = [
+    "SpaceBuffers",
+    "block_positions",
+    "block_views",
+    "build_buffers",
+    "param_views",
+    "read_pieces",
+    "write_pieces",
+]
+
+
+#: Elements compared at a time by :meth:`SpaceBuffers.keep_param_writes` (its temporaries stay small).
+_COMPARE_CHUNK = 2**16
+
+
+class SpaceBuffers(NamedTuple):
+    """This rank's buffers of one dtype space (see [Note: flat buffers]).
+
+    ``extent`` is the length of the rank's shard in the full buffer (its
+    pieces, padding included): ``grad_shard[:extent]`` and the master's first
+    ``extent`` elements (:meth:`master_window`) hold everything the rank steps,
+    the rest is allocation padding. ``master`` is ``None`` where the rank steps
+    its pieces of ``params`` in place.
+    """
+
+    space: Space
+    params: torch.Tensor | None
+    grads: torch.Tensor | None
+    grad_shard: torch.Tensor
+    master: torch.Tensor | None
+    extent: int
+    shard_rank: int
+    blocks: tuple[torch.Tensor, ...] = ()
+    shard: torch.Tensor | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype."""
+        return torch_dtype(self.space.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the buffers live."""
+        return self.grad_shard.device
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype the inner optimizer steps (fp32 for bf16/fp16 parameters)."""
+        return torch_dtype(master_dtype(self.space.dtype))
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of parameters held between steps: the full buffer, or the shard at stage 3."""
+        held = self.params if self.shard is None else self.shard
+        return held.untyped_storage().nbytes() if held is not None else 0
+
+    @property
+    def carries_master(self) -> bool:
+        """Whether the master is a tensor of its own (fp32 copies of bf16/fp16 parameters): saved, moved."""
+        return self.master_dtype != self.dtype
+
+    @property
+    def master_copy(self) -> torch.Tensor:
+        """The master of bf16/fp16 parameters (``carries_master``).
+
+        Raises:
+            RuntimeError: the rank steps its parameters in place: they are the master.
+        """
+        if self.master is None or not self.carries_master:
+            raise RuntimeError(f"the {self.space.dtype} parameters are their own master: no master copy")
+        return self.master
+
+    def master_window(self, span: Span) -> torch.Tensor:
+        """Elements ``span`` of the rank's master, as a view: of ``master``, or of its run of ``params``."""
+        if self.master is not None:
+            return self.master[span.as_slice()]
+        return self._full()[self.space.buffer_span(self.shard_rank, span).as_slice()]
+
+    def shard_values(self) -> torch.Tensor:
+        """The rank's shard of the parameters, flat: a view (its region or stage-3 shard) or a copy."""
+        if self.shard is not None:
+            return self.shard[: self.extent]
+        full = self._full()
+        if self.space.shard_is_region:
+            return full[self.space.region(self.shard_rank).as_slice()]
+        out = full.new_empty(self.extent)
+        read_pieces(full, self.space, self.shard_rank, out)
+        return out
+
+    def load_master(self) -> None:
+        """Copy the rank's shard of the parameters into a separate master."""
+        if not self.carries_master:
+            return
+        if self.shard is not None:
+            self.master_copy.copy_(self.shard)
+        else:
+            read_pieces(self._full(), self.space, self.shard_rank, self.master_copy)
+
+    def publish_master(self) -> None:
+        """Copy a separate master into the rank's pieces of the parameters (cast)."""
+        if not self.carries_master:
+            return
+        if self.shard is not None:
+            self.shard.copy_(self.master_copy)
+        else:
+            write_pieces(self.master_copy, self._full(), self.space, self.shard_rank)
+
+    def keep_param_writes(self) -> None:
+        """Take into the master what was written into the rank's pieces of bf16/fp16 parameters.
+
+        Stages 1 and 2 (see [Note: parameter writes]): every element of the
+        rank's pieces whose parameter no longer holds the cast of its master
+        (``model.load_state_dict(...)``, an in-place edit) gets the parameter's
+        value as its master; the others keep their fp32 bits. Compared in
+        chunks, as bits (a NaN equals itself), on the device: nothing is read
+        on the host ([Note: one host read] in ``joint``).
+        """
+        if not self.carries_master or self.shard is not None:
+            return
+        full, master = self._full(), self.master_copy
+        bits = torch.int16  # bf16 and fp16 alike
+        for piece in self.space.pieces_of(self.shard_rank):
+            shift = piece.buffer_span.start - piece.shard_span.start
+            for chunk in piece.shard_span.chunks(_COMPARE_CHUNK):
+                held = full[chunk.shift(shift).as_slice()]
+                values = master[chunk.as_slice()]
+                written = values.to(self.dtype).view(bits) != held.view(bits)
+                values.copy_(torch.where(written, held.to(values.dtype), values))
+
+    def load_shard(self) -> None:
+        """Stage 3: copy the rank's pieces of every (gathered) block into its shard."""
+        if self.shard is None:
+            raise RuntimeError("load_shard: only stage-3 buffers have a shard of their own")
+        for block, full in zip(self.space.blocks, self.blocks, strict=True):
+            piece = block.piece(self.shard_rank)
+            start = piece.buffer_span.start - block.start
+            self.shard[piece.shard_span.as_slice()].copy_(full[start : start + piece.shard_span.numel])
+
+    def write_piece(self, k: int) -> None:
+        """Stage 3: copy the rank's piece of block ``k`` from its shard into the block's buffer."""
+        if self.shard is None:
+            raise RuntimeError("write_piece: only stage-3 buffers have a shard of their own")
+        block = self.space.blocks[k]
+        piece = block.piece(self.shard_rank)
+        start = piece.buffer_span.start - block.start
+        self.blocks[k][start : start + piece.shard_span.numel].copy_(self.shard[piece.shard_span.as_slice()])
+
+    def _full(self) -> torch.Tensor:
+        if self.params is None:
+            raise RuntimeError("stage-3 buffers have no full parameter buffer")
+        return self.params
+
+
+def read_pieces(full: torch.Tensor, space: Space, shard_rank: int, out: torch.Tensor) -> None:
+    """``out[shard span] = full[buffer span]`` for each of the rank's pieces (cast to ``out``'s dtype)."""
+    for piece in space.pieces_of(shard_rank):
+        out[piece.shard_span.as_slice()].copy_(full[piece.buffer_span.as_slice()])
+
+
+def write_pieces(flat: torch.Tensor, full: torch.Tensor, space: Space, shard_rank: int) -> None:
+    """``full[buffer span] = flat[shard span]`` for each of the rank's pieces (cast to ``full``'s dtype)."""
+    for piece in space.pieces_of(shard_rank):
+        full[piece.buffer_span.as_slice()].copy_(flat[piece.shard_span.as_slice()])
+
+
+def param_views(flat: torch.Tensor, space: Space, params: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per parameter index of ``space``, its view of the full buffer ``flat``, shaped like the parameter."""
+    return {
+        index: flat[start : start + params[index].numel()].view(params[index].shape)
+        for index, start in zip(space.params, space.buffer_offsets, strict=True)
+    }
+
+
+def block_positions(space: Space) -> dict[int, tuple[int, int]]:
+    """Stage 3: per parameter index of ``space``, its block and where it starts inside that block.
+
+    Stage-3 plans never cut a parameter at a block boundary (``whole_blocks``).
+    """
+    starts = [b.start for b in space.blocks]
+    positions = {}
+    for index, offset in zip(space.params, space.buffer_offsets, strict=True):
+        k = max(bisect_right(starts, offset) - 1, 0)
+        positions[index] = (k, offset - starts[k])
+    return positions
+
+
+def block_views(
+    blocks: Sequence[torch.Tensor], space: Space, params: Sequence[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Stage 3: per parameter index of ``space``, its view of its block's buffer, shaped like it."""
+    return {
+        index: blocks[k][local : local + params[index].numel()].view(params[index].shape)
+        for index, (k, local) in block_positions(space).items()
+    }
+
+
+def build_buffers(
+    zp: ZeroPlan, params: Sequence[torch.Tensor], shard_rank: int, device: torch.device
+) -> tuple[SpaceBuffers, ...]:
+    """Allocate this rank's buffers, copy parameter values in, make parameters views.
+
+    The values of every parameter are unchanged; only their storage moves.
+    """
+    if zp.stage is Stage.PARAMETERS:
+        return tuple(_stage3_buffers(zp, space, params, shard_rank, device) for space in zp.partition.spaces)
+    result = []
+    for space in zp.partition.spaces:
+        dtype = torch_dtype(space.dtype)
+        full = torch.zeros(space.buffer_numel, dtype=dtype, device=device)  # padding stays zero
+        views = param_views(full, space, params)
+        for index, view in views.items():
+            view.copy_(params[index].detach())
+        grads = None
+        if zp.stage is Stage.OPTIMIZER:
+            grads = torch.zeros(space.buffer_numel, dtype=dtype, device=device)
+        grad_views = param_views(grads, space, params) if grads is not None else {}
+        for index, view in views.items():
+            param = params[index]
+            previous = param.grad
+            param.data = view
+            if grads is not None:
+                param.grad = grad_views[index]
+                if previous is not None:
+                    param.grad.copy_(previous)
+        shard_numel = space.shard_numel[shard_rank]
+        if grads is not None and space.shard_is_region:
+            grad_shard = grads[space.region(shard_rank).as_slice()]  # reduced in place
+        else:
+            grad_shard = torch.zeros(
+                shard_numel, dtype=torch_dtype(grad_shard_dtype(zp, space)), device=device
+            )
+        master_type = torch_dtype(master_dtype(space.dtype))
+        master: torch.Tensor | None = None  # interleaved and in place: the pieces of ``full``
+        if not zp.master_in_params(space):
+            master = torch.zeros(shard_numel, dtype=master_type, device=device)
+        elif space.shard_is_region:
+            master = full[space.region(shard_rank).as_slice()]
+        buf = SpaceBuffers(
+            space=space,
+            params=full,
+            grads=grads,
+            grad_shard=grad_shard,
+            master=master,
+            extent=space.extent(shard_rank),
+            shard_rank=shard_rank,
+        )
+        buf.load_master()
+        result.append(buf)
+    return tuple(result)
+
+
+def _stage3_buffers(
+    zp: ZeroPlan, space: Space, params: Sequence[torch.Tensor], shard_rank: int, device: torch.device
+) -> SpaceBuffers:
+    """Stage 3: a buffer per block (gathered: allocated), parameters its views, the rank's shard, the master.
+
+    The blocks stay allocated until ``ShardedParams.shard_all`` frees them, so
+    the values can be broadcast from rank 0 first.
+    """
+    dtype = torch_dtype(space.dtype)
+    blocks = tuple(torch.zeros(b.numel, dtype=dtype, device=device) for b in space.blocks)
+    for index, view in block_views(blocks, space, params).items():
+        param = params[index]
+        view.copy_(param.detach())
+        param.data = view
+    shard_numel = space.shard_numel[shard_rank]
+    shard = torch.zeros(shard_numel, dtype=dtype, device=device)
+    master_type = torch_dtype(master_dtype(space.dtype))
+    master = shard if master_type == dtype else torch.zeros(shard_numel, dtype=master_type, device=device)
+    grad_shard = torch.zeros(shard_numel, dtype=torch_dtype(grad_shard_dtype(zp, space)), device=device)
+    buf = SpaceBuffers(
+        space=space,
+        params=None,
+        grads=None,
+        grad_shard=grad_shard,
+        master=master,
+        extent=space.extent(shard_rank),
+        shard_rank=shard_rank,
+        blocks=blocks,
+        shard=shard,
+    )
+    buf.load_shard()
+    buf.load_master()
+    return buf

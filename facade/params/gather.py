@@ -1,0 +1,267 @@
+"""Gathering updated parameters after ``step()``, overlapped with the next forward.
+
+[Note: parameter gather]
+After the inner optimizer stepped, each rank writes its updated shard into its
+pieces of the full parameter buffers and every block of the buffer is
+gathered by one collective (``all_gather`` of equal pieces, or a broadcast per
+owner; see [Note: layout]). Blocks are launched in buffer order, which is
+forward order for the usual model that registers its layers in the order it
+runs them. On a hierarchical topology an ``all_gather`` is two hops, across
+nodes (waited for) then inside each node (see [Note: hierarchical all-gather]
+in ``zeroplan.core.hierarchy``).
+
+With ``overlap_param_gather=True`` (the default) ``step()`` returns as soon as
+the gathers are launched, and the first *use* of a parameter waits for the
+block(s) holding it, so the forward of early layers runs while later blocks
+still arrive, without hooks on (or wrapping of) the user's modules. While its
+block is in flight a parameter's class is :class:`GatheringParameter`, an
+``nn.Parameter`` subclass whose ``__torch_function__`` waits for the block,
+restores the class and runs the operation. Every torch operation on it waits
+this way: a module's forward, ``model.state_dict()``, ``torch.save``, ``p.data``,
+an EMA update, a second optimizer; so **no read of a parameter sees stale values**. Metadata
+(``shape``, ``dtype``, ``grad``, ``numel()``, ``data_ptr()``, ...) does not
+wait, so ``zero_grad()`` keeps the overlap. Every ``ZeroOptimizer`` call that
+reads or writes parameters, masters or state (``step()``, state dicts,
+checkpoints, re-planning) waits for all first, and ``opt.wait_for_params()``
+does so on demand. Only plain ``nn.Parameter`` objects are swapped; a block
+holding a parameter of another class is waited for inside ``step()``.
+
+``overlap_param_gather=False`` waits inside ``step()`` and gives bit-identical
+results.
+
+A plain tensor aliasing a parameter's storage (``w = p.data`` or ``p.detach()``
+kept from before ``step()``) is not the parameter: reading it does not wait and
+may see the previous step's values until ``opt.wait_for_params()`` (or any use
+of the parameter itself) completed the gather.
+
+[Note: parameter writes]
+Between steps the parameters are the user's to write: ``model.load_state_dict``,
+an in-place edit under ``torch.no_grad()``. fp32 parameters at stages 1 and 2
+are their own master (stepped in place), so a write is kept. bf16/fp16
+parameters are stepped through fp32 masters, whose cast the next step would
+publish over the write. So before each step (``StepLifecycle.reduce``), where a
+space's parameters were written since this optimizer's last writes completed
+(the sum of their version counters moved: an in-place write through a
+parameter bumps it, this optimizer's writes into the flat buffer do not), each
+rank compares its pieces with the cast of its master, as bits, and takes the
+parameter's value into the master wherever they differ; the other elements keep
+their fp32 bits. A rank sees only its own pieces, so write on every rank (as
+loading a state dict does). Writes through ``p.data`` (a tensor with a version
+counter of its own) are not seen: use the parameter itself. Stage 3 keeps writes
+made inside ``gathered_params(writeback=True)`` only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from zeroplan.core import ZeroPlan
+from zeroplan.facade.params.buffers import SpaceBuffers
+from zeroplan.facade.runtime.collectives import CommLog, Pending, start_space_gather
+from zeroplan.facade.runtime.groups import ProcessGroups
+
+__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather"]
+
+
+class DeferredParameter(torch.nn.Parameter):
+    """Base of the classes a parameter takes while its values are not in place (never constructed).
+
+    Every torch operation on one, except a metadata read, first calls its
+    class's ``on_use(param, operation name)``: :class:`GatheringParameter`
+    waits for its block, ``ShardedParameter`` (stage 3) gathers it or raises.
+    """
+
+    #: Property reads and calls that touch no values: they do not wait.
+    METADATA: ClassVar[frozenset[str]] = frozenset(
+        {
+            "grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "layout", "ndim",
+            "grad_fn", "is_cuda", "is_sparse", "is_meta", "is_quantized", "names", "_version",
+            "numel", "size", "dim", "data_ptr", "element_size", "nelement", "stride",
+            "is_contiguous", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+            "is_floating_point", "is_complex", "get_device", "untyped_storage", "storage_offset",
+        }
+    )  # fmt: skip
+
+    #: Called with a parameter of this class and the operation's name before the operation runs.
+    on_use: ClassVar[Callable[[torch.Tensor, str | None], None]]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", None) if func.__name__ in ("__get__", "__set__") else func.__name__
+        if name not in DeferredParameter.METADATA:
+            for leaf in tree_flatten((args, kwargs))[0]:
+                if isinstance(leaf, DeferredParameter):  # of any subclass: one operation may mix them
+                    type(leaf).on_use(leaf, name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class GatheringParameter(DeferredParameter):
+    """The class of a parameter whose gather is in flight (see [Note: parameter gather]).
+
+    Never constructed: a plain ``nn.Parameter``'s ``__class__`` is set to it
+    and set back once its block arrived.
+    """
+
+    @staticmethod
+    def on_use(param: torch.Tensor, name: str | None) -> None:
+        """Wait for the block (the operation reads values)."""
+        del name
+        _arrive(param)
+
+
+def _arrive(param: torch.Tensor) -> None:
+    """Wait for ``param``'s block (which restores its class); restore it anyway if its gather is gone."""
+    ref = getattr(param, "_zeroplan_gather", None)
+    owner = ref() if ref is not None else None
+    if owner is not None:
+        owner.wait_for(param)
+    if type(param) is GatheringParameter:
+        param.__class__ = torch.nn.Parameter
+
+
+#: ParamGathers with gathers in flight, held strongly (the optimizer may be gone already), so that
+#: those gathers are retired before the interpreter exits.
+_IN_FLIGHT: set[ParamGather] = set()
+
+
+@atexit.register
+def _retire_at_exit() -> None:
+    """Complete the gathers of the last ``step()`` before exit (or after ``destroy_process_group``).
+
+    A collective nobody waited for may still hold a tensor when the interpreter
+    finalizes, which aborts the process ([Note: retiring a collective] in
+    ``collectives``); a job that ends right after ``step()`` must not crash.
+    """
+    for gather in list(_IN_FLIGHT):
+        try:
+            gather.finish_param_sync()
+        except Exception:  # a destroyed group: nothing is left to wait for
+            gather.forget()
+
+
+class ParamGather:
+    """The parameter gathers of one installed plan (see [Note: parameter gather])."""
+
+    def __init__(
+        self,
+        *,
+        zp: ZeroPlan,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[SpaceBuffers],
+        groups: ProcessGroups,
+        overlap: bool,
+    ) -> None:
+        self._zp = zp
+        self._buffers = buffers
+        self._groups = groups
+        self.overlap = overlap
+        # Per (space, block), its parameters; per parameter (by identity), its blocks.
+        self._members: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._blocks_of: dict[int, list[tuple[int, int]]] = {}
+        for buf in buffers:
+            blocks = buf.space.blocks
+            starts = [b.start for b in blocks]
+            for index, offset in zip(buf.space.params, buf.space.buffer_offsets, strict=True):
+                stop = offset + params[index].numel()
+                k = max(bisect_right(starts, offset) - 1, 0)
+                keys = [(buf.space.index, k)]
+                while k + 1 < len(blocks) and starts[k + 1] < stop:  # a parameter cut by a block boundary
+                    k += 1
+                    keys.append((buf.space.index, k))
+                self._blocks_of[id(params[index])] = keys
+                for key in keys:
+                    self._members.setdefault(key, []).append(params[index])
+        self._pending: dict[tuple[int, int], list[Pending]] = {}
+        self._self = weakref.ref(self)
+        # Per space, its parameters: their version counters move with every in-place write through
+        # them (model.load_state_dict, p.copy_, p.clamp_), never with this optimizer's own writes,
+        # which go into the flat buffer they view.
+        self._space_params = [[params[i] for i in buf.space.params] for buf in buffers]
+        self._settled: list[int] = []
+        self._settle()
+
+    def _versions(self) -> list[int]:
+        return [sum(p._version for p in members) for members in self._space_params]
+
+    def _settle(self) -> None:
+        """Note the parameters' versions once this optimizer's writes into them are done."""
+        self._settled = self._versions()
+
+    def keep_param_writes(self) -> None:
+        """Before a step: keep what was written into bf16/fp16 parameters since the last gather.
+
+        See [Note: parameter writes]. Only spaces whose parameters were written
+        since (a version counter moved: an in-place write through a parameter
+        bumps it) are compared with their masters.
+        """
+        self.finish_param_sync()
+        for buf, settled, now in zip(self._buffers, self._settled, self._versions(), strict=True):
+            if now != settled:
+                buf.keep_param_writes()
+        self._settle()
+
+    def start_param_sync(self, log: CommLog) -> None:
+        """Publish this rank's updated shards and start every block's gather; finished unless overlapping."""
+        self.finish_param_sync()
+        for buf in self._buffers:
+            buf.publish_master()
+        for buf in self._buffers:
+            for k, pending in start_space_gather(buf.params, buf.space, self._zp, self._groups, log).items():
+                self._pending[buf.space.index, k] = pending
+        if not self._pending:  # nothing to gather (a world of one): the writes are done
+            self._settle()
+            return
+        if not self.overlap:
+            self.finish_param_sync()
+            return
+        _IN_FLIGHT.add(self)
+        for key in list(self._pending):
+            members = self._members.get(key, [])
+            if any(type(p) not in (torch.nn.Parameter, GatheringParameter) for p in members):
+                self._finish_block(key)  # a parameter class of the user's own: not swapped, so not deferred
+                continue
+            for p in members:
+                p._zeroplan_gather = self._self  # type: ignore[attr-defined]
+                p.__class__ = GatheringParameter
+
+    def _finish_block(self, key: tuple[int, int]) -> None:
+        for p in self._pending.pop(key, ()):
+            p.finish()
+        if not self._pending:
+            _IN_FLIGHT.discard(self)
+            self._settle()
+        for param in self._members.get(key, ()):
+            if type(param) is GatheringParameter and not any(
+                k in self._pending for k in self._blocks_of[id(param)]
+            ):
+                param.__class__ = torch.nn.Parameter
+
+    def finish_param_sync(self) -> None:
+        """Finish every gather in flight, in the order they started."""
+        for key in list(self._pending):
+            self._finish_block(key)
+        _IN_FLIGHT.discard(self)
+
+    def wait_for(self, param: torch.Tensor) -> None:
+        """Complete the gathers of the blocks holding ``param``."""
+        for key in self._blocks_of.get(id(param), ()):
+            self._finish_block(key)
+
+    def forget(self) -> None:
+        """Drop what is in flight without waiting (the process group is gone); restore the classes."""
+        self._pending = {}
+        _IN_FLIGHT.discard(self)
+        for members in self._members.values():
+            for param in members:
+                if type(param) is GatheringParameter:
+                    param.__class__ = torch.nn.Parameter

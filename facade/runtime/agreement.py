@@ -1,0 +1,158 @@
+"""Ranks agree before anything changes: one collective carries every rank's verdict.
+
+Used at construction, before every re-plan, before a state dict or checkpoint
+is installed and at each phase of a checkpoint save: each rank validates
+locally, then all exchange their verdicts (:func:`verdicts`): an error, if any,
+and facts that must be equal on every rank (a plan fingerprint, a digest). If
+any rank failed, every rank raises, so none is left waiting in a collective the
+others never enter, and nothing was modified.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from zeroplan.core import (
+    CheckpointError,
+    ConfigError,
+    IncompatiblePlanError,
+    PlanInvariantError,
+    StepOrderError,
+    ZeroPlan,
+    ZeroplanError,
+)
+from zeroplan.facade.runtime.collectives import all_gather_objects
+
+__all__ = ["agree", "as_zeroplan_error", "first_differing", "verdicts"]
+
+#: Error classes a rank re-creates from another rank's verdict, by name.
+_ERRORS: dict[str, type[ZeroplanError]] = {
+    cls.__name__: cls
+    for cls in (
+        ZeroplanError,
+        ConfigError,
+        StepOrderError,
+        PlanInvariantError,
+        IncompatiblePlanError,
+        CheckpointError,
+    )
+}
+
+
+def as_zeroplan_error(exc: Exception, wrap: type[ZeroplanError], context: str) -> ZeroplanError:
+    """``exc`` itself if it is a zeroplan error, else a ``wrap`` that names it (and chains it).
+
+    Example:
+        >>> str(as_zeroplan_error(KeyError("step"), CheckpointError, "cannot read ckpt"))
+        "cannot read ckpt: KeyError: 'step'"
+    """
+    if isinstance(exc, ZeroplanError):
+        return exc
+    error = wrap(f"{context}: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def verdicts(
+    problem: Exception | None,
+    world: dist.ProcessGroup,
+    *,
+    failed: str,
+    facts: Any = None,
+    error: type[ZeroplanError] | None = None,
+) -> list[Any]:
+    """Exchange every rank's verdict in one collective; raise on every rank if any rank failed.
+
+    Args:
+        problem: this rank's error, or ``None``.
+        world: the ranks that must agree (all of them call this).
+        failed: what a failing rank failed to do, for the others' message
+            ("could not load the checkpoint").
+        facts: small picklable data the caller compares across ranks.
+        error: the class the other ranks raise; ``None``: the failing rank's class.
+
+    Returns:
+        Every rank's ``facts``, in rank order (only when no rank failed).
+
+    Raises:
+        ZeroplanError: ``problem`` on its own rank; on the others, an error
+            naming the first failing rank and its message.
+    """
+    mine = None if problem is None else (type(problem).__name__, str(problem))
+    rows = all_gather_objects((mine, facts), world)
+    if problem is not None:
+        raise problem
+    for rank, (theirs, _) in enumerate(rows):
+        if theirs is not None:
+            name, message = theirs
+            cls = error or _ERRORS.get(name, ZeroplanError)
+            raise cls(f"rank {rank} {failed}: {name}: {message}")
+    return [row_facts for _, row_facts in rows]
+
+
+def first_differing(facts: list[Any]) -> int | None:
+    """The first rank whose facts differ from rank 0's, or ``None`` if all are equal.
+
+    Example:
+        >>> first_differing(["a", "a", "b"]), first_differing(["a", "a"])
+        (2, None)
+    """
+    return next((rank for rank, row in enumerate(facts) if row != facts[0]), None)
+
+
+#: What it means when a rank's parameter digest, or its plan fingerprint, differs from rank 0's.
+_PLAN_MISMATCH = (
+    "describes different parameters than rank 0 (their order, shapes, dtypes, groups or requires_grad "
+    "differ); build the same model on every rank and pass its parameters in the same order",
+    "planned differently from rank 0 with the same parameters: pass the same stage, shard_group_size, "
+    "strategy, bucket_bytes, alignment and optimizer settings on every rank",
+)
+
+
+def agree(
+    zp: ZeroPlan | None,
+    world: dist.ProcessGroup,
+    problem: Exception | None,
+    settings: dict[str, Any] | None = None,
+) -> ZeroPlan:
+    """Collective check that every rank validated and planned the same thing.
+
+    All ranks exchange (error, parameter digest, plan fingerprint, settings);
+    if any rank failed or differs, every rank raises, so none is left waiting
+    in a collective the others never enter. ``settings`` holds what the plan
+    does not fingerprint but every rank must share (hyper-parameters such as
+    ``lr``, the loss scale), as plain comparable values.
+    """
+    facts = None if zp is None else (zp.specs_fingerprint(), zp.fingerprint(), settings)
+    rows = verdicts(problem, world, failed="rejected the optimizer settings", facts=facts, error=ConfigError)
+    for position, message in enumerate(_PLAN_MISMATCH):
+        rank = first_differing([row[position] for row in rows])
+        if rank is not None:
+            raise IncompatiblePlanError(f"rank {rank} {message}")
+    rank = first_differing([theirs for _, _, theirs in rows])
+    if rank is not None:
+        raise ConfigError(
+            f"rank {rank} was given different optimizer settings than rank 0 "
+            f"({_first_difference(rows[0][2], rows[rank][2], rank)}); pass the same hyper-parameters, "
+            "loss_scale and ranks_per_node on every rank"
+        )
+    if zp is None:  # unreachable: a rank without a plan reported a problem
+        raise RuntimeError("no plan and no error")
+    return zp
+
+
+def _first_difference(a: Any, b: Any, rank: int, where: str = "") -> str:
+    """Where two nested settings values first differ, e.g. ``param_groups[0]['lr']: 0.1 vs 0.2``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b), key=str):
+            if a.get(key) != b.get(key):
+                return _first_difference(
+                    a.get(key), b.get(key), rank, f"{where}[{key!r}]" if where else str(key)
+                )
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                return _first_difference(x, y, rank, f"{where}[{i}]")
+    return f"{where or 'settings'}: {a!r} on rank 0, {b!r} on rank {rank}"

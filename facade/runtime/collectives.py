@@ -1,0 +1,498 @@
+"""Every ``torch.distributed`` call of a step, issued here and logged with the core cost model.
+
+[Note: one place for collectives]
+Free functions in the style of FSDP2's ``foreach_all_gather``: the modules
+that own a step's phases decide *when* (``grad_sync`` as buckets fill,
+``params.gather`` and ``params.sharded`` after ``step()`` and around each module,
+``lifecycle`` for norms, overflow verdicts and the step agreement); these
+functions decide *how*: which collective, on which group, from which views,
+in which order pieces are summed. No other facade module calls
+``torch.distributed`` during a step, so a new wire format or summation order
+changes this module only.
+
+One naming rule for asynchronous work, after Megatron's pairs: ``start_*``
+issues the calls and returns :class:`Pending` handles, and
+:meth:`Pending.finish` completes one (waits, retires the tensors as below,
+then runs what was to follow: a copy out of a staging buffer, a sum of
+received pieces). The owners name their own phases the same way
+(``start_param_sync``/``finish_param_sync``, ``finish_grad_sync``). Blocking
+helpers (:func:`all_reduce`, :func:`all_reduce_shard`, :func:`all_reduce_world`, :func:`broadcast`,
+:func:`all_gather_objects`) are plain verbs.
+
+Every call of the step's traffic is recorded in a :class:`CommLog` with the
+bytes :func:`zeroplan.core.send_elements` assigns to it, computed from the
+sizes of the tensors actually passed, and the link of the group it ran on,
+so measured traffic can be compared with the plan's.
+
+[Note: retiring a collective]
+gloo runs a collective on a worker thread of the process group, and that
+thread lets go of the collective (and of the tensors it was given) a little
+*after* ``work.wait()`` has returned. While C++ holds a tensor, torch holds
+a reference to its Python object, and whoever drops the last C++ reference
+drops that one too, which takes the GIL. When Python dropped its ``Work``
+first, that is the worker thread; if the interpreter is finalizing by then
+(a script that ends right after ``step()``), taking the GIL ends the thread
+inside a ``noexcept`` destructor and the process dies with SIGABRT,
+"terminate called without an active exception", after all its work is done.
+
+So a collective is not finished when its work is. :func:`_start` gives the
+backend fresh aliases of the tensors (views nothing else refers to) and
+:meth:`Pending.finish` waits for the work, drops it, then waits, with the GIL
+released, until the backend has dropped its reference to each alias's
+Python object; the aliases themselves are freed later, by Python. Weaker
+signals are not enough: the C++ reference count falls just *before* the
+worker takes the GIL, and an alias freed by the worker thread is seen gone
+while that thread still has to take the GIL again. When ``finish()``
+returns, no backend thread has anything of the facade's left to release,
+so returning from ``step()`` (or any collective method) and exiting is
+safe. The blocking helpers (:func:`all_reduce_shard`, :func:`broadcast`,
+:func:`all_gather_objects`) go through the same path.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import (
+    Block,
+    Bucket,
+    Collective,
+    CommCost,
+    Link,
+    Space,
+    ZeroPlan,
+    send_elements,
+    two_hop_gather,
+)
+from zeroplan.facade.runtime.groups import ProcessGroups
+
+__all__ = [
+    "CommLog",
+    "Pending",
+    "all_gather_objects",
+    "all_reduce",
+    "all_reduce_shard",
+    "all_reduce_world",
+    "broadcast",
+    "start_block_gather",
+    "start_bucket_reduce",
+    "start_replica_reduce",
+    "start_space_gather",
+    "to_device",
+]
+
+_REDUCE_TAG = 0x5A01
+_GATHER_TAG = 0x5A02
+"""Point-to-point tags of the two exchanges, apart from tag 0 (a user's own ``send``/``recv``)."""
+
+_RELEASE_POLL_S = 1e-5
+_RELEASE_LIMIT_S = 10.0
+"""How long :meth:`Pending.finish` waits for the backend to let go of a finished collective's tensors.
+
+It normally takes microseconds; past the limit the tensors are left to the backend (some other C++
+owner keeps them alive, so the backend's release cannot be the one that touches Python)."""
+
+
+class Pending:
+    """An asynchronous collective and what to do once it completed; :meth:`finish` consumes it.
+
+    See [Note: retiring a collective]. Build it with :func:`_start`.
+    """
+
+    __slots__ = ("_after", "_held", "_work")
+
+    def __init__(
+        self,
+        work: dist.Work | None,
+        after: Callable[[], None] | None = None,
+        held: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    ) -> None:
+        self._work = work
+        self._after = after
+        self._held = tuple(held)
+
+    def finish(self) -> None:
+        """Block until the collective completed and the backend let go of its tensors, then run ``after``.
+
+        A second call does nothing.
+        """
+        work, self._work = self._work, None
+        held, self._held = self._held, ()
+        after, self._after = self._after, None
+        if work is not None:
+            work.wait()
+            del work  # the backend's reference is now the last one, or already gone
+            _await_release(held)
+        if after is not None:
+            after()
+
+
+def _await_release(held: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Wait, with the GIL released, until the backend dropped every alias it was given.
+
+    ``given`` and its ``twin`` are alike views, referenced alike, but only ``given`` went to the
+    backend, and torch adds one reference to ``given``'s Python object while C++ holds it. The
+    backend's thread removes that reference, under the GIL, as its last use of Python for the
+    tensor; equal reference counts mean it is done.
+    """
+    deadline = time.monotonic() + _RELEASE_LIMIT_S
+    for given, twin in held:
+        while sys.getrefcount(given) > sys.getrefcount(twin) and time.monotonic() < deadline:
+            time.sleep(_RELEASE_POLL_S)
+
+
+def _start(
+    start: Callable[..., dist.Work | None], *tensors: Any, after: Callable[[], None] | None = None
+) -> Pending:
+    """``start(*aliases)`` with a fresh alias of each tensor (or list of tensors); its :class:`Pending`.
+
+    ``start`` issues one collective with ``async_op=True`` (see [Note: retiring a collective]).
+    """
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def alias(t: torch.Tensor) -> torch.Tensor:
+        held.append((t.view(t.shape), t.view(t.shape)))
+        return held[-1][0]
+
+    args = [[alias(t) for t in x] if isinstance(x, list) else alias(x) for x in tensors]
+    return Pending(start(*args), after, held)
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's ``obj`` (picklable, small: verdicts and metadata), in group rank order.
+
+    ``torch.distributed.all_gather_object``'s protocol (sizes, then padded bytes),
+    with collectives retired as [Note: retiring a collective] says. Not logged:
+    control traffic is not part of a step's planned bytes.
+    """
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [obj]
+    device = torch.device(dist.distributed_c10d._get_object_coll_device(group))
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = torch.zeros(size, dtype=torch.int64, device=device)
+    mine = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    _start(partial(dist.all_gather, group=group, async_op=True), list(sizes.split(1)), mine).finish()
+    lengths = sizes.tolist()
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    gathered = torch.empty(size, longest, dtype=torch.uint8, device=device)
+    _start(partial(dist.all_gather, group=group, async_op=True), list(gathered.unbind()), padded).finish()
+    rows = gathered.cpu()
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
+
+
+class CommLog:
+    """Collective calls since the last :meth:`clear`, aggregated per (group, collective, link)."""
+
+    def __init__(self) -> None:
+        self._totals: dict[tuple[str, Collective, Link], list[int]] = {}
+
+    def record(
+        self,
+        group: str,
+        collective: Collective,
+        pieces: Sequence[int],
+        position: int,
+        itemsize: int,
+        *,
+        link: Link,
+    ) -> None:
+        """Log one call in which this rank sat at ``position`` of a group with ``pieces``, on ``link``."""
+        entry = self._totals.setdefault((group, collective, link), [0, 0])
+        entry[0] += 1
+        entry[1] += send_elements(collective, pieces, position) * itemsize
+
+    def summary(self) -> tuple[CommCost, ...]:
+        """Calls and bytes sent per (group, collective, link), sorted by group, collective, link."""
+        return tuple(
+            CommCost(group=group, collective=collective, link=link, calls=calls, bytes=nbytes)
+            for (group, collective, link), (calls, nbytes) in sorted(
+                self._totals.items(), key=lambda item: (item[0][0], item[0][1].value, item[0][2].value)
+            )
+        )
+
+    def clear(self) -> None:
+        """Forget every call."""
+        self._totals.clear()
+
+
+def start_bucket_reduce(
+    staging: torch.Tensor,
+    output: torch.Tensor | None,
+    bucket: Bucket,
+    groups: ProcessGroups,
+    log: CommLog,
+    received: torch.Tensor | None = None,
+) -> Pending:
+    """Launch the reduction of one bucket's ``staging`` buffer into this rank's ``output`` piece.
+
+    ``staging`` holds the bucket's gradients laid out piece after piece, in rank
+    order (see [Note: buckets] in ``zeroplan.core.buckets``); it is scratch
+    space afterwards. ``output`` is ``None`` when this rank owns no piece; it
+    may be the piece's own window of ``staging``, where a reduce or all-reduce
+    leaves it anyway. ``received`` is the room for the other ranks' pieces when
+    the plan reduce-scatters by point-to-point exchange (``StagingLayout.received``,
+    [Note: collective policy]).
+    """
+    n = groups.topology.shard_size
+    s = groups.shard_rank
+    itemsize = staging.element_size()
+    if received is not None:
+        if output is None:
+            raise RuntimeError(f"bucket {bucket.index} is exchanged but rank {s} has no piece of it")
+        sizes = list(bucket.piece_sizes(n))
+        log.record("shard", bucket.collective, sizes, s, itemsize, link=groups.shard_link)
+        return _exchange_reduce(staging, received, output, bucket, groups)
+    if bucket.collective is Collective.ALL_REDUCE:  # GLOO policy: sum over the world, keep the piece
+        world = groups.topology.world_size
+        piece = bucket.piece_of(s)
+        keep = None if output is None or piece is None else staging[piece.staging_span.as_slice()]
+        after = None if keep is None else _copier(output, keep)
+        if world == 1:
+            return Pending(None, after)
+        link = groups.topology.world_link
+        log.record(
+            "world", Collective.ALL_REDUCE, [staging.numel()] * world, groups.rank, itemsize, link=link
+        )
+        return _start(partial(dist.all_reduce, group=groups.world, async_op=True), staging, after=after)
+    if n == 1:
+        if output is not None:
+            copy = _copier(output, staging)
+            if copy is not None:
+                copy()
+        return Pending(None)
+    # gloo's reduce_scatter_tensor copies its whole input into a temporary (measured with MemTracker:
+    # one bucket more than planned); its list form reduces from the pieces themselves.
+    if bucket.collective is Collective.REDUCE_SCATTER and dist.get_backend(groups.shard) != "gloo":
+        if output is None:
+            raise RuntimeError(f"bucket {bucket.index} is reduce-scattered but rank {s} has no piece of it")
+        log.record(
+            "shard", bucket.collective, [staging.numel() // n] * n, s, itemsize, link=groups.shard_link
+        )
+        return _start(partial(dist.reduce_scatter_single, group=groups.shard, async_op=True), output, staging)
+    if bucket.collective is Collective.REDUCE:
+        owner = bucket.pieces[0].rank
+        sizes = [staging.numel() if q == owner else 0 for q in range(n)]
+        log.record("shard", bucket.collective, sizes, s, itemsize, link=groups.shard_link)
+        after = None if output is None else _copier(output, staging)
+        reduce = partial(dist.reduce, group_dst=owner, group=groups.shard, async_op=True)
+        return _start(reduce, staging, after=after)
+    inputs = list(staging.split(list(bucket.piece_sizes(n))))
+    log.record("shard", bucket.collective, [t.numel() for t in inputs], s, itemsize, link=groups.shard_link)
+    target = output if output is not None else staging.new_empty(0)
+    return _start(partial(dist.reduce_scatter, group=groups.shard, async_op=True), target, inputs)
+
+
+def _exchange_reduce(
+    staging: torch.Tensor, received: torch.Tensor, output: torch.Tensor, bucket: Bucket, groups: ProcessGroups
+) -> Pending:
+    """Send each peer its piece of ``staging``, receive this rank's piece from each peer; sum on finish.
+
+    The sum is this rank's own piece, then the received ones in rank order
+    (``output`` may be the own piece's window of ``staging``, which is never sent).
+    """
+    n, s = groups.topology.shard_size, groups.shard_rank
+    pieces = staging.split(list(bucket.piece_sizes(n)))
+    peers = [q for q in range(n) if q != s]
+    rooms = received.split(pieces[s].numel())
+    parts = _start_exchange(
+        [(q, pieces[q]) for q in peers], list(zip(peers, rooms, strict=True)), groups.shard, _REDUCE_TAG
+    )
+    return Pending(None, after=partial(_sum_after, parts, pieces[s], rooms, output))
+
+
+def _sum_after(
+    parts: Sequence[Pending], own: torch.Tensor, others: Sequence[torch.Tensor], output: torch.Tensor
+) -> None:
+    """Wait for ``parts``, then ``output = own + others[0] + others[1] + ...`` (``output`` may be ``own``)."""
+    for part in parts:
+        part.finish()
+    torch.add(own, others[0], out=output)
+    for other in others[1:]:
+        output.add_(other)
+
+
+def _start_exchange(
+    sends: Sequence[tuple[int, torch.Tensor]],
+    receives: Sequence[tuple[int, torch.Tensor]],
+    group: dist.ProcessGroup,
+    tag: int,
+) -> list[Pending]:
+    """Launch an ``irecv`` per ``(peer, tensor)`` of ``receives``, then an ``isend`` per one of ``sends``.
+
+    Peers are ranks of ``group``. Every rank posts its exchanges in the plan's
+    order, so sends and receives between two ranks with the same ``tag`` pair
+    up first to first ([Note: collective policy] in ``zeroplan.core.comm``).
+    """
+    pending = [_start(partial(dist.irecv, group_src=q, group=group, tag=tag), t) for q, t in receives]
+    pending += [_start(partial(dist.isend, group_dst=q, group=group, tag=tag), t) for q, t in sends]
+    return pending
+
+
+def _copier(output: torch.Tensor, source: torch.Tensor) -> Callable[[], None] | None:
+    """``output.copy_(source)`` to run later, or ``None`` when ``output`` is ``source``'s own memory."""
+    same = output.data_ptr() == source.data_ptr() and output.dtype == source.dtype
+    if same and output.shape == source.shape:
+        return None
+    return partial(output.copy_, source)
+
+
+def _start_exchange_gather(
+    places: Sequence[torch.Tensor], groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """Gather a block of equal pieces by point-to-point exchange ([Note: collective policy]).
+
+    ``places[q]`` is shard rank ``q``'s piece of the block; this rank's already
+    holds its values. It is sent to every peer, and each peer's lands in place.
+    """
+    n, s = groups.topology.shard_size, groups.shard_rank
+    sizes = [t.numel() for t in places]
+    log.record("shard", Collective.ALL_GATHER, sizes, s, places[s].element_size(), link=groups.shard_link)
+    peers = [q for q in range(n) if q != s]
+    sends = [(q, places[s]) for q in peers]
+    return _start_exchange(sends, [(q, places[q]) for q in peers], groups.shard, _GATHER_TAG)
+
+
+def start_replica_reduce(piece: torch.Tensor, groups: ProcessGroups, log: CommLog) -> Pending:
+    """Sum a reduced shard piece over the replica group (MiCS); nothing without replicas."""
+    if groups.replica is None or piece.numel() == 0:
+        return Pending(None)
+    r = groups.topology.replica_size
+    log.record(
+        "replica",
+        Collective.ALL_REDUCE,
+        [piece.numel()] * r,
+        groups.replica_rank,
+        piece.element_size(),
+        link=groups.replica_link,
+    )
+    return _start(partial(dist.all_reduce, group=groups.replica, async_op=True), piece)
+
+
+def all_reduce_shard(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGroups, log: CommLog) -> None:
+    """Blocking all-reduce of a small control tensor over the shard group (norms, overflow flags)."""
+    n = groups.topology.shard_size
+    if n == 1:
+        return
+    size = value.element_size()
+    log.record(
+        "shard", Collective.ALL_REDUCE, [value.numel()] * n, groups.shard_rank, size, link=groups.shard_link
+    )
+    _start(partial(dist.all_reduce, op=op, group=groups.shard, async_op=True), value).finish()
+
+
+def all_reduce_world(value: torch.Tensor, op: dist.ReduceOp, groups: ProcessGroups, log: CommLog) -> None:
+    """Blocking all-reduce of a small control tensor over the world (the step agreement, planned as
+    [Note: control calls] in ``zeroplan.core.comm`` says)."""
+    world = groups.topology.world_size
+    if world == 1:
+        return
+    link = groups.topology.world_link
+    size = value.element_size()
+    log.record("world", Collective.ALL_REDUCE, [value.numel()] * world, groups.rank, size, link=link)
+    _start(partial(dist.all_reduce, op=op, group=groups.world, async_op=True), value).finish()
+
+
+def to_device(values: Sequence[int | float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, without the host waiting for the device.
+
+    ``torch.tensor(values, device=cuda)`` copies from pageable memory, which waits for every kernel
+    queued before it; a pinned buffer and a non-blocking copy queue the copy instead (the caching host
+    allocator keeps the buffer until the copy ran). On the CPU it is the tensor itself.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> None:
+    """Blocking all-reduce of a small control tensor over ``group`` (not logged: not a step's bytes)."""
+    _start(partial(dist.all_reduce, op=op, group=group, async_op=True), tensor).finish()
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
+    """Blocking broadcast of ``tensor`` from ``group`` rank ``src`` (not logged: setup and state moves)."""
+    _start(partial(dist.broadcast, group_src=src, group=group, async_op=True), tensor).finish()
+
+
+def start_block_gather(
+    full: torch.Tensor, block: Block, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """Start the gather of one block of ``full`` as ``zp`` says; this rank's piece holds its values."""
+    n = groups.topology.shard_size
+    if n == 1:
+        return []
+    s = groups.shard_rank
+    itemsize = full.element_size()
+    collective = zp.gather_collective(block)
+    if zp.gathers_in_two_hops(block):
+        return _start_two_hop_gather(full, block, groups, log)
+    if zp.exchanges(collective):
+        return _start_exchange_gather(
+            [full[block.piece(q).buffer_span.as_slice()] for q in range(n)], groups, log
+        )
+    if collective is Collective.ALL_GATHER:
+        mine = full[block.piece(s).buffer_span.as_slice()]
+        log.record("shard", Collective.ALL_GATHER, list(block.pieces), s, itemsize, link=groups.shard_link)
+        out = full[block.span.as_slice()]
+        return [_start(partial(dist.all_gather_single, group=groups.shard, async_op=True), out, mine)]
+    pending = []
+    for q in range(n):
+        if not block.pieces[q]:
+            continue
+        sizes = [block.pieces[q] if p == q else 0 for p in range(n)]
+        log.record("shard", Collective.BROADCAST, sizes, s, itemsize, link=groups.shard_link)
+        start = partial(dist.broadcast, group_src=q, group=groups.shard, async_op=True)
+        pending.append(_start(start, full[block.piece(q).buffer_span.as_slice()]))
+    return pending
+
+
+def _start_two_hop_gather(
+    full: torch.Tensor, block: Block, groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """Gather a block of equal pieces across nodes, wait, then start the gather inside the node.
+
+    See [Note: hierarchical all-gather]: the first hop lands each piece in its
+    own place (a list all-gather); the second fills each node chunk in place.
+    """
+    if groups.node is None or groups.cross_node is None:
+        raise RuntimeError(f"{groups.topology} gathers in two hops but its node groups were not made")
+    hops = two_hop_gather(block, groups.topology, groups.shard_rank)
+    itemsize = full.element_size()
+    across = hops.across
+    log.record("shard", Collective.ALL_GATHER, across.sizes, across.position, itemsize, link=across.link)
+    places = [full[p.as_slice()] for p in across.pieces]
+    start = partial(dist.all_gather, group=groups.cross_node, async_op=True)
+    _start(start, places, full[across.own.as_slice()]).finish()  # the second hop sends what arrived
+    pending = []
+    for call in hops.within:
+        log.record("shard", Collective.ALL_GATHER, call.sizes, call.position, itemsize, link=call.link)
+        start = partial(dist.all_gather_single, group=groups.node, async_op=True)
+        pending.append(_start(start, full[call.span.as_slice()], full[call.own.as_slice()]))
+    return pending
+
+
+def start_space_gather(
+    full: torch.Tensor, space: Space, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+) -> dict[int, list[Pending]]:
+    """Start the gathers of every block of ``full`` (a space's full buffer), in buffer order.
+
+    Returns, per block index, its collectives (blocks that needed none are left out).
+    """
+    started = {}
+    for k, block in enumerate(space.blocks):
+        pending = start_block_gather(full, block, zp, groups, log)
+        if pending:
+            started[k] = pending
+    return started

@@ -1,0 +1,245 @@
+"""Building a ``ZeroOptimizer``: its domains planned and agreed on by every rank, then made.
+
+``ZeroOptimizer.__init__`` hands its arguments over as a :class:`Request`; :func:`agree` splits the
+param groups into domains ([Note: expert domains] in ``domain``), validates and plans each, and
+has every rank agree (the data-parallel domain over the world, each expert domain over its group,
+then one verdict over the world), so a bad argument on any rank raises on every rank before anything
+is modified; :func:`joint_step` then makes the domains and what couples them ([Note: joint step]).
+
+[Note: importing torch._dynamo here]
+torch imports ``torch._dynamo`` the first time any ``torch.optim`` optimizer
+is built, and one of the modules it loads keeps the frame that called it in a
+reference cycle (``torch.fx.wrap`` holds ``inspect.currentframe()`` in a local).
+That frame's ``f_back`` chain reaches whatever stack was running: when that is
+``ZeroOptimizer.__init__`` (or a user's function that first touched
+``zeroplan.facade.ZeroOptimizer``), everything those frames hold, the first
+``ZeroOptimizer`` and its process groups included, outlives its last
+reference until the cycle collector runs, often not before the interpreter
+finalizes. A gloo group freed then lets its worker thread take the GIL during
+finalization, and the process aborts ("terminate called without an active
+exception") after its work is done. So this module (imported by ``optimizer``) imports it once, then
+collects that garbage cycle at once (:func:`_import_dynamo_now`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib
+import sys
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import ConfigError, ScalerConfig, ZeroPlan, ZeroplanError, initial_state
+from zeroplan.facade.diagnostics.memory_check import check_device_memory
+from zeroplan.facade.params.sharded import Peers
+from zeroplan.facade.runtime import replanning
+from zeroplan.facade.runtime.agreement import verdicts
+from zeroplan.facade.runtime.domain import (
+    Domain,
+    DomainInput,
+    ExecutionOptions,
+    check_partition,
+    split_domains,
+)
+from zeroplan.facade.runtime.joint import JointStep
+from zeroplan.facade.runtime.registry import Configured, configure
+
+
+def _import_dynamo_now() -> None:
+    """Import ``torch._dynamo``, then free the frames it keeps in a cycle.
+
+    See [Note: importing torch._dynamo here].
+    """
+    if "torch._dynamo" in sys.modules:
+        return
+    importlib.import_module("torch._dynamo")
+    gc.collect()
+
+
+_import_dynamo_now()
+
+
+__all__ = ["Agreed", "Request", "agree", "joint_step"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Request:
+    """The arguments of ``ZeroOptimizer(...)`` that planning reads (see its docstring for each)."""
+
+    optimizer_class: type[torch.optim.Optimizer]
+    optimizer_defaults: dict[str, Any]
+    stage: int
+    shard_group_size: int | None
+    ranks_per_node: int | None
+    strategy: str
+    bucket_bytes: int
+    layout: str
+    loss_scale: float | str | None
+    scaler: ScalerConfig | None
+    alignment: int
+    max_inflight_buckets: int
+    collectives: str
+    overlap_grad_reduce: bool
+    strict_memory: bool
+
+    def configure(self, item: DomainInput, first: bool) -> Configured:
+        """Validate the request for one domain (shard groups and nodes are the data domain's only)."""
+        return configure(
+            item.param_groups,
+            self.optimizer_class,
+            self.optimizer_defaults,
+            world=item.group,
+            stage=self.stage,
+            shard_group_size=self.shard_group_size if first else None,
+            strategy=self.strategy,
+            alignment=self.alignment,
+            bucket_bytes=self.bucket_bytes,
+            loss_scale=self.loss_scale,
+            max_inflight_buckets=self.max_inflight_buckets,
+            collectives=self.collectives,
+            layout=self.layout,
+            ranks_per_node=self.ranks_per_node if first else None,
+        )
+
+
+class Agreed(NamedTuple):
+    """Every domain's input, validated settings and plan, agreed on by every rank."""
+
+    inputs: list[DomainInput]
+    configured: list[Configured]
+    plans: list[ZeroPlan]
+
+    def param_groups(self, world: dist.ProcessGroup) -> list[dict[str, Any]]:
+        """The param groups for ``torch.optim.Optimizer``: the user's order, expert ones with their group."""
+        ordered: list[dict[str, Any]] = [{} for _ in range(sum(len(i.positions) for i in self.inputs))]
+        for item, c in zip(self.inputs, self.configured, strict=True):
+            params_of = c.registry.params
+            for position, g in zip(item.positions, c.groups, strict=True):
+                extra = {} if item.group is world else {"process_group": item.group}
+                ordered[position] = {**g, **extra, "params": [params_of[i] for i in g["params"]]}
+        return ordered
+
+
+def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> Agreed:
+    """Split, validate and plan every domain; every rank agrees, or every rank raises.
+
+    Raises:
+        ConfigError: a bad argument on any rank (nothing is modified).
+        IncompatiblePlanError: ranks disagree on parameters or settings.
+    """
+    split_problem: ConfigError | None = None
+    try:
+        inputs = split_domains(params, world)  # [Note: expert domains]
+    except ConfigError as exc:  # raised on every rank by the agreement below, not here alone
+        inputs, split_problem = [], exc
+    configured: list[Configured] = []
+    plans: list[ZeroPlan] = []
+
+    def make() -> tuple[ZeroPlan, list[dict[str, Any]]]:
+        if split_problem is not None:
+            raise split_problem
+        configured[:], plans[:] = [], []
+        for d, item in enumerate(inputs):
+            c = request.configure(item, first=d == 0)
+            zp = c.settings.plan(c.registry, c.groups)
+            overlap, strict = request.overlap_grad_reduce, request.strict_memory
+            check_device_memory(zp, c, item.group, overlap=overlap, strict=strict)
+            configured.append(c)
+            plans.append(zp)
+        _check_disjoint(inputs, configured)
+        return plans[0], configured[0].groups
+
+    # ranks_per_node is not fingerprinted (it changes no layout) but decides the groups made later.
+    layout_of_domains = [(i.positions, dist.get_world_size(i.group)) for i in inputs]
+    plans[:1] = [
+        replanning.agreed_plan(
+            make,
+            world,
+            loss_scale=repr(request.loss_scale),
+            scaler=repr(request.scaler),
+            ranks_per_node=repr(request.ranks_per_node),
+            domains=repr(layout_of_domains),
+        )
+    ]
+    if len(inputs) > 1:
+        check_partition(inputs, world)  # before any expert group's own collective
+        plans[1:] = _agreed_expert_plans(inputs, configured, plans, world)
+    return Agreed(inputs, configured, plans)
+
+
+def joint_step(
+    agreed: Agreed,
+    param_groups: list[dict[str, Any]],
+    defaults: dict[str, Any],
+    world: dist.ProcessGroup,
+    options: ExecutionOptions,
+    scaler: ScalerConfig | None,
+) -> JointStep:
+    """Install every agreed domain over the optimizer's own ``param_groups`` and couple them."""
+    peers = Peers()  # [Note: several sharded domains]
+    domains = [
+        Domain(
+            name=item.name,
+            world=item.group,
+            configured=c,
+            zp=zp,
+            param_groups=[param_groups[p] for p in item.positions],
+            defaults=defaults,
+            # Expert buckets reduce at step(): an expert that got no token on one rank has no
+            # gradient there, and a backward hook waiting for its bucket would wait for that rank,
+            # which launches it only in step(), after the data domain it may be waiting on.
+            options=options if item.group is world else options._replace(overlap=False),
+            peers=peers,
+        )
+        for item, c, zp in zip(agreed.inputs, agreed.configured, agreed.plans, strict=True)
+    ]
+    mode = agreed.configured[0].mode
+    return JointStep(  # [Note: joint step]
+        domains,
+        world,
+        scaler=initial_state(scaler or ScalerConfig()) if mode == "dynamic" else None,
+        static_scale=mode if isinstance(mode, float) else 1.0,
+    )
+
+
+def _check_disjoint(inputs: list[DomainInput], configured: list[Configured]) -> None:
+    """Raise if a parameter is in two domains' groups."""
+    owner: dict[int, str] = {}
+    for item, c in zip(inputs, configured, strict=True):
+        for param, name in zip(c.registry.params, c.registry.names, strict=True):
+            if owner.setdefault(id(param), item.name) != item.name:
+                raise ConfigError(
+                    f"parameter {name!r} is in a group of domain {owner[id(param)]!r} and in one of "
+                    f"{item.name!r} (groups with another process_group); list each parameter once"
+                )
+
+
+def _agreed_expert_plans(
+    inputs: list[DomainInput], configured: list[Configured], plans: list[ZeroPlan], world: dist.ProcessGroup
+) -> list[ZeroPlan]:
+    """Every expert domain's plan once its group's ranks agreed; raises on every rank if any group failed.
+
+    Each expert group agrees over itself (its ranks hold the same experts);
+    one verdict over the world then carries any group's failure to all.
+    """
+    agreed: list[ZeroPlan] = []
+    problem: Exception | None = None
+    for d in range(1, len(inputs)):
+        try:
+            agreed.append(
+                replanning.agreed_plan(lambda d=d: (plans[d], configured[d].groups), inputs[d].group)
+            )
+        except Exception as exc:  # the other expert groups still agree, so no rank waits
+            ranks = dist.get_process_group_ranks(inputs[d].group)
+            where = (
+                f"domain {inputs[d].name!r} (param groups {list(inputs[d].positions)}, global ranks {ranks})"
+            )
+            if isinstance(exc, ZeroplanError):
+                exc = type(exc)(f"{where}: {exc} (ranks and group indices are the domain's own)")
+            problem = problem or exc
+    verdicts(problem, world, failed="(in an expert group) rejected the optimizer settings", error=ConfigError)
+    return agreed

@@ -1,0 +1,397 @@
+"""One domain of a ``ZeroOptimizer``: the param groups reduced and sharded over one process group.
+
+[Note: expert domains]
+A mixture-of-experts model holds parameters that differ between expert-parallel
+ranks: expert ``e`` lives only on the ranks of its *expert-data-parallel* group.
+Its gradient must be reduced over that group, and its optimizer state can only
+be sharded over it (InternLM's ``moe`` param groups). The user says so per param
+group: ``{"params": experts, "process_group": ep_dp_group}``.
+
+``ZeroOptimizer`` splits its param groups into *domains*: domain 0 (``"data"``)
+holds the groups without a process group of their own and uses the optimizer's
+data-parallel group (with MiCS shard groups and nodes); every other process group
+makes one more domain (``"experts"``, ...) sharded over that whole group. Each
+domain is a :class:`Domain`: an ordinary plan of its own (``zeroplan.core``
+plans each domain separately, see ``zeroplan.core.domains``), its own process
+groups, buffers, gradient hooks, inner optimizer and step lifecycle, exactly the
+parts a single-domain optimizer has.
+
+What couples the domains lives in ``ZeroOptimizer`` and nowhere else: one loss
+scale; one divisor (gradients are summed over a domain's group and divided by the
+data-parallel world's size, so that they are the gradients of the world's mean loss,
+as in one process: an expert's sum holds every rank's tokens routed to it, by its
+expert-parallel exchange, or only its own ranks' when it has none); one overflow
+verdict (a step is skipped on every rank of every domain if any gradient anywhere
+overflowed: one all-reduce over the world); one gradient
+norm for clipping, over every parameter of the model, experts of every group
+included (each rank adds its domains' local sums, domain ``d``'s divided by its
+replica count so that the world-wide sum counts each element once); the user's
+param group order (``param_groups`` is one list; each domain holds references to
+its own dicts, so LR schedulers reach every domain).
+
+State follows the domains: ``state_dict()`` holds one sharded dict per domain,
+and a checkpoint directory each rank's expert state next to the data domain's
+shards, in the same atomic snapshot ([Note: checkpoint layout]); the data
+domain's state is elastic, expert state loads at the world size and expert
+groups it was saved with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import ConfigError, MemoryReport, ZeroPlan, memory_report
+from zeroplan.facade.diagnostics.accounting import MeasuredMemory, measure
+from zeroplan.facade.params.sharded import Peers, ShardedParams
+from zeroplan.facade.runtime import replanning
+from zeroplan.facade.runtime.collectives import all_gather_objects
+from zeroplan.facade.runtime.groups import ProcessGroups, make_groups
+from zeroplan.facade.runtime.inner import hyperparameters
+from zeroplan.facade.runtime.installed import Installed, broadcast_from_rank_zero, broadcast_values, install
+from zeroplan.facade.runtime.lifecycle import StepContext, StepLifecycle
+from zeroplan.facade.runtime.registry import Configured, ParamRegistry
+from zeroplan.facade.state import loading as state_loading
+from zeroplan.facade.state.dicts import Shards
+from zeroplan.facade.state.loading import LoadedState
+from zeroplan.facade.state.parked import ParkedParam
+
+__all__ = [
+    "DATA",
+    "Domain",
+    "DomainInput",
+    "ExecutionOptions",
+    "check_partition",
+    "same_ranks",
+    "split_domains",
+]
+
+#: Name of domain 0, the data-parallel domain.
+DATA = "data"
+
+
+class ExecutionOptions(NamedTuple):
+    """How a domain executes its plan (``ZeroOptimizer``'s flags, shared by every domain)."""
+
+    overlap: bool
+    overlap_gather: bool
+    reshard: bool
+
+
+class DomainInput(NamedTuple):
+    """The param groups of one domain, before validation.
+
+    Attributes:
+        name: ``"data"`` for domain 0, ``"experts"`` (or ``"experts<i>"``) otherwise.
+        group: the process group it reduces and shards over.
+        positions: indices of its groups in the user's list (increasing).
+        param_groups: those groups, without their ``process_group`` entry.
+    """
+
+    name: str
+    group: dist.ProcessGroup
+    positions: tuple[int, ...]
+    param_groups: list[dict[str, Any]]
+
+
+def same_ranks(group: dist.ProcessGroup, world: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is ``world`` or another group of exactly its ranks (then it is domain 0's)."""
+    return group is world or dist.get_process_group_ranks(group) == dist.get_process_group_ranks(world)
+
+
+def check_partition(inputs: Sequence[DomainInput], world: dist.ProcessGroup) -> None:
+    """Raise on every rank unless each expert domain's groups split ``world`` into disjoint groups.
+
+    One collective over the world: every rank learns every rank's groups. A rank
+    must be in its own group, and every member of a group must name the same
+    group; otherwise the groups' own agreements would wait on ranks that never
+    come, and the joint gradient norm would count some experts twice.
+
+    Raises:
+        ConfigError: on every rank, naming the first rank whose group is inconsistent.
+    """
+    rank = dist.get_rank(world)
+    global_rank = {dist.get_global_rank(world, r): r for r in range(dist.get_world_size(world))}
+    mine = [tuple(global_rank.get(g, -1) for g in dist.get_process_group_ranks(i.group)) for i in inputs[1:]]
+    rows = all_gather_objects(mine, world)
+    for d, item in enumerate(inputs[1:]):
+        for r, groups in enumerate(rows):
+            group = groups[d] if d < len(groups) else ()
+            wrong = [q for q in group if q < 0 or rows[q][d] != group] if r in group else [r]
+            if wrong:
+                why = "does not include it" if r not in group else f"rank {wrong[0]} does not share"
+                raise ConfigError(
+                    f"domain {item.name!r}: rank {r}'s process_group holds ranks {list(group)} of the "
+                    f"optimizer's group, which {why}; the expert groups must split the data-parallel ranks "
+                    f"into disjoint groups, each named by all of its members (this rank is {rank})"
+                )
+
+
+def split_domains(params: Any, world: dist.ProcessGroup) -> list[DomainInput]:
+    """Split what the user passed into domains (see [Note: expert domains]); touches no tensor.
+
+    Param groups without a ``"process_group"`` entry (or with ``None``, or with
+    ``world`` itself) form domain 0; each other process group one more domain,
+    in order of first appearance. Anything but a list of dicts is one domain.
+
+    Raises:
+        ConfigError: a ``process_group`` that is no process group, that this
+            rank is not a member of, or param groups that all have one (then
+            pass it as ``ZeroOptimizer(process_group=...)`` instead).
+    """
+    try:
+        items = list(params) if not isinstance(params, torch.Tensor) else None
+    except TypeError:
+        items = None
+    if items is None:
+        return [DomainInput(DATA, world, (0,), params)]  # collect_params explains the mistake
+    if not items or not all(isinstance(g, dict) for g in items):
+        return [DomainInput(DATA, world, (0,), items)]  # one group of tensors (or nothing: refused later)
+    owners: list[dist.ProcessGroup | None] = []
+    for i, group in enumerate(items):
+        pg = group.get("process_group")
+        if pg is dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group returns on ranks outside it
+            raise ConfigError(
+                f"param group {i}: this rank ({dist.get_rank()}) is not a member of its process_group; give "
+                "each rank the group of the ranks that hold the same expert parameters (its "
+                "expert-data-parallel group)"
+            )
+        if pg is not None and not isinstance(pg, dist.ProcessGroup):
+            raise ConfigError(
+                f"param group {i}: 'process_group' must be a torch.distributed ProcessGroup "
+                f"(from dist.new_group), got {type(pg).__name__}"
+            )
+        if pg is not None and dist.get_rank(pg) < 0:
+            raise ConfigError(
+                f"param group {i}: this rank ({dist.get_rank()}) is not a member of its process_group "
+                f"(ranks {dist.get_process_group_ranks(pg)}); give each rank the group of the ranks that "
+                "hold the same expert parameters (its expert-data-parallel group)"
+            )
+        owners.append(None if pg is None or same_ranks(pg, world) else pg)
+    if all(pg is not None for pg in owners):
+        raise ConfigError(
+            "every param group names its own process_group: there is no data-parallel domain. Pass the group "
+            "as ZeroOptimizer(process_group=...) instead, or keep the dense parameters in a group without one"
+        )
+    distinct: list[dist.ProcessGroup | None] = [None]
+    for pg in owners:
+        if not any(pg is seen for seen in distinct):
+            distinct.append(pg)
+    inputs = []
+    for d, pg in enumerate(distinct):
+        positions = tuple(i for i, owner in enumerate(owners) if owner is pg)
+        name = DATA if d == 0 else ("experts" if len(distinct) == 2 else f"experts{d - 1}")
+        groups = [{k: v for k, v in items[i].items() if k != "process_group"} for i in positions]
+        inputs.append(DomainInput(name, world if pg is None else pg, positions, groups))
+    return inputs
+
+
+class Domain:
+    """The parts of one domain and what acts on them alone (see [Note: expert domains]).
+
+    Args:
+        name: the domain's name (``"data"``, ``"experts"``, ...).
+        world: the process group it reduces and shards over.
+        configured: its validated arguments.
+        zp: its agreed plan.
+        param_groups: the user's dicts of its groups (shared with ``ZeroOptimizer.param_groups``).
+        defaults: ``ZeroOptimizer.defaults``: the inner optimizer's defaults are added to it.
+        options: execution flags.
+        peers: shared by the optimizer's domains (see [Note: several sharded domains]).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        world: dist.ProcessGroup,
+        configured: Configured,
+        zp: ZeroPlan,
+        param_groups: list[dict[str, Any]],
+        defaults: dict[str, Any],
+        options: ExecutionOptions,
+        peers: Peers,
+    ) -> None:
+        self.name = name
+        self.world = world
+        self.settings = configured.settings
+        self.registry: ParamRegistry = configured.registry
+        self.param_groups = param_groups
+        self.options = options
+        self._defaults = defaults
+        self._peers = peers
+        self.groups: ProcessGroups = make_groups(world, self.settings.topology)
+        self.lifecycle = StepLifecycle()
+        self.parked: dict[int, ParkedParam] = {}  # [Note: parked state]
+        self.attached: torch.nn.Module | None = None
+        self.installed = self._install(zp)
+        broadcast_from_rank_zero(self.installed, self.registry.params)
+        self._settle(self.installed)
+
+    # ------------------------------------------------------------ installation
+    def context(self, loss_scale: float, data_world: int) -> StepContext:
+        """What a step of this domain needs: its divisor, its groups.
+
+        Every domain divides its summed gradients by the *data-parallel* world
+        ``data_world`` (times the loss scale), not by its own group's size: an
+        expert's gradient summed over its group already holds the tokens of every
+        rank that routed to it, so this is the gradient of the world's mean loss,
+        as one process training on the whole batch computes it (see [Note:
+        expert domains]).
+        """
+        scale = loss_scale if self.installed.zp.loss_scaling else 1.0
+        return StepContext(
+            divisor=data_world * scale,
+            param_groups=self.param_groups,
+            params=self.registry.params,
+            names=self.registry.names,
+        )
+
+    def _install(self, zp: ZeroPlan) -> Installed:
+        installed = install(
+            zp,
+            self.registry,
+            self.groups,
+            self.settings.optimizer_class,
+            self.param_groups,
+            overlap=self.options.overlap,
+            overlap_param_gather=self.options.overlap_gather,
+            reshard_after_forward=self.options.reshard,
+            admit=self.lifecycle.admit_gradient,
+            log=self.lifecycle.log,
+        )
+        # Show the inner optimizer's full settings (LR schedulers read e.g. ``betas``).
+        inner = installed.inner.optimizer
+        for key, value in inner.defaults.items():
+            self._defaults.setdefault(key, value)
+        for outer, group in zip(self.param_groups, inner.param_groups, strict=True):
+            for key, value in hyperparameters(group).items():
+                outer.setdefault(key, value)
+        return installed
+
+    def _settle(self, installed: Installed) -> None:
+        """Stage 3: shard the freshly installed parameters and hook the attached model."""
+        if isinstance(installed.gather, ShardedParams):
+            installed.gather.join(self._peers)  # [Note: several sharded domains]
+            installed.gather.shard_all()
+            if self.attached is not None:
+                installed.gather.attach(self.attached)
+
+    def replan(self, zp: ZeroPlan) -> None:
+        """Switch to the agreed plan ``zp`` (see [Note: re-planning]); a no-op for the same plan."""
+        if zp.fingerprint() == self.installed.zp.fingerprint():
+            return
+        old = self.installed
+        old.gather.finish_param_sync()
+        self.lifecycle.release(old)
+        if isinstance(old.gather, ShardedParams):
+            old.gather.gather_all()  # the new plan's buffers are filled from the parameters' values
+        self.installed, self.parked = replanning.replan(
+            old, zp, self.registry.params, self._install, self.parked
+        )
+        if isinstance(old.gather, ShardedParams):
+            old.gather.retire()
+        self._settle(self.installed)
+
+    def hyper(self) -> list[dict[str, Any]]:
+        """Its groups' hyper-parameters."""
+        return [hyperparameters(g) for g in self.param_groups]
+
+    # ------------------------------------------------------------ parameters
+    def attach(self, model: torch.nn.Module) -> None:
+        """Hook ``model`` so that its forward gathers this domain's stage-3 parameters."""
+        self.attached = model
+        if isinstance(self.installed.gather, ShardedParams):
+            self.installed.gather.attach(model)
+
+    @contextlib.contextmanager
+    def gathered(self, *, writeback: bool) -> Iterator[None]:
+        """Whole parameter values inside the block (see ``ZeroOptimizer.gathered_params``)."""
+        gather = self.installed.gather
+        if isinstance(gather, ShardedParams):
+            with gather.all_gathered(writeback=writeback):
+                yield
+            return
+        gather.finish_param_sync()
+        yield
+        if writeback:
+            for buf in self.installed.buffers:
+                buf.load_master()
+
+    # ------------------------------------------------------------ accounting
+    def measured_memory(self) -> MeasuredMemory:
+        """Bytes this domain holds on this rank now (buffers: the staging arena)."""
+        return measure(self.installed, self.registry.params)
+
+    def memory_report(self, clipping: bool) -> MemoryReport:
+        """The planner's report of this domain's plan, with the last step's gradient arrival order."""
+        return memory_report(
+            self.installed.zp,
+            clipping=clipping,
+            overlap=self.options.overlap,
+            arrivals=self.installed.sync.last_arrivals,
+            reshard_after_forward=self.options.reshard,
+        )
+
+    # ------------------------------------------------------------ state
+    def shards(self, scaler: Any) -> Shards:
+        """What its state dicts and checkpoints read."""
+        inst = self.installed
+        inst.gather.finish_param_sync()  # they read the parameters: the last step's gathers must be complete
+        return Shards(
+            zp=inst.zp,
+            buffers=inst.buffers,
+            inner=inst.inner,
+            groups=inst.groups,
+            params=self.registry.params,
+            optimizer_name=self.settings.optimizer_name,
+            param_groups=self.param_groups,
+            scaler=scaler,
+            parked=self.parked,
+        )
+
+    def plan_with_cohorts(self, cohorts: Sequence[int]) -> ZeroPlan:
+        """Its plan with the parameters in other cohorts (pure: changes nothing)."""
+        return self.settings.plan(self.registry.with_cohorts(tuple(cohorts)), self.hyper())
+
+    def restore(self, loaded: LoadedState) -> None:
+        """Install validated state of this domain; cannot fail for a user reason (scaler: the caller's)."""
+        self.installed.gather.finish_param_sync()
+        self.lifecycle.release(self.installed)
+        if loaded.target.fingerprint() != self.installed.zp.fingerprint():
+            self.registry = self.registry.with_cohorts([s.cohort for s in loaded.target.specs])
+            self.replan(loaded.target)
+        if loaded.param_values is not None:
+            with self.gathered(writeback=isinstance(self.installed.gather, ShardedParams)):
+                state_loading.copy_param_values(self.registry.params, loaded.param_values)
+        state_loading.commit_state(self.installed, loaded, self.param_groups)
+        if loaded.parked is not None:
+            self.parked = loaded.parked
+
+    def plan_refresh(self) -> tuple[ParamRegistry, ZeroPlan]:
+        """The registry and agreed plan after ``requires_grad`` changed (collective over the domain; pure)."""
+        return replanning.refresh_trainable(
+            self.registry, self.settings, self.installed.zp, self.hyper(), self.world, self.parked
+        )
+
+    def adopt(self, registry: ParamRegistry, zp: ZeroPlan) -> None:
+        """Switch to ``registry`` and its agreed plan ``zp`` (re-planning; cannot fail for a user reason)."""
+        self.registry = registry
+        self.replan(zp)
+
+    def plan_group(self, param_group: dict[str, Any]) -> tuple[ParamRegistry, ZeroPlan, dict[str, Any]]:
+        """The registry, agreed plan and settings with ``param_group`` appended (collective, pure)."""
+        return replanning.add_param_group(
+            self.registry, self.settings, self.hyper(), self._defaults, param_group, self.world
+        )
+
+    def adopt_group(self, registry: ParamRegistry, zp: ZeroPlan, group: dict[str, Any]) -> None:
+        """Take the new group (``group`` is the user's dict, already in ``param_groups``) and its plan."""
+        broadcast_values(registry.params[len(self.registry.params) :], self.world)
+        self.param_groups.append(group)
+        self.registry = registry
+        self.replan(zp)

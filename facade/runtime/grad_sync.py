@@ -1,0 +1,332 @@
+"""Gradient reduction in buckets, overlapped with backward.
+
+[Note: gradient sync]
+A post-accumulate-grad hook first asks the step lifecycle to admit the
+gradient (see [Note: step lifecycle]: it refuses one that arrives after the
+reduction, and inside ``no_sync()`` it says to keep it local), then sends the
+parameter to the step's staging schedule and carries out what it answers
+([Note: staging schedule] in ``zeroplan.core.schedule``, the same coroutine the
+planner replays to plan the peak, [Note: the step's peak]): open a bucket's
+staging buffer (cut from the persistent arena, [Note: staging arena]), copy
+gradients into it, free a ``.grad``, launch a bucket (its
+reduce-scatter, or reduce, over the shard group starts asynchronously), or
+complete the oldest reduction, which then starts its all-reduce over the
+replica group (MiCS). Buckets launch strictly in the plan's order (the order
+of collectives must match on every rank). Under the GLOO policy a bucket of
+equal pieces is reduce-scattered by a point-to-point exchange into room after
+its gradients (``StagingLayout.received``), and one of uneven pieces is
+all-reduced over the whole data-parallel group (see [Note: collective policy]).
+
+Stage 2 frees each ``.grad`` once all its buckets are staged, so a gradient
+outlives its arrival only while its bucket is beyond the window. bf16/fp16
+gradients are reduced in their dtype into room at the end of the staging
+buffer (``StagingLayout.reduced``), summed over replicas there, and cast into
+the fp32 gradient shard, so the step needs no fp32 copy. Stage 1 keeps every
+``.grad`` as a view of the full gradient buffer (a gradient autograd allocated
+after ``zero_grad(set_to_none=True)`` is moved into it by the hook) and
+reduces each bucket into the rank's own region of that buffer, in place: after
+the reduction, ``.grad`` of the elements this rank owns holds the averaged
+gradient, the others the local one.
+
+``finish()`` (once per step, when the lifecycle reduces) stages and launches
+what is left: parameters that got no gradient in this step contribute zeros,
+and gradients accumulated under ``no_sync()`` but not touched by the last
+backward are reduced as they are. With ``overlap=False`` nothing is staged
+from hooks and ``finish()`` issues the very same collectives in the same
+order, so results are bit-identical.
+
+Sparse gradients (``nn.Embedding(sparse=True)``) are made dense by the hook.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import NamedTuple
+
+import torch
+
+from zeroplan.core import (
+    Bucket,
+    Collective,
+    GradCopy,
+    Stage,
+    StepOrderError,
+    ZeroPlan,
+    staging_arena,
+    staging_layout,
+)
+from zeroplan.core.schedule import Action, ActionKind, staging_schedule
+from zeroplan.facade.params.buffers import SpaceBuffers, param_views
+from zeroplan.facade.runtime.collectives import CommLog, Pending, start_bucket_reduce, start_replica_reduce
+from zeroplan.facade.runtime.groups import ProcessGroups
+
+__all__ = ["GradSync"]
+
+
+def _call_weakly(method: weakref.WeakMethod, index: int, param: torch.Tensor) -> None:
+    bound = method()
+    if bound is not None:
+        bound(index, param)
+
+
+class _InFlight(NamedTuple):
+    bucket: Bucket
+    staging: torch.Tensor
+    pending: Pending
+    reduced: torch.Tensor | None
+    output: torch.Tensor | None
+
+
+class GradSync:
+    """Bucketed, ordered, overlapped gradient reduction (see [Note: gradient sync])."""
+
+    def __init__(
+        self,
+        *,
+        zp: ZeroPlan,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        buffers: Sequence[SpaceBuffers],
+        groups: ProcessGroups,
+        overlap: bool,
+        admit: Callable[[str], bool],
+        log: CommLog,
+    ) -> None:
+        self._zp = zp
+        self._params = params
+        self._names = names
+        self._buffers = buffers
+        self._groups = groups
+        self._overlap = overlap
+        self._admit = admit
+        self._log = log
+        self._buckets = zp.buckets.buckets
+        self._layouts = [staging_layout(zp, b, groups.shard_rank) for b in self._buckets]
+        self._padding = [b.padding() for b in self._buckets]
+        arena = staging_arena(zp, groups.shard_rank)  # [Note: staging arena] in zeroplan.core.peak
+        self._offsets = arena.offsets
+        device = buffers[0].device if buffers else torch.device("cpu")
+        self._arena = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
+        self._copies: list[dict[int, list[GradCopy]]] = []
+        for bucket in self._buckets:
+            by_param: dict[int, list[GradCopy]] = {}
+            for copy in bucket.copies:
+                by_param.setdefault(copy.param, []).append(copy)
+            self._copies.append(by_param)
+        self._grad_views: dict[int, torch.Tensor] = {}
+        if zp.stage is Stage.OPTIMIZER:
+            for buf in buffers:
+                if buf.grads is None:  # build_buffers allocates them for stage 1
+                    raise RuntimeError("stage 1 needs full gradient buffers")
+                self._grad_views.update(param_views(buf.grads, buf.space, params))
+        self._trainable = sorted(zp.trainable_indices)
+        self.last_arrivals: tuple[int, ...] | None = None
+        """The order the last reduced step's gradients arrived in (``memory_report(arrivals=...)``)."""
+        # The hooks hold the sync weakly: a dropped optimizer must not keep reducing gradients
+        # (or stay alive through its parameters until the cycle collector runs).
+        method = weakref.WeakMethod(self._on_grad)
+        self._handles = [
+            params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method, index))
+            for index in self._trainable
+        ]
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget this step's progress, completing anything still in flight."""
+        inflight, self._inflight = getattr(self, "_inflight", deque()), deque()
+        replica, self._replica = getattr(self, "_replica", []), []
+        opened, self._open = getattr(self, "_open", {}), {}
+        del opened  # their room in the arena is free again
+        for entry in inflight:
+            entry.pending.finish()
+        for pending in replica:
+            pending.finish()
+        self._ready = [False] * len(self._zp.specs)
+        self._arrivals: list[int] = []
+        self._schedule = staging_schedule(self._zp, overlap=self._overlap)  # [Note: staging schedule]
+        next(self._schedule)
+        self._next = 0
+        self._written: list[int] | None = None  # stage 1: expected buffer versions, once all launched
+        self._open: dict[int, torch.Tensor] = {}
+        self._inflight: deque[_InFlight] = deque()
+        self._replica: list[Pending] = []
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (before re-planning)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __del__(self) -> None:
+        self.remove_hooks()
+
+    # ------------------------------------------------------------------ hooks
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        if param.grad is not None and param.grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
+            param.grad = param.grad.to_dense()  # buckets are dense; the update is the same
+        view = self._grad_views.get(index)
+        if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+        if not self._admit(self._names[index]):
+            return  # no_sync(): accumulate locally
+        if self._ready[index]:
+            raise StepOrderError(
+                f"parameter {self._names[index]!r} received a second gradient after its reduction "
+                "in this step; call step() (or zero_grad()) between backward passes, or accumulate "
+                "inside `with optimizer.no_sync():`"
+            )
+        self._ready[index] = True
+        self._arrivals.append(index)
+        self._carry_out(self._schedule.send(index))
+
+    # ------------------------------------------------------------- staging
+    def _carry_out(self, actions: list[Action]) -> None:
+        """Carry out the schedule's actions on tensors ([Note: staging schedule])."""
+        for action in actions:
+            if action.kind is ActionKind.RETIRE:
+                self._finish_oldest()
+            elif action.kind is ActionKind.OPEN:
+                self._open[action.bucket] = self._staging(action.bucket)
+            elif action.kind is ActionKind.STAGE:
+                self._stage(action.bucket, action.param)
+            elif action.kind is ActionKind.RELEASE:
+                self._params[action.param].grad = None
+            else:
+                self._start_reduce(action.bucket)
+
+    def _staging(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s staging buffer, cut from the arena, its padding zeroed (it is reduced as zeros)."""
+        dtype = self._buffers[self._buckets[b].space].dtype
+        staging = self._arena[self._offsets[b] :].view(dtype)[: self._layouts[b].numel]
+        for span in self._padding[b]:
+            staging[span.as_slice()].zero_()
+        return staging
+
+    @property
+    def arena(self) -> torch.Tensor:
+        """The staging arena (bytes), for inspection: what it holds between steps is garbage."""
+        return self._arena
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging arena (persistent)."""
+        return self._arena.numel()
+
+    def _stage(self, b: int, index: int) -> None:
+        """Copy parameter ``index``'s parts of bucket ``b`` into its (open) staging buffer."""
+        staging = self._open[b]
+        grad = self._params[index].grad
+        for copy in self._copies[b][index]:
+            target = staging[copy.staging_offset : copy.staging_offset + copy.param_span.numel]
+            if grad is None:
+                target.zero_()
+            else:
+                target.copy_(grad.reshape(-1)[copy.param_span.as_slice()])
+
+    # ------------------------------------------------------------- launching
+    def _start_reduce(self, b: int) -> None:
+        bucket = self._buckets[b]
+        staging = self._open[b]
+        buf = self._buffers[bucket.space]
+        piece = bucket.piece_of(self._groups.shard_rank)
+        output = buf.grad_shard[piece.shard_span.as_slice()] if piece is not None else None
+        layout = self._layouts[b]
+        reduced = output if layout.reduced is None else staging[layout.reduced.as_slice()]
+        grads = staging[: bucket.numel]
+        received = None if layout.received is None else staging[layout.received.as_slice()]
+        pending = start_bucket_reduce(grads, reduced, bucket, self._groups, self._log, received)
+        del self._open[b]  # only now: a launch that raised leaves it open, for reset() to drop
+        self._inflight.append(_InFlight(bucket, staging, pending, reduced, output))
+        self._next += 1
+        if self._grad_views and self._next == len(self._buckets):
+            self._written = self._grad_versions()  # stage 1: see written_back()
+
+    def _finish_oldest(self) -> None:
+        """Complete the oldest reduction in flight; it leaves the queue only once completed."""
+        before = self._grad_versions()
+        self._finish_reduce(self._inflight[0])
+        self._inflight.popleft()
+        if self._written is not None:  # this optimizer's own writes into the gradient buffers
+            after = self._grad_versions()
+            self._written = [w + a - b for w, a, b in zip(self._written, after, before, strict=True)]
+
+    def _grad_versions(self) -> list[int]:
+        """Version counters of the stage-1 gradient buffers (every in-place write bumps them)."""
+        return [buf.grads._version for buf in self._buffers if buf.grads is not None]
+
+    def _finish_reduce(self, entry: _InFlight) -> None:
+        entry.pending.finish()
+        if entry.reduced is None or entry.output is None:
+            return
+        summed = entry.bucket.collective is Collective.ALL_REDUCE  # already over the replicas too
+        replica = None if summed else start_replica_reduce(entry.reduced, self._groups, self._log)
+        if entry.reduced is entry.output:
+            if replica is not None:
+                self._replica.append(replica)
+        else:  # an fp32 shard of bf16/fp16 gradients: sum over replicas in the staging, then cast
+            if replica is not None:
+                replica.finish()
+            entry.output.copy_(entry.reduced)
+
+    def finish_grad_sync(self) -> None:
+        """Stage and launch everything left, wait for all reductions of this step (once per step).
+
+        Parameters that got no gradient in this step contribute zeros; gradients
+        accumulated under ``no_sync()`` but untouched by the last backward are
+        reduced as they are.
+        """
+        self._carry_out(self._schedule.send(None))
+        self.last_arrivals = tuple(self._arrivals)
+        for pending in self._replica:
+            pending.finish()
+        self._replica = []
+
+    def written_back(self) -> int | None:
+        """After :meth:`finish`: a parameter whose gradient something wrote after this optimizer took it.
+
+        A ``DistributedDataParallel`` wrapper writes reduced gradients back at
+        the end of backward; ``torch.nn.utils.clip_grad_norm_`` or a
+        ``GradScaler`` scale ``.grad``. At stage 2 the step would ignore such a
+        write (``.grad`` reappeared after it was released); at stage 1, where
+        the rank's region of the gradient buffer *is* its reduced shard, it
+        would corrupt the step: any write into a gradient buffer after the last
+        bucket launched, other than this optimizer's own, is reported (the
+        buffer's version counter). The parameter named is the buffer's first.
+        """
+        if not self._grad_views:
+            return next((i for i in self._trainable if self._params[i].grad is not None), None)
+        if self._written is None or self._written == self._grad_versions():
+            return None
+        changed = next(
+            i for i, (w, v) in enumerate(zip(self._written, self._grad_versions(), strict=True)) if w != v
+        )
+        spaces = [buf.space for buf in self._buffers if buf.grads is not None]
+        return next((i for i in spaces[changed].params if i in self._grad_views), spaces[changed].params[0])
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """Reset every parameter's ``.grad`` as ``torch.optim.Optimizer.zero_grad`` would.
+
+        At stage 1 with ``set_to_none=False`` the gradient buffers are zeroed and
+        the trainable parameters' ``.grad`` stay (or become again) views of them.
+        """
+        keep_views = not set_to_none and bool(self._grad_views)
+        if keep_views:
+            for buf in self._buffers:
+                if buf.grads is not None:
+                    buf.grads.zero_()
+            for index, view in self._grad_views.items():
+                self._params[index].grad = view
+        for index, param in enumerate(self._params):
+            if (keep_views and index in self._grad_views) or param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_()
+                param.grad.requires_grad_(False)
+                param.grad.zero_()

@@ -1,0 +1,144 @@
+"""The inner ``torch.optim`` optimizer that steps this rank's shard.
+
+It sees one tensor per :class:`~zeroplan.core.InnerTensor` of the plan: views
+of the rank's master shard (flat windows for elementwise optimizers, whole
+parameters otherwise), grouped exactly like the user's param groups, so group
+``g`` of the inner optimizer carries the hyper-parameters of the user's group
+``g``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from zeroplan.core import ConfigError, ConfigTypeError, InnerTensor, ZeroPlan
+from zeroplan.facade.params.buffers import SpaceBuffers
+
+__all__ = [
+    "Inner",
+    "build_inner",
+    "check_hyperparameters",
+    "check_keywords",
+    "comparable_hyperparameters",
+    "hyperparameter_digest",
+    "hyperparameters",
+    "sync_hyperparameters",
+]
+
+
+class Inner(NamedTuple):
+    """The inner optimizer and the tensors it steps, in plan order."""
+
+    optimizer: torch.optim.Optimizer
+    tensors: tuple[torch.Tensor, ...]
+    specs: tuple[InnerTensor, ...]
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings: everything but its tensors (``params``), their names and process group.
+
+    An expert group's ``process_group`` (see [Note: expert domains]) says where
+    it is reduced, not how it is stepped.
+    """
+    return {k: v for k, v in group.items() if k not in ("params", "param_names", "process_group")}
+
+
+def _comparable(value: Any) -> Any:
+    """``value`` with tensors replaced by their values, so equal settings compare and print equal."""
+    if torch.is_tensor(value):
+        return ("tensor", str(value.dtype), tuple(value.detach().cpu().reshape(-1).tolist()))
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(_comparable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _comparable(v)) for k, v in value.items()))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    # Other objects may print their address, which differs between processes: compare their type.
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def comparable_hyperparameters(groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every group's settings in a form that compares by value across ranks (tensors as tuples)."""
+    return [{k: _comparable(v) for k, v in sorted(hyperparameters(g).items())} for g in groups]
+
+
+def hyperparameter_digest(groups: Sequence[dict[str, Any]]) -> int:
+    """A 62-bit digest of every group's settings, equal on ranks that hold equal settings."""
+    text = repr(comparable_hyperparameters(groups)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 2
+
+
+def check_hyperparameters(
+    optimizer_class: type[torch.optim.Optimizer], groups: Sequence[dict[str, Any]]
+) -> None:
+    """Construct ``optimizer_class`` on a dummy tensor per group to validate hyper-parameters early.
+
+    Raises:
+        ConfigError: the class rejects a group's settings (its message is kept).
+    """
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise ConfigError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    accepted = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
+    for g, group in enumerate(groups):
+        hyper = hyperparameters(group)
+        # Constructor arguments are validated by the class; other keys ride along in the group.
+        kwargs = {k: v for k, v in hyper.items() if k in accepted}
+        extra = {k: v for k, v in hyper.items() if k not in accepted}
+        try:
+            optimizer_class([{"params": [torch.zeros(2, 2)], **extra}], **kwargs)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ConfigError(f"{optimizer_class.__name__} rejects param group {g}: {exc}") from None
+
+
+def check_keywords(optimizer_class: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> None:
+    """Refuse keyword arguments ``optimizer_class`` does not take (``weight_decya=0.1``), as torch does.
+
+    Keys inside param-group dicts are not checked: torch lets groups carry extra keys.
+
+    Raises:
+        ConfigTypeError: a keyword the class's constructor does not accept.
+    """
+    signature = inspect.signature(optimizer_class.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.values()):
+        return
+    unknown = sorted(set(defaults) - (set(signature) - {"self", "params"}))
+    if unknown:
+        raise ConfigTypeError(
+            f"{optimizer_class.__name__} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"it accepts {', '.join(sorted(set(signature) - {'self', 'params'}))}"
+        )
+
+
+def build_inner(
+    zp: ZeroPlan,
+    buffers: Sequence[SpaceBuffers],
+    shard_rank: int,
+    optimizer_class: type[torch.optim.Optimizer],
+    groups: Sequence[dict[str, Any]],
+) -> Inner:
+    """Create the inner optimizer over views of this rank's master shards."""
+    specs = zp.inner_tensors(shard_rank)
+    tensors = tuple(buffers[t.space].master_window(t.shard_span).view(t.shape) for t in specs)
+    per_group: list[list[torch.Tensor]] = [[] for _ in groups]
+    for spec, tensor in zip(specs, tensors, strict=True):
+        per_group[spec.group].append(tensor)
+    optimizer = optimizer_class(
+        [
+            {"params": members, **hyperparameters(group)}
+            for members, group in zip(per_group, groups, strict=True)
+        ]
+    )
+    return Inner(optimizer=optimizer, tensors=tensors, specs=specs)
+
+
+def sync_hyperparameters(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
+    """Copy every setting but ``params`` from ``source`` groups to ``target`` groups (LR schedulers)."""
+    for src, dst in zip(source, target, strict=True):
+        dst.update(hyperparameters(src))

@@ -1,0 +1,157 @@
+"""A plan made real on this rank: flat buffers, the inner optimizer and the gradient sync.
+
+``install`` is the one place where a plan meets live tensors: parameters
+become views of the plan's flat buffers (see [Note: flat buffers]), the inner
+optimizer is built over this rank's master shard and the gradient hooks are
+registered. Re-planning installs a new plan and moves state into it
+(``replanning.replan``); nothing else builds an :class:`Installed`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import Stage, ZeroPlan
+from zeroplan.facade.params.buffers import SpaceBuffers, build_buffers
+from zeroplan.facade.params.gather import ParamGather
+from zeroplan.facade.params.sharded import ShardedParams
+from zeroplan.facade.runtime.collectives import CommLog, broadcast
+from zeroplan.facade.runtime.grad_sync import GradSync
+from zeroplan.facade.runtime.groups import ProcessGroups
+from zeroplan.facade.runtime.inner import Inner, build_inner
+from zeroplan.facade.runtime.registry import ParamRegistry
+
+__all__ = ["Installed", "broadcast_from_rank_zero", "broadcast_values", "install"]
+
+
+class Installed(NamedTuple):
+    """What one plan is executed with on this rank (see [Note: optimizer parts]).
+
+    Attributes:
+        zp: the plan.
+        groups: world, shard and replica process groups.
+        buffers: one set of flat buffers per dtype space of the plan.
+        inner: the ``torch.optim`` optimizer over this rank's master shard.
+        sync: the bucketed gradient reduction, hooked to the parameters.
+        gather: the parameter gathers after each step (see [Note: parameter gather]),
+            or at stage 3 the sharded parameters (see [Note: stage 3]).
+        links: per trainable parameter, its index and the storage and offset of
+            its view of the flat buffer (see :meth:`detached`).
+    """
+
+    zp: ZeroPlan
+    groups: ProcessGroups
+    buffers: tuple[SpaceBuffers, ...]
+    inner: Inner
+    sync: GradSync
+    gather: ParamGather | ShardedParams
+    links: tuple[tuple[int, tuple[int, int]], ...]
+
+    def detached(self, params: Sequence[torch.Tensor]) -> int | None:
+        """The first trainable parameter whose ``.data`` is no longer its view of the flat buffer.
+
+        Such a parameter (e.g. after ``model.to(...)`` copied it) would never
+        see an update again; the step refuses to run (see [Note: step lifecycle]).
+        """
+        if isinstance(self.gather, ShardedParams):  # stage 3 may move a block's storage (see its _free)
+            return self.gather.detached()
+        for index, address in self.links:
+            if _address(params[index]) != address:
+                return index
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's buffers live (CPU when the plan has no trainable parameter)."""
+        return self.buffers[0].device if self.buffers else torch.device("cpu")
+
+
+def install(
+    zp: ZeroPlan,
+    registry: ParamRegistry,
+    groups: ProcessGroups,
+    optimizer_class: type[torch.optim.Optimizer],
+    param_groups: Sequence[dict[str, Any]],
+    *,
+    overlap: bool,
+    overlap_param_gather: bool,
+    reshard_after_forward: bool = True,
+    admit: Callable[[str], bool],
+    log: CommLog,
+) -> Installed:
+    """Allocate ``zp``'s buffers (parameters become views), build the inner optimizer, hook gradients.
+
+    Args:
+        admit: called by each gradient hook with the parameter's name; see
+            ``StepLifecycle.admit_gradient``.
+        log: where the step's collectives are counted.
+    """
+    buffers = build_buffers(zp, registry.params, groups.shard_rank, registry.device)
+    inner = build_inner(zp, buffers, groups.shard_rank, optimizer_class, param_groups)
+    sync = GradSync(
+        zp=zp,
+        params=registry.params,
+        names=registry.names,
+        buffers=buffers,
+        groups=groups,
+        overlap=overlap,
+        admit=admit,
+        log=log,
+    )
+    links = tuple((index, _address(registry.params[index])) for index in sorted(zp.trainable_indices))
+    gather: ParamGather | ShardedParams
+    if zp.stage is Stage.PARAMETERS:
+        gather = ShardedParams(
+            zp=zp,
+            params=registry.params,
+            buffers=buffers,
+            groups=groups,
+            log=log,
+            reshard_after_forward=reshard_after_forward,
+        )
+    else:
+        gather = ParamGather(
+            zp=zp, params=registry.params, buffers=buffers, groups=groups, overlap=overlap_param_gather
+        )
+    return Installed(
+        zp=zp, groups=groups, buffers=buffers, inner=inner, sync=sync, gather=gather, links=links
+    )
+
+
+def _address(param: torch.Tensor) -> tuple[int, int]:
+    """Which storage, and where in it, ``param``'s values live (its storage may be freed: stage 3)."""
+    return param.untyped_storage()._cdata, param.storage_offset()
+
+
+@torch.no_grad()
+def broadcast_from_rank_zero(installed: Installed, params: Sequence[torch.Tensor]) -> None:
+    """Start every rank from rank 0's parameter values, as ``DistributedDataParallel`` does."""
+    groups = installed.groups
+    if groups.topology.world_size == 1:
+        return
+    for buf in installed.buffers:
+        if buf.params is not None:
+            broadcast(buf.params, 0, groups.world)
+        else:  # stage 3: its blocks are all still gathered
+            for block in buf.blocks:
+                broadcast(block, 0, groups.world)
+            buf.load_shard()
+        buf.load_master()
+    managed = installed.zp.trainable_indices
+    broadcast_values([p for i, p in enumerate(params) if i not in managed], groups.world)
+
+
+@torch.no_grad()
+def broadcast_values(params: Sequence[torch.Tensor], world: dist.ProcessGroup) -> None:
+    """Give ``params`` rank 0's values on every rank of ``world`` (any memory layout)."""
+    if dist.get_world_size(world) == 1:
+        return
+    for param in params:
+        values = param.data.contiguous()
+        broadcast(values, 0, world)
+        if values.data_ptr() != param.data.data_ptr():
+            param.data.copy_(values)

@@ -1,0 +1,349 @@
+"""The domains of one optimizer stepped as one: loss scale, overflow verdict, gradient norm, divisor.
+
+[Note: joint step]
+An optimizer has a domain per process group its param groups name ([Note:
+expert domains] in ``domain``); a model without expert groups has one. What
+couples the domains is owned here, once, and ``ZeroOptimizer`` delegates every
+step call to it, so one domain is a set of one on the same path:
+
+* one loss scale (one dynamic scaler, updated once per ``step()``);
+* one divisor: every domain divides its summed gradients by the data-parallel
+  world (domain 0's), so an expert's gradient is that of the world's mean loss;
+* one overflow verdict: a step is skipped on every rank of every domain, or on
+  none;
+* one gradient norm over every domain's gradients, identical on every rank.
+
+Each domain reduces, checks overflow and sums its norm over its own shard
+group. Where several domains must agree, one more all-reduce of a scalar over
+the data-parallel world joins their verdicts (and one their norms): the
+``controls`` of ``zeroplan.core.DomainsReport``. A single domain needs neither:
+its shard group's verdict and norm already hold on every rank (its replicas
+hold the same reduced gradients), and its report plans no joint call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import (
+    Collective,
+    CommCost,
+    ConfigError,
+    DomainPlans,
+    DomainsReport,
+    ScalerState,
+    ZeroPlan,
+    update,
+)
+from zeroplan.core import Domain as CoreDomain
+from zeroplan.facade.diagnostics.accounting import MeasuredMemory
+from zeroplan.facade.runtime.agreement import verdicts
+from zeroplan.facade.runtime.collectives import CommLog, all_reduce
+from zeroplan.facade.runtime.domain import Domain, same_ranks
+from zeroplan.facade.runtime.lifecycle import (
+    VERDICT_LENGTH,
+    Phase,
+    StepContext,
+    finish_norm,
+    norm_op,
+    norm_type_of,
+)
+from zeroplan.facade.runtime.registry import ParamRegistry
+from zeroplan.facade.state.loading import LoadedState
+
+__all__ = ["JointStep"]
+
+_UNKNOWN_GROUP = (
+    "add_param_group: its process_group is none of this optimizer's (the data-parallel group or an "
+    "expert group given at construction); pass every expert group when creating the optimizer"
+)
+
+
+class JointStep:
+    """The step of every domain of one optimizer, coupled as [Note: joint step] says.
+
+    Args:
+        domains: the domains, the data-parallel one first.
+        world: the data-parallel process group (domain 0's).
+        scaler: the dynamic loss scaler's state, or ``None``.
+        static_scale: the static loss scale (1.0 without one; ignored with ``scaler``).
+    """
+
+    def __init__(
+        self,
+        domains: Sequence[Domain],
+        world: dist.ProcessGroup,
+        scaler: ScalerState | None,
+        static_scale: float,
+    ) -> None:
+        self.domains = tuple(domains)
+        self.world = world
+        self.scaler = scaler
+        self._static_scale = static_scale
+
+    @property
+    def data(self) -> Domain:
+        """Domain 0: the data-parallel domain (the only one without an expert group)."""
+        return self.domains[0]
+
+    @property
+    def joint(self) -> bool:
+        """Whether verdicts and norms need the joint all-reduce over the world (several domains)."""
+        return len(self.domains) > 1
+
+    def only_domain(self, call: str, why: str) -> Domain:
+        """The data domain, for a ``call`` that describes one plan; with expert groups, why it cannot.
+
+        Raises:
+            ConfigError: there are several domains (``why`` says what to use instead).
+        """
+        if self.joint:
+            raise ConfigError(
+                f"{call} describes one plan, but this optimizer has expert groups (one plan "
+                f"per domain): {why}"
+            )
+        return self.data
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        return self.scaler.scale if self.scaler is not None else self._static_scale
+
+    def context(self, domain: Domain) -> StepContext:
+        """What a step of ``domain`` needs: the one loss scale and the data-parallel divisor."""
+        return domain.context(self.loss_scale, self.data.settings.topology.world_size)
+
+    # ------------------------------------------------------------ a step's calls
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward accumulates locally in every domain."""
+        with contextlib.ExitStack() as stack:
+            for domain in self.domains:
+                stack.enter_context(domain.lifecycle.local_accumulation())
+            yield
+
+    def reduce(self, call: str) -> None:
+        """Finish every domain's reduction and settle the step's verdict with one host read.
+
+        [Note: one host read]
+        On a GPU every read of a device value on the host (``item()``, ``bool``)
+        waits for all the work queued before it: the whole backward. A step
+        reads once: every domain starts its reduction and its verdict (the step
+        agreement, its overflow flag) on the device, several domains join their
+        overflow flags over the world, and the verdicts of every domain travel
+        to the host together; then each domain settles (raises, or takes the
+        step). ``call`` names the public method for error messages.
+        """
+        phases = [d.lifecycle.phase for d in self.domains]
+        if all(p in (Phase.REDUCED, Phase.CLIPPED) for p in phases):
+            return
+        live = any(p is not Phase.IDLE for p in phases)  # a domain without gradients here reduces zeros
+        started = [
+            d.lifecycle.start_reduce(d.installed, self.context(d), call, idle_ok=live) for d in self.domains
+        ]
+        parts = [v for v in started if v is not None]
+        joint = None
+        if self.joint and self.data.installed.zp.loss_scaling:  # one verdict for the whole model
+            joint = torch.stack([v[VERDICT_LENGTH - 1] for v in parts]).max().float().reshape(1)
+            self._all_reduce_joint(joint, dist.ReduceOp.MAX, self.data.lifecycle.log)
+            parts.append(joint.to(torch.int64))
+        read = torch.cat(parts).tolist() if parts else []  # the step's one host read
+        whole_model = read.pop() if joint is not None else None
+        for d, verdict in zip(self.domains, started, strict=True):
+            if verdict is None:
+                continue
+            mine, read = read[:VERDICT_LENGTH], read[VERDICT_LENGTH:]
+            if whole_model is not None:
+                mine[VERDICT_LENGTH - 1] = whole_model
+            d.lifecycle.settle(d.installed, self.context(d), call, mine)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip every domain's gradients by the norm over all of them; return that norm."""
+        norm_type = norm_type_of(norm_type)
+        for domain in self.domains:
+            domain.lifecycle.check_unclipped()
+        self.reduce("clip_grad_norm_()")
+        total = self._norm(norm_type, self.data.lifecycle.log)
+        for domain in self.domains:
+            domain.lifecycle.apply_clip(total, max_norm)
+        return total
+
+    def grad_norm(self, norm_type: float) -> torch.Tensor:
+        """The norm :meth:`clip_grad_norm_` would return, without clipping (inspection: not logged)."""
+        norm_type = norm_type_of(norm_type)
+        self.reduce("grad_norm()")
+        return self._norm(norm_type, CommLog())
+
+    def step(self, **kwargs: Any) -> None:
+        """Update every domain (or skip them all on an overflow), then the loss scale."""
+        self.reduce("step()")
+        applied = True
+        for domain in self.domains:
+            applied = domain.lifecycle.step(domain.installed, self.context(domain), **kwargs)
+        if self.scaler is not None:
+            self.scaler = update(self.scaler, not applied)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``step()`` skipped its update (an overflow)."""
+        return not self.data.lifecycle.last.applied
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """End the step in every domain and reset its gradients."""
+        for domain in self.domains:
+            domain.lifecycle.release(domain.installed)
+            domain.installed.sync.zero_grad(set_to_none)
+
+    def averaged_gradients(self, param_groups: Sequence[dict[str, Any]]) -> list[torch.Tensor | None]:
+        """Every parameter's whole reduced gradient, in the order of ``param_groups`` (collective)."""
+        self.reduce("averaged_gradients()")
+        found: dict[int, torch.Tensor | None] = {}
+        for domain in self.domains:
+            grads = domain.lifecycle.averaged_gradients(domain.installed, self.context(domain))
+            found.update((id(p), g) for p, g in zip(domain.registry.params, grads, strict=True))
+        return [found[id(p)] for group in param_groups for p in group["params"]]
+
+    def _norm(self, norm_type: float, log: CommLog) -> torch.Tensor:
+        """The norm over every domain's reduced gradients, identical on every rank."""
+        if not self.joint:
+            data = self.data
+            return data.lifecycle.shard_norm(data.installed, norm_type, log)
+        local = torch.zeros((), dtype=torch.float32, device=self.data.installed.device)
+        for domain in self.domains:
+            part = domain.lifecycle.local_norm(domain.installed, norm_type)
+            if norm_type == math.inf:
+                local = torch.maximum(local, part)
+            else:  # every shard group holds the domain's gradient once: count it once over the world
+                local = local + part / domain.settings.topology.replica_size
+        self._all_reduce_joint(local, norm_op(norm_type), log)
+        return finish_norm(local, norm_type)
+
+    def _all_reduce_joint(self, value: torch.Tensor, op: dist.ReduceOp, log: CommLog) -> None:
+        """One float32 scalar all-reduced over the world, logged (planned as ``DomainsReport.controls``)."""
+        topology = self.data.settings.topology
+        world = topology.world_size
+        log.record(
+            "world", Collective.ALL_REDUCE, [1] * world, self.data.groups.rank, 4, link=topology.world_link
+        )
+        all_reduce(value, op, self.world)
+
+    # ------------------------------------------------------------ accounting
+    def measured_memory(self) -> MeasuredMemory:
+        """Bytes this rank holds now, by category, over every domain."""
+        parts = [d.measured_memory() for d in self.domains]
+        return MeasuredMemory(*(sum(values) for values in zip(*parts, strict=True)))
+
+    def last_step_comm(self) -> tuple[CommCost, ...]:
+        """The last completed step's calls; other domains' groups named ``"<domain>/<group>"``."""
+        costs = list(self.data.lifecycle.last.comm)
+        for domain in self.domains[1:]:
+            costs += [
+                dataclasses.replace(c, group=f"{domain.name}/{c.group}") for c in domain.lifecycle.last.comm
+            ]
+        return tuple(costs)
+
+    def clipped(self, clipping: bool | None) -> bool:
+        """``clipping``, or by default whether the last completed step clipped."""
+        return self.data.lifecycle.last.clipped if clipping is None else clipping
+
+    def memory_reports(self, positions: dict[int, int], clipping: bool | None) -> DomainsReport:
+        """Every domain's planned report, the joint calls as ``controls`` (``positions``: group by id)."""
+        clipped = self.clipped(clipping)
+        controls = int(clipped) + int(self.data.installed.zp.loss_scaling) if self.joint else 0
+        return DomainsReport(
+            domains=self.domain_plans(positions).domains,
+            reports=tuple(d.memory_report(clipped and not self.joint) for d in self.domains),
+            controls=controls,
+        )
+
+    def domain_plans(self, positions: dict[int, int]) -> DomainPlans:
+        """Every domain's plan with its param groups' positions (``positions``: by group ``id``)."""
+        return DomainPlans(
+            domains=tuple(
+                CoreDomain(
+                    name=d.name,
+                    groups=tuple(positions[id(g)] for g in d.param_groups),
+                    topology=d.settings.topology,
+                )
+                for d in self.domains
+            ),
+            plans=tuple(d.installed.zp for d in self.domains),
+        )
+
+    def restore(self, states: Sequence[LoadedState]) -> None:
+        """Install validated state: ``states[d]`` into domain ``d`` (the first ``len(states)`` domains; a
+        checkpoint restores the others itself), the loss scaler from domain 0's state."""
+        for domain, state in zip(self.domains, states, strict=False):
+            domain.restore(state)
+        if states and states[0].scaler is not None and self.scaler is not None:
+            self.scaler = ScalerState(config=self.scaler.config, **states[0].scaler)
+
+    # ------------------------------------------------------------ re-planning
+    def refresh_trainable(self) -> None:
+        """Re-plan every domain after ``requires_grad`` changed; all agree first, or all raise."""
+        planned, problem = [], None
+        for domain in self.domains:  # every domain agrees over its group; nothing changes yet
+            try:
+                planned.append(domain.plan_refresh())
+            except Exception as exc:
+                problem = problem or exc
+        verdicts(
+            problem, self.world, failed="could not re-plan after requires_grad changed", error=ConfigError
+        )
+        for domain, (registry, zp) in zip(self.domains, planned, strict=True):
+            domain.adopt(registry, zp)
+
+    def plan_group(self, param_group: Any) -> tuple[Domain, tuple[ParamRegistry, ZeroPlan, dict[str, Any]]]:
+        """The domain a new param group joins (by its ``process_group``) and its plan with the group.
+
+        Every rank agrees on the domain and on the plan, or every rank raises; nothing changes here.
+        """
+        pg = param_group.get("process_group") if isinstance(param_group, dict) else None
+        if pg is not None and isinstance(pg, dist.ProcessGroup) and same_ranks(pg, self.world):
+            pg = None  # the world's ranks: the data-parallel domain, as at construction
+        target = self.world if pg is None else pg
+        index = next((i for i, d in enumerate(self.domains) if d.world is target), None)
+        unknown = None if index is not None else ConfigError(_UNKNOWN_GROUP)
+        routes = verdicts(unknown, self.world, failed="could not add the param group", facts=index)
+        if len(set(routes)) > 1:
+            raise ConfigError(
+                f"add_param_group: the ranks add the group to different domains ({routes}, by rank); give "
+                "every rank a group of the same domain (the data-parallel one, or each its expert group)"
+            )
+        domain = self.domains[routes[0]]
+        if isinstance(param_group, dict):
+            param_group = {k: v for k, v in param_group.items() if k != "process_group"}
+        planned, problem = None, None
+        try:  # agreed over the domain's group; one verdict over the world then reaches every rank
+            planned = domain.plan_group(param_group)
+        except Exception as exc:
+            problem = exc
+        verdicts(problem, self.world, failed="rejected the new param group", error=ConfigError)
+        assert planned is not None  # verdicts raised otherwise
+        return domain, planned
+
+    # ------------------------------------------------------------ parameters
+    def wait_for_params(self) -> None:
+        """Finish the last step's parameter gathers in every domain."""
+        for domain in self.domains:
+            domain.installed.gather.finish_param_sync()
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Hook ``model`` for every stage-3 domain."""
+        for domain in self.domains:
+            domain.attach(model)
+
+    @contextlib.contextmanager
+    def gathered_params(self, *, writeback: bool) -> Iterator[None]:
+        """Every domain's parameters whole inside the block."""
+        with contextlib.ExitStack() as stack:
+            for domain in self.domains:
+                stack.enter_context(domain.gathered(writeback=writeback))
+            yield

@@ -1,0 +1,473 @@
+"""``ZeroOptimizer``: a ``torch.optim.Optimizer`` that executes a zeroplan plan.
+
+The class decides *when* things happen; its typed parts (see [Note: optimizer
+parts] in ``registry``) hold the state, ``StepLifecycle`` drives each step
+(see [Note: step lifecycle]), ``zeroplan.core`` decides every layout, and the
+functions of ``buffers``, ``grad_sync``, ``collectives`` and ``state.shards``
+do the work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import (
+    DEFAULT_ALIGNMENT,
+    DEFAULT_BUCKET_BYTES,
+    CommCost,
+    ConfigError,
+    DomainPlans,
+    DomainsReport,
+    MemoryReport,
+    ScalerConfig,
+    ScalerState,
+    ZeroPlan,
+)
+from zeroplan.facade.checkpoint.consolidate import consolidated_state_dict
+from zeroplan.facade.diagnostics.accounting import MeasuredMemory
+from zeroplan.facade.params.buffers import SpaceBuffers
+from zeroplan.facade.runtime import construction
+from zeroplan.facade.runtime.domain import (
+    Domain,
+    ExecutionOptions,
+)
+from zeroplan.facade.runtime.groups import ProcessGroups, data_parallel_group
+from zeroplan.facade.runtime.installed import Installed
+from zeroplan.facade.runtime.lifecycle import StepLifecycle
+from zeroplan.facade.state import domains as domain_states
+from zeroplan.facade.state.dicts import Shards
+from zeroplan.facade.state.loading import LoadedState
+
+__all__ = ["MeasuredMemory", "ZeroOptimizer"]
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Shards optimizer state (stage 1) and gradients (stage 2) across data-parallel ranks.
+
+    Wraps any ``torch.optim.Optimizer`` class. The model is *not* wrapped in
+    DDP: this optimizer reduces gradients itself, in buckets overlapped with
+    backward. Parameters become views of flat buffers laid out by the plan.
+
+    Args:
+        params: what ``torch.optim`` accepts: tensors, ``(name, tensor)``
+            pairs or param-group dicts.
+        optimizer_class: the inner optimizer, e.g. ``torch.optim.AdamW``.
+        stage: 1 (optimizer state and master weights sharded), 2 (gradients
+            too) or 3 (parameters too: call :meth:`attach` with the model; see
+            [Note: stage 3] in ``params.sharded``).
+        process_group: the data-parallel group (default: the default group).
+        shard_group_size: ranks per shard group (MiCS); default: the whole group.
+        ranks_per_node: ranks sharing a node (consecutive ranks of the group);
+            default: the whole group. When shard groups span whole nodes,
+            parameters are gathered in two hops, across nodes then inside
+            each ([Note: hierarchical all-gather]), bit-identical to one hop;
+            traffic is reported per link. The layout, state and checkpoints
+            do not depend on it.
+        strategy: partition strategy name, or ``"auto"`` (``flat_even`` for
+            elementwise optimizers, ``lpt_whole`` otherwise).
+        bucket_bytes: byte cap of a gradient bucket.
+        overlap_grad_reduce: launch reductions from backward hooks (``False``:
+            all at ``step()``; results are bit-identical).
+        overlap_param_gather: let ``step()`` return before the updated
+            parameters arrived; their first reader waits ([Note: parameter
+            gather]; ``False``: wait in ``step()``, bit-identical).
+        layout: ``"auto"``, ``"interleaved"`` or ``"rank_major"`` ([Note: layout]).
+        reshard_after_forward: stage 3: free gathered parameters after the
+            forward and gather them again in backward (``False``: keep them
+            until their gradients arrived: less traffic, stage-2 memory for
+            parameters).
+        loss_scale: ``None``, a static scale, or ``"dynamic"``.
+        scaler: settings of the dynamic loss scale.
+        alignment: elements; shard allocations and bucket bounds are multiples.
+        max_inflight_buckets: staging buffers alive at once (and persistent staging arena kept).
+        collectives: ``"min_bytes"`` (reduce-scatter / all-gather), ``"gloo"``
+            (the same as point-to-point exchanges, faster on gloo; uneven pieces
+            all-reduced / broadcast) or ``"auto"`` (by backend); see
+            [Note: collective policy] in ``zeroplan.core.comm``.
+        strict_memory: raise, not warn, when the planned peak does not fit the GPU.
+        **optimizer_defaults: hyper-parameters of the inner optimizer (``lr``, ...).
+
+    Raises:
+        ConfigError: a bad argument (nothing is modified).
+        IncompatiblePlanError: ranks disagree on parameters or settings.
+
+    Example::
+
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4, stage=2)
+        opt.backward(loss)           # or loss.backward() without loss scaling
+        opt.clip_grad_norm_(1.0)
+        opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        stage: int = 2,
+        process_group: dist.ProcessGroup | None = None,
+        shard_group_size: int | None = None,
+        ranks_per_node: int | None = None,
+        strategy: str = "auto",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = True,
+        layout: str = "auto",
+        reshard_after_forward: bool = True,
+        loss_scale: float | str | None = None,
+        scaler: ScalerConfig | None = None,
+        alignment: int = DEFAULT_ALIGNMENT,
+        max_inflight_buckets: int = 2,
+        collectives: str = "auto",
+        strict_memory: bool = False,
+        **optimizer_defaults: Any,
+    ) -> None:
+        self._initialized = False
+        world = data_parallel_group(process_group)
+        request = construction.Request(
+            optimizer_class=optimizer_class,
+            optimizer_defaults=optimizer_defaults,
+            stage=stage,
+            shard_group_size=shard_group_size,
+            ranks_per_node=ranks_per_node,
+            strategy=strategy,
+            bucket_bytes=bucket_bytes,
+            layout=layout,
+            loss_scale=loss_scale,
+            scaler=scaler,
+            alignment=alignment,
+            max_inflight_buckets=max_inflight_buckets,
+            collectives=collectives,
+            overlap_grad_reduce=overlap_grad_reduce,
+            strict_memory=strict_memory,
+        )
+        agreed = construction.agree(params, world, request)
+        # Nothing below can fail for a user reason: state changes start here.
+        super().__init__(agreed.param_groups(world), optimizer_defaults)
+        options = ExecutionOptions(
+            overlap_grad_reduce, bool(overlap_param_gather), bool(reshard_after_forward)
+        )
+        groups, defaults = self.param_groups, self.defaults
+        self._joint = construction.joint_step(agreed, groups, defaults, world, options, scaler)
+        self._initialized = True
+
+    @property
+    def _data(self) -> Domain:
+        """Domain 0: the data-parallel domain (the only one without expert groups)."""
+        return self._joint.data
+
+    # ------------------------------------------------------------ properties
+    @property
+    def plan(self) -> ZeroPlan:
+        """The plan this optimizer executes (of the data-parallel domain, with expert groups)."""
+        return self._data.installed.zp
+
+    @property
+    def domains(self) -> tuple[Domain, ...]:
+        """Its domains ([Note: expert domains]): only ``"data"`` unless param groups carry a process group."""
+        return self._joint.domains
+
+    @property
+    def process_groups(self) -> ProcessGroups:
+        """World, shard and replica groups (of the data-parallel domain)."""
+        return self._data.groups
+
+    @property
+    def installed(self) -> Installed:
+        """The installed plan: plan, groups, buffers, inner optimizer, gradient sync (for tools)."""
+        return self._data.installed
+
+    @property
+    def lifecycle(self) -> StepLifecycle:
+        """The step lifecycle ([Note: step lifecycle]); for inspection and profiling tools."""
+        return self._data.lifecycle
+
+    @property
+    def buffers(self) -> tuple[SpaceBuffers, ...]:
+        """This rank's flat buffers, one per dtype space of the plan (see [Note: flat buffers])."""
+        return self._data.installed.buffers
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The ``torch.optim`` optimizer stepping this rank's shard (of the data-parallel domain)."""
+        return self._data.installed.inner.optimizer
+
+    @property
+    def loss_scale(self) -> float:
+        """Current loss scale (1.0 without loss scaling)."""
+        return self._joint.loss_scale
+
+    @property
+    def scaler_state(self) -> ScalerState | None:
+        """The dynamic loss scaler's state, or ``None``."""
+        return self._joint.scaler
+
+    # ------------------------------------------------------------ training API
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, multiplied by the loss scale when scaling is on."""
+        if self._data.installed.zp.loss_scaling:
+            loss = loss * self.loss_scale
+        loss.backward(**kwargs)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which backward accumulates gradients locally, without reduction."""
+        return self._joint.no_sync()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the whole model's gradient to ``max_norm``; return its total norm.
+
+        Reduces gradients if backward left any pending, unscales them, then
+        computes the norm over all shards (one all-reduce), identical on every
+        rank, as ``torch.nn.utils.clip_grad_norm_`` on the unsharded model
+        (with expert groups: over every expert of every group).
+        Once per step, between backward and :meth:`step`.
+        """
+        return self._joint.clip_grad_norm_(max_norm, norm_type)
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm, as :meth:`clip_grad_norm_` returns it, without clipping.
+
+        At stage 2 no rank holds whole gradients (``.grad`` is ``None`` after
+        backward), so code that logs or inspects them reads this instead of
+        ``torch.nn.utils.clip_grad_norm_(params, inf)``. Reduces gradients if
+        backward left any pending, then one all-reduce of a scalar; identical on
+        every rank; collective. Between backward and :meth:`step`, as often as
+        needed; after :meth:`clip_grad_norm_` it is the norm of the clipped
+        gradients. For the gradients themselves, see :meth:`averaged_gradients`.
+        """
+        return self._joint.grad_norm(norm_type)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Apply the update; returns what ``closure`` returned (``None`` without one), as ``torch.optim``.
+
+        ``kwargs`` go to the inner optimizer's ``step``. A step whose gradients
+        overflowed (inf/NaN, with loss scaling) is skipped on every rank:
+        :attr:`last_step_skipped` says so.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._joint.step(**kwargs)
+        return loss
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``step()`` skipped its update because a gradient overflowed (inf/NaN)."""
+        return self._joint.last_step_skipped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients (stage 1 keeps ``.grad`` as views of its buffer when not set to ``None``)."""
+        self._joint.zero_grad(set_to_none)
+
+    def averaged_gradients(self) -> list[torch.Tensor | None]:
+        """The gradients the next ``step()`` applies, whole, per parameter (collective).
+
+        Finishes the reduction if needed; the result is averaged over the data
+        parallel world (expert parameters too: see [Note: expert domains]), unscaled and
+        clipped (if ``clip_grad_norm_`` ran), in the master dtype, ``None`` for
+        frozen parameters, in the order of ``param_groups``. It gathers every
+        shard on every rank of the shard group: meant for inspection and tests.
+        """
+        return self._joint.averaged_gradients(self.param_groups)
+
+    # ------------------------------------------------------------ accounting
+    def measured_memory(self) -> MeasuredMemory:
+        """Bytes this rank holds now, by category (every domain); buffers: the staging arena."""
+        return self._joint.measured_memory()
+
+    def last_step_comm(self) -> tuple[CommCost, ...]:
+        """Collectives of the last completed step: calls and bytes sent, per (group, collective).
+
+        With expert groups, the groups of domains other than ``"data"`` are
+        named ``"<domain>/<group>"`` (``"experts/shard"``).
+        """
+        return self._joint.last_step_comm()
+
+    def memory_report(self, *, clipping: bool | None = None) -> MemoryReport:
+        """The planner's report for this optimizer's plan (no communication).
+
+        ``clipping`` adds the all-reduce of :meth:`clip_grad_norm_` to the traffic;
+        by default it is counted if the last completed step clipped. Its
+        ``peak_bytes`` follows this optimizer's ``overlap_grad_reduce`` and the
+        order the last step's gradients arrived in.
+
+        Raises:
+            ConfigError: the optimizer has expert groups: one report would leave
+                them out; use :meth:`memory_reports`.
+        """
+        domain = self._joint.only_domain("memory_report()", _ONE_REPORT)
+        return domain.memory_report(self._joint.clipped(clipping))
+
+    def memory_reports(self, *, clipping: bool | None = None) -> DomainsReport:
+        """The planner's report of every domain ([Note: expert domains]); ``clipping``: see ``memory_report``.
+
+        ``.rank(self.domain_positions())`` is this rank's total; its traffic is
+        what :meth:`last_step_comm` measures (with several domains the clipping
+        norm and the overflow verdict are one all-reduce each over the world).
+        """
+        return self._joint.memory_reports(self._positions(), clipping)
+
+    def domain_plans(self) -> DomainPlans:
+        """Every domain's plan, with the user's group positions (pure value)."""
+        return self._joint.domain_plans(self._positions())
+
+    def _positions(self) -> dict[int, int]:
+        return {id(g): i for i, g in enumerate(self.param_groups)}
+
+    def domain_positions(self) -> tuple[int, ...]:
+        """This rank's position in each domain's process group (what ``memory_reports().rank`` takes)."""
+        return tuple(d.groups.rank for d in self._joint.domains)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """Refused: a copy would share the process groups, the hooks and the flat buffers, and fail later.
+
+        Raises:
+            ConfigError: always; copy the state instead.
+        """
+        raise ConfigError(_NO_DEEPCOPY)
+
+    def wait_for_params(self) -> None:
+        """Complete the last step's parameter gathers (before reading parameters outside a forward)."""
+        self._joint.wait_for_params()
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Let ``model``'s forward gather the stage-3 parameters it uses (see [Note: stage 3]).
+
+        Registers forward hooks on ``model`` and its submodules that hold this
+        optimizer's parameters; call once, before the first forward, with the
+        module whose forward runs the model (the root). At stages 1 and 2 it
+        does nothing (parameters are whole there), so code can call it always.
+        """
+        self._joint.attach(model)
+
+    def gathered_params(self, *, writeback: bool = False) -> contextlib.AbstractContextManager[None]:
+        """Inside the block every parameter holds its whole values (collective: call on every rank).
+
+        At stage 3 this gathers every block and frees them after the block;
+        at stages 1 and 2 it only completes the last step's gathers. For
+        saving the model (``model.state_dict()``), evaluation code that reads
+        weights, EMA.
+
+        Args:
+            writeback: keep values written into the parameters inside (e.g.
+                ``model.load_state_dict(...)``; every rank must write the same):
+                on leaving the block normally they go into this rank's shards
+                (stage 3) and the masters are reloaded from them (fp32 masters
+                of bf16/fp16 parameters then hold the parameters' values). Without
+                it, stage 3 drops such changes; stages 1 and 2 keep them anyway
+                at the next step ([Note: parameter writes]).
+        """
+        return self._joint.gathered_params(writeback=writeback)
+
+    # ------------------------------------------------------------ state dicts
+    def shards(self) -> Shards:
+        """What state dicts and checkpoints read: plan, buffers, inner optimizer, groups, settings.
+
+        Raises:
+            ConfigError: the optimizer has expert groups: consolidated dicts
+                hold one plan, and one domain's parts would leave the experts
+                out; ``zeroplan.facade.checkpoint`` and ``state_dict()`` save
+                every domain (each domain's parts: ``opt.domains[d].shards(...)``).
+        """
+        return self._joint.only_domain("shards()", _ONE_PLAN).shards(self._joint.scaler)
+
+    def plan_with_cohorts(self, cohorts: Iterable[int]) -> ZeroPlan:
+        """This optimizer's plan with the parameters in other cohorts (pure: changes nothing)."""
+        return self._data.plan_with_cohorts(tuple(cohorts))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's sharded state (see [Note: state dict forms] in ``state.dicts``).
+
+        Loads back with :meth:`load_state_dict` on the same plan and restores
+        training bit for bit. For another world or shard size use
+        :meth:`consolidated_state_dict` or ``zeroplan.facade.checkpoint``. With
+        expert groups it holds one sharded dict per domain (``"domains"``).
+        """
+        return domain_states.state_dict(self._joint)
+
+    @torch.no_grad()
+    def consolidated_state_dict(
+        self, to_rank: int | None = 0, *, chunk_bytes: int = 16 * 2**20
+    ) -> dict[str, Any] | None:
+        """A plain ``torch.optim`` state dict of the whole model on ``to_rank`` (every rank with ``None``).
+
+        Gathered in chunks of at most ``chunk_bytes``, so no rank needs more
+        extra memory than that beyond the result. Collective; ranks that are
+        not a destination return ``None``. fp32 master weights of bf16/fp16
+        parameters come along under ``"zeroplan_master"``.
+        """
+        return consolidated_state_dict(self.shards(), to_rank, chunk_bytes)
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a sharded dict (same plan) or a plain ``torch.optim`` dict (any plan).
+
+        A plain dict (from ``torch.optim`` or :meth:`consolidated_state_dict`)
+        is sliced by every rank; call it on every rank. Collective: every rank
+        validates its dict, then all agree (see [Note: load agreement] in
+        ``state.loading``), so a dict rejected on one rank raises on every rank
+        and changes nothing on any. With expert groups only this optimizer's
+        own ``state_dict()`` loads (same world and groups).
+
+        Raises:
+            ConfigError, IncompatiblePlanError: on every rank, if any rank's
+                dict is invalid or the ranks' dicts disagree.
+        """
+        domain_states.load_state_dict(self._joint, state_dict)
+
+    @torch.no_grad()
+    def restore(self, loaded: LoadedState) -> None:
+        """Install validated state (``load_state_dict``, ``checkpoint.load``); cannot fail for a user reason.
+
+        Adopts the plan the state is laid out for (same parameters, other
+        cohorts) first; every rank must call it with state of the same plan.
+        """
+        self._joint.restore([loaded])
+
+    # ------------------------------------------------------------ re-planning
+    def refresh_trainable(self) -> None:
+        """Re-plan after ``requires_grad`` changed; no parameter loses its optimizer state.
+
+        Parameters that become frozen keep their state aside (parked, still
+        sharded) and continue with it when unfrozen, as with ``torch.optim``;
+        parameters trainable for the first time start fresh (their own ``step``
+        counter). Collective: call on every rank.
+        """
+        self._joint.refresh_trainable()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (collective: call on every rank with the same group).
+
+        New parameters become trainable with fresh optimizer state. A bad
+        group raises on every rank and changes nothing. A group with a
+        ``"process_group"`` joins the expert domain of that process group.
+        """
+        if not self._initialized:  # torch.optim.Optimizer.__init__ adds the first groups
+            super().add_param_group(param_group)
+            return
+        domain, (registry, zp, group) = self._joint.plan_group(param_group)
+        new = registry.params[len(domain.registry.params) :]
+        extra = {} if domain is self._data else {"process_group": domain.world}
+        super().add_param_group({**group, **extra, "params": list(new)})
+        domain.adopt_group(registry, zp, self.param_groups[-1])
+
+
+_ONE_REPORT = "one report would leave them out; use memory_reports(), whose .rank(...) sums a rank's domains"
+_ONE_PLAN = (
+    "consolidated state dicts hold one plan and no rank holds every expert; save with "
+    "zeroplan.facade.checkpoint.save(opt, path) or opt.state_dict() on every rank"
+)
+_NO_DEEPCOPY = (
+    "a ZeroOptimizer cannot be deep-copied: it holds process groups, hooks on the model's parameters "
+    "and the flat buffers they view. Copy its state instead (opt.state_dict(), or "
+    "zeroplan.facade.checkpoint) and build a new ZeroOptimizer over the copied model"
+)

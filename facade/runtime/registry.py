@@ -1,0 +1,236 @@
+"""What a ``ZeroOptimizer`` asks the planner to lay out: its parameters and its settings.
+
+[Note: optimizer parts]
+``ZeroOptimizer`` is assembled from typed parts, passed explicitly to the
+modules that work on them (none of them reads the optimizer itself):
+
+* :class:`ParamRegistry` (frozen): the user's parameters, their names, param
+  group membership and cohorts. Re-planning builds a *new* registry and the
+  optimizer swaps it in only after every rank agreed, so a rejected change
+  needs no undo.
+* :class:`PlanSettings` (frozen): everything else the planner is given
+  (topology, stage, strategy, bucket size, ...); fixed at construction.
+* ``Installed`` (``installed.py``): what one plan is executed with: the plan,
+  process groups, flat buffers, the inner optimizer and the gradient sync.
+* ``StepLifecycle`` (``lifecycle.py``): the phase of the current step and the
+  state that lives for one step (see [Note: step lifecycle]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.core import ConfigError, ParamSpec, Topology, ZeroPlan, describe_optimizer, plan
+from zeroplan.facade.runtime.inner import check_hyperparameters, check_keywords
+from zeroplan.facade.runtime.inputs import ParamList, collect_params, describe_params
+
+__all__ = ["Configured", "ParamRegistry", "PlanSettings", "configure", "scale_mode"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ParamRegistry:
+    """The parameters an optimizer manages; a parameter's position is its plan index.
+
+    Attributes:
+        params: every parameter, in the order of the user's groups.
+        names: one name per parameter (for error messages and checkpoints).
+        members: per param group, the indices of its parameters.
+        cohorts: per parameter, its cohort: parameters of one group and cohort
+            share scalar optimizer state such as Adam's ``step``.
+        next_cohort: the cohort the next newly trainable parameters get.
+        device: the one device every parameter lives on.
+    """
+
+    params: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+    members: tuple[tuple[int, ...], ...]
+    cohorts: tuple[int, ...]
+    next_cohort: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, inputs: ParamList) -> ParamRegistry:
+        """The registry of freshly collected parameters (every one in cohort 0)."""
+        return cls(
+            params=inputs.params,
+            names=inputs.names,
+            members=tuple(tuple(g["params"]) for g in inputs.groups),
+            cohorts=(0,) * len(inputs.params),
+            next_cohort=1,
+            device=inputs.device,
+        )
+
+    def specs(self) -> tuple[ParamSpec, ...]:
+        """Planner descriptions of the parameters (trainability read from ``requires_grad`` now)."""
+        groups = tuple({"params": members} for members in self.members)
+        return describe_params(self.params, self.names, groups, self.cohorts)
+
+    def with_cohorts(self, cohorts: Sequence[int]) -> ParamRegistry:
+        """The same parameters in other cohorts (e.g. those of a plan being adopted)."""
+        cohorts = tuple(cohorts)
+        return dataclasses.replace(self, cohorts=cohorts, next_cohort=max(cohorts, default=0) + 1)
+
+    def with_newly_trainable(self, trainable: frozenset[int], revived: Collection[int] = ()) -> ParamRegistry:
+        """Parameters that require grad now but are not in ``trainable`` move to new cohorts.
+
+        They share one fresh cohort, except those in ``revived`` (parameters with
+        parked state, see [Note: parked state]), which get one each: each
+        continues with its own parked scalar state.
+        """
+        fresh, following = self.next_cohort, self.next_cohort + 1
+        cohorts = []
+        for index, (param, cohort) in enumerate(zip(self.params, self.cohorts, strict=True)):
+            if param.requires_grad and index not in trainable:
+                if index in revived:
+                    cohort, following = following, following + 1
+                else:
+                    cohort = fresh
+            cohorts.append(cohort)
+        return dataclasses.replace(self, cohorts=tuple(cohorts), next_cohort=following)
+
+    def with_group(self, inputs: ParamList) -> ParamRegistry:
+        """The registry with one more param group (``inputs``, indexed after the existing ones)."""
+        return dataclasses.replace(
+            self,
+            params=self.params + inputs.params,
+            names=self.names + inputs.names,
+            members=(*self.members, tuple(inputs.groups[0]["params"])),
+            cohorts=self.cohorts + (self.next_cohort,) * len(inputs.params),
+            next_cohort=self.next_cohort + 1,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSettings:
+    """What the planner is told besides the parameters; fixed for the optimizer's lifetime."""
+
+    topology: Topology
+    optimizer_class: type[torch.optim.Optimizer]
+    stage: int
+    strategy: str
+    alignment: int
+    bucket_bytes: int
+    loss_scaling: bool
+    max_inflight_buckets: int
+    policy: str
+    layout: str = "auto"
+
+    @property
+    def optimizer_name(self) -> str:
+        """The inner optimizer's class name (what checkpoints and state dicts record)."""
+        return self.optimizer_class.__name__
+
+    def plan(self, registry: ParamRegistry, groups: Sequence[dict[str, Any]]) -> ZeroPlan:
+        """The plan of ``registry`` with the hyper-parameters of ``groups`` (pure: changes nothing)."""
+        device = registry.device.type  # the inner optimizer steps buffers on the parameters' device
+        optimizers = tuple(
+            describe_optimizer(self.optimizer_name, g, strict=False, device=device) for g in groups
+        )
+        options = self.plan_options()
+        return plan(registry.specs(), self.topology, stage=self.stage, optimizer=optimizers, **options)
+
+    def plan_options(self) -> dict[str, Any]:
+        """The keywords of ``zeroplan.core.plan`` besides specs, topology, stage and optimizer."""
+        return {
+            "strategy": self.strategy,
+            "alignment": self.alignment,
+            "bucket_bytes": self.bucket_bytes,
+            "loss_scaling": self.loss_scaling,
+            "max_inflight_buckets": self.max_inflight_buckets,
+            "policy": self.policy,
+            "layout": self.layout,
+        }
+
+
+class Configured(NamedTuple):
+    """A validated ``ZeroOptimizer(...)`` call: what construction needs once every rank agreed."""
+
+    mode: float | str | None
+    groups: list[dict[str, Any]]
+    settings: PlanSettings
+    registry: ParamRegistry
+
+
+#: Inner optimizers that cannot work on a shard: they need the whole model or sparse gradients.
+_REFUSED = {
+    "LBFGS": "needs every parameter of the model and a closure re-evaluating the loss within step()",
+    "SparseAdam": "needs sparse gradients, and ZeroOptimizer reduces dense flat buckets",
+}
+
+
+def configure(
+    params: Any,
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_defaults: dict[str, Any],
+    *,
+    world: dist.ProcessGroup,
+    stage: int,
+    shard_group_size: int | None,
+    strategy: str,
+    alignment: int,
+    bucket_bytes: int,
+    loss_scale: float | str | None,
+    max_inflight_buckets: int,
+    collectives: str,
+    layout: str = "auto",
+    ranks_per_node: int | None = None,
+) -> Configured:
+    """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
+
+    Raises:
+        ConfigError: a bad value (a ``ConfigTypeError``, also a ``TypeError``,
+            for an argument of the wrong kind, as ``torch.optim`` raises).
+    """
+    if type(stage) is not int or stage not in (1, 2, 3):
+        raise ConfigError(f"stage must be 1, 2 or 3, got {stage!r} (use DistributedDataParallel for stage 0)")
+    refused = _REFUSED.get(getattr(optimizer_class, "__name__", ""))
+    if refused is not None:
+        raise ConfigError(f"{optimizer_class.__name__} cannot be sharded: it {refused}")
+    mode = scale_mode(loss_scale)
+    inputs = collect_params(params)
+    groups = [{**optimizer_defaults, **group} for group in inputs.groups]
+    check_hyperparameters(optimizer_class, groups)
+    check_keywords(optimizer_class, optimizer_defaults)
+    if shard_group_size is not None and (type(shard_group_size) is not int or shard_group_size < 1):
+        raise ConfigError(f"shard_group_size must be an int >= 1, got {shard_group_size!r}")
+    if ranks_per_node is not None and (type(ranks_per_node) is not int or ranks_per_node < 1):
+        raise ConfigError(f"ranks_per_node must be an int >= 1 or None, got {ranks_per_node!r}")
+    world_size = dist.get_world_size(world)
+    if collectives == "auto":
+        collectives = "gloo" if dist.get_backend(world) == "gloo" else "min_bytes"
+    settings = PlanSettings(
+        topology=Topology(
+            world_size=world_size, shard_size=shard_group_size or world_size, ranks_per_node=ranks_per_node
+        ),
+        optimizer_class=optimizer_class,
+        stage=stage,
+        strategy=strategy,
+        alignment=alignment,
+        bucket_bytes=bucket_bytes,
+        loss_scaling=mode is not None,
+        max_inflight_buckets=max_inflight_buckets,
+        policy=collectives,
+        layout=layout,
+    )
+    return Configured(mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs))
+
+
+def scale_mode(loss_scale: float | str | None) -> float | str | None:
+    """Validate ``ZeroOptimizer(loss_scale=...)``: ``None``, a static scale or ``"dynamic"``.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if loss_scale is None or loss_scale == "dynamic":
+        return loss_scale
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        if math.isfinite(loss_scale) and loss_scale > 0:
+            return float(loss_scale)
+    raise ConfigError(f"loss_scale must be None, a finite number > 0 or 'dynamic', got {loss_scale!r}")

@@ -1,0 +1,2 @@
+"""Optimizer state in and out: the state codec, state dicts, loading with agreement, re-sharding,
+parked state."""

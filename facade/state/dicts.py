@@ -1,0 +1,311 @@
+"""State dicts of a ``ZeroOptimizer``: the rank-local sharded form and plain ``torch.optim`` dicts.
+
+[Note: state dict forms]
+* **Sharded** (``state_dict()``): this rank's fp32 master fragments and inner
+  optimizer state in shard coordinates, the scaler state, the hyper-parameters
+  and the plan fingerprint. It loads back only on the same plan (same world,
+  shard size, strategy and parameters) and restores training bit for bit.
+* **Plain** (what ``torch.optim.AdamW().state_dict()`` returns, or
+  ``consolidated_state_dict()``): integer parameter ids, per-parameter state
+  shaped like the parameter, ``param_groups``. Every rank slices the fragments
+  it owns out of it; ZeroOptimizer's consolidated dicts add the fp32 masters
+  under ``"zeroplan_master"`` so no precision is lost on the way round.
+
+Loading validates everything first and copies only then, so a rejected dict
+leaves the optimizer exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from zeroplan.core import ConfigError, IncompatiblePlanError, ScalerState, Span, ZeroPlan, master_dtype
+from zeroplan.facade.params.buffers import SpaceBuffers
+from zeroplan.facade.runtime.dtypes import torch_dtype
+from zeroplan.facade.runtime.groups import ProcessGroups
+from zeroplan.facade.runtime.inner import Inner
+from zeroplan.facade.state.shards import export_state
+from zeroplan.facade.state.tree import (
+    MASTER,
+    ParkedParam,
+    ShardState,
+    decode_state,
+    encode_parked,
+    encode_state,
+    tree_clone,
+)
+
+__all__ = [
+    "SHARDED_FORMAT",
+    "Shards",
+    "check_plain",
+    "cohorts_of_plain",
+    "torch_param_groups",
+    "is_sharded",
+    "shard_state_from_plain",
+    "parked_from_plain",
+    "sharded_state_dict",
+    "shard_state_from_sharded",
+]
+
+SHARDED_FORMAT = "zeroplan.sharded/v2"
+MASTER_KEY = "zeroplan_master"
+
+
+class Shards(NamedTuple):
+    """What the state-dict functions read from a ``ZeroOptimizer``."""
+
+    zp: ZeroPlan
+    buffers: tuple[SpaceBuffers, ...]
+    inner: Inner
+    groups: ProcessGroups
+    params: tuple[torch.Tensor, ...]
+    optimizer_name: str
+    param_groups: list[dict[str, Any]]
+    scaler: ScalerState | None
+    parked: Mapping[int, ParkedParam]
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's buffers live (CPU when the plan has no trainable parameter)."""
+        return self.buffers[0].device if self.buffers else torch.device("cpu")
+
+
+def torch_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Groups without their tensors, ``params`` as the integer ids torch uses."""
+    out, start = [], 0
+    for group in param_groups:
+        count = len(group["params"])
+        out.append(
+            {
+                **{k: v for k, v in group.items() if k not in ("params", "process_group")},
+                "params": list(range(start, start + count)),
+            }
+        )
+        start += count
+    return out
+
+
+def is_sharded(state_dict: dict[str, Any]) -> bool:
+    """Whether ``state_dict`` is the sharded form, of any version (else it must be a plain torch dict)."""
+    return str(state_dict.get("format", "")).startswith(SHARDED_FORMAT.split("/")[0] + "/")
+
+
+def sharded_state_dict(sh: Shards) -> dict[str, Any]:
+    """This rank's sharded state dict (see [Note: state dict forms]); tensors are copies."""
+    state = export_state(sh.zp, sh.inner, sh.buffers)
+    return {
+        "format": SHARDED_FORMAT,
+        "fingerprint": sh.zp.fingerprint(),
+        "world_size": sh.zp.topology.world_size,
+        "shard_size": sh.zp.topology.shard_size,
+        "shard_rank": sh.groups.shard_rank,
+        "optimizer": sh.optimizer_name,
+        "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
+        "param_groups": torch_param_groups(sh.param_groups),
+        "cohorts": [s.cohort for s in sh.zp.specs],
+        "master": {b.space.dtype: b.master_copy[: b.extent].clone() for b in sh.buffers if b.carries_master},
+        "state": tree_clone(encode_state(state, sh.zp.partition.spaces)),  # [Note: state codec]
+        "parked": tree_clone(encode_parked(sh.parked)),  # [Note: parked state]
+    }
+
+
+def shard_state_from_sharded(
+    state_dict: dict[str, Any], sh: Shards
+) -> tuple[ShardState, set[tuple[int, int]], dict[str, torch.Tensor]]:
+    """Validate a sharded dict against this optimizer; return its state, stateful cohorts and masters.
+
+    Raises:
+        IncompatiblePlanError: it was saved under another plan, rank or optimizer class.
+    """
+    zp = sh.zp
+    if state_dict["format"] != SHARDED_FORMAT:
+        raise IncompatiblePlanError(
+            f"sharded state dict of format {state_dict['format']!r}, this version reads {SHARDED_FORMAT!r}"
+        )
+    if state_dict.get("optimizer") != sh.optimizer_name:
+        raise IncompatiblePlanError(
+            f"state dict is of optimizer {state_dict.get('optimizer')!r}, this one runs {sh.optimizer_name!r}"
+        )
+    if state_dict.get("fingerprint") != zp.fingerprint():
+        saved = (state_dict.get("world_size"), state_dict.get("shard_size"))
+        here = (zp.topology.world_size, zp.topology.shard_size)
+        detail = (
+            f"saved at world/shard {saved}, running {here}" if saved != here else "same sizes, other plan"
+        )
+        raise IncompatiblePlanError(
+            f"sharded state dict belongs to another plan ({detail}: parameters, strategy, stage or bucket "
+            "settings differ); load a consolidated_state_dict() or use zeroplan.facade.checkpoint to change "
+            "topology"
+        )
+    if state_dict.get("shard_rank") != sh.groups.shard_rank:
+        raise IncompatiblePlanError(
+            f"sharded state dict is of shard rank {state_dict.get('shard_rank')}, this is shard rank "
+            f"{sh.groups.shard_rank}: load each rank's own state dict"
+        )
+    state = decode_state(state_dict["state"], zp.partition.spaces)
+    for (space, key), tensor in state.flat.items():
+        expected = sh.buffers[space].extent
+        if tensor.shape != (expected,):
+            raise IncompatiblePlanError(
+                f"state {key!r} has shape {tuple(tensor.shape)}, expected ({expected},)"
+            )
+    return state, set(state.scalars), state_dict["master"]
+
+
+def check_plain(state_dict: dict[str, Any], sh: Shards) -> None:
+    """Validate a plain torch optimizer dict against this optimizer's parameters.
+
+    Raises:
+        IncompatiblePlanError: group or parameter counts, state shapes or the
+            masters do not match (the message names the parameter and key).
+    """
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ConfigError(
+            "expected a ZeroOptimizer.state_dict() or a torch.optim state dict "
+            "with 'state' and 'param_groups'"
+        )
+    saved = state_dict["param_groups"]
+    if len(saved) != len(sh.param_groups):
+        raise IncompatiblePlanError(
+            f"state dict has {len(saved)} param groups, the optimizer has {len(sh.param_groups)}"
+        )
+    for g, (a, b) in enumerate(zip(saved, sh.param_groups, strict=True)):
+        if len(a["params"]) != len(b["params"]):
+            raise IncompatiblePlanError(
+                f"param group {g} has {len(a['params'])} parameters in the state dict, "
+                f"{len(b['params'])} in the optimizer"
+            )
+    ids = [i for group in saved for i in group["params"]]
+    position = {saved_id: i for i, saved_id in enumerate(ids)}
+    for saved_id, entry in state_dict["state"].items():
+        if saved_id not in position:
+            raise IncompatiblePlanError(f"state for parameter id {saved_id!r}, which no param group lists")
+        param = sh.params[position[saved_id]]
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.dim() > 0 and not sh.zp.elementwise:
+                continue  # whole-parameter optimizers may keep any shapes (factored moments)
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                raise IncompatiblePlanError(
+                    f"state {key!r} of parameter {position[saved_id]} has shape {tuple(value.shape)}, the "
+                    f"parameter has {tuple(param.shape)}: a state dict of another model?"
+                )
+    for saved_id, master in state_dict.get(MASTER_KEY, {}).items():
+        param = sh.params[position[saved_id]]
+        if master.shape != param.shape:
+            raise IncompatiblePlanError(
+                f"master of parameter {position[saved_id]} has shape {tuple(master.shape)}"
+            )
+
+
+def _by_position(state_dict: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], dict[int, torch.Tensor]]:
+    ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+    position = {saved_id: i for i, saved_id in enumerate(ids)}
+    state = {position[k]: v for k, v in state_dict["state"].items()}
+    masters = {position[k]: v for k, v in state_dict.get(MASTER_KEY, {}).items()}
+    return state, masters
+
+
+def cohorts_of_plain(state_dict: dict[str, Any], zp: ZeroPlan) -> list[int]:
+    """Cohorts that give every elementwise window one value of each scalar state (e.g. ``step``).
+
+    Parameters of a group with equal scalar states share a cohort; parameters
+    without state get one of their own (they start fresh).
+    """
+    state, _ = _by_position(state_dict)
+    labels: dict[tuple[Any, ...], int] = {}
+    cohorts = []
+    for spec in zp.specs:
+        entry = state.get(spec.index)
+        if entry is None:
+            key: tuple[Any, ...] = (spec.group, "fresh")
+        else:
+            scalars = tuple(
+                sorted(
+                    (k, float(v) if torch.is_tensor(v) else v)
+                    for k, v in entry.items()
+                    if not (torch.is_tensor(v) and v.dim() > 0)
+                )
+            )
+            key = (spec.group, scalars)
+        cohorts.append(labels.setdefault(key, len(labels)))
+    return cohorts
+
+
+def shard_state_from_plain(
+    state_dict: dict[str, Any], target: ZeroPlan, sh: Shards
+) -> tuple[ShardState, set[tuple[int, int]], dict[str, torch.Tensor]]:
+    """This rank's share of a validated plain dict, in ``target``'s shard coordinates.
+
+    ``target`` is this optimizer's plan, possibly with other cohorts
+    (:func:`cohorts_of_plain`); it need not be installed yet.
+    """
+    state, masters = _by_position(state_dict)
+    shard_rank = sh.groups.shard_rank
+    device = sh.device
+    flat: dict[tuple[int, str], torch.Tensor] = {}
+    scalars: dict[tuple[int, int], dict[str, Any]] = {}
+    whole: dict[int, dict[str, Any]] = {}
+    master_out: dict[str, torch.Tensor] = {}
+    for space in target.partition.spaces:
+        owned = space.extent(shard_rank)
+        frags = space.by_rank[shard_rank]
+        master = master_dtype(space.dtype)
+        if master != space.dtype and any(f.param in masters for f in frags):
+            out = torch.zeros(owned, dtype=torch_dtype(master), device=device)
+            for f in frags:
+                source = masters.get(f.param)
+                values = source if source is not None else sh.params[f.param].detach()
+                out[f.shard_span.as_slice()] = values.reshape(-1)[f.param_span.as_slice()].to(out.dtype)
+            master_out[space.dtype] = out
+        for f in frags:
+            spec = target.specs[f.param]
+            entry = state.get(f.param)
+            if entry is None:
+                continue
+            if not target.elementwise:
+                whole[f.param] = tree_clone(entry, device)
+                continue
+            shared = scalars.setdefault((spec.group, spec.cohort), {})
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    out = flat.get((space.index, key))
+                    if out is None:
+                        out = flat[space.index, key] = torch.zeros(owned, dtype=value.dtype, device=device)
+                    out[f.shard_span.as_slice()] = value.reshape(-1)[f.param_span.as_slice()].to(device)
+                else:
+                    shared[key] = tree_clone(value, device)
+    stateful = {(target.specs[p].group, target.specs[p].cohort) for p in state}
+    return ShardState(flat=flat, scalars=scalars, whole=whole), stateful, master_out
+
+
+def parked_from_plain(state_dict: dict[str, Any], target: ZeroPlan, sh: Shards) -> dict[int, ParkedParam]:
+    """This rank's parked share of the state a plain dict holds for parameters frozen here.
+
+    Each such parameter is parked whole on shard rank ``index % shard_size``
+    (see [Note: parked state]): it is exchanged when it is unfrozen.
+    """
+    state, masters = _by_position(state_dict)
+    shard_size, shard_rank = target.topology.shard_size, sh.groups.shard_rank
+    device = sh.device
+    parked: dict[int, ParkedParam] = {}
+    for p, entry in state.items():
+        if target.specs[p].trainable or p % shard_size != shard_rank:
+            continue
+        if not target.elementwise:
+            parked[p] = ParkedParam(scalars={}, pieces={}, whole=tree_clone(entry, device))
+            continue
+        whole = Span(0, target.specs[p].numel)
+        pieces = {
+            key: [(whole, value.detach().reshape(-1).to(device, copy=True))]
+            for key, value in entry.items()
+            if torch.is_tensor(value) and value.dim() > 0
+        }
+        if p in masters:
+            pieces[MASTER] = [(whole, masters[p].detach().reshape(-1).float().to(device, copy=True))]
+        scalars = {k: v for k, v in entry.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+        parked[p] = ParkedParam(scalars=tree_clone(scalars, device), pieces=pieces)
+    return parked

@@ -1,0 +1,87 @@
+"""State dicts of an optimizer's domains: one domain's sharded dict, or one per domain with expert groups.
+
+A single domain keeps the sharded form of [Note: state dict forms] (``state.dicts``), plain
+``torch.optim`` dicts included; several domains ([Note: expert domains] in ``domain``) save one sharded
+dict per domain under ``"domains"``, and load only such a dict, at the same world and groups.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from zeroplan.core import ConfigError
+from zeroplan.facade.runtime.agreement import verdicts
+from zeroplan.facade.runtime.domain import Domain
+from zeroplan.facade.runtime.joint import JointStep
+from zeroplan.facade.state import loading as state_loading
+from zeroplan.facade.state.dicts import Shards, sharded_state_dict
+from zeroplan.facade.state.loading import LoadedState
+
+__all__ = ["DOMAINS_FORMAT", "load_state_dict", "state_dict"]
+
+#: ``format`` of a multi-domain ``state_dict()`` (see [Note: expert domains]).
+DOMAINS_FORMAT = "zeroplan.domains/1"
+
+_NOT_OURS = (
+    "this optimizer has expert groups and loads only its own state_dict() (one sharded dict per "
+    f"domain, format {DOMAINS_FORMAT!r}); plain torch.optim dicts, single-domain sharded dicts "
+    "and consolidated dicts do not say which expert group their state belongs to"
+)
+
+
+def state_dict(joint: JointStep) -> dict[str, Any]:
+    """This rank's sharded state of every domain (one domain: its sharded dict as it is)."""
+    if not joint.joint:
+        return sharded_state_dict(joint.data.shards(joint.scaler))
+    return {
+        "format": DOMAINS_FORMAT,
+        "domains": {d.name: sharded_state_dict(d.shards(joint.scaler)) for d in joint.domains},
+    }
+
+
+def load_state_dict(joint: JointStep, state: dict[str, Any]) -> None:
+    """Validate ``state`` on every rank, agree, then install it (or raise on every rank, changing nothing)."""
+    if joint.joint:
+        joint.restore(_read_domains(joint, state))
+        return
+    data = joint.data
+    sh = data.shards(joint.scaler)
+    with joint.gathered_params(writeback=False):  # a plain dict without masters reads the parameters
+        loaded = state_loading.agreed_state(
+            lambda: state_loading.read_state_dict(state, sh, data.plan_with_cohorts), sh, what="state dict"
+        )
+    joint.restore([loaded])
+
+
+def _read_domains(joint: JointStep, state: dict[str, Any]) -> list[LoadedState]:
+    """Every domain's validated state from a multi-domain dict; raises on every rank if any rank fails.
+
+    Every rank enters every domain's agreement (a dict this rank rejects
+    outright fails inside it), then one verdict over the world carries an
+    expert group's failure to the ranks outside it.
+    """
+    names = [d.name for d in joint.domains]
+    held = sorted(state.get("domains", {})) if isinstance(state, dict) else None
+    rejected: ConfigError | None = None
+    if not (isinstance(state, dict) and state.get("format") == DOMAINS_FORMAT):
+        rejected = ConfigError(_NOT_OURS)
+    elif held != sorted(names):
+        rejected = ConfigError(f"the state dict holds domains {held}, the optimizer {names}")
+
+    def read(domain: Domain, sh: Shards) -> LoadedState:
+        if rejected is not None:
+            raise rejected
+        return state_loading.read_state_dict(state["domains"][domain.name], sh, domain.plan_with_cohorts)
+
+    loaded: list[LoadedState] = []
+    problem: Exception | None = None
+    for domain in joint.domains:
+        sh = domain.shards(joint.scaler)
+        try:
+            what = f"state dict of domain {domain.name!r}"
+            loaded.append(state_loading.agreed_state(partial(read, domain, sh), sh, what=what))
+        except Exception as exc:  # raised on every rank of that domain; the others go on agreeing
+            problem = problem or exc
+    verdicts(problem, joint.world, failed="rejected the state dict", error=ConfigError)
+    return loaded

@@ -1,0 +1,184 @@
+"""A rank's optimizer state in shard coordinates, and moving it between plans.
+
+[Note: shard state]
+Per-element state of an elementwise optimizer (``exp_avg``, ``momentum_buffer``,
+…) lives in per-window tensors of the inner optimizer; exported, it becomes one
+flat tensor per (space, key) over the rank's shard, which a reshard plan can
+cut and move like the master weights. Scalar state (``step``) is the same for
+every window of a (param group, cohort) and travels as a small object. State of
+non-elementwise optimizers is kept per whole parameter.
+
+:func:`move_shards` rebuilds the state under a new plan on the same shard
+group: each old rank broadcasts its shard of one tensor kind in turn and every
+rank copies the pieces the reshard plan assigns it (memory: one shard at a
+time). It serves ``refresh_trainable`` and ``add_param_group``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from zeroplan.core import ReshardPlan, Space, ZeroPlan
+from zeroplan.facade.params.buffers import SpaceBuffers
+from zeroplan.facade.runtime.collectives import all_gather_objects, broadcast
+from zeroplan.facade.runtime.dtypes import torch_dtype
+from zeroplan.facade.runtime.groups import ProcessGroups
+from zeroplan.facade.runtime.inner import Inner
+from zeroplan.facade.state.tree import ShardState, is_per_element, tree_clone
+
+__all__ = ["ShardState", "export_state", "import_state", "move_shards"]
+
+
+def export_state(zp: ZeroPlan, inner: Inner, buffers: Sequence[SpaceBuffers]) -> ShardState:
+    """This rank's inner optimizer state, in shard coordinates.
+
+    A flat tensor may alias the optimizer's own state (when one window covers
+    the whole shard); callers that keep it past the next step must copy it.
+    """
+    flat: dict[tuple[int, str], torch.Tensor] = {}
+    scalars: dict[tuple[int, int], dict[str, Any]] = {}
+    whole: dict[int, dict[str, Any]] = {}
+    for spec, tensor in zip(inner.specs, inner.tensors, strict=True):
+        state = inner.optimizer.state.get(tensor)
+        if not state:
+            continue
+        if not zp.elementwise:
+            whole[spec.param] = dict(state)  # type: ignore[index]
+            continue
+        shared = scalars.setdefault((spec.group, spec.cohort), {})
+        for key, value in state.items():
+            if is_per_element(value, tensor):
+                owned = buffers[spec.space].extent
+                if spec.shard_span.numel == owned:  # one window is the whole shard: no copy
+                    flat[spec.space, key] = value
+                    continue
+                target = flat.get((spec.space, key))
+                if target is None:
+                    target = flat[spec.space, key] = value.new_zeros(owned)
+                target[spec.shard_span.as_slice()] = value
+            else:
+                shared[key] = value
+    return ShardState(flat=flat, scalars=scalars, whole=whole)
+
+
+def import_state(zp: ZeroPlan, inner: Inner, state: ShardState, stateful: set[tuple[int, int]]) -> None:
+    """Install ``state`` (already in the new plan's shard coordinates) into ``inner``.
+
+    Windows of a (group, cohort) absent from ``stateful`` get no state: the inner
+    optimizer initialises them on its first step, as for new parameters.
+    """
+    for spec, tensor in zip(inner.specs, inner.tensors, strict=True):
+        if not zp.elementwise:
+            if spec.param in state.whole:
+                inner.optimizer.state[tensor] = state.whole[spec.param]
+            continue
+        if (spec.group, spec.cohort) not in stateful:
+            continue
+        entry: dict[str, Any] = {}
+        for (space, key), value in state.flat.items():
+            if space == spec.space:
+                entry[key] = value[spec.shard_span.as_slice()]
+        for key, value in state.scalars.get((spec.group, spec.cohort), {}).items():
+            entry[key] = tree_clone(value)
+        inner.optimizer.state[tensor] = entry
+
+
+def _extents(space: Space) -> list[int]:
+    """Per shard rank, the length of its flat shard (its pieces, padding included)."""
+    return [space.extent(q) for q in range(len(space.owned))]
+
+
+def _move_flat(
+    source: torch.Tensor | None,
+    target: torch.Tensor,
+    reshard: ReshardPlan,
+    dtype_name: str,
+    old_extents: Sequence[int],
+    groups: ProcessGroups,
+) -> None:
+    """Fill ``target`` (this rank's new shard) from every old rank's ``source`` shard."""
+    n, s = groups.topology.shard_size, groups.shard_rank
+    mine = [c for c in reshard.copies if c.dtype == dtype_name and c.dst_rank == s]
+    for q in range(n):
+        if n == 1:
+            buf = source
+        elif q == s:
+            buf = source if source is not None else target.new_zeros(old_extents[q])
+            if old_extents[q]:
+                broadcast(buf, q, groups.shard)
+        else:
+            buf = target.new_empty(old_extents[q])
+            if old_extents[q]:
+                broadcast(buf, q, groups.shard)
+        for c in mine:
+            if c.src_rank == q and c.dst_span.numel:
+                target[c.dst_span.as_slice()] = buf[c.src_span.as_slice()]  # type: ignore[index]
+
+
+def move_shards(
+    *,
+    old_zp: ZeroPlan,
+    old_buffers: Sequence[SpaceBuffers],
+    old_state: ShardState,
+    new_zp: ZeroPlan,
+    new_buffers: Sequence[SpaceBuffers],
+    reshard: ReshardPlan,
+    groups: ProcessGroups,
+) -> tuple[ShardState, set[tuple[int, int]]]:
+    """Move master weights and optimizer state from the old plan to the new one.
+
+    Collective over the shard group. Master weights of the parameters' own
+    dtype hold the (replicated) parameters' values and need no move. Returns the state in the new shard
+    coordinates and the (group, cohort) pairs that carry state.
+    """
+    device = new_buffers[0].device if new_buffers else torch.device("cpu")
+    old_spaces = {s.dtype: s for s in old_zp.partition.spaces}
+    for new in new_buffers:
+        old_space = old_spaces.get(new.space.dtype)
+        if not new.carries_master or old_space is None:
+            continue  # parameters of the master dtype are their own master: nothing to move
+        old = next(b for b in old_buffers if b.space.dtype == new.space.dtype)
+        source = old.master_copy[: old.extent]
+        _move_flat(source, new.master_copy, reshard, new.space.dtype, _extents(old_space), groups)
+
+    meta = {
+        "flat": {
+            (old_zp.partition.spaces[space].dtype, key): str(t.dtype)
+            for (space, key), t in old_state.flat.items()
+        },
+        "scalars": tree_clone(old_state.scalars, torch.device("cpu")),
+    }
+    everyone = all_gather_objects(meta, groups.shard)
+    flat_kinds = sorted({kind for m in everyone for kind in m["flat"].items()})
+    scalars: dict[tuple[int, int], dict[str, Any]] = {}
+    for m in everyone:
+        for key, value in m["scalars"].items():
+            scalars.setdefault(key, tree_clone(value, device))
+    flat: dict[tuple[int, str], torch.Tensor] = {}
+    new_index = {b.space.dtype: i for i, b in enumerate(new_buffers)}
+    for (dtype_name, key), state_dtype in flat_kinds:
+        old_space = old_spaces[dtype_name]
+        dtype = torch_dtype(state_dtype)
+        source = old_state.flat.get((old_space.index, key))
+        if dtype_name not in new_index:
+            target = torch.empty(0, dtype=dtype, device=device)
+        else:
+            target = torch.zeros(new_buffers[new_index[dtype_name]].extent, dtype=dtype, device=device)
+        _move_flat(source, target, reshard, dtype_name, _extents(old_space), groups)
+        if dtype_name in new_index:
+            flat[new_index[dtype_name], key] = target
+
+    whole: dict[int, dict[str, Any]] = {}
+    if not new_zp.elementwise:
+        mine = {t.param for t in new_zp.inner_tensors(groups.shard_rank)}
+        offered = all_gather_objects(tree_clone(old_state.whole, torch.device("cpu")), groups.shard)
+        for part in offered:
+            for p, st in part.items():
+                if p in mine and new_zp.specs[p].trainable:
+                    whole[p] = tree_clone(st, device)
+    return ShardState(flat=flat, scalars=scalars, whole=whole), set(scalars) | {
+        (new_zp.specs[p].group, new_zp.specs[p].cohort) for p in whole
+    }
