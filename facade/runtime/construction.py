@@ -63,7 +63,7 @@ def _import_dynamo_now() -> None:
 _import_dynamo_now()
 
 
-__all__ = ["Agreed", "Request", "agree", "joint_step"]
+__all__ = ["Agreed", "Request", "agree", "check_transport", "joint_step"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -146,6 +146,8 @@ def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> 
         for d, item in enumerate(inputs):
             c = request.configure(item, first=d == 0)
             zp = c.settings.plan(c.registry, c.groups)
+            devices = {p.device.type for p in c.registry.params}
+            check_transport(zp, dist.get_backend(item.group), devices)
             overlap, strict = request.overlap_grad_reduce, request.strict_memory
             check_device_memory(zp, c, item.group, overlap=overlap, strict=strict)
             configured.append(c)
@@ -169,6 +171,36 @@ def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> 
         check_partition(inputs, world)  # before any expert group's own collective
         plans[1:] = _agreed_expert_plans(inputs, configured, plans, world)
     return Agreed(inputs, configured, plans)
+
+
+def check_transport(zp: ZeroPlan, backend: str, devices: set[str]) -> None:
+    """Refuse a plan whose calls the backend cannot carry for tensors on ``devices``.
+
+    The ``gloo`` collective policy runs reduce-scatters and gathers as point-to-point exchanges
+    ([Note: collective policy] in ``zeroplan.core.comm``): gloo carries them for CPU tensors only,
+    and on NCCL the ranks' unbatched ``irecv``/``isend`` can deadlock. Stage 1's rank-major plans
+    (all-reduce and broadcasts) need no exchange and run on gloo with CUDA tensors too.
+
+    Raises:
+        ConfigError: the plan exchanges on another backend than gloo, or CUDA tensors over gloo.
+    """
+    exchanged = any(zp.exchanges(b.collective) for b in zp.buckets.buckets) or any(
+        zp.exchanges(zp.gather_collective(block)) for space in zp.partition.spaces for block in space.blocks
+    )
+    if not exchanged:
+        return
+    if backend != "gloo":
+        raise ConfigError(
+            f"collectives='gloo' runs reduce-scatters and gathers as point-to-point exchanges, which "
+            f"{backend} could deadlock on; use collectives='min_bytes' (what 'auto' picks on {backend})"
+        )
+    if devices - {"cpu"}:
+        raise ConfigError(
+            f"the parameters are on {sorted(devices - {'cpu'})} and the process group is gloo, whose "
+            "point-to-point exchanges (collectives='gloo', the default on gloo) carry CPU tensors only; "
+            "use backend='nccl' for GPU tensors, or stage 1 with layout='rank_major' (all-reduce and "
+            "broadcasts, which gloo carries for CUDA tensors)"
+        )
 
 
 def joint_step(

@@ -219,6 +219,7 @@ def overlap(rank: int, world: int, device: torch.device, cfg: dict[str, Any]) ->
             torch.optim.AdamW,
             stage=2,
             collectives="gloo",
+            layout="rank_major",  # all-reduce and broadcasts: gloo carries them for CUDA tensors
             bucket_bytes=BUCKET_BYTES,
             overlap_grad_reduce=flag,
             lr=1e-3,

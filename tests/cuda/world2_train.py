@@ -76,6 +76,7 @@ def train(rank: int, world: int, device: torch.device, cfg: dict[str, Any]) -> d
         torch.optim.AdamW,
         stage=cfg["stage"],
         collectives="gloo",
+        layout="rank_major",  # all-reduce and broadcasts: gloo carries them for CUDA tensors
         bucket_bytes=2048,  # several buckets, so several all-reduces per step
         alignment=16,
         **HYPER,

@@ -271,3 +271,18 @@ def dropped_optimizer_stays_quiet(rank: int, world: int) -> dict[str, Any]:
     second.step()
     applied = not second.last_step_skipped
     return {"collected": alive() is None, "applied": applied}
+
+
+def exchanges_off_gloo(rank: int, world: int) -> dict[str, Any]:
+    """collectives="gloo" where the backend reports NCCL: refused on every rank; parameters untouched."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with mock.patch.object(dist, "get_backend", return_value="nccl"):
+        refused = _error(lambda: make_optimizer(model, stage=2, collectives="gloo"))
+        rank_major = _error(lambda: make_optimizer(model, stage=1, layout="rank_major", collectives="gloo"))
+    same = all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    return {"refused": refused, "rank_major": rank_major, "unchanged": same}

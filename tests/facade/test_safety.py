@@ -127,3 +127,11 @@ def test_every_rank_starts_from_rank_zero_parameters(pools):
 def test_a_dropped_optimizer_does_not_reduce_gradients(pools):
     for r in pools(2).run(scenarios_safety.dropped_optimizer_stays_quiet):
         assert r["collected"] and r["applied"]
+
+
+def test_exchanges_are_refused_off_gloo_on_every_rank(pools):
+    """The gloo policy's point-to-point exchanges could deadlock on NCCL (unbatched irecv/isend): refused
+    at construction on every rank; stage 1 rank-major (all-reduce, broadcasts) needs none and is built."""
+    for r in pools(2).run(scenarios_safety.exchanges_off_gloo):
+        assert r["refused"] is not None and "collectives='min_bytes'" in r["refused"], r
+        assert r["rank_major"] is None and r["unchanged"], r
