@@ -36,14 +36,20 @@ once all its parameters' gradients are ready.
 
 from __future__ import annotations
 
+import operator
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import accumulate, chain
 from typing import NamedTuple
 
 from zeroplan.core.comm import Collective, CollectivePolicy
 from zeroplan.core.errors import PlanInvariantError, check_config, require
-from zeroplan.core.fingerprint import digest
+from zeroplan.core.fingerprint import Rendered, digest
 from zeroplan.core.partition import PartitionPlan
-from zeroplan.core.space import Space
+from zeroplan.core.runs import ComputedTuple, FragmentRun
+from zeroplan.core.space import Block, Space
 from zeroplan.core.span import Span, round_up
 
 __all__ = ["Bucket", "BucketLayout", "GradCopy", "Piece", "plan_buckets"]
@@ -78,6 +84,90 @@ class GradCopy:
     staging_offset: int
 
 
+class BlockPieces(ComputedTuple[Piece]):
+    """The pieces of a bucket that is one block whose every rank has a piece, computed when read.
+
+    Equal to the tuple of ``Piece(r, the rank's piece in its shard, its offset in the block)``
+    (see [Note: compact plans] in :mod:`zeroplan.core.runs`).
+    """
+
+    __slots__ = ("block",)
+    block: Block
+
+    def __init__(self, block: Block) -> None:
+        object.__setattr__(self, "block", block)
+
+    def __len__(self) -> int:
+        return len(self.block.pieces)
+
+    def _item(self, i: int) -> Piece:
+        start = self.block.shard_starts[i]
+        return Piece(i, Span(start, start + self.block.pieces[i]), self.block.offsets[i])
+
+    def __iter__(self) -> Iterator[Piece]:
+        block = self.block
+        for rank, (start, size, offset) in enumerate(
+            zip(block.shard_starts, block.pieces, block.offsets, strict=True)
+        ):
+            yield Piece(rank, Span(start, start + size), offset)
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is BlockPieces and self.block == other.block) or super().__eq__(other)
+
+    def __hash__(self) -> int:
+        return super().__hash__()
+
+    def triples_text(self) -> str:
+        """``repr`` of the ``(rank, start, stop)`` of every piece in its shard (for the fingerprint)."""
+        starts, sizes = self.block.shard_starts, self.block.pieces
+        n = len(sizes)
+        if n > 1 and starts.count(starts[0]) == n and sizes.count(sizes[0]) == n:
+            start, stop = starts[0], starts[0] + sizes[0]
+            return "((" + f", {start}, {stop}), (".join(_rank_names(n)) + f", {start}, {stop}))"
+        return repr(tuple(zip(range(n), starts, map(operator.add, starts, sizes), strict=True)))
+
+
+@lru_cache(maxsize=8)
+def _rank_names(n: int) -> tuple[str, ...]:
+    return tuple(map(str, range(n)))
+
+
+class BlockCopies(ComputedTuple[GradCopy]):
+    """The copies of a bucket that is one block of a compact space, computed when read.
+
+    Equal to the tuple of ``GradCopy(param, fragment's param span, its place in the block)``
+    for every non-empty fragment of the block's runs, in buffer order.
+    """
+
+    __slots__ = ("ends", "runs")
+    runs: tuple[FragmentRun, ...]
+    ends: tuple[int, ...]
+
+    def __init__(self, runs: Sequence[FragmentRun]) -> None:
+        object.__setattr__(self, "runs", tuple(r for r in runs if r.numel))
+        object.__setattr__(self, "ends", tuple(accumulate(len(r) for r in self.runs)))
+
+    def __len__(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def _item(self, i: int) -> GradCopy:
+        k = bisect_right(self.ends, i)
+        run = self.runs[k]
+        frag = run[i - (self.ends[k - 1] if k else 0)]
+        return GradCopy(run.param, frag.param_span, run.position + frag.param_span.start)
+
+    def __iter__(self) -> Iterator[GradCopy]:
+        for run in self.runs:
+            for frag in run:
+                yield GradCopy(run.param, frag.param_span, run.position + frag.param_span.start)
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is BlockCopies and self.runs == other.runs) or super().__eq__(other)
+
+    def __hash__(self) -> int:
+        return super().__hash__()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Bucket:
     """A group of gradient elements reduced by one collective.
@@ -87,8 +177,10 @@ class Bucket:
         space: index of the dtype space.
         span: the interval of the space coordinate it covers (rank-major), or
             its block's range of the full buffer (interleaved).
-        pieces: non-empty per-rank pieces, in rank order.
-        copies: how to fill the staging buffer from parameter gradients.
+        pieces: non-empty per-rank pieces, in rank order (a tuple, or for
+            a block, a :class:`BlockPieces` equal to one).
+        copies: how to fill the staging buffer from parameter gradients (a
+            tuple, or for a block of a compact space a :class:`BlockCopies`).
         params: parameters whose gradients it needs, increasing.
         collective: the collective that reduces it (see [Note: buckets]).
     """
@@ -96,8 +188,8 @@ class Bucket:
     index: int
     space: int
     span: Span
-    pieces: tuple[Piece, ...]
-    copies: tuple[GradCopy, ...]
+    pieces: Sequence[Piece]
+    copies: Sequence[GradCopy]
     params: tuple[int, ...]
     collective: Collective
 
@@ -134,14 +226,32 @@ class Bucket:
 
     def piece_sizes(self, shard_size: int) -> tuple[int, ...]:
         """Elements of the bucket each shard rank receives (0 for most ranks of a ``reduce``)."""
+        if type(self.pieces) is BlockPieces and len(self.pieces) == shard_size:
+            return self.pieces.block.pieces
         sizes = [0] * shard_size
         for piece in self.pieces:
             sizes[piece.rank] = piece.shard_span.numel
         return tuple(sizes)
 
+    def piece_numels(self) -> Iterator[tuple[int, int]]:
+        """``(rank, elements)`` of every piece, in order (no :class:`Piece` made for a block's)."""
+        if type(self.pieces) is BlockPieces:
+            return enumerate(self.pieces.block.pieces)
+        return ((p.rank, p.shard_span.numel) for p in self.pieces)
+
     def piece_of(self, rank: int) -> Piece | None:
         """Rank ``rank``'s piece, or ``None`` when it receives nothing from this bucket."""
+        if type(self.pieces) is BlockPieces:  # a piece per rank, in rank order
+            return self.pieces[rank] if 0 <= rank < len(self.pieces) else None
         return next((p for p in self.pieces if p.rank == rank), None)
+
+    def _digest_part(self) -> object:
+        """What :meth:`BucketLayout.fingerprint` hashes of the bucket."""
+        if type(self.pieces) is BlockPieces:
+            head = repr((self.space, self.span.start, self.span.stop, self.collective.value))
+            return Rendered(f"\x1f{head[:-1]}, {self.pieces.triples_text()})")
+        triples = tuple((p.rank, p.shard_span.start, p.shard_span.stop) for p in self.pieces)
+        return (self.space, self.span.start, self.span.stop, self.collective.value, triples)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -179,21 +289,10 @@ class BucketLayout:
         """Stable digest of the layout."""
         return digest(
             "buckets/v1",
-            [
-                self.bucket_bytes,
-                self.alignment,
-                self.policy.value,
-                *(
-                    (
-                        b.space,
-                        b.span.start,
-                        b.span.stop,
-                        b.collective.value,
-                        tuple((p.rank, p.shard_span.start, p.shard_span.stop) for p in b.pieces),
-                    )
-                    for b in self.buckets
-                ),
-            ],
+            chain(
+                (self.bucket_bytes, self.alignment, self.policy.value),
+                (b._digest_part() for b in self.buckets),  # each written when hashed
+            ),
         )
 
 
@@ -210,9 +309,10 @@ class _Draft(NamedTuple):
 
     space: int
     span: Span
-    pieces: tuple[Piece, ...]
-    copies: tuple[GradCopy, ...]
+    pieces: Sequence[Piece]
+    copies: Sequence[GradCopy]
     params: tuple[int, ...]
+    collective: Collective
 
     def launch_key(self) -> tuple[int, int, int]:
         """Sort key of the launch order.
@@ -258,7 +358,7 @@ def plan_buckets(
     drafts: list[_Draft] = []
     for space in plan.spaces:
         if plan.layout == "interleaved":
-            drafts.extend(_block_drafts(plan, space))
+            drafts.extend(_block_drafts(plan, space, policy))
             continue
         itemsize = plan.specs[space.params[0]].itemsize
         cap = max(alignment, bucket_bytes // itemsize // alignment * alignment)
@@ -305,7 +405,9 @@ def plan_buckets(
                 staging == hi - lo, f"bucket [{lo}, {hi}) of space {space.index} covers {staging} elements"
             )
             params = tuple(sorted({c.param for c in copies}))
-            drafts.append(_Draft(space.index, bucket, tuple(pieces), tuple(copies), params))
+            sizes = [p.shard_span.numel for p in pieces]
+            collective = _collective(sizes, plan.shard_size, policy)
+            drafts.append(_Draft(space.index, bucket, tuple(pieces), tuple(copies), params, collective))
             hi = lo
     drafts.sort(key=_Draft.launch_key)
     buckets = tuple(
@@ -316,15 +418,32 @@ def plan_buckets(
             pieces=d.pieces,
             copies=d.copies,
             params=d.params,
-            collective=_collective(d.pieces, plan.shard_size, policy),
+            collective=d.collective,
         )
         for i, d in enumerate(drafts)
     )
     return BucketLayout(bucket_bytes=bucket_bytes, alignment=alignment, buckets=buckets, policy=policy)
 
 
-def _block_drafts(plan: PartitionPlan, space: Space) -> list[_Draft]:
-    """One bucket per block of an interleaved space: its staging buffer is laid out like the block."""
+def _block_drafts(plan: PartitionPlan, space: Space, policy: CollectivePolicy) -> list[_Draft]:
+    """One bucket per block of an interleaved space: its staging buffer is laid out like the block.
+
+    A block whose every rank has a piece gets :class:`BlockPieces`, a block of
+    a compact space :class:`BlockCopies` too (see [Note: compact plans]).
+    """
+    n = plan.shard_size
+    if space.block_runs:
+        drafts = []
+        for block, runs in zip(space.blocks, space.block_runs, strict=True):
+            params = tuple(run.param for run in runs if run.numel)  # in buffer order: increasing
+            if not params:
+                continue  # padding and zero-size parameters only: nothing to reduce
+            require(min(block.pieces) > 0, f"a block of the {space.dtype} space holds parameters in no piece")
+            collective = _collective(block.pieces, n, policy)
+            drafts.append(
+                _Draft(space.index, block.span, BlockPieces(block), BlockCopies(runs), params, collective)
+            )
+        return drafts
     drafts = []
     offset_of = dict(zip(space.params, space.buffer_offsets, strict=True))
     # Non-empty fragments by their place in the full buffer; each lies inside one piece (the plan checks).
@@ -342,23 +461,28 @@ def _block_drafts(plan: PartitionPlan, space: Space) -> list[_Draft]:
         if not copies:
             continue  # padding and zero-size parameters only: nothing to reduce
         shard_starts, offsets = block.shard_starts, block.offsets
-        pieces = tuple(
-            Piece(r, Span(shard_starts[r], shard_starts[r] + size), offsets[r])
-            for r, size in enumerate(block.pieces)
-            if size
-        )
+        pieces: Sequence[Piece]
+        if min(block.pieces) > 0:
+            pieces = BlockPieces(block)
+        else:
+            pieces = tuple(
+                Piece(r, Span(shard_starts[r], shard_starts[r] + size), offsets[r])
+                for r, size in enumerate(block.pieces)
+                if size
+            )
         params = tuple(sorted({c.param for c in copies}))
-        drafts.append(_Draft(space.index, span, pieces, tuple(copies), params))
+        collective = _collective(block.pieces, n, policy)
+        drafts.append(_Draft(space.index, span, pieces, tuple(copies), params, collective))
     return drafts
 
 
-def _collective(pieces: tuple[Piece, ...], shard_size: int, policy: CollectivePolicy) -> Collective:
-    """How a bucket is reduced (see [Note: collective policy])."""
-    sizes = {p.shard_span.numel for p in pieces}
-    if len(pieces) == shard_size and len(sizes) == 1:
+def _collective(sizes: Sequence[int], shard_size: int, policy: CollectivePolicy) -> Collective:
+    """How a bucket of pieces of ``sizes`` (0: no piece) is reduced (see [Note: collective policy])."""
+    count = len(sizes) - list(sizes).count(0)
+    if count == shard_size and len(set(sizes)) == 1:
         return Collective.REDUCE_SCATTER
     if policy is CollectivePolicy.GLOO:
         return Collective.ALL_REDUCE
-    if len(pieces) == 1:
+    if count == 1:
         return Collective.REDUCE
     return Collective.REDUCE_SCATTER_V

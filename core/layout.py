@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 
 from zeroplan.core.errors import ConfigError, check_config, require
 from zeroplan.core.partition import PartitionPlan
+from zeroplan.core.runs import FragmentRun
 from zeroplan.core.space import Fragment
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.specs import ParamSpec, check_specs
@@ -164,34 +165,40 @@ def _even_whole_blocks(
     ``all_gather``, and no parameter crosses a block boundary: stage 3 gathers
     and frees each block on its own (see [Note: stage 3] in ``zeroplan.facade``).
     """
-    fragments: _Fragments = {}
+    fragments: dict[int, FragmentRun] = {}
     pieces = []
     unit = n * alignment
     for members in _spaces(specs):
         space_pieces = []
         base = 0  # every rank's shard offset of the block's piece (all pieces are equal)
-        for block in _pack(members, _cap(members, bucket_bytes, unit)):
+        for k, block in enumerate(_pack(members, _cap(members, bucket_bytes, unit))):
             size = round_up(sum(s.numel for s in block), unit)
             piece = size // n
             position = 0
             for spec in block:
-                frags = fragments[spec.index] = []
-                at, end = position, position + spec.numel
-                if spec.numel == 0:  # an empty fragment where the parameter sits
-                    rank = min(at // piece, n - 1) if piece else n - 1
-                    frags.append(Fragment(spec.index, rank, Span(0, 0), base + at - rank * piece))
-                while at < end:
-                    rank, inside = divmod(at, piece)
-                    stop = min(end, (rank + 1) * piece)
-                    frags.append(
-                        Fragment(spec.index, rank, Span(at - position, stop - position), base + inside)
-                    )
-                    at = stop
-                position = end
+                # Its fragments, one per piece it crosses (a zero-size one: an empty fragment where it
+                # sits), computed when read: see [Note: compact plans] in zeroplan.core.runs.
+                fragments[spec.index] = FragmentRun(
+                    param=spec.index,
+                    numel=spec.numel,
+                    block=k,
+                    position=position,
+                    piece=piece,
+                    base=base,
+                    shard_size=n,
+                )
+                position += spec.numel
             space_pieces.append((piece,) * n)
             base += piece
         pieces.append(tuple(space_pieces))
-    return _finish(specs, n, alignment, "flat_even", fragments, pieces)
+    return PartitionPlan(
+        specs=specs,
+        shard_size=n,
+        alignment=alignment,
+        strategy="flat_even",
+        fragments=tuple(fragments.get(s.index, ()) for s in specs),
+        block_pieces=tuple(pieces),
+    )
 
 
 def _pack(members: Sequence[ParamSpec], cap: int) -> list[list[ParamSpec]]:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -50,7 +50,7 @@ from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import require
 from zeroplan.core.hierarchy import two_hop_send
 from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, grad_shard_dtype, step_peak
-from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.topology import Link
 
 __all__ = ["CommCost", "MemoryReport", "RankReport", "communication", "memory_report"]
@@ -249,10 +249,11 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
         if world > 1:
             _ddp_traffic(tally, sized, world, topo.world_link)
     else:
-        # payload[collective]: calls and bytes of all its calls; unsent[collective][s]: the bytes
-        # of those that shard rank s does not send.
+        # payload[collective]: calls and bytes of all its calls; unsent[collective][s] (plus
+        # unsent_by_all[collective], for equal pieces): the bytes of those that shard rank s does not send.
         payload: dict[Collective, _Totals] = {}
         unsent: dict[Collective, list[int]] = {}
+        unsent_by_all: Counter[Collective] = Counter()
 
         def account(collective: Collective, nbytes: int, calls: int) -> list[int]:
             """Count ``calls`` moving ``nbytes`` in all; the caller adds to the returned unsent row."""
@@ -279,10 +280,13 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
         for b, isz in sized:
             if b.collective is Collective.ALL_REDUCE:
                 world_reduced.append(_SizedBucket(b, isz))
+            elif b.collective is Collective.REDUCE_SCATTER:  # equal pieces: every rank keeps as much
+                account(b.collective, b.numel * isz, 1)
+                unsent_by_all[b.collective] += b.pieces[0].shard_span.numel * isz
             else:
                 row = account(b.collective, b.numel * isz, 1)
-                for p in b.pieces:  # a reducing rank does not send its own piece
-                    row[p.rank] += p.shard_span.numel * isz
+                for rank, numel in b.piece_numels():  # a reducing rank does not send its own piece
+                    row[rank] += numel * isz
         # Stages 1-2 gather every block once, after the step; stage 3 before the forward and,
         # when it resharded after the forward, again in backward ([Note: stage 3] in the facade).
         times = 2 if zp.stage is Stage.PARAMETERS and reshard_after_forward else 1
@@ -293,18 +297,26 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
                 if zp.gathers_in_two_hops(block):
                     two_hops(block.pieces[0], isz, times)
                     continue
-                calls = 1 if gather is Collective.ALL_GATHER else sum(1 for p in block.pieces if p)
+                calls = 1 if gather is Collective.ALL_GATHER else n - block.pieces.count(0)
                 row = account(gather, times * block.numel * isz, times * calls)
+                if block.equal:  # every sender skips a piece of one size
+                    unsent_by_all[gather] += times * block.pieces[0] * isz
+                    continue
                 for q, piece in enumerate(block.pieces):  # a sender skips its successor's piece
                     row[(q - 1) % n] += times * piece * isz
-        # MiCS: each piece is then all-reduced over the replica group; count pieces by size.
+        # MiCS: each piece is then all-reduced over the replica group; count pieces by size
+        # (every_rank: the pieces of buckets of equal pieces, one per rank).
         piece_sizes: list[Counter[_Elements]] = [Counter() for _ in range(n)]
+        every_rank: Counter[_Elements] = Counter()
         if r > 1:
             for b, isz in sized:
                 if b.collective is Collective.ALL_REDUCE:
                     continue  # already summed over the replicas too
-                for p in b.pieces:
-                    piece_sizes[p.rank][_Elements(p.shard_span.numel, isz)] += 1
+                if b.collective is Collective.REDUCE_SCATTER:
+                    every_rank[_Elements(b.pieces[0].shard_span.numel, isz)] += 1
+                    continue
+                for rank, numel in b.piece_numels():
+                    piece_sizes[rank][_Elements(numel, isz)] += 1
         if world > 1 and world_reduced:
             _ddp_traffic(tally, world_reduced, world, topo.world_link)
         for w in range(world):
@@ -312,12 +324,13 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
             shard_link = topo.shard_link(w)
             for collective, totals in payload.items():
                 if n > 1 and totals.calls:
-                    nbytes = totals.nbytes - unsent[collective][s]
+                    nbytes = totals.nbytes - unsent[collective][s] - unsent_by_all[collective]
                     tally.add(w, "shard", collective, shard_link, nbytes, totals.calls)
             for link, totals in hops.items():
                 tally.add(w, "shard", Collective.ALL_GATHER, link, totals.nbytes, totals.calls)
             replica_link = topo.replica_link(w)
-            for (numel, isz), count in piece_sizes[s].items():
+            mine = piece_sizes[s] + every_rank if every_rank else piece_sizes[s]
+            for (numel, isz), count in mine.items():
                 nbytes = count * all_reduce_send(numel, r, g) * isz
                 tally.add(w, "replica", Collective.ALL_REDUCE, replica_link, nbytes, count)
     controls = int(zp.loss_scaling) + int(clipping)
@@ -373,8 +386,11 @@ def communication(
     return _traffic(zp, clipping, reshard_after_forward).costs(rank)
 
 
-def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _RankBytes:
-    """Bytes of a shard rank by category; ``staging``: its staging arena."""
+def _rank_memory(
+    zp: ZeroPlan, shard_rank: int, staging: int, frozen: int, state_of: Callable[[int], int]
+) -> _RankBytes:
+    """Bytes of a shard rank by category; ``staging``: its staging arena; ``state_of``: a rank's
+    optimizer state (stages 1-3)."""
     stage, specs = zp.stage, zp.specs
     params = grads = master = state = 0
     for space in zp.partition.spaces:
@@ -404,10 +420,16 @@ def _rank_memory(zp: ZeroPlan, shard_rank: int, staging: int, frozen: int) -> _R
                 )
         buffers = sum(space.numel * DTYPE_ITEMSIZE[space.dtype] for space in zp.partition.spaces)
         return _RankBytes(params + frozen, grads, master, state, buffers)
-    for tensor in zp.inner_tensors(shard_rank):
+    return _RankBytes(params + frozen, grads, master, state_of(shard_rank), staging)
+
+
+def _state_bytes(zp: ZeroPlan, tensors: Sequence[InnerTensor]) -> int:
+    """The inner optimizer's state for ``tensors``."""
+    state = 0
+    for tensor in tensors:
         dtype = master_dtype(zp.partition.spaces[tensor.space].dtype)
         state += zp.optimizers[tensor.group].state_bytes(tensor.shape, DTYPE_ITEMSIZE[dtype])
-    return _RankBytes(params + frozen, grads, master, state, staging)
+    return state
 
 
 def memory_report(
@@ -441,9 +463,26 @@ def memory_report(
     n = topo.shard_size
     backward = None if zp.stage is Stage.DDP else backward_peak(zp, overlap=overlap, arrivals=arrivals)
     staging = [0] * n if backward is None else [p.staging for p in backward]
-    per_shard = [_rank_memory(zp, s, staging[s], frozen) for s in range(n)]
+    # Ranks with equal inner tensors (often most of them) share one tuple: their state is summed once.
+    tensors = () if zp.stage is Stage.DDP else zp.inner_tensors_by_rank()
+    states: dict[int, int] = {}  # id of a tuple of tensors -> its state bytes
+
+    def state_of(s: int) -> int:
+        key = id(tensors[s])
+        if key not in states:
+            states[key] = _state_bytes(zp, tensors[s])
+        return states[key]
+
+    if zp.stage is Stage.DDP:  # every rank holds everything: one rank's figures are every rank's
+        per_shard = [_rank_memory(zp, 0, 0, frozen, state_of)] * n
+    else:
+        per_shard = [_rank_memory(zp, s, staging[s], frozen, state_of) for s in range(n)]
     transients = step_peak(
-        zp, overlap=overlap, backward=backward, reshard_after_forward=reshard_after_forward
+        zp,
+        overlap=overlap,
+        backward=backward,
+        reshard_after_forward=reshard_after_forward,
+        tensors=tensors or None,
     )
     traffic = _traffic(zp, clipping, reshard_after_forward)
     ranks = []

@@ -12,11 +12,13 @@ layouts are built by :mod:`zeroplan.core.layout`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 from zeroplan.core.errors import ConfigError, PlanInvariantError, check_config, require
-from zeroplan.core.fingerprint import digest
+from zeroplan.core.fingerprint import Rendered, digest, render
+from zeroplan.core.runs import FragmentRun, compact_space
 from zeroplan.core.space import Fragment, FragmentOverlap, ShardPiece, Space, build_space
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs
@@ -34,7 +36,9 @@ class PartitionPlan:
         alignment: elements; shard allocations are multiples of it.
         strategy: name of the strategy that produced the plan.
         fragments: per parameter index, its fragments ordered by ``param_span``
-            (empty for frozen parameters).
+            (empty for frozen parameters): a tuple, or a
+            :class:`~zeroplan.core.runs.FragmentRun`, which equals one (see
+            [Note: compact plans] in :mod:`zeroplan.core.runs`).
         block_pieces: per space, per block of its full buffer, per rank, the
             elements of that rank's piece (``interleaved`` layouts); empty for
             the ``rank_major`` layout (see [Note: layout]).
@@ -54,7 +58,7 @@ class PartitionPlan:
     shard_size: int
     alignment: int
     strategy: str
-    fragments: tuple[tuple[Fragment, ...], ...]
+    fragments: tuple[Sequence[Fragment], ...]
     block_pieces: tuple[tuple[tuple[int, ...], ...], ...] = ()
     spaces: tuple[Space, ...] = field(init=False)
     splits_params: bool = field(init=False)
@@ -109,34 +113,43 @@ class PartitionPlan:
         dtype = self.specs[param].dtype
         return next(s for s in self.spaces if s.dtype == dtype)
 
-    def rank_fragments(self, space: int, rank: int) -> tuple[Fragment, ...]:
+    def rank_fragments(self, space: int, rank: int) -> Sequence[Fragment]:
         """Rank ``rank``'s fragments of space ``space``, in shard order."""
         return self.spaces[space].by_rank[rank]
 
     def fingerprint(self) -> str:
         """Stable digest of the layout (not of the strategy name)."""
+        # Each parameter's fragments are written when hashed (a stage-3 plan's are 100 MB of text).
         return digest(
             "partition/v1",
-            [
-                self.shard_size,
-                self.alignment,
-                *(s.key() for s in self.specs),
-                *(
-                    (f.param, f.rank, f.param_span.start, f.param_span.stop, f.shard_offset)
-                    for frags in self.fragments
-                    for f in frags
-                ),
+            chain(
+                (self.shard_size, self.alignment),
+                (s.key() for s in self.specs),
+                _fragment_parts(self.fragments),
                 # Rank-major plans keep the digest they always had (saved checkpoints carry it).
-                *((("blocks", self.block_pieces),) if self.block_pieces else ()),
-            ],
+                (Rendered("\x1f" + render(("blocks", self.block_pieces))),) if self.block_pieces else (),
+            ),
         )
 
 
-def _cover_problem(spec: ParamSpec, frags: tuple[Fragment, ...], shard_size: int) -> str | None:
+def _fragment_parts(fragments: Iterable[Sequence[Fragment]]) -> Iterator[object]:
+    """What :meth:`PartitionPlan.fingerprint` hashes of the fragments: a tuple per fragment."""
+    for frags in fragments:
+        if type(frags) is FragmentRun:  # the same text, written per run
+            yield Rendered(frags.digest_text())
+        else:
+            yield from (
+                (f.param, f.rank, f.param_span.start, f.param_span.stop, f.shard_offset) for f in frags
+            )
+
+
+def _cover_problem(spec: ParamSpec, frags: Sequence[Fragment], shard_size: int) -> str | None:
     """Why the fragments of ``spec`` fail to tile it exactly once (frozen: own none); ``None`` if they do.
 
     Runs for every parameter of every plan, so messages are formatted only on failure.
     """
+    if type(frags) is FragmentRun:
+        return frags.cover_problem(spec, shard_size)
     if not spec.trainable:
         return None if not frags else f"is frozen but the plan gives it {len(frags)} fragment(s)"
     if not frags:
@@ -171,18 +184,12 @@ def _build_spaces(plan: PartitionPlan) -> tuple[Space, ...]:
             f"the plan gives blocks for {len(plan.block_pieces)} spaces but has {len(dtypes)} "
             f"({', '.join(dtypes)})",
         )
-    return tuple(
-        build_space(
-            plan.specs,
-            plan.fragments,
-            plan.shard_size,
-            plan.alignment,
-            i,
-            dtype,
-            plan.block_pieces[i] if plan.block_pieces else None,
-        )
-        for i, dtype in enumerate(dtypes)
-    )
+    spaces = []
+    for i, dtype in enumerate(dtypes):
+        pieces = plan.block_pieces[i] if plan.block_pieces else None
+        args = (plan.specs, plan.fragments, plan.shard_size, plan.alignment, i, dtype, pieces)
+        spaces.append(compact_space(*args) or build_space(*args))
+    return tuple(spaces)
 
 
 def plan_from_assignment(

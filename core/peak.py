@@ -80,7 +80,7 @@ from zeroplan.core.comm import Collective
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import check_config
 from zeroplan.core.partition import Space
-from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.schedule import ActionKind, staging_schedule
 from zeroplan.core.span import Span, round_up
 
@@ -259,7 +259,8 @@ def _arena_bytes(zp: ZeroPlan) -> tuple[int, ...]:
 
     A rank's staging sizes differ from a rank without a piece only where it has
     one, and then by its piece's size alone (so it is computed once per size
-    and bucket): each rank's placement is the base placement (no pieces) redone
+    and bucket; a bucket of equal pieces, every rank's, is in the base with
+    that size): each rank's placement is the base placement (no pieces) redone
     only from its first such bucket until it falls back into step with the base
     or with another rank's (:func:`_nbytes_with`), and ranks with the same
     sizes share it. Asking :func:`staging_arena` rank by rank would place every
@@ -272,14 +273,16 @@ def _arena_bytes(zp: ZeroPlan) -> tuple[int, ...]:
     changed: list[list[tuple[int, int]]] = [[] for _ in range(zp.topology.shard_size)]
     for b in buckets:
         isz = DTYPE_ITEMSIZE[spaces[b.space].dtype]
+        if b.collective is Collective.REDUCE_SCATTER:  # an equal piece for every rank: one size for all
+            base[b.index] = _piece_layout(zp, b, b.pieces[0]).numel * isz
+            continue
         by_size: dict[int, int] = {}  # a staging buffer's size depends on its piece's size alone
-        for piece in b.pieces:
-            numel = piece.shard_span.numel
+        for i, (rank, numel) in enumerate(b.piece_numels()):
             size = by_size.get(numel)
             if size is None:
-                size = by_size[numel] = _piece_layout(zp, b, piece).numel * isz
+                size = by_size[numel] = _piece_layout(zp, b, b.pieces[i]).numel * isz
             if size != base[b.index]:
-                changed[piece.rank].append((b.index, size))
+                changed[rank].append((b.index, size))
     placement = _BasePlacement.of(tuple(base), zp.max_inflight_buckets)
     tails: _Tails = {}
     placed: dict[tuple[tuple[int, int], ...], int] = {}
@@ -470,25 +473,36 @@ def backward_peak(
     return tuple(BackwardPeak(staging, staging + grads) for staging in arenas)
 
 
-def step_transient(zp: ZeroPlan, shard_rank: int) -> int:
+def step_transient(zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTensor] | None = None) -> int:
     """Transient bytes of shard rank ``shard_rank`` inside ``step()``.
 
     The fp32 copies of reduced bf16/fp16 gradients (stage 1 with a rank-major
     layout only: otherwise they are reduced into fp32) and the inner optimizer's temporaries of its
-    largest param group (stage 0: over every trainable parameter).
+    largest param group (stage 0: over every trainable parameter). ``tensors``:
+    ``zp.inner_tensors(shard_rank)`` when the caller has them.
     """
+    return _copies_bytes(zp, shard_rank) + _temporaries_bytes(zp, shard_rank, tensors)
+
+
+def _copies_bytes(zp: ZeroPlan, shard_rank: int) -> int:
+    """Stage 1, rank-major bf16/fp16 spaces: the fp32 copy of the rank's reduced gradients."""
     copies = 0
     if zp.stage is Stage.OPTIMIZER:
         for space in zp.partition.spaces:
             if space.dtype in LOW_PRECISION and space.shard_is_region:
                 copies += space.extent(shard_rank) * DTYPE_ITEMSIZE[master_dtype(space.dtype)]
+    return copies
+
+
+def _temporaries_bytes(zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTensor] | None) -> int:
+    """The inner optimizer's temporaries of the rank's largest param group (stage 0: rank-independent)."""
     groups: dict[int, dict[str, list[tuple[int, ...]]]] = {}  # group -> dtype -> shapes, in step order
     if zp.stage is Stage.DDP:
         for spec in zp.specs:
             if spec.trainable:
                 groups.setdefault(spec.group, {}).setdefault(master_dtype(spec.dtype), []).append(spec.shape)
     else:
-        for tensor in zp.inner_tensors(shard_rank):
+        for tensor in zp.inner_tensors(shard_rank) if tensors is None else tensors:
             dtype = master_dtype(zp.partition.spaces[tensor.space].dtype)
             groups.setdefault(tensor.group, {}).setdefault(dtype, []).append(tensor.shape)
     per_group = (
@@ -498,8 +512,7 @@ def step_transient(zp: ZeroPlan, shard_rank: int) -> int:
         )
         for g, by_dtype in groups.items()
     )
-    temporaries = max(per_group, default=0)
-    return copies + temporaries
+    return max(per_group, default=0)
 
 
 def gathered_bytes(zp: ZeroPlan, reshard_after_forward: bool = True) -> int:
@@ -529,6 +542,7 @@ def step_peak(
     overlap: bool = True,
     backward: Sequence[BackwardPeak] | None = None,
     reshard_after_forward: bool = True,
+    tensors: Sequence[tuple[InnerTensor, ...]] | None = None,
 ) -> tuple[StepPeak, ...]:
     """Per shard rank, the transient bytes of backward and step (see [Note: the step's peak]).
 
@@ -538,13 +552,23 @@ def step_peak(
     (see :func:`gathered_bytes`). Stage 0 is an estimate of
     ``DistributedDataParallel``, whose gradients and bucket copy are persistent:
     only the step's temporaries. ``backward``: :func:`backward_peak`'s result
-    when the caller has it already.
+    when the caller has it already; ``tensors``: ``zp.inner_tensors_by_rank()``'s
+    (ranks sharing a tuple of tensors share their temporaries, computed once).
     """
     n = zp.topology.shard_size
     if zp.stage is Stage.DDP:
         transient = [0] * n
+        temporaries = [_temporaries_bytes(zp, 0, None)] * n  # every rank steps every parameter
     else:
         peaks = backward_peak(zp, overlap=overlap) if backward is None else backward
         gathered = gathered_bytes(zp, reshard_after_forward) if zp.stage is Stage.PARAMETERS else 0
         transient = [p.total - p.staging + gathered for p in peaks]
-    return tuple(StepPeak(transient[r], step_transient(zp, r)) for r in range(n))
+        tensors = zp.inner_tensors_by_rank() if tensors is None else tensors
+        known: dict[int, int] = {}  # id of a rank's tuple of tensors -> its temporaries
+        temporaries = []
+        for r in range(n):
+            bytes_ = known.get(id(tensors[r]))
+            if bytes_ is None:
+                bytes_ = known[id(tensors[r])] = _temporaries_bytes(zp, r, tensors[r])
+            temporaries.append(bytes_)
+    return tuple(StepPeak(transient[r], _copies_bytes(zp, r) + temporaries[r]) for r in range(n))

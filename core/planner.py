@@ -26,6 +26,7 @@ from zeroplan.core.fingerprint import digest
 from zeroplan.core.layout import build_partition
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.partition import PartitionPlan
+from zeroplan.core.runs import rank_windows
 from zeroplan.core.space import Block, Space
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs, specs_fingerprint
@@ -317,6 +318,38 @@ class ZeroPlan:
                 )
                 start = stop
         return tuple(tensors)
+
+    def inner_tensors_by_rank(self) -> tuple[tuple[InnerTensor, ...], ...]:
+        """:meth:`inner_tensors` of every shard rank.
+
+        For a compact plan (see [Note: compact plans] in :mod:`zeroplan.core.runs`)
+        stepped in windows without cuts, computed for all ranks at once from its
+        runs (:func:`~zeroplan.core.runs.rank_windows`), not rank by rank, and
+        ranks with equal tensors share one tuple (a memory report computes
+        their state and temporaries once).
+        """
+        n = self.topology.shard_size
+        spaces = self.partition.spaces
+        compact = bool(spaces) and all(
+            space.block_runs and not (self.master_in_params(space) and not space.shard_is_region)
+            for space in spaces
+        )
+        if not (compact and self.elementwise):
+            return tuple(map(self.inner_tensors, range(n)))
+        windows = [rank_windows(space, self.specs) for space in spaces]
+        shared: dict[tuple[object, ...], tuple[InnerTensor, ...]] = {}
+        result = []
+        for r in range(n):
+            key = tuple(w[r] for w in windows)
+            tensors = shared.get(key)
+            if tensors is None:
+                tensors = shared[key] = tuple(
+                    InnerTensor(space=space.index, group=g, shard_span=Span(a, b), shape=(b - a,), cohort=c)
+                    for space, mine in zip(spaces, key, strict=True)
+                    for g, c, a, b in mine
+                )
+            result.append(tensors)
+        return tuple(result)
 
     def specs_fingerprint(self) -> str:
         """Stable digest of the parameters alone (:func:`~zeroplan.core.specs.specs_fingerprint`).

@@ -38,16 +38,21 @@ buffer.
 
 from __future__ import annotations
 
+import operator
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import accumulate, pairwise
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from zeroplan.core.comm import Collective
 from zeroplan.core.errors import PlanInvariantError, require
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.specs import ParamSpec
+
+if TYPE_CHECKING:
+    from zeroplan.core.runs import FragmentRun
 
 __all__ = ["Block", "Fragment", "FragmentOverlap", "ShardPiece", "Space", "build_space"]
 
@@ -130,6 +135,8 @@ class Block:
         shard_starts: per rank, where its piece starts in its shard.
         numel: elements of the block in the full buffer (derived).
         offsets: per rank, where its piece starts inside the block (derived).
+        equal: whether every rank's piece has the same size (one ``all_gather``
+            rebuilds the block; derived).
     """
 
     start: int
@@ -137,10 +144,18 @@ class Block:
     shard_starts: tuple[int, ...]
     numel: int = field(init=False, repr=False, compare=False)
     offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    equal: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Derived once: plans of thousands of ranks ask for pieces by the million.
-        bounds = (0, *accumulate(self.pieces))
+        pieces = self.pieces
+        equal = bool(pieces) and pieces.count(pieces[0]) == len(pieces)
+        object.__setattr__(self, "equal", equal)
+        if equal:  # blocks of one piece size share their offsets (a stage-3 plan has hundreds)
+            object.__setattr__(self, "offsets", _even_offsets(pieces[0], len(pieces)))
+            object.__setattr__(self, "numel", pieces[0] * len(pieces))
+            return
+        bounds = (0, *accumulate(pieces))
         object.__setattr__(self, "offsets", bounds[:-1])
         object.__setattr__(self, "numel", bounds[-1])
 
@@ -148,11 +163,6 @@ class Block:
     def span(self) -> Span:
         """The block's range of the full buffer."""
         return Span(self.start, self.start + self.numel)
-
-    @property
-    def equal(self) -> bool:
-        """Whether every rank's piece has the same size (one ``all_gather`` rebuilds the block)."""
-        return len(set(self.pieces)) == 1
 
     @property
     def gather(self) -> Collective:
@@ -175,6 +185,12 @@ class Block:
         return ShardPiece(Span(self.shard_starts[rank], self.shard_starts[rank] + size), Span(at, at + size))
 
 
+@lru_cache(maxsize=64)
+def _even_offsets(piece: int, count: int) -> tuple[int, ...]:
+    """Where each of ``count`` pieces of ``piece`` elements starts in their block."""
+    return tuple(range(0, piece * count, piece)) if piece else (0,) * count
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Space:
     """Layout of the trainable parameters of one dtype (see [Note: layout]).
@@ -194,6 +210,10 @@ class Space:
             the full buffer.
         runs: every fragment of the space, parameters in index order.
         by_rank: per rank, its fragments in shard order.
+        block_runs: per block, the :class:`~zeroplan.core.runs.FragmentRun` of each of
+            its parameters in buffer order, when the space is compact (see
+            [Note: compact plans] in :mod:`zeroplan.core.runs`); empty otherwise.
+            ``runs`` and ``by_rank`` are then computed sequences, equal to tuples.
     """
 
     index: int
@@ -206,8 +226,9 @@ class Space:
     blocks: tuple[Block, ...]
     buffer_numel: int
     buffer_offsets: tuple[int, ...]
-    runs: tuple[Fragment, ...]
-    by_rank: tuple[tuple[Fragment, ...], ...]
+    runs: Sequence[Fragment]
+    by_rank: tuple[Sequence[Fragment], ...]
+    block_runs: tuple[tuple[FragmentRun, ...], ...] = field(default=(), repr=False, compare=False)
 
     def _position(self, param: int) -> int:
         position = bisect_left(self.params, param)
@@ -323,23 +344,29 @@ class Space:
         return tuple(overlaps)
 
 
-def _blocks(
+def blocks_of(
     pieces: Sequence[Sequence[int]] | None, owned: Sequence[int], n: int, dtype: str
 ) -> tuple[Block, ...]:
-    """The blocks of a layout: ``pieces`` per block and rank, or one block of ``owned`` (rank-major)."""
+    """The blocks of a layout: ``pieces`` per block and rank, or one block of ``owned`` (rank-major).
+
+    (Thousands of blocks of thousands of ranks: no Python step per piece.)
+    """
     if pieces is None:
         return (Block(0, tuple(owned), (0,) * n),)
     blocks = []
-    start, shard = 0, [0] * n
+    start, shard = 0, (0,) * n
     for sizes in pieces:
         sizes = tuple(sizes)
-        if len(sizes) != n or any(type(s) is not int or s < 0 for s in sizes):
+        if len(sizes) != n or not set(map(type, sizes)) <= {int} or (sizes and min(sizes) < 0):
             raise PlanInvariantError(
                 f"a block of the {dtype} space has pieces {sizes}; give {n} non-negative element counts"
             )
-        blocks.append(Block(start, sizes, tuple(shard)))
+        blocks.append(Block(start, sizes, shard))
         start += sum(sizes)
-        shard = [s + size for s, size in zip(shard, sizes, strict=True)]
+        if shard.count(shard[0]) == n and sizes.count(sizes[0]) == n:  # equal pieces from one offset
+            shard = (shard[0] + sizes[0],) * n
+        else:
+            shard = tuple(map(operator.add, shard, sizes))
     return tuple(blocks)
 
 
@@ -391,8 +418,8 @@ def build_space(
                     "(build plans with plan_from_assignment)"
                 )
             packed[frag.rank] += frag.param_span.numel
-    blocks = _blocks(pieces, owned, n, dtype)
-    starts = [[b.shard_starts[r] for b in blocks] for r in range(n)]
+    blocks = blocks_of(pieces, owned, n, dtype)
+    starts = list(zip(*(b.shard_starts for b in blocks), strict=True))  # per rank, its blocks' shard starts
     by_rank: list[list[Fragment]] = [[] for _ in range(n)]
     for frag in runs:
         by_rank[frag.rank].append(frag)
@@ -435,7 +462,8 @@ def build_space(
                 )
             position += numel
         buffer_offsets.append(start)
-    extents = [sum(b.pieces[r] for b in blocks) for r in range(n)]
+    # A rank's shard starts accumulate its pieces: its last block's start and piece are its extent.
+    extents = map(operator.add, blocks[-1].shard_starts, blocks[-1].pieces) if blocks else [0] * n
     return Space(
         index=index,
         dtype=dtype,

@@ -1,0 +1,488 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# Compact fragments: a parameter's fragments over the equal pieces of one block, computed when read.
+"""``FragmentRun``: the fragments of one parameter laid across the equal pieces of one block.
+
+[Note: compact plans]
+A stage-3 ``flat_even`` plan cuts every block into equal pieces, one per rank,
+so a parameter is split at every piece boundary it crosses: llama-70b at world
+4096 has 2.3 million fragments and 2.6 million bucket pieces. Each is a function
+of a few numbers: the parameter's place in its block, the piece size and the
+block's shard offset. Such a plan holds, per parameter, a :class:`FragmentRun`:
+a read-only sequence of fragments computed when read, a tuple in all but type
+(:class:`ComputedTuple`: it compares equal to the tuple of its items, hashes,
+indexes and slices like it). A space made of them (:func:`compact_space`)
+derives its offsets and checks its invariants from those numbers; its
+``by_rank`` computes a rank's fragments when first read (:class:`RankFragments`),
+and its buckets' pieces and copies are computed sequences too
+(``zeroplan.core.buckets``). What needs every rank reads the numbers, never
+the fragments: fingerprints write the text the tuples would
+(:meth:`FragmentRun.digest_text`), memory reports compute each distinct rank's
+inner tensors once (:func:`rank_windows`), traffic and staging arenas count a
+bucket of equal pieces once for all ranks. Every value is the one a plan of
+tuples has (``tests/core/plan_snapshot.py`` pins fingerprints, reports and plan
+values; ``tests/core/test_runs.py`` compares with the tuples).
+"""
+
+from __future__ import annotations
+
+import operator
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from dataclasses import FrozenInstanceError
+from functools import lru_cache
+from itertools import accumulate, chain
+from typing import Any, NamedTuple, TypeVar, cast, overload
+
+from zeroplan.core.errors import PlanInvariantError, require
+from zeroplan.core.space import Block, Fragment, Space, blocks_of
+from zeroplan.core.span import Span, round_up
+from zeroplan.core.specs import ParamSpec
+
+__all__ = ["ComputedTuple", "FragmentRun", "RankFragments", "Window", "compact_space", "rank_windows"]
+
+T = TypeVar("T")
+
+
+class ComputedTuple(Sequence[T]):
+    """A read-only sequence computed on demand that behaves as the tuple of its items.
+
+    It equals (and hashes as) the tuple of its items and any ``ComputedTuple``
+    of the same items; a slice is a tuple. Subclasses define ``__len__`` and
+    ``_item`` (and a faster ``__iter__`` where they can) and set their slots
+    in ``__init__`` with ``object.__setattr__``: instances are immutable.
+    """
+
+    __slots__ = ()
+
+    def _item(self, i: int) -> T:
+        """Item ``i``, ``0 <= i < len(self)``."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[T, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> T | tuple[T, ...]:
+        if isinstance(i, slice):
+            return tuple(self._item(j) for j in range(*i.indices(len(self))))
+        n = len(self)
+        i = operator.index(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} out of range for {n} items")
+        return self._item(i)
+
+    def __iter__(self) -> Iterator[T]:
+        return (self._item(i) for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (tuple, ComputedTuple)):
+            return len(self) == len(other) and tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+    def __add__(self, other: object) -> tuple[Any, ...]:
+        if isinstance(other, (tuple, ComputedTuple)):
+            return (*self, *other)
+        return NotImplemented
+
+    def __radd__(self, other: object) -> tuple[Any, ...]:
+        if isinstance(other, tuple):
+            return (*other, *self)
+        return NotImplemented
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        slots = (name for cls in type(self).__mro__ for name in getattr(cls, "__slots__", ()))
+        return {name: getattr(self, name) for name in slots}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # (pickle and copy)
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+
+class FragmentRun(ComputedTuple[Fragment]):
+    """The fragments of one parameter placed in one block of equal pieces (see [Note: compact plans]).
+
+    The parameter occupies ``[position, position + numel)`` of the block;
+    rank ``r``'s piece is ``[r * piece, (r + 1) * piece)`` of it and starts at
+    ``base`` in every rank's shard, so the parameter has one fragment on each
+    rank from ``first`` to ``last``. A zero-size parameter has one empty
+    fragment, on the rank whose piece holds its place (the last rank at the
+    block's end, or with pieces of zero elements).
+
+    Example:
+        >>> run = FragmentRun(param=3, numel=10, block=0, position=6, piece=4, base=8, shard_size=4)
+        >>> [(f.rank, f.param_span, f.shard_offset) for f in run][:2]
+        [(1, Span(start=0, stop=2), 10), (2, Span(start=2, stop=6), 8)]
+        >>> len(run), run.first, run.last, run[-1].param_span
+        (3, 1, 3, Span(start=6, stop=10))
+    """
+
+    __slots__ = ("base", "block", "first", "last", "numel", "param", "piece", "position", "shard_size")
+    param: int
+    numel: int
+    block: int
+    position: int
+    piece: int
+    base: int
+    shard_size: int
+    first: int
+    last: int
+
+    def __init__(
+        self, *, param: int, numel: int, block: int, position: int, piece: int, base: int, shard_size: int
+    ) -> None:
+        values = (param, numel, block, position, piece, base, shard_size)
+        if not (all(type(v) is int and v >= 0 for v in values) and shard_size and (piece or not numel)):
+            raise PlanInvariantError(f"invalid fragment run of parameter {param!r}: {values}")
+        if numel:
+            first, last = position // piece, (position + numel - 1) // piece
+        else:
+            first = last = min(position // piece, shard_size - 1) if piece else shard_size - 1
+        names = ("param", "numel", "block", "position", "piece", "base", "shard_size", "first", "last")
+        for name, value in zip(names, (*values, first, last), strict=True):
+            object.__setattr__(self, name, value)
+
+    def __len__(self) -> int:
+        return self.last - self.first + 1
+
+    def _numbers(self, rank: int) -> tuple[int, int, int]:
+        """Rank ``rank``'s fragment as numbers: its start and stop in the parameter, its shard offset."""
+        start, position = rank * self.piece, self.position
+        if not self.numel:
+            return 0, 0, self.base + position - start
+        at, stop = max(position, start), min(position + self.numel, start + self.piece)
+        return at - position, stop - position, self.base + at - start
+
+    def _item(self, i: int) -> Fragment:
+        rank = self.first + i
+        a, b, offset = self._numbers(rank)
+        return Fragment(self.param, rank, Span(a, b), offset)
+
+    def __iter__(self) -> Iterator[Fragment]:
+        if not self.numel:
+            yield self._item(0)
+            return
+        param, piece, position, base = self.param, self.piece, self.position, self.base
+        end = position + self.numel
+        for rank in range(self.first, self.last + 1):
+            start = rank * piece
+            at, stop = max(position, start), min(end, start + piece)
+            yield Fragment(param, rank, Span(at - position, stop - position), base + at - start)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is FragmentRun and self._key() == other._key():
+            return True
+        return super().__eq__(other)
+
+    def __hash__(self) -> int:
+        return super().__hash__()
+
+    def _key(self) -> tuple[int, ...]:
+        return (self.param, self.numel, self.position, self.piece, self.base, self.first)
+
+    def cover_problem(self, spec: ParamSpec, shard_size: int) -> str | None:
+        """Why the run does not tile ``spec`` exactly once on ranks ``0..shard_size-1``, or ``None``."""
+        if not spec.trainable:
+            return f"is frozen but the plan gives it {len(self)} fragment(s)"
+        if self.param != spec.index:
+            return f"lists a fragment of parameter {self.param!r}"
+        if self.numel != spec.numel:
+            return f"fragments cover {self.numel} of {spec.numel} elements"
+        if self.last >= shard_size:
+            return f"rank {self.last} outside 0..{shard_size - 1}"
+        return None
+
+    def digest_text(self) -> str:
+        """``"\\x1f" + repr((param, rank, start, stop, shard_offset))`` of every fragment, joined.
+
+        The text ``PartitionPlan.fingerprint`` hashes for these fragments, written
+        without a tuple per fragment: the fragments between the first and the last
+        fill their pieces, so their text is one template per piece size, place and
+        ranks, shared by every parameter with those (see [Note: compact plans]).
+        """
+        first, last, param = self.first, self.last, self.param
+        ends = [(rank, *self._numbers(rank)) for rank in ((first, last) if last > first else (first,))]
+        head, tail = (f"\x1f({param}, {r}, {a}, {b}, {offset})" for r, a, b, offset in (ends[0], ends[-1]))
+        if last - first <= 1:
+            return head if last == first else head + tail
+        middle = _full_pieces_text(self.piece, self.position, first + 1, last - 1)
+        return "".join((head, middle.replace("\x00", str(param)).replace("\x01", str(self.base)), tail))
+
+
+@lru_cache(maxsize=32)
+def _full_pieces_text(piece: int, position: int, first: int, last: int) -> str:
+    """Digest text of the fragments filling the pieces of ranks ``first..last``.
+
+    ``\\x00`` stands for the parameter, ``\\x01`` for the block's shard offset.
+    """
+    return "".join(
+        f"\x1f(\x00, {r}, {r * piece - position}, {(r + 1) * piece - position}, \x01)"
+        for r in range(first, last + 1)
+    )
+
+
+class _Chain(ComputedTuple[Fragment]):
+    """The fragments of several runs, one after the other (a compact space's ``runs``)."""
+
+    __slots__ = ("ends", "parts")
+    parts: tuple[FragmentRun, ...]
+    ends: tuple[int, ...]
+
+    def __init__(self, parts: Sequence[FragmentRun]) -> None:
+        object.__setattr__(self, "parts", tuple(parts))
+        object.__setattr__(self, "ends", tuple(accumulate(len(p) for p in self.parts)))
+
+    def __len__(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def _item(self, i: int) -> Fragment:
+        k = bisect_left(self.ends, i + 1)
+        return self.parts[k][i - (self.ends[k - 1] if k else 0)]
+
+    def __iter__(self) -> Iterator[Fragment]:
+        return chain.from_iterable(self.parts)
+
+    def __eq__(self, other: object) -> bool:
+        return (type(other) is _Chain and self.parts == other.parts) or super().__eq__(other)
+
+    def __hash__(self) -> int:
+        return super().__hash__()
+
+
+class _BlockRuns(NamedTuple):
+    """The runs of one block of a compact space, in buffer order."""
+
+    runs: tuple[FragmentRun, ...]
+    lasts: tuple[int, ...]  # each run's last rank (non-decreasing)
+
+
+class RankFragments(ComputedTuple[Fragment]):
+    """One rank's fragments of a compact space, in shard order, computed when first read and kept."""
+
+    __slots__ = ("_items", "blocks", "rank")
+    blocks: tuple[_BlockRuns, ...]
+    rank: int
+    _items: tuple[Fragment, ...] | None
+
+    def __init__(self, blocks: tuple[_BlockRuns, ...], rank: int) -> None:
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "_items", None)
+
+    def _tuple(self) -> tuple[Fragment, ...]:
+        items = self._items
+        if items is None:
+            rank, found = self.rank, []
+            for block in self.blocks:
+                runs = block.runs
+                k = bisect_left(block.lasts, rank)
+                while k < len(runs) and runs[k].first <= rank:
+                    found.append(runs[k]._item(rank - runs[k].first))
+                    k += 1
+            items = tuple(found)
+            object.__setattr__(self, "_items", items)  # (a cache: the value never changes)
+        return items
+
+    def __len__(self) -> int:
+        return len(self._tuple())
+
+    def _item(self, i: int) -> Fragment:
+        return self._tuple()[i]
+
+    def __iter__(self) -> Iterator[Fragment]:
+        return iter(self._tuple())
+
+    def __eq__(self, other: object) -> bool:
+        same = type(other) is RankFragments and self.rank == other.rank and self.blocks == other.blocks
+        return same or super().__eq__(other)
+
+    def __hash__(self) -> int:
+        return super().__hash__()
+
+
+def compact_space(
+    specs: Sequence[ParamSpec],
+    fragments: Sequence[Sequence[Fragment]],
+    shard_size: int,
+    alignment: int,
+    index: int,
+    dtype: str,
+    pieces: Sequence[Sequence[int]] | None,
+) -> Space | None:
+    """The ``dtype`` space derived from :class:`FragmentRun` s alone; ``None`` unless every one of its
+    parameters has one (then ``build_space`` derives it from the fragments).
+
+    Checks, from the runs' numbers, what ``build_space`` checks fragment by
+    fragment: every block has equal pieces starting at one shard offset, each
+    run lies inside its block with that piece and offset, and the runs follow
+    each other in the buffer without overlapping, in parameter order.
+
+    Raises:
+        PlanInvariantError: the runs do not form a valid layout.
+    """
+    n = shard_size
+    params = tuple(s.index for s in specs if s.trainable and s.dtype == dtype)
+    if pieces is None or not params or not all(type(fragments[p]) is FragmentRun for p in params):
+        return None
+    runs = cast(list[FragmentRun], [fragments[p] for p in params])
+    blocks = blocks_of(pieces, (), n, dtype)
+    by_block: list[list[FragmentRun]] = [[] for _ in blocks]
+    at = (0, 0)  # (block, position) where the previous run ended
+    for run in runs:
+        require(0 <= run.block < len(blocks), f"parameter {run.param}: block {run.block} is not in the space")
+        block = blocks[run.block]
+        fine = (
+            run.shard_size == n
+            and block.pieces[0] == run.piece
+            and block.shard_starts[0] == run.base
+            and run.position + run.numel <= block.numel
+            and (run.block, run.position) >= at
+        )
+        if not fine:  # (hot loop: no message unless it fails)
+            raise PlanInvariantError(
+                f"parameter {run.param} ({specs[run.param].name!r}): its run (block {run.block}, place "
+                f"{run.position}, {run.numel} elements, pieces of {run.piece} from shard offset {run.base}) "
+                f"does not lie in its block after the previous parameter ({dtype} space)"
+            )
+        at = (run.block, run.position + run.numel)
+        by_block[run.block].append(run)
+    for k, block in enumerate(blocks):
+        if by_block[k] and not (_uniform(block.pieces) and _uniform(block.shard_starts)):
+            raise PlanInvariantError(f"block {k} of the {dtype} space holds parameter runs but uneven pieces")
+    block_runs = tuple(tuple(b) for b in by_block)
+    # Per rank, the elements it owns: whole pieces between a run's first and last rank, partial ends.
+    step = [0] * (n + 1)
+    owned = [0] * n
+    for run in runs:
+        if not run.numel:
+            continue
+        head = (run.first + 1) * run.piece - run.position
+        if run.first == run.last:
+            owned[run.first] += run.numel
+            continue
+        owned[run.first] += head
+        owned[run.last] += run.numel - head - (run.last - run.first - 1) * run.piece
+        step[run.first + 1] += run.piece
+        step[run.last] -= run.piece
+    owned = list(map(operator.add, owned, accumulate(step[:n])))
+    extents = map(operator.add, blocks[-1].shard_starts, blocks[-1].pieces)  # (a run checked a block)
+    indexed = tuple(_BlockRuns(r, tuple(x.last for x in r)) for r in block_runs)
+    numels = [specs[p].numel for p in params]
+    return Space(
+        index=index,
+        dtype=dtype,
+        params=params,
+        param_offsets=tuple(accumulate(numels, initial=0))[:-1],
+        numel=sum(numels),
+        owned=tuple(owned),
+        shard_numel=tuple(round_up(e, alignment) for e in extents),
+        blocks=blocks,
+        buffer_numel=sum(b.numel for b in blocks),
+        buffer_offsets=tuple(blocks[run.block].start + run.position for run in runs),
+        runs=_Chain(runs),  # type: ignore[arg-type]
+        by_rank=tuple(RankFragments(indexed, r) for r in range(n)),  # type: ignore[arg-type]
+        block_runs=block_runs,
+    )
+
+
+def _uniform(values: tuple[int, ...]) -> bool:
+    return not values or values.count(values[0]) == len(values)
+
+
+#: One elementwise window of a rank: ``(group, cohort, start, stop)`` in its shard.
+Window = tuple[int, int, int, int]
+
+
+def rank_windows(space: Space, specs: Sequence[ParamSpec]) -> tuple[tuple[Window, ...], ...]:
+    """Per rank of a compact space, its elementwise windows, computed for all ranks at once.
+
+    The windows ``ZeroPlan.inner_tensors`` cuts without in-place cuts: maximal
+    runs of the rank's non-empty fragments with one (group, cohort), each
+    ending where its last fragment ends and starting where the previous
+    window ended (at 0 for the first). The parameters of the space form
+    *segments* of one (group, cohort) in buffer order; a rank's last element of
+    a segment is found by painting ranks from the segment's last block back, so
+    the cost is blocks plus ranks per segment, not fragments. Ranks with equal
+    windows share one tuple.
+    """
+    n = len(space.owned)
+    segments: list[tuple[tuple[int, int], list[tuple[int, int, int]]]] = []  # key, [(block, lo, hi)]
+    for k, runs in enumerate(space.block_runs):
+        for run in runs:
+            if not run.numel:
+                continue
+            spec = specs[run.param]
+            key, lo, hi = (spec.group, spec.cohort), run.position, run.position + run.numel
+            if segments and segments[-1][0] == key:
+                parts = segments[-1][1]
+                if parts[-1][0] == k and parts[-1][2] == lo:
+                    parts[-1] = (k, parts[-1][1], hi)
+                else:
+                    parts.append((k, lo, hi))
+            else:
+                segments.append((key, [(k, lo, hi)]))
+    current: list[tuple[int, int] | None] = [None] * n  # per rank: the key of its open window
+    stops = [0] * n  # ... where its open window ends so far
+    starts = [0] * n  # ... where its open window starts
+    closed: list[list[Window]] = [[] for _ in range(n)]
+    blocks = space.blocks
+    for key, parts in segments:
+        last = _last_stops(parts, blocks, n)
+        for r, stop in last.items():
+            open_key = current[r]
+            if open_key is not None and open_key != key:
+                closed[r].append((*open_key, starts[r], stops[r]))
+                starts[r] = stops[r]
+            current[r], stops[r] = key, stop
+    shared: dict[tuple[Window, ...], tuple[Window, ...]] = {}
+    result = []
+    for r in range(n):
+        key = current[r]
+        windows = (*closed[r], (*key, starts[r], stops[r])) if key is not None else ()
+        result.append(shared.setdefault(windows, windows))
+    return tuple(result)
+
+
+def _last_stops(parts: list[tuple[int, int, int]], blocks: tuple[Block, ...], n: int) -> dict[int, int]:
+    """Per rank holding part of a segment, where its last element of it ends in its shard.
+
+    ``parts``: the segment's ``(block, lo, hi)`` ranges, in buffer order. Ranks
+    are painted from the last part back, each rank once; ``following[r]`` is the
+    first rank at or after ``r`` not painted yet (path halving).
+    """
+    following = list(range(n + 1))
+
+    def unpainted(r: int) -> int:
+        while following[r] != r:
+            following[r] = following[following[r]]
+            r = following[r]
+        return r
+
+    last: dict[int, int] = {}
+    for k, lo, hi in reversed(parts):
+        block = blocks[k]
+        piece, base = block.pieces[0], block.shard_starts[0]
+        r, z = unpainted(lo // piece), (hi - 1) // piece
+        while r <= z:
+            last[r] = base + min(hi - r * piece, piece)
+            following[r] = r + 1
+            r = unpainted(r + 1)
+    return last
