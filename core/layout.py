@@ -222,21 +222,31 @@ def _pack(members: Sequence[ParamSpec], cap: int) -> list[list[ParamSpec]]:
     return blocks
 
 
-def _balanced(members: Sequence[ParamSpec], n: int, totals: list[int], largest_first: bool) -> list[int]:
-    """Owners of one block's parameters: each to the rank with the least of the block, then overall."""
+def _balanced(members: Sequence[ParamSpec], idle: list[tuple[int, int]], largest_first: bool) -> list[int]:
+    """Owners of one block's parameters: each to the rank with the least of the block, then overall.
+
+    ``idle``: a heap of ``(total, rank)`` of every rank, shared by the blocks of a space (updated
+    here). A rank given elements of the block moves to a heap of ``(block load, total, rank)``,
+    whose keys are all larger, until the block ends; so a block costs its parameters, not its ranks.
+    """
     owners = [0] * len(members)
     order: Sequence[int] = range(len(members))
     if largest_first:
         order = sorted(order, key=lambda i: (-members[i].numel, members[i].index))
-    # Only the chosen rank's key changes, so a heap of (block load, total, rank) finds the least.
-    heap = [(0, total, rank) for rank, total in enumerate(totals)]
-    heapq.heapify(heap)
+    busy: list[tuple[int, int, int]] = []  # (block load > 0, total, rank)
     for i in order:
-        load, total, rank = heapq.heappop(heap)
+        if idle:
+            load, (total, rank) = 0, heapq.heappop(idle)
+        else:
+            load, total, rank = heapq.heappop(busy)
         numel = members[i].numel
         owners[i] = rank
-        totals[rank] = total + numel
-        heapq.heappush(heap, (load + numel, total + numel, rank))
+        if load + numel:
+            heapq.heappush(busy, (load + numel, total + numel, rank))
+        else:  # a zero-size parameter leaves an idle rank idle
+            heapq.heappush(idle, (total, rank))
+    for _, total, rank in busy:
+        heapq.heappush(idle, (total, rank))
     return owners
 
 
@@ -267,26 +277,27 @@ def interleave_whole(
     pieces = []
     for members in _spaces(specs):
         blocks = _pack(members, _cap(members, bucket_bytes, alignment))
-        totals = [0] * n
+        idle = [(0, rank) for rank in range(n)]  # (total, rank): a heap already
         owners: dict[int, list[int]] = {}
         # Balance the largest blocks first, so the smaller ones even out the totals (LPT over blocks).
         for b in sorted(range(len(blocks)), key=lambda b: -sum(s.numel for s in blocks[b])):
             block = blocks[b]
             owners[b] = (
-                [owner(s) for s in block] if owner is not None else _balanced(block, n, totals, largest_first)
+                [owner(s) for s in block] if owner is not None else _balanced(block, idle, largest_first)
             )
         base = [0] * n
         space_pieces = []
         for b, block in enumerate(blocks):
-            fill = [0] * n
+            fill: dict[int, int] = {}  # the ranks given parameters of the block: their elements
             for spec, rank in zip(block, owners[b], strict=True):
-                fragments[spec.index] = [
-                    Fragment(spec.index, rank, Span(0, spec.numel), base[rank] + fill[rank])
-                ]
-                fill[rank] += spec.numel
-            sizes = tuple(round_up(f, alignment) for f in fill)
-            space_pieces.append(sizes)
-            base = [b + s for b, s in zip(base, sizes, strict=True)]
+                at = fill.get(rank, 0)
+                fragments[spec.index] = [Fragment(spec.index, rank, Span(0, spec.numel), base[rank] + at)]
+                fill[rank] = at + spec.numel
+            sizes = [0] * n
+            for rank, numel in fill.items():
+                sizes[rank] = round_up(numel, alignment)
+                base[rank] += sizes[rank]
+            space_pieces.append(tuple(sizes))
         pieces.append(tuple(space_pieces))
     return _finish(specs, shard_size, alignment, strategy, fragments, pieces)
 

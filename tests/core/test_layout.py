@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
+import random
+
 import pytest
 
 import zeroplan.core.layout as layout_module
@@ -130,6 +133,39 @@ def test_interleave_whole_balances_each_block():
     assert [(b.start, b.shard_starts) for b in space.blocks] == [(0, (0, 0)), (8, (5, 3))]
     assert space.buffer_offsets == (5, 0, 8, 10) and space.owned == (7, 9)
     assert not p.splits_params
+
+
+def _balanced_by_a_heap_per_block(blocks, n, largest_first):
+    """The balancing ``_balanced`` replaced: a heap of (block load, total, rank) of every rank per block."""
+    totals, owners = [0] * n, []
+    for members in blocks:
+        order = range(len(members))
+        if largest_first:
+            order = sorted(order, key=lambda i: (-members[i].numel, members[i].index))
+        heap = [(0, total, rank) for rank, total in enumerate(totals)]
+        heapq.heapify(heap)
+        mine = [0] * len(members)
+        for i in order:
+            load, total, rank = heapq.heappop(heap)
+            mine[i] = rank
+            totals[rank] = total + members[i].numel
+            heapq.heappush(heap, (load + members[i].numel, total + members[i].numel, rank))
+        owners.append(mine)
+    return owners
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_balancing_with_one_idle_heap_per_space_matches_a_heap_per_block(seed):
+    rng = random.Random(seed)
+    n = rng.choice([1, 2, 3, 7, 64])
+    sizes = [[rng.choice([0, 0, 1, 5, 5, 17, 300]) for _ in range(rng.randint(1, 3 * n))] for _ in range(9)]
+    specs = iter(specs_from_shapes([(numel,) for block in sizes for numel in block]))
+    blocks = [[next(specs) for _ in block] for block in sizes]  # ties are broken by index
+    for largest_first in (True, False):
+        idle = [(0, rank) for rank in range(n)]
+        got = [layout_module._balanced(block, idle, largest_first) for block in blocks]
+        assert got == _balanced_by_a_heap_per_block(blocks, n, largest_first)
+        assert sorted(rank for _, rank in idle) == list(range(n))
 
 
 def test_interleave_whole_pads_pieces_to_the_alignment():
