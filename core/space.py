@@ -44,15 +44,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import accumulate, pairwise
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from zeroplan.core.comm import Collective
 from zeroplan.core.errors import PlanInvariantError, require
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.specs import ParamSpec
-
-if TYPE_CHECKING:
-    from zeroplan.core.runs import FragmentRun
 
 __all__ = ["Block", "Fragment", "FragmentOverlap", "ShardPiece", "Space", "build_space"]
 
@@ -191,6 +188,14 @@ def _even_offsets(piece: int, count: int) -> tuple[int, ...]:
     return tuple(range(0, piece * count, piece)) if piece else (0,) * count
 
 
+class ParamRun(Protocol):
+    """One parameter's fragments in a block of a compact space, as the space sees them (the
+    type is :class:`~zeroplan.core.runs.FragmentRun`, which builds spaces and so is not imported here)."""
+
+    param: int
+    numel: int
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Space:
     """Layout of the trainable parameters of one dtype (see [Note: layout]).
@@ -228,7 +233,7 @@ class Space:
     buffer_offsets: tuple[int, ...]
     runs: Sequence[Fragment]
     by_rank: tuple[Sequence[Fragment], ...]
-    block_runs: tuple[tuple[FragmentRun, ...], ...] = field(default=(), repr=False, compare=False)
+    block_runs: tuple[tuple[ParamRun, ...], ...] = field(default=(), repr=False, compare=False)
 
     def _position(self, param: int) -> int:
         position = bisect_left(self.params, param)
