@@ -338,9 +338,11 @@ def compact_space(
     Raises:
         PlanInvariantError: the runs do not form a valid layout.
     """
+    if pieces is None:  # rank-major
+        return None
     n = shard_size
     params = tuple(s.index for s in specs if s.trainable and s.dtype == dtype)
-    if pieces is None or not params or not all(type(fragments[p]) is FragmentRun for p in params):
+    if not params or not all(type(fragments[p]) is FragmentRun for p in params):
         return None
     runs = cast(list[FragmentRun], [fragments[p] for p in params])
     blocks = blocks_of(pieces, (), n, dtype)
