@@ -28,11 +28,11 @@ reduces each bucket into the rank's own region of that buffer, in place: after
 the reduction, ``.grad`` of the elements this rank owns holds the averaged
 gradient, the others the local one.
 
-``finish()`` (once per step, when the lifecycle reduces) stages and launches
+``finish_grad_sync()`` (once per step, when the lifecycle reduces) stages and launches
 what is left: parameters that got no gradient in this step contribute zeros,
 and gradients accumulated under ``no_sync()`` but not touched by the last
 backward are reduced as they are. With ``overlap=False`` nothing is staged
-from hooks and ``finish()`` issues the very same collectives in the same
+from hooks and ``finish_grad_sync()`` issues the very same collectives in the same
 order, so results are bit-identical.
 
 Sparse gradients (``nn.Embedding(sparse=True)``) are made dense by the hook.

@@ -185,12 +185,6 @@ class StepLifecycle:
             self.accumulation = previous
 
     # ------------------------------------------------------------ reduce
-    def reduce(self, inst: Installed, ctx: StepContext, call: str) -> None:
-        """Finish the reduction and settle its verdict (:meth:`start_reduce`, one read, :meth:`settle`)."""
-        verdict = self.start_reduce(inst, ctx, call)
-        if verdict is not None:
-            self.settle(inst, ctx, call, verdict.tolist())
-
     def start_reduce(
         self, inst: Installed, ctx: StepContext, call: str, *, idle_ok: bool = False
     ) -> torch.Tensor | None:
@@ -295,8 +289,7 @@ class StepLifecycle:
         optimizer writes into its param groups while stepping are copied back
         into the user's groups.
         """
-        if self.phase not in (Phase.REDUCED, Phase.CLIPPED):
-            raise StepOrderError(f"step() in phase {self.phase.value}: the step was not reduced")
+        self._require_reduced("step()")
         applied = not self.found_inf
         if applied:
             inner = inst.inner.optimizer
@@ -325,11 +318,16 @@ class StepLifecycle:
         inst.sync.reset()
         self.phase = Phase.IDLE
 
+    def _require_reduced(self, call: str) -> None:
+        """Raise unless :meth:`settle` ran in this step (``JointStep.reduce`` settles every domain first)."""
+        if self.phase not in (Phase.REDUCED, Phase.CLIPPED):
+            raise StepOrderError(f"{call} in phase {self.phase.value}: the step was not reduced")
+
     # ------------------------------------------------------------ inspection
     @torch.no_grad()
     def averaged_gradients(self, inst: Installed, ctx: StepContext) -> list[torch.Tensor | None]:
         """The master gradients, whole, per parameter (``None`` if frozen); collective, not logged."""
-        self.reduce(inst, ctx, "averaged_gradients()")
+        self._require_reduced("averaged_gradients()")
         result: list[torch.Tensor | None] = [None] * len(ctx.params)
         log = CommLog()  # not part of the step's traffic
         for grad, buf in zip(self.master_grads, inst.buffers, strict=True):

@@ -19,7 +19,7 @@ then reads, in this order, "first reduction done" and "``stall_end`` not yet
 reached". Both true means the reduction finished on both ranks while this
 rank's GPU was still in backward: that is the overlap, observed without
 comparing host and GPU clocks. If reductions were launched only at ``step()``
-(``finish()``), none would exist during backward: nothing is launched before
+(``finish_grad_sync()``), none would exist during backward: nothing is launched before
 the stall and nothing completes while it runs. The same probe on
 ``overlap_grad_reduce=False`` is the control and must see exactly that.
 
