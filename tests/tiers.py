@@ -26,6 +26,7 @@ STARTS_INTERPRETERS = (
     "tests/test_cli_plan.py::test_console_script_matches_the_module_entry_point",
     "tests/test_cli_plan.py::test_plan_never_imports_torch",
     "tests/test_cli_experts.py::test_plan_with_experts_never_imports_torch",
+    "tests/cuda/",  # the GPU suite: every test runs its scenario in a fresh process (skipped on CPU)
 )
 
 #: Interpreter-starting tests kept in the fast tier: one of each kind a user meets first.

@@ -94,6 +94,7 @@ class GradSync:
         overlap: bool,
         admit: Callable[[str], bool],
         log: CommLog,
+        device: torch.device,
     ) -> None:
         self._zp = zp
         self._params = params
@@ -108,7 +109,6 @@ class GradSync:
         self._padding = [b.padding() for b in self._buckets]
         arena = staging_arena(zp, groups.shard_rank)  # [Note: staging arena] in zeroplan.core.peak
         self._offsets = arena.offsets
-        device = buffers[0].device if buffers else torch.device("cpu")
         self._arena = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
         self._copies: list[dict[int, list[GradCopy]]] = []
         for bucket in self._buckets:

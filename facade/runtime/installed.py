@@ -41,6 +41,9 @@ class Installed(NamedTuple):
             or at stage 3 the sharded parameters (see [Note: stage 3]).
         links: per trainable parameter, its index and the storage and offset of
             its view of the flat buffer (see :meth:`detached`).
+        device: the device of the parameters, where every buffer and every control
+            tensor of this plan lives (also when no parameter is trainable: a frozen
+            domain's step agreement still runs on NCCL, which takes no CPU tensor).
     """
 
     zp: ZeroPlan
@@ -50,6 +53,7 @@ class Installed(NamedTuple):
     sync: GradSync
     gather: ParamGather | ShardedParams
     links: tuple[tuple[int, tuple[int, int]], ...]
+    device: torch.device
 
     def detached(self, params: Sequence[torch.Tensor]) -> int | None:
         """The first trainable parameter whose ``.data`` is no longer its view of the flat buffer.
@@ -64,10 +68,6 @@ class Installed(NamedTuple):
                 return index
         return None
 
-    @property
-    def device(self) -> torch.device:
-        """Where this rank's buffers live (CPU when the plan has no trainable parameter)."""
-        return self.buffers[0].device if self.buffers else torch.device("cpu")
 
 
 def install(
@@ -101,6 +101,7 @@ def install(
         overlap=overlap,
         admit=admit,
         log=log,
+        device=registry.device,
     )
     links = tuple((index, _address(registry.params[index])) for index in sorted(zp.trainable_indices))
     gather: ParamGather | ShardedParams
@@ -118,7 +119,14 @@ def install(
             zp=zp, params=registry.params, buffers=buffers, groups=groups, overlap=overlap_param_gather
         )
     return Installed(
-        zp=zp, groups=groups, buffers=buffers, inner=inner, sync=sync, gather=gather, links=links
+        zp=zp,
+        groups=groups,
+        buffers=buffers,
+        inner=inner,
+        sync=sync,
+        gather=gather,
+        links=links,
+        device=registry.device,
     )
 
 

@@ -137,6 +137,7 @@ def replan(
         new_buffers=new.buffers,
         reshard=reshard,
         groups=new.groups,
+        device=new.device,
     )
     unpark(zp, new.buffers, moved, stateful, revived, groups.shard_rank, new.device)
     import_state(zp, new.inner, moved, stateful)

@@ -70,8 +70,8 @@ class Shards(NamedTuple):
 
     @property
     def device(self) -> torch.device:
-        """Where this rank's buffers live (CPU when the plan has no trainable parameter)."""
-        return self.buffers[0].device if self.buffers else torch.device("cpu")
+        """Where the parameters and this rank's buffers live (also with no trainable parameter)."""
+        return self.params[0].device
 
 
 def torch_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

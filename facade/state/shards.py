@@ -127,6 +127,7 @@ def move_shards(
     new_buffers: Sequence[SpaceBuffers],
     reshard: ReshardPlan,
     groups: ProcessGroups,
+    device: torch.device,
 ) -> tuple[ShardState, set[tuple[int, int]]]:
     """Move master weights and optimizer state from the old plan to the new one.
 
@@ -134,7 +135,6 @@ def move_shards(
     dtype hold the (replicated) parameters' values and need no move. Returns the state in the new shard
     coordinates and the (group, cohort) pairs that carry state.
     """
-    device = new_buffers[0].device if new_buffers else torch.device("cpu")
     old_spaces = {s.dtype: s for s in old_zp.partition.spaces}
     for new in new_buffers:
         old_space = old_spaces.get(new.space.dtype)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU suite and the GPU benchmark on one CUDA machine, results under $OUT (default ./gpu-results).
+#
+#   bash benchmarks/gpu_validate.sh                 # suite, then benchmark
+#   SUITE_S=300 BENCH_S=200 bash benchmarks/gpu_validate.sh
+#
+# It uses the machine's own CUDA torch (never installs one). Wheels of packages the machine lacks
+# (optree, say) can be put in .whl/: they are installed into a private folder first. zeroplan itself
+# is installed without dependencies. The suite runs in two parts: the correctness tests four at a
+# time, then the overlap probe alone (it times backward against reductions, so nothing shares the
+# GPU with it). Files written: env.txt, suite.log, suite.xml, overlap.log, gpu_step.txt,
+# gpu_step.json.
+set -u
+OUT=${OUT:-$PWD/gpu-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
+} >"$OUT/env.txt" 2>&1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/zeroplan-site .whl/*.whl
+    export PYTHONPATH=/tmp/zeroplan-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/env.txt" 2>&1; then
+    # No build backend there: the two packages as links (the console script is then missing).
+    mkdir -p /tmp/zeroplan-src/zeroplan
+    ln -sfn "$PWD/core" /tmp/zeroplan-src/zeroplan/core
+    ln -sfn "$PWD/facade" /tmp/zeroplan-src/zeroplan/facade
+    export PYTHONPATH=/tmp/zeroplan-src${PYTHONPATH:+:$PYTHONPATH}
+fi
+$PY -c "import zeroplan.facade, optree, rich; print('zeroplan imports')" >>"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+parallel=()
+$PY -c "import xdist" 2>/dev/null && parallel=(-n 4)
+timeout "${SUITE_S:-240}" $PY -m pytest tests/cuda "${parallel[@]}" -k "not test_bucket_reductions_run_while_backward_computes" -rA -q \
+    --junitxml="$OUT/suite.xml" >"$OUT/suite.log" 2>&1
+echo "suite rc=$?"; tail -n 40 "$OUT/suite.log"
+timeout "${OVERLAP_S:-120}" $PY -m pytest tests/cuda -k test_bucket_reductions_run_while_backward_computes -rA -q >"$OUT/overlap.log" 2>&1
+echo "overlap rc=$?"; tail -n 15 "$OUT/overlap.log"
+timeout "${BENCH_S:-150}" $PY benchmarks/gpu_step.py --rounds "${ROUNDS:-15}" --json "$OUT/gpu_step.json" \
+    >"$OUT/gpu_step.txt" 2>&1
+echo "benchmark rc=$?"; tail -n 30 "$OUT/gpu_step.txt"
