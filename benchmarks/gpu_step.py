@@ -32,6 +32,11 @@ Usage::
     python benchmarks/gpu_step.py                         # 163M parameters, batch 8 x 1024 tokens
     python benchmarks/gpu_step.py --size 406m --json out.json  # all six side by side: about 60 GB
     python benchmarks/gpu_step.py --only "zero2 bf16,adamw bf16" --rounds 50
+    python benchmarks/gpu_step.py --profile prof.txt  # also: where each configuration's step goes
+
+``--profile`` runs ``torch.profiler`` over ``PROFILED_STEPS`` further steps of each configuration
+(after the timed rounds, so the profiler does not disturb them) and writes, per configuration, the
+operators by self CPU and by self CUDA time and the kernels launched per step.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ SIZES = {
     "tiny": GPTConfig(vocab=256, width=64, layers=2, heads=2, context=32, qkv_bias=True),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PROFILED_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,7 @@ class Options:
     device: str
     tf32: bool
     json: str | None
+    profile: str | None
 
 
 def _sync(device: torch.device) -> None:
@@ -213,7 +220,28 @@ def time_steps(
     out = {
         v.name: {"step_ms": t, "loss": loss} for v, t, loss in zip(opts.variants, times, losses, strict=True)
     }
+    if opts.profile:
+        profile_steps(opts.profile, runners, device, batch)
     return out, numel
+
+
+def profile_steps(path: str, runners: list[Runner], device: torch.device, batch: Any) -> None:
+    """Each configuration's next steps under ``torch.profiler``: operator tables and kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with open(path, "w") as out:
+        for runner in runners:
+            _sync(device)
+            with profile(activities=activities) as prof:
+                for _ in range(PROFILED_STEPS):
+                    runner.step(*batch)
+                _sync(device)
+            events = prof.key_averages()
+            kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+            out.write(f"== {runner.variant.name}: {kernels / PROFILED_STEPS:.0f} kernels per step\n")
+            for key in ("self_cpu_time_total", "self_device_time_total"):
+                out.write(events.table(sort_by=key, row_limit=18, max_name_column_width=60) + "\n")
 
 
 def _paired(mine: list[float], base: list[float] | None) -> float | None:
@@ -305,6 +333,7 @@ def parse(argv: list[str] | None = None) -> Options:
     p.add_argument("--only", default=None, help="comma-separated configuration names")
     p.add_argument("--tf32", action="store_true", help="allow TF32 matmuls (fp32 configurations)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--profile", default=None, metavar="PATH", help="also profile each configuration")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     variants = VARIANTS
@@ -324,6 +353,7 @@ def parse(argv: list[str] | None = None) -> Options:
         device=a.device,
         tf32=a.tf32,
         json=a.json,
+        profile=a.profile,
     )
 
 

@@ -8,12 +8,13 @@
 # (optree, say) can be put in .whl/: they are installed into a private folder first. zeroplan itself
 # is installed without dependencies. The suite runs in two parts: the correctness tests four at a
 # time, then the overlap probe alone (it times backward against reductions, so nothing shares the
-# GPU with it). Files written: env.txt, suite.log, suite.xml, overlap.log, gpu_step.txt,
-# gpu_step.json.
+# GPU with it). Files written: env.txt, suite.log, suite.xml, overlap.log, results.tgz (each
+# scenario's measurements as JSON), gpu_step.txt, gpu_step.json, profile.txt.
 set -u
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export ZEROPLAN_CUDA_OUT=/tmp/zeroplan-cuda-results  # each scenario's JSON (tests/cuda/results.py)
 PY=${PYTHON:-python3}
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -40,6 +41,7 @@ timeout "${SUITE_S:-240}" $PY -m pytest tests/cuda "${parallel[@]}" -k "not test
 echo "suite rc=$?"; tail -n 40 "$OUT/suite.log"
 timeout "${OVERLAP_S:-120}" $PY -m pytest tests/cuda -k test_bucket_reductions_run_while_backward_computes -rA -q >"$OUT/overlap.log" 2>&1
 echo "overlap rc=$?"; tail -n 15 "$OUT/overlap.log"
-timeout "${BENCH_S:-150}" $PY benchmarks/gpu_step.py --rounds "${ROUNDS:-15}" --json "$OUT/gpu_step.json" \
-    >"$OUT/gpu_step.txt" 2>&1
+tar -czf "$OUT/results.tgz" -C "$ZEROPLAN_CUDA_OUT" . 2>/dev/null
+timeout "${BENCH_S:-150}" $PY benchmarks/gpu_step.py --rounds "${ROUNDS:-15}" ${ONLY:+--only "$ONLY"} \
+    --json "$OUT/gpu_step.json" --profile "$OUT/profile.txt" >"$OUT/gpu_step.txt" 2>&1
 echo "benchmark rc=$?"; tail -n 30 "$OUT/gpu_step.txt"

@@ -91,7 +91,7 @@ class SyncCounter:
             if "synchroniz" not in str(record.message):
                 continue
             path = os.path.abspath(record.filename)
-            ours = path.startswith(_PACKAGE + os.sep)
+            ours = any(path.startswith(os.path.join(_PACKAGE, part) + os.sep) for part in ("core", "facade"))
             self.where[f"{os.path.relpath(path, _PACKAGE)}:{record.lineno}" if ours else "other"] += 1
 
     def zeroplan_total(self) -> int:

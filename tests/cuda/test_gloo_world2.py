@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from results import keep
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(
@@ -49,7 +50,9 @@ def run_world2(*args: str, timeout: float = 300.0) -> list[dict[str, Any]]:
         out, err = proc.communicate()
         pytest.fail(f"world2.py {' '.join(args)} ran past {timeout} s:\n{err[-4000:]}")
     assert proc.returncode == 0, err[-4000:]
-    return json.loads(out.strip().splitlines()[-1])["ranks"]
+    ranks = json.loads(out.strip().splitlines()[-1])["ranks"]
+    keep("world2-" + "-".join(a.lstrip("-") for a in args), ranks)
+    return ranks
 
 
 def check_train(ranks: list[dict[str, Any]], dtype: str, device: str = "cuda") -> None:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from results import keep
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(
@@ -52,26 +53,36 @@ def run_config(name: str) -> dict:
         timeout=240,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    keep(f"matrix-{name}", result)
+    return result
 
 
-def check(result: dict) -> None:
-    assert "error" not in result, result.get("trace", result)
-    assert all(n <= HOST_READS_PER_STEP for n in result["zeroplan_syncs_per_step"]), result["syncs"]
+def problems(result: dict) -> list[str]:
+    """What is wrong with one configuration's result (all of it, for a GPU run is short)."""
+    if "error" in result:
+        return [result["trace"]]
+    found = []
+    if any(n > HOST_READS_PER_STEP for n in result["zeroplan_syncs_per_step"]):
+        found.append(f"host reads per step {result['syncs']}")
     losses = result["losses"]
-    assert all(torch.isfinite(torch.tensor(losses))), losses
+    if not all(torch.isfinite(torch.tensor(losses))):
+        found.append(f"losses {losses}")
     if result["name"].endswith("dynamic-scale"):
-        assert losses[-1] < losses[0], losses
-        return
-    for norm, ref in result["norms"]:
-        assert abs(norm - ref) <= NORM_RTOL * ref, result["norms"]
-    if not result["norms"]:  # with clipping the scaled gradients differ in their last bits
-        assert result["losses"] == result["ref_losses"], result
-        assert result["differing"] == [], result
-    if "checkpoint_equal" in result:
-        assert result["checkpoint_equal"], result
-    if "consolidate" in result:
-        assert result["consolidate"]["devices"] == ["cpu"], result["consolidate"]
+        if not losses[-1] < losses[0]:
+            found.append(f"did not train: {losses}")
+    elif result["norms"]:  # with clipping the scaled gradients differ in their last bits
+        found += [f"norm {n} vs {r}" for n, r in result["norms"] if abs(n - r) > NORM_RTOL * r]
+    else:
+        if result["losses"] != result["ref_losses"]:
+            found.append(f"losses {result['losses']} vs {result['ref_losses']}")
+        if result["differing"]:
+            found.append(f"{len(result['differing'])} parameters differ, max {result['max_abs']}")
+    if result.get("checkpoint_equal") is False:
+        found.append("checkpoint round trip")
+    if "consolidate" in result and result["consolidate"]["devices"] != ["cpu"]:
+        found.append(f"consolidated on {result['consolidate']}")
+    return found
 
 
 def test_names_are_the_scripts():
@@ -83,4 +94,4 @@ def test_names_are_the_scripts():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_config_on_nccl(name):
-    check(run_config(name))
+    assert problems(run_config(name)) == []

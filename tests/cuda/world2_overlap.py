@@ -217,9 +217,9 @@ def overlap(rank: int, world: int, device: torch.device, cfg: dict[str, Any]) ->
         opt = ZeroOptimizer(
             model.parameters(),
             torch.optim.AdamW,
-            stage=2,
+            stage=1,  # all-reduces and broadcasts: gloo carries them for CUDA tensors
             collectives="gloo",
-            layout="rank_major",  # all-reduce and broadcasts: gloo carries them for CUDA tensors
+            layout="rank_major",
             bucket_bytes=BUCKET_BYTES,
             overlap_grad_reduce=flag,
             lr=1e-3,
