@@ -3,13 +3,14 @@
 #
 #   bash benchmarks/gpu_validate.sh                 # suite, then benchmark
 #   SUITE_S=300 BENCH_S=200 bash benchmarks/gpu_validate.sh
+#   BENCH_S=0 bash benchmarks/gpu_validate.sh       # suite and demo only
 #
 # It uses the machine's own CUDA torch (never installs one). Wheels of packages the machine lacks
 # (optree, say) can be put in .whl/: they are installed into a private folder first. zeroplan itself
 # is installed without dependencies. The suite runs in two parts: the correctness tests four at a
 # time, then the overlap probe alone (it times backward against reductions, so nothing shares the
 # GPU with it). Files written: env.txt, suite.log, suite.xml, overlap.log, results.tgz (each
-# scenario's measurements as JSON), gpu_step.txt, gpu_step.json, profile.txt.
+# scenario's measurements as JSON), demo.txt, gpu_step.txt, gpu_step.json, profile.txt.
 set -u
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
@@ -42,6 +43,14 @@ echo "suite rc=$?"; tail -n 40 "$OUT/suite.log"
 timeout "${OVERLAP_S:-120}" $PY -m pytest tests/cuda -k test_bucket_reductions_run_while_backward_computes -rA -q >"$OUT/overlap.log" 2>&1
 echo "overlap rc=$?"; tail -n 15 "$OUT/overlap.log"
 tar -czf "$OUT/results.tgz" -C "$ZEROPLAN_CUDA_OUT" . 2>/dev/null
-timeout "${BENCH_S:-150}" $PY benchmarks/gpu_step.py --rounds "${ROUNDS:-15}" ${ONLY:+--only "$ONLY"} \
-    --json "$OUT/gpu_step.json" --profile "$OUT/profile.txt" >"$OUT/gpu_step.txt" 2>&1
-echo "benchmark rc=$?"; tail -n 30 "$OUT/gpu_step.txt"
+# The demo as a user starts it, on one GPU (one rank: NCCL needs a GPU per rank), stages 2 and 3.
+for stage in 2 3; do
+    timeout "${DEMO_S:-90}" zeroplan demo --device cuda --world 1 --stage "$stage" --dtype bf16 --steps 30 \
+        >>"$OUT/demo.txt" 2>&1
+    echo "demo stage $stage rc=$?" | tee -a "$OUT/demo.txt"
+done
+if [ "${BENCH_S:-150}" -gt 0 ]; then
+    timeout "${BENCH_S:-150}" $PY benchmarks/gpu_step.py --rounds "${ROUNDS:-15}" ${ONLY:+--only "$ONLY"} \
+        --json "$OUT/gpu_step.json" --profile "$OUT/profile.txt" >"$OUT/gpu_step.txt" 2>&1
+    echo "benchmark rc=$?"; tail -n 30 "$OUT/gpu_step.txt"
+fi

@@ -7,6 +7,12 @@ as a whole-shard copy), and the destination copies every chunk straight into
 the parameter-shaped output tensors. Beyond the output itself, no rank holds
 more than one chunk, so the extra memory is set by ``chunk_bytes`` and not by
 the model. Scalar state and shapes travel as small objects first.
+
+The output is on the CPU whatever the parameters' device: with AdamW it holds
+12 bytes per parameter (fp32 master, two moments), 84 GB for a 7B model, which
+no GPU beside the model could take. Chunks travel on the parameters' device (NCCL
+carries no CPU tensor) and each is copied to the host once, through one pinned
+staging chunk, before it is scattered into the outputs.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 import torch
 
 from zeroplan.core import ConfigError, Space, Span, windows_in
-from zeroplan.facade.runtime.collectives import all_gather_objects, broadcast
+from zeroplan.facade.runtime.collectives import HostStaging, all_gather_objects, broadcast
 from zeroplan.facade.runtime.dtypes import torch_dtype
 from zeroplan.facade.state.dicts import MASTER_KEY, Shards, torch_param_groups
 from zeroplan.facade.state.parked import gather_parked
@@ -86,7 +92,9 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
         for cohort, names in described.order.items():
             order.setdefault(cohort, names)
     stateful = set(order)
-    device = sh.device
+    device = sh.device  # where chunks travel
+    home = torch.device("cpu")  # where the result is built
+    staging = HostStaging(device)
     result: dict[int, dict[str, Any]] = {}
     masters: dict[int, torch.Tensor] = {}
 
@@ -100,9 +108,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
             dtype = torch_dtype(dtype_name)
             wanted = space.params if key is None else members
             outputs = (
-                {p: torch.empty(zp.specs[p].shape, dtype=dtype, device=device) for p in wanted}
-                if dest
-                else {}
+                {p: torch.empty(zp.specs[p].shape, dtype=dtype, device=home) for p in wanted} if dest else {}
             )
             step = max(1, chunk_bytes // torch.empty((), dtype=dtype).element_size())
             for q in range(zp.topology.shard_size):
@@ -112,7 +118,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
                         _window_chunk(sh, space.index, key, at, chunk)
                     _broadcast(chunk, q, sh)
                     if dest:
-                        _scatter_chunk(chunk, at, space, q, outputs)
+                        _scatter_chunk(staging.to_host(chunk), at, space, q, outputs)
                     del chunk
             if dest and key is None:
                 masters.update(outputs)
@@ -129,7 +135,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
                     result.setdefault(p, {})[key] = described
                 continue
             shape, dtype = described.shape, torch_dtype(described.dtype)
-            out = torch.empty(shape, dtype=dtype, device=device) if dest else None
+            out = torch.empty(shape, dtype=dtype, device=home) if dest else None
             flat = out.view(-1) if out is not None else None
             numel = int(torch.Size(shape).numel())
             step = max(1, chunk_bytes // torch.empty((), dtype=dtype).element_size())
@@ -139,7 +145,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
                     chunk.copy_(owned_state[key].reshape(-1)[at.as_slice()])
                 _broadcast(chunk, owner, sh)
                 if flat is not None:
-                    flat[at.as_slice()] = chunk
+                    flat[at.as_slice()] = staging.to_host(chunk)
             if dest:
                 result.setdefault(p, {})[key] = out
     # Parked state of frozen parameters ([Note: parked state]) comes whole, not in bounded chunks.
@@ -148,11 +154,11 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
     if not dest:
         return None
     for p, part in parked.items():
-        entry = result[p] = tree_clone(part.scalars, device) | tree_clone(part.whole or {}, device)
+        entry = result[p] = tree_clone(part.scalars, home) | tree_clone(part.whole or {}, home)
         for key, pieces in part.pieces.items():
-            full = torch.empty(zp.specs[p].shape, dtype=pieces[0][1].dtype, device=device)
+            full = torch.empty(zp.specs[p].shape, dtype=pieces[0][1].dtype, device=home)
             for span, values in pieces:
-                full.view(-1)[span.as_slice()] = values.to(device)
+                full.view(-1)[span.as_slice()] = values.to(home)
             if key == MASTER:
                 masters[p] = full
             else:
@@ -163,7 +169,7 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
         spec = zp.specs[p]
         cohort = (spec.group, spec.cohort)
         entry = result[p]
-        entry.update(tree_clone(scalars.get(cohort, {}), device))
+        entry.update(tree_clone(scalars.get(cohort, {}), home))
         names = order.get(cohort)
         if names:
             result[p] = {k: entry[k] for k in names if k in entry} | {

@@ -76,6 +76,7 @@ from zeroplan.facade.runtime.groups import ProcessGroups
 
 __all__ = [
     "CommLog",
+    "HostStaging",
     "Pending",
     "all_gather_objects",
     "all_reduce",
@@ -414,6 +415,33 @@ def to_device(values: Sequence[int | float], dtype: torch.dtype, device: torch.d
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostStaging:
+    """Copies device tensors to the host through one reused pinned buffer per dtype.
+
+    A copy into pageable memory is staged by the driver anyway; a pinned buffer that grows to the
+    largest chunk seen and is reused keeps the host memory pinned by a consolidation at one chunk.
+    Each copy completes before it returns (the caller reads the values at once). On the CPU the
+    tensor itself is returned.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host view holding ``tensor``'s values, valid until the next call with its dtype."""
+        if self._device.type == "cpu":
+            return tensor
+        buf = self._buffers.get(tensor.dtype)
+        if buf is None or buf.numel() < tensor.numel():
+            buf = self._buffers[tensor.dtype] = torch.empty(
+                tensor.numel(), dtype=tensor.dtype, pin_memory=True
+            )
+        host = buf[: tensor.numel()].view(tensor.shape)
+        host.copy_(tensor)
+        return host
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> None:

@@ -198,8 +198,9 @@ def check_transport(zp: ZeroPlan, backend: str, devices: set[str]) -> None:
         raise ConfigError(
             f"the parameters are on {sorted(devices - {'cpu'})} and the process group is gloo, whose "
             "point-to-point exchanges (collectives='gloo', the default on gloo) carry CPU tensors only; "
-            "use backend='nccl' for GPU tensors, or stage 1 with layout='rank_major' (all-reduce and "
-            "broadcasts, which gloo carries for CUDA tensors)"
+            "use backend='nccl' for GPU tensors (gloo carries CUDA tensors only where the plan needs no "
+            "exchange: layout='rank_major' with shards of unequal size, whose gradients are all-reduced "
+            "and whose parameters are broadcast)"
         )
 
 

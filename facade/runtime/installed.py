@@ -69,7 +69,6 @@ class Installed(NamedTuple):
         return None
 
 
-
 def install(
     zp: ZeroPlan,
     registry: ParamRegistry,

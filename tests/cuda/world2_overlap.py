@@ -55,7 +55,9 @@ from torch import nn
 from zeroplan.facade import ZeroOptimizer
 from zeroplan.facade.cli.demo.model import GPTConfig, build_model, loss_of
 
-CONFIG = GPTConfig(vocab=512, width=256, layers=4, heads=4, context=64, qkv_bias=True)
+# ffn 1021 and alignment 16 (below) make the two ranks' shards differ in size, so the plan broadcasts
+# the updated parameters: gloo carries all-reduces and broadcasts of CUDA tensors, not exchanges.
+CONFIG = GPTConfig(vocab=512, width=256, layers=4, heads=4, context=64, ffn=1021, qkv_bias=True)
 BATCH = 8
 BUCKET_BYTES = 1 << 20  # about 3 buckets per block
 STEPS = 3  # the first warms up (pinned host buffers, allocator, cuBLAS)
@@ -220,6 +222,7 @@ def overlap(rank: int, world: int, device: torch.device, cfg: dict[str, Any]) ->
             stage=1,  # all-reduces and broadcasts: gloo carries them for CUDA tensors
             collectives="gloo",
             layout="rank_major",
+            alignment=16,
             bucket_bytes=BUCKET_BYTES,
             overlap_grad_reduce=flag,
             lr=1e-3,
