@@ -42,6 +42,8 @@ timeout "${SUITE_S:-240}" $PY -m pytest tests/cuda "${parallel[@]}" -k "not test
 echo "suite rc=$?"; tail -n 40 "$OUT/suite.log"
 timeout "${OVERLAP_S:-120}" $PY -m pytest tests/cuda -k test_bucket_reductions_run_while_backward_computes -rA -q >"$OUT/overlap.log" 2>&1
 echo "overlap rc=$?"; tail -n 15 "$OUT/overlap.log"
+timeout 60 $PY tests/cuda/retire_probe.py 29591 >"$ZEROPLAN_CUDA_OUT/retire-probe.json" 2>"$ZEROPLAN_CUDA_OUT/retire-probe.err"
+echo "retire probe rc=$?"; cat "$ZEROPLAN_CUDA_OUT/retire-probe.json"
 tar -czf "$OUT/results.tgz" -C "$ZEROPLAN_CUDA_OUT" . 2>/dev/null
 # The demo as a user starts it, on one GPU (one rank: NCCL needs a GPU per rank), stages 2 and 3.
 for stage in 2 3; do

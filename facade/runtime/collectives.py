@@ -47,10 +47,39 @@ returns, no backend thread has anything of the facade's left to release,
 so returning from ``step()`` (or any collective method) and exiting is
 safe. The blocking helpers (:func:`all_reduce_shard`, :func:`broadcast`,
 :func:`all_gather_objects`) go through the same path.
+
+[Note: streams]
+One rule for CUDA streams, kept here; on the CPU every helper below is a no-op
+and the same code runs. A collective runs on its backend's stream (NCCL's own,
+or gloo's for CUDA tensors), which waits for the stream it was launched from;
+``work.wait()`` makes the *current* stream wait for it, on the device, never
+the host. Three rules on top, after FSDP2's copy-in and reduce-scatter streams:
+
+1. *Gradient buckets live on the side stream* (:func:`on_side_stream`): the
+   hooks' copies into staging, the launches, the completions and the copies
+   out run there, after it waited for the compute stream (so each gradient is
+   complete), so no backward kernel queues behind a reduction.
+   ``finish_grad_sync`` ends with :func:`join_side_stream` (the compute stream
+   waits for the side stream, on the device), before anything reads a gradient
+   shard. A ``.grad`` released while the side stream may still read it is
+   handed to :func:`keep_for_side_stream` first, so the caching allocator does
+   not give its memory to the compute stream early.
+2. *The first reader of a gathered block makes every stream that matters
+   wait*: :meth:`Pending.finish` waits on the current stream (a user's EMA
+   stream, say) and, when that is not the stream the collective was started
+   from, makes that home stream wait for it too: a first read on a side
+   stream cannot leave the default stream reading stale parameters.
+3. *A two-hop gather waits for its first hop on the side stream* and starts
+   the second hop there, so the compute stream never waits for the cross-node
+   hop of a block it does not read yet.
+
+The side stream is one per device, shared by every optimizer of the process
+(their buckets are ordered by the plan anyway).
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 import time
@@ -83,6 +112,9 @@ __all__ = [
     "all_reduce_shard",
     "all_reduce_world",
     "broadcast",
+    "join_side_stream",
+    "keep_for_side_stream",
+    "on_side_stream",
     "start_block_gather",
     "start_bucket_reduce",
     "start_replica_reduce",
@@ -105,24 +137,28 @@ owner keeps them alive, so the backend's release cannot be the one that touches 
 class Pending:
     """An asynchronous collective and what to do once it completed; :meth:`finish` consumes it.
 
-    See [Note: retiring a collective]. Build it with :func:`_start`.
+    See [Note: retiring a collective] and [Note: streams]. Build it with :func:`_start`.
     """
 
-    __slots__ = ("_after", "_held", "_work")
+    __slots__ = ("_after", "_held", "_home", "_work")
 
     def __init__(
         self,
         work: dist.Work | None,
         after: Callable[[], None] | None = None,
         held: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        home: torch.cuda.Stream | None = None,
     ) -> None:
         self._work = work
         self._after = after
         self._held = tuple(held)
+        self._home = home
 
-    def finish(self) -> None:
+    def finish(self, *, home_waits: bool = True) -> None:
         """Block until the collective completed and the backend let go of its tensors, then run ``after``.
 
+        On CUDA "completed" is for the current stream (the device waits, not the host), and with
+        ``home_waits`` the stream it was started from waits too (rule 2 of [Note: streams]).
         A second call does nothing.
         """
         work, self._work = self._work, None
@@ -132,8 +168,53 @@ class Pending:
             work.wait()
             del work  # the backend's reference is now the last one, or already gone
             _await_release(held)
+            if home_waits and self._home is not None:
+                current = torch.cuda.current_stream(self._home.device)
+                if current != self._home:
+                    self._home.wait_stream(current)
         if after is not None:
             after()
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side(device: torch.device) -> torch.cuda.Stream | None:
+    """The side stream of ``device`` (made on first use); ``None`` off CUDA ([Note: streams])."""
+    if device.type != "cuda":
+        return None
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    stream = _SIDE.get(device)
+    if stream is None:
+        stream = _SIDE[device] = torch.cuda.Stream(device)
+    return stream
+
+
+@contextlib.contextmanager
+def on_side_stream(device: torch.device) -> Any:
+    """Run the block on ``device``'s side stream, after it waited for the current stream; CPU: as is."""
+    side = _side(device)
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def join_side_stream(device: torch.device) -> None:
+    """The current stream waits (on the device) for everything queued on the side stream so far."""
+    side = _side(device)
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
+
+
+def keep_for_side_stream(tensor: torch.Tensor | None) -> None:
+    """Keep ``tensor``'s memory from other streams until the side stream's queued work used it."""
+    if tensor is not None:
+        side = _side(tensor.device)
+        if side is not None:
+            tensor.record_stream(side)
 
 
 def _await_release(held: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -151,11 +232,15 @@ def _await_release(held: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def _start(
-    start: Callable[..., dist.Work | None], *tensors: Any, after: Callable[[], None] | None = None
+    start: Callable[..., dist.Work | None],
+    *tensors: Any,
+    after: Callable[[], None] | None = None,
+    home: torch.cuda.Stream | None = None,
 ) -> Pending:
     """``start(*aliases)`` with a fresh alias of each tensor (or list of tensors); its :class:`Pending`.
 
     ``start`` issues one collective with ``async_op=True`` (see [Note: retiring a collective]).
+    ``home``: the stream a first reader makes wait (default: the current one, on CUDA).
     """
     held: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -164,7 +249,9 @@ def _start(
         return held[-1][0]
 
     args = [[alias(t) for t in x] if isinstance(x, list) else alias(x) for x in tensors]
-    return Pending(start(*args), after, held)
+    if home is None and held and held[0][0].is_cuda:
+        home = torch.cuda.current_stream(held[0][0].device)
+    return Pending(start(*args), after, held, home)
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
@@ -502,12 +589,15 @@ def _start_two_hop_gather(
     log.record("shard", Collective.ALL_GATHER, across.sizes, across.position, itemsize, link=across.link)
     places = [full[p.as_slice()] for p in across.pieces]
     start = partial(dist.all_gather, group=groups.cross_node, async_op=True)
-    _start(start, places, full[across.own.as_slice()]).finish()  # the second hop sends what arrived
+    first = _start(start, places, full[across.own.as_slice()])
+    home = torch.cuda.current_stream(full.device) if full.is_cuda else None
     pending = []
-    for call in hops.within:
-        log.record("shard", Collective.ALL_GATHER, call.sizes, call.position, itemsize, link=call.link)
-        start = partial(dist.all_gather_single, group=groups.node, async_op=True)
-        pending.append(_start(start, full[call.span.as_slice()], full[call.own.as_slice()]))
+    with on_side_stream(full.device):  # rule 3 of [Note: streams]: the compute stream does not wait
+        first.finish(home_waits=False)  # the second hop sends what arrived
+        for call in hops.within:
+            log.record("shard", Collective.ALL_GATHER, call.sizes, call.position, itemsize, link=call.link)
+            start = partial(dist.all_gather_single, group=groups.node, async_op=True)
+            pending.append(_start(start, full[call.span.as_slice()], full[call.own.as_slice()], home=home))
     return pending
 
 

@@ -36,6 +36,10 @@ from hooks and ``finish_grad_sync()`` issues the very same collectives in the sa
 order, so results are bit-identical.
 
 Sparse gradients (``nn.Embedding(sparse=True)``) are made dense by the hook.
+
+On CUDA everything a hook carries out runs on the side stream, and
+``finish_grad_sync()`` makes the compute stream wait for it (rule 1 of [Note: streams]
+in ``collectives``).
 """
 
 from __future__ import annotations
@@ -60,7 +64,15 @@ from zeroplan.core import (
 )
 from zeroplan.core.schedule import Action, ActionKind, staging_schedule
 from zeroplan.facade.params.buffers import SpaceBuffers, param_views
-from zeroplan.facade.runtime.collectives import CommLog, Pending, start_bucket_reduce, start_replica_reduce
+from zeroplan.facade.runtime.collectives import (
+    CommLog,
+    Pending,
+    join_side_stream,
+    keep_for_side_stream,
+    on_side_stream,
+    start_bucket_reduce,
+    start_replica_reduce,
+)
 from zeroplan.facade.runtime.groups import ProcessGroups
 
 __all__ = ["GradSync"]
@@ -141,10 +153,12 @@ class GradSync:
         replica, self._replica = getattr(self, "_replica", []), []
         opened, self._open = getattr(self, "_open", {}), {}
         del opened  # their room in the arena is free again
-        for entry in inflight:
-            entry.pending.finish()
-        for pending in replica:
-            pending.finish()
+        with on_side_stream(self._arena.device):  # where they were started ([Note: streams])
+            for entry in inflight:
+                entry.pending.finish()
+            for pending in replica:
+                pending.finish()
+        join_side_stream(self._arena.device)
         self._ready = [False] * len(self._zp.specs)
         self._arrivals: list[int] = []
         self._schedule = staging_schedule(self._zp, overlap=self._overlap)  # [Note: staging schedule]
@@ -182,7 +196,10 @@ class GradSync:
             )
         self._ready[index] = True
         self._arrivals.append(index)
-        self._carry_out(self._schedule.send(index))
+        actions = self._schedule.send(index)
+        if actions:
+            with on_side_stream(self._arena.device):  # rule 1 of [Note: streams]
+                self._carry_out(actions)
 
     # ------------------------------------------------------------- staging
     def _carry_out(self, actions: list[Action]) -> None:
@@ -195,6 +212,7 @@ class GradSync:
             elif action.kind is ActionKind.STAGE:
                 self._stage(action.bucket, action.param)
             elif action.kind is ActionKind.RELEASE:
+                keep_for_side_stream(self._params[action.param].grad)  # its copy may still be queued
                 self._params[action.param].grad = None
             else:
                 self._start_reduce(action.bucket)
@@ -280,10 +298,12 @@ class GradSync:
         accumulated under ``no_sync()`` but untouched by the last backward are
         reduced as they are.
         """
-        self._carry_out(self._schedule.send(None))
+        with on_side_stream(self._arena.device):  # rule 1 of [Note: streams]
+            self._carry_out(self._schedule.send(None))
+            for pending in self._replica:
+                pending.finish()
+        join_side_stream(self._arena.device)  # before anything reads a gradient shard
         self.last_arrivals = tuple(self._arrivals)
-        for pending in self._replica:
-            pending.finish()
         self._replica = []
 
     def written_back(self) -> int | None:

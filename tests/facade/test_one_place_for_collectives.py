@@ -56,3 +56,26 @@ def test_only_collectives_py_calls_torch_distributed():
 def test_the_check_sees_the_calls_it_is_about():
     assert len(_calls(HOME)) >= 10  # the home module's own calls are found
     assert _calls(USER_CODE[0])  # and so are the demo's
+
+
+#: What places work on CUDA streams or orders them ([Note: streams] keeps these in collectives.py).
+STREAM_WORDS = frozenset({"Stream", "stream", "current_stream", "wait_stream", "record_stream", "Event"})
+
+
+def _stream_uses(path: Path) -> list[tuple[int, str]]:
+    return [
+        (node.lineno, node.attr)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute) and node.attr in STREAM_WORDS
+    ]
+
+
+def test_only_collectives_py_handles_streams():
+    elsewhere = [
+        f"{path.relative_to(FACADE.parent)}:{line}: .{name}"
+        for path in sorted(FACADE.rglob("*.py"))
+        if path != HOME and path not in USER_CODE
+        for line, name in _stream_uses(path)
+    ]
+    assert elsewhere == [], "order streams through zeroplan.facade.runtime.collectives ([Note: streams])"
+    assert {name for _, name in _stream_uses(HOME)} >= {"wait_stream", "record_stream", "current_stream"}
