@@ -55,15 +55,17 @@ or gloo's for CUDA tensors), which waits for the stream it was launched from;
 ``work.wait()`` makes the *current* stream wait for it, on the device, never
 the host. Three rules on top, after FSDP2's copy-in and reduce-scatter streams:
 
-1. *Gradient buckets live on the side stream* (:func:`on_side_stream`): the
-   hooks' copies into staging, the launches, the completions and the copies
-   out run there, after it waited for the compute stream (so each gradient is
-   complete), so no backward kernel queues behind a reduction.
-   ``finish_grad_sync`` ends with :func:`join_side_stream` (the compute stream
-   waits for the side stream, on the device), before anything reads a gradient
-   shard. A ``.grad`` released while the side stream may still read it is
-   handed to :func:`keep_for_side_stream` first, so the caching allocator does
-   not give its memory to the compute stream early.
+1. *A gradient bucket completes on the side stream* (:func:`on_side_stream`):
+   the wait for its reduction and the copy out of staging run there, after it
+   waited for the compute stream, so no backward kernel queues behind a
+   reduction. The gradients are copied into staging and the reduction is
+   launched on the compute stream, as autograd made them (a copy per parameter
+   costs no stream switch). Staging room is reused by later buckets: the compute
+   stream waits for the last completion (:func:`mark_side_stream`,
+   :func:`wait_for_mark`) before it opens a bucket, which holds it back only when
+   reductions fall a window behind. ``finish_grad_sync`` ends with
+   :func:`join_side_stream` (the compute stream waits for the side stream, on the
+   device), before anything reads a gradient shard.
 2. *The first reader of a gathered block makes every stream that matters
    wait*: :meth:`Pending.finish` waits on the current stream (a user's EMA
    stream, say) and, when that is not the stream the collective was started
@@ -107,19 +109,21 @@ __all__ = [
     "CommLog",
     "HostStaging",
     "Pending",
+    "StreamMark",
     "all_gather_objects",
     "all_reduce",
     "all_reduce_shard",
     "all_reduce_world",
     "broadcast",
     "join_side_stream",
-    "keep_for_side_stream",
+    "mark_side_stream",
     "on_side_stream",
     "start_block_gather",
     "start_bucket_reduce",
     "start_replica_reduce",
     "start_space_gather",
     "to_device",
+    "wait_for_mark",
 ]
 
 _REDUCE_TAG = 0x5A01
@@ -178,6 +182,9 @@ class Pending:
 
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
+StreamMark = torch.cuda.Event
+"""A point in a stream's queue that another stream can wait for (:func:`mark_side_stream`)."""
+
 
 def _side(device: torch.device) -> torch.cuda.Stream | None:
     """The side stream of ``device`` (made on first use); ``None`` off CUDA ([Note: streams])."""
@@ -188,6 +195,12 @@ def _side(device: torch.device) -> torch.cuda.Stream | None:
     if stream is None:
         stream = _SIDE[device] = torch.cuda.Stream(device)
     return stream
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The current stream of ``device``; ``None`` on a device without streams."""
+    side = _side(device)
+    return None if side is None else torch.cuda.current_stream(side.device)
 
 
 @contextlib.contextmanager
@@ -209,12 +222,17 @@ def join_side_stream(device: torch.device) -> None:
         torch.cuda.current_stream(side.device).wait_stream(side)
 
 
-def keep_for_side_stream(tensor: torch.Tensor | None) -> None:
-    """Keep ``tensor``'s memory from other streams until the side stream's queued work used it."""
-    if tensor is not None:
-        side = _side(tensor.device)
-        if side is not None:
-            tensor.record_stream(side)
+def mark_side_stream(device: torch.device) -> StreamMark | None:
+    """An event after everything queued on the side stream so far; ``None`` off CUDA."""
+    side = _side(device)
+    return None if side is None else side.record_event()
+
+
+def wait_for_mark(device: torch.device, mark: StreamMark | None) -> None:
+    """The current stream of ``device`` waits (on the device) for ``mark``; nothing for ``None``."""
+    side = _side(device)
+    if side is not None and mark is not None:
+        torch.cuda.current_stream(side.device).wait_event(mark)
 
 
 def _await_release(held: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -249,8 +267,8 @@ def _start(
         return held[-1][0]
 
     args = [[alias(t) for t in x] if isinstance(x, list) else alias(x) for x in tensors]
-    if home is None and held and held[0][0].is_cuda:
-        home = torch.cuda.current_stream(held[0][0].device)
+    if home is None and held:
+        home = _current_stream(held[0][0].device)
     return Pending(start(*args), after, held, home)
 
 
@@ -404,7 +422,7 @@ def _sum_after(
 ) -> None:
     """Wait for ``parts``, then ``output = own + others[0] + others[1] + ...`` (``output`` may be ``own``)."""
     for part in parts:
-        part.finish()
+        part.finish(home_waits=False)  # the bucket's completion decides which streams wait
     torch.add(own, others[0], out=output)
     for other in others[1:]:
         output.add_(other)
@@ -590,7 +608,7 @@ def _start_two_hop_gather(
     places = [full[p.as_slice()] for p in across.pieces]
     start = partial(dist.all_gather, group=groups.cross_node, async_op=True)
     first = _start(start, places, full[across.own.as_slice()])
-    home = torch.cuda.current_stream(full.device) if full.is_cuda else None
+    home = _current_stream(full.device)
     pending = []
     with on_side_stream(full.device):  # rule 3 of [Note: streams]: the compute stream does not wait
         first.finish(home_waits=False)  # the second hop sends what arrived

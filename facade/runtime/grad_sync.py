@@ -37,9 +37,9 @@ order, so results are bit-identical.
 
 Sparse gradients (``nn.Embedding(sparse=True)``) are made dense by the hook.
 
-On CUDA everything a hook carries out runs on the side stream, and
-``finish_grad_sync()`` makes the compute stream wait for it (rule 1 of [Note: streams]
-in ``collectives``).
+On CUDA a bucket's completion (the wait for its reduction and the copy out of
+staging) runs on the side stream, and ``finish_grad_sync()`` makes the compute
+stream wait for it (rule 1 of [Note: streams] in ``collectives``).
 """
 
 from __future__ import annotations
@@ -67,11 +67,13 @@ from zeroplan.facade.params.buffers import SpaceBuffers, param_views
 from zeroplan.facade.runtime.collectives import (
     CommLog,
     Pending,
+    StreamMark,
     join_side_stream,
-    keep_for_side_stream,
+    mark_side_stream,
     on_side_stream,
     start_bucket_reduce,
     start_replica_reduce,
+    wait_for_mark,
 )
 from zeroplan.facade.runtime.groups import ProcessGroups
 
@@ -153,12 +155,13 @@ class GradSync:
         replica, self._replica = getattr(self, "_replica", []), []
         opened, self._open = getattr(self, "_open", {}), {}
         del opened  # their room in the arena is free again
-        with on_side_stream(self._arena.device):  # where they were started ([Note: streams])
-            for entry in inflight:
-                entry.pending.finish()
-            for pending in replica:
-                pending.finish()
-        join_side_stream(self._arena.device)
+        if inflight or replica:  # completed on the side stream, as always ([Note: streams])
+            with on_side_stream(self._arena.device):
+                for entry in inflight:
+                    entry.pending.finish(home_waits=False)
+                for pending in replica:
+                    pending.finish()
+            join_side_stream(self._arena.device)
         self._ready = [False] * len(self._zp.specs)
         self._arrivals: list[int] = []
         self._schedule = staging_schedule(self._zp, overlap=self._overlap)  # [Note: staging schedule]
@@ -168,6 +171,7 @@ class GradSync:
         self._open: dict[int, torch.Tensor] = {}
         self._inflight: deque[_InFlight] = deque()
         self._replica: list[Pending] = []
+        self._retired: StreamMark | None = None  # the last retirement, on the side stream
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (before re-planning)."""
@@ -196,23 +200,23 @@ class GradSync:
             )
         self._ready[index] = True
         self._arrivals.append(index)
-        actions = self._schedule.send(index)
-        if actions:
-            with on_side_stream(self._arena.device):  # rule 1 of [Note: streams]
-                self._carry_out(actions)
+        self._carry_out(self._schedule.send(index))
 
     # ------------------------------------------------------------- staging
     def _carry_out(self, actions: list[Action]) -> None:
         """Carry out the schedule's actions on tensors ([Note: staging schedule])."""
         for action in actions:
-            if action.kind is ActionKind.RETIRE:
-                self._finish_oldest()
+            if action.kind is ActionKind.RETIRE:  # rule 1 of [Note: streams]
+                with on_side_stream(self._arena.device):
+                    self._finish_oldest()
+                self._retired = mark_side_stream(self._arena.device)
             elif action.kind is ActionKind.OPEN:
+                # Its room may have been a retired bucket's: the side stream must be done with it.
+                wait_for_mark(self._arena.device, self._retired)
                 self._open[action.bucket] = self._staging(action.bucket)
             elif action.kind is ActionKind.STAGE:
                 self._stage(action.bucket, action.param)
             elif action.kind is ActionKind.RELEASE:
-                keep_for_side_stream(self._params[action.param].grad)  # its copy may still be queued
                 self._params[action.param].grad = None
             else:
                 self._start_reduce(action.bucket)
@@ -278,7 +282,8 @@ class GradSync:
         return [buf.grads._version for buf in self._buffers if buf.grads is not None]
 
     def _finish_reduce(self, entry: _InFlight) -> None:
-        entry.pending.finish()
+        # On the side stream; the compute stream must not wait here (rule 1 of [Note: streams]).
+        entry.pending.finish(home_waits=False)
         if entry.reduced is None or entry.output is None:
             return
         summed = entry.bucket.collective is Collective.ALL_REDUCE  # already over the replicas too
@@ -298,8 +303,8 @@ class GradSync:
         accumulated under ``no_sync()`` but untouched by the last backward are
         reduced as they are.
         """
+        self._carry_out(self._schedule.send(None))
         with on_side_stream(self._arena.device):  # rule 1 of [Note: streams]
-            self._carry_out(self._schedule.send(None))
             for pending in self._replica:
                 pending.finish()
         join_side_stream(self._arena.device)  # before anything reads a gradient shard

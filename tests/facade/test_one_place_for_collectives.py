@@ -59,7 +59,18 @@ def test_the_check_sees_the_calls_it_is_about():
 
 
 #: What places work on CUDA streams or orders them ([Note: streams] keeps these in collectives.py).
-STREAM_WORDS = frozenset({"Stream", "stream", "current_stream", "wait_stream", "record_stream", "Event"})
+STREAM_WORDS = frozenset(
+    {
+        "Stream",
+        "stream",
+        "current_stream",
+        "wait_stream",
+        "wait_event",
+        "record_stream",
+        "record_event",
+        "Event",
+    }
+)
 
 
 def _stream_uses(path: Path) -> list[tuple[int, str]]:
@@ -78,4 +89,4 @@ def test_only_collectives_py_handles_streams():
         for line, name in _stream_uses(path)
     ]
     assert elsewhere == [], "order streams through zeroplan.facade.runtime.collectives ([Note: streams])"
-    assert {name for _, name in _stream_uses(HOME)} >= {"wait_stream", "record_stream", "current_stream"}
+    assert {name for _, name in _stream_uses(HOME)} >= {"wait_stream", "wait_event", "current_stream"}

@@ -1,0 +1,68 @@
+"""[Note: streams] on CPU: the facade's CUDA stream ordering, run against a recording fake.
+
+Rule 1: during backward every bucket completes on the side stream, and the compute stream waits only
+for marks (before opening a bucket), never for the side stream itself; after the last bucket the
+reduction's end joins the side stream back before the step reads a gradient shard. Rule 2: a first
+reader on another stream makes the collective's home stream wait.
+"""
+
+from __future__ import annotations
+
+import pytest
+import scenarios_streams
+
+from zeroplan.facade.runtime import collectives
+
+CASES = [
+    {"stage": 2},
+    {"stage": 2, "collectives": "min_bytes"},  # reduce-scatters and all-gathers, as on NCCL
+    {"stage": 1},
+    {"stage": 2, "dtype": "bf16"},
+    {"stage": 3},
+]
+
+
+@pytest.mark.parametrize("cfg", CASES, ids=lambda c: "-".join(map(str, c.values())))
+def test_buckets_complete_on_the_side_stream_and_join_before_the_step(pools, cfg):
+    for r in pools(2).run(scenarios_streams.bucket_streams, cfg):
+        backward, step = r["backward"], r["step"]
+        assert r["buckets"] > 2
+        completions = [stream for stream, what, *_ in backward if what == "completes a collective"]
+        # One bucket in flight at most: the others retire during backward, on the side stream. At stage 3
+        # the compute stream also completes the gathers of the blocks it is about to use.
+        assert completions.count("side") >= r["buckets"] - 1, completions
+        if cfg["stage"] < 3:
+            assert set(completions) == {"side"}, completions
+        assert ("compute", "waits for", "side") not in backward, backward  # the compute stream never blocks
+        assert any(e[:2] == ("compute", "waits for mark") for e in backward), backward
+        assert all(e[0] == "side" for e in backward if e[1] == "mark"), backward
+        join = step.index(("compute", "waits for", "side"))
+        assert all(e[0] == "side" for e in step[:join] if e[1] == "completes a collective"), step
+
+
+def test_a_two_hop_gather_waits_its_first_hop_on_the_side_stream(pools):
+    cfg = {"stage": 2, "collectives": "min_bytes", "ranks_per_node": 2}
+    for r in pools(4).run(scenarios_streams.bucket_streams, cfg):
+        step = r["step"]
+        join = step.index(("compute", "waits for", "side"))  # the gradients' reduction ended
+        gathers = step[join + 1 :]  # step() then starts the parameter gathers
+        assert ("side", "completes a collective") in gathers, gathers  # hop 1, on the side stream
+        assert ("compute", "waits for", "side") not in gathers, "\n".join(map(str, gathers))
+        assert ("compute", "completes a collective") in r["forward"], r["forward"]  # hop 2, by its reader
+
+
+class _Work:
+    def wait(self) -> None:
+        pass
+
+
+def test_a_first_reader_on_another_stream_makes_the_home_stream_wait():
+    with scenarios_streams.fake_cuda() as fake:
+        pending = collectives.Pending(_Work(), home=fake.compute)
+        with fake.stream(scenarios_streams.FakeStream("ema", fake.log)):
+            pending.finish()
+        assert ("compute", "waits for", "ema") in fake.log
+        quiet = collectives.Pending(_Work(), home=fake.compute)
+        fake.log.clear()
+        quiet.finish()  # read on its own stream: nothing more to wait for
+        assert fake.log == [("compute", "completes a collective")]
