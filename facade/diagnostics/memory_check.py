@@ -3,11 +3,12 @@
 [Note: device memory check]
 On CUDA, ``ZeroOptimizer`` compares the plan's ``peak_bytes`` for this rank
 (see [Note: the step's peak] in ``zeroplan.core.peak``) with what the rank
-can use: the device's free memory plus the bytes its parameters already hold
-(the flat buffers take their place). Activations are not planned, so a plan
-that fits here may still run out of memory in the forward; one that does not
-fit here certainly will. The message names the largest part of the peak and
-the cheapest other configuration that fits (stage, shard group size, a fused
+can use: the device's free memory, plus what torch's caching allocator holds
+unused, plus the bytes its parameters already hold (the flat buffers take their
+place). Activations are not planned, so a plan that fits here may still run out
+of memory in the forward; one that does not fit here certainly will. The
+message names the largest part of the peak and the cheapest other
+configuration that fits (stage, shard group size, a fused
 inner optimizer). It is a warning, or, with ``strict_memory=True``, a
 ``ConfigError`` raised on every rank (inside the plan agreement). CPU memory
 is shared by the ranks of a host and is not checked.
@@ -29,11 +30,16 @@ __all__ = ["check_device_memory", "device_memory_problem", "free_bytes"]
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Free memory of ``device`` in bytes, or ``None`` where it is not checked (CPU)."""
+    """Memory of ``device`` this process can still allocate, in bytes; ``None`` where not checked (CPU).
+
+    The driver's free memory plus what torch's caching allocator holds but no tensor uses (reserved
+    minus allocated): the allocator hands that out again before it asks the driver for more.
+    """
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return int(free)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free) + int(cached)
 
 
 def _largest_part(r: RankReport) -> tuple[str, int]:

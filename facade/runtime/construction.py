@@ -148,6 +148,7 @@ def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> 
             zp = c.settings.plan(c.registry, c.groups)
             devices = {p.device.type for p in c.registry.params}
             check_transport(zp, dist.get_backend(item.group), devices)
+            check_current_device(dist.get_backend(item.group), c.registry.device)
             overlap, strict = request.overlap_grad_reduce, request.strict_memory
             check_device_memory(zp, c, item.group, overlap=overlap, strict=strict)
             configured.append(c)
@@ -171,6 +172,27 @@ def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> 
         check_partition(inputs, world)  # before any expert group's own collective
         plans[1:] = _agreed_expert_plans(inputs, configured, plans, world)
     return Agreed(inputs, configured, plans)
+
+
+def check_current_device(backend: str, device: torch.device) -> None:
+    """Refuse NCCL with parameters on another GPU than the current one.
+
+    torch's object collectives (the plan agreement, checkpoint metadata) put their tensors on
+    ``torch.cuda.current_device()``: without ``torch.cuda.set_device(local_rank)`` every rank of a
+    node would use GPU 0 for them, and NCCL would hang or fail on the duplicate device.
+
+    Raises:
+        ConfigError: the backend is NCCL and ``device`` is not the current CUDA device.
+    """
+    if "nccl" not in backend or device.type != "cuda":
+        return
+    current = torch.cuda.current_device()
+    if device.index is not None and device.index != current:
+        raise ConfigError(
+            f"the parameters are on {device} but the current CUDA device is cuda:{current}; call "
+            f"torch.cuda.set_device({device.index}) (the local rank's GPU) before "
+            "init_process_group and before building the optimizer"
+        )
 
 
 def check_transport(zp: ZeroPlan, backend: str, devices: set[str]) -> None:

@@ -40,3 +40,15 @@ def test_an_unexpected_error_on_one_rank_raises_on_every_rank_without_waiting(po
     assert results[1]["error"] == "RuntimeError: the free-memory probe failed"
     assert results[0]["error"].startswith("ConfigError: rank 1 rejected the optimizer settings: RuntimeError")
     assert all(r["unchanged"] for r in results)
+
+
+def test_memory_the_caching_allocator_holds_unused_counts_as_free(monkeypatch):
+    import torch
+
+    from zeroplan.facade.diagnostics import memory_check
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 12 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 9 << 30)
+    assert memory_check.free_bytes(torch.device("cuda", 0)) == (5 + 3) << 30
+    assert memory_check.free_bytes(torch.device("cpu")) is None

@@ -34,3 +34,16 @@ def test_exchanges_need_gloo_and_cpu_tensors(stage, layout, policy, backend, dev
 def test_a_shard_group_of_one_exchanges_nothing():
     zp = plan(SPECS, Topology(world_size=2, shard_size=1), stage=2, policy="gloo")
     check_transport(zp, "nccl", {"cuda"})
+
+
+def test_nccl_needs_the_parameters_on_the_current_device(monkeypatch):
+    import torch
+
+    from zeroplan.facade.runtime.construction import check_current_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    check_current_device("nccl", torch.device("cuda", 0))
+    check_current_device("gloo", torch.device("cuda", 1))  # gloo's object collectives use the CPU
+    check_current_device("nccl", torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"torch.cuda.set_device\(1\)"):
+        check_current_device("nccl", torch.device("cuda", 1))
