@@ -292,7 +292,7 @@ def _traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -
         times = 2 if zp.stage is Stage.PARAMETERS and reshard_after_forward else 1
         for space in spaces:
             isz = DTYPE_ITEMSIZE[space.dtype]
-            for block in space.blocks:
+            for block in zp.gather_blocks(space):  # [Note: gather blocks]
                 gather = zp.gather_collective(block)
                 if zp.gathers_in_two_hops(block):
                     two_hops(block.pieces[0], isz, times)

@@ -20,14 +20,14 @@ from typing import NamedTuple
 
 from zeroplan.core.buckets import BucketLayout, plan_buckets
 from zeroplan.core.comm import Collective, CollectivePolicy
-from zeroplan.core.dtypes import master_dtype
+from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.layout import build_partition
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.partition import PartitionPlan
 from zeroplan.core.runs import rank_windows
-from zeroplan.core.space import Block, Space
+from zeroplan.core.space import Block, Space, owner_chunks
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs, specs_fingerprint
 from zeroplan.core.topology import Topology
@@ -240,6 +240,38 @@ class ZeroPlan:
         """Whether ``collective`` runs as a point-to-point exchange (see [Note: collective policy])."""
         exchanged = collective in (Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
         return exchanged and self.policy.point_to_point and self.topology.shard_size > 1
+
+    def gather_blocks(self, space: Space) -> tuple[Block, ...]:
+        """The blocks ``space``'s updated parameters are gathered in, in buffer order.
+
+        [Note: gather blocks]
+        A space of one block (the ``rank_major`` layout, the default at stage 1)
+        would be gathered as a whole after each step, so the next forward's
+        first read would wait for the whole model. At stages 1 and 2 it is
+        gathered instead in chunks of at most a bucket (``bucket_bytes``), each
+        inside one rank's region and broadcast by that rank, in buffer order:
+        the forward of early layers runs while later chunks still arrive
+        ([Note: parameter gather] in the facade). The bytes sent are those of
+        the block's broadcasts; an ``all_gather`` of equal regions becomes one
+        broadcast per chunk (more calls, never a point-to-point exchange, so
+        gloo carries it for CUDA tensors too). Stage 3's blocks are its
+        residency units and are gathered as they are, and so is a block a
+        hierarchical topology gathers in two hops. Interleaved spaces already
+        are blocks of at most a bucket.
+        """
+        blocks = space.blocks
+        if (
+            self.stage is Stage.PARAMETERS
+            or self.partition.layout != "rank_major"
+            or len(blocks) != 1
+            or self.topology.shard_size == 1
+            or self.gathers_in_two_hops(blocks[0])
+        ):
+            return blocks
+        layout = self.buckets
+        itemsize = DTYPE_ITEMSIZE[space.dtype]
+        cap = max(layout.alignment, layout.bucket_bytes // itemsize // layout.alignment * layout.alignment)
+        return owner_chunks(blocks[0], cap)
 
     def gathers_in_two_hops(self, block: Block) -> bool:
         """Whether ``block`` is gathered across nodes, then inside them ([Note: hierarchical all-gather])."""

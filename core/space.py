@@ -188,6 +188,38 @@ def _even_offsets(piece: int, count: int) -> tuple[int, ...]:
     return tuple(range(0, piece * count, piece)) if piece else (0,) * count
 
 
+@lru_cache(maxsize=256)
+def owner_chunks(block: Block, cap: int) -> tuple[Block, ...]:
+    """``block`` cut into chunks of at most ``cap`` elements that each lie in one rank's piece.
+
+    Every chunk is a :class:`Block` whose only non-empty piece is its owner's, so it is rebuilt by one
+    broadcast from that owner; in buffer order. ``shard_starts`` say where each rank stands in its
+    shard at the chunk (ranks before the owner have sent their whole piece). See [Note: gather blocks]
+    in ``zeroplan.core.planner``.
+
+    Example:
+        >>> [c.pieces for c in owner_chunks(Block(0, (5, 3), (0, 0)), 4)]
+        [(4, 0), (1, 0), (0, 3)]
+        >>> owner_chunks(Block(0, (5, 3), (0, 0)), 4)[1].piece(0)
+        ShardPiece(shard_span=Span(start=4, stop=5), buffer_span=Span(start=4, stop=5))
+    """
+    if cap < 1:
+        raise PlanInvariantError(f"gather chunks need a cap of at least one element, got {cap}")
+    n = len(block.pieces)
+    chunks = []
+    for q, piece in enumerate(block.pieces):
+        base = block.start + block.offsets[q]
+        for inside in range(0, piece, cap):
+            size = min(cap, piece - inside)
+            pieces = tuple(size if r == q else 0 for r in range(n))
+            starts = tuple(
+                block.shard_starts[r] + (block.pieces[r] if r < q else inside if r == q else 0)
+                for r in range(n)
+            )
+            chunks.append(Block(base + inside, pieces, starts))
+    return tuple(chunks)
+
+
 class ParamRun(Protocol):
     """One parameter's fragments in a block of a compact space, as the space sees them (the
     type is :class:`~zeroplan.core.runs.FragmentRun`, which builds spaces and so is not imported here)."""

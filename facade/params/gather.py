@@ -169,7 +169,7 @@ class ParamGather:
         self._members: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._blocks_of: dict[int, list[tuple[int, int]]] = {}
         for buf in buffers:
-            blocks = buf.space.blocks
+            blocks = zp.gather_blocks(buf.space)  # [Note: gather blocks] in zeroplan.core.planner
             starts = [b.start for b in blocks]
             for index, offset in zip(buf.space.params, buf.space.buffer_offsets, strict=True):
                 stop = offset + params[index].numel()

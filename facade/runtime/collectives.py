@@ -627,7 +627,7 @@ def start_space_gather(
     Returns, per block index, its collectives (blocks that needed none are left out).
     """
     started = {}
-    for k, block in enumerate(space.blocks):
+    for k, block in enumerate(zp.gather_blocks(space)):  # [Note: gather blocks] in core.planner
         pending = start_block_gather(full, block, zp, groups, log)
         if pending:
             started[k] = pending

@@ -200,14 +200,17 @@ def check_transport(zp: ZeroPlan, backend: str, devices: set[str]) -> None:
 
     The ``gloo`` collective policy runs reduce-scatters and gathers as point-to-point exchanges
     ([Note: collective policy] in ``zeroplan.core.comm``): gloo carries them for CPU tensors only,
-    and on NCCL the ranks' unbatched ``irecv``/``isend`` can deadlock. Stage 1's rank-major plans
-    (all-reduce and broadcasts) need no exchange and run on gloo with CUDA tensors too.
+    and on NCCL the ranks' unbatched ``irecv``/``isend`` can deadlock. Rank-major plans at stages 1
+    and 2 (all-reduces, and broadcasts of chunks: [Note: gather blocks] in ``zeroplan.core.planner``)
+    need no exchange and run on gloo with CUDA tensors too.
 
     Raises:
         ConfigError: the plan exchanges on another backend than gloo, or CUDA tensors over gloo.
     """
     exchanged = any(zp.exchanges(b.collective) for b in zp.buckets.buckets) or any(
-        zp.exchanges(zp.gather_collective(block)) for space in zp.partition.spaces for block in space.blocks
+        zp.exchanges(zp.gather_collective(block))
+        for space in zp.partition.spaces
+        for block in zp.gather_blocks(space)
     )
     if not exchanged:
         return
@@ -220,9 +223,8 @@ def check_transport(zp: ZeroPlan, backend: str, devices: set[str]) -> None:
         raise ConfigError(
             f"the parameters are on {sorted(devices - {'cpu'})} and the process group is gloo, whose "
             "point-to-point exchanges (collectives='gloo', the default on gloo) carry CPU tensors only; "
-            "use backend='nccl' for GPU tensors (gloo carries CUDA tensors only where the plan needs no "
-            "exchange: layout='rank_major' with shards of unequal size, whose gradients are all-reduced "
-            "and whose parameters are broadcast)"
+            "use backend='nccl' for GPU tensors, or layout='rank_major' (its gradients are all-reduced "
+            "and its parameters broadcast in chunks, which gloo carries for CUDA tensors)"
         )
 
 

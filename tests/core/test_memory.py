@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import defaultdict
 
 import pytest
@@ -253,7 +254,9 @@ def test_hand_computed_traffic_stage_2():
         assert _costs(r) == {
             ("shard", "reduce"): (2, 16),  # r0 sends [8,12) to r1; r1 sends [0,4) to r0: 4 fp32
             ("shard", "reduce_scatter"): (1, 8),  # 2 of 4 elements leave each rank
-            ("shard", "all_gather"): (1, 24),  # 12-element buffer, 6 per rank: each sends 6
+            # 12-element buffer, 6 per rank, gathered in chunks of a 16-byte bucket (4, 2 per rank,
+            # [Note: gather blocks]), each broadcast by its owner: each rank sends its 6
+            ("shard", "broadcast"): (4, 24),
             ("world", "all_reduce"): (1, 32),  # the step agreement: 4 int64, a 2-rank ring sends 4
         }
         assert r.comm_bytes_per_step == 80
@@ -295,7 +298,7 @@ def test_hand_computed_mics_replica_all_reduce():
         costs = _costs(r)
         # each rank's pieces are 4 and 2 elements; a 2-rank ring all-reduce of m sends m
         assert costs[("replica", "all_reduce")] == (2, (4 + 2) * 4)
-        assert costs[("shard", "all_gather")] == (1, 24)
+        assert costs[("shard", "broadcast")] == (4, 24)  # bucket-sized chunks ([Note: gather blocks])
     assert [r.shard_rank for r in ranks] == [0, 1, 0, 1]
 
 
@@ -376,7 +379,7 @@ def _per_call(zp, clipping: bool) -> list[dict[tuple[str, Collective, Link], lis
         for _ in range(times if n > 1 else 0):
             for space in spaces:
                 isz = zp.specs[space.params[0]].itemsize
-                for block in space.blocks:
+                for block in zp.gather_blocks(space):  # [Note: gather blocks]
                     if zp.gather_collective(block) is Collective.ALL_GATHER:
                         all_gather(block, isz)
                     else:
@@ -487,7 +490,7 @@ def test_gloo_policy_all_reduces_buckets_over_the_world_and_broadcasts_parameter
         assert world.bytes == buckets + all_reduce_send(4, 4, rank) * 8
         gather = costs["shard", Collective.BROADCAST]
         space = zp.partition.spaces[0]
-        assert gather.calls == sum(1 for o in space.owned if o)
+        assert gather.calls == len(zp.gather_blocks(space))  # bucket-sized chunks, one owner each
         assert gather.bytes == (space.numel - space.owned[(topology.shard_rank(rank) + 1) % 2]) * 4
         assert ("replica", Collective.ALL_REDUCE) not in costs
     assert zp.fingerprint() != rank_major_plan(specs, topology, alignment=8, bucket_bytes=4096).fingerprint()
@@ -559,3 +562,46 @@ def test_interleaved_stage_1_keeps_an_fp32_gradient_shard_beside_the_full_gradie
         assert abs(_counted(r) / paper - 1) < 0.02, (r.rank, _counted(r) / paper)
         assert r.step_transient_bytes < m.step_transient_bytes  # no fp32 copy inside step()
         assert abs(r.grads_bytes - m.grads_bytes - 4 * psi / n) < 4 * 128 * n
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_rank_major_space_is_gathered_in_bucket_sized_chunks_in_buffer_order(stage):
+    """[Note: gather blocks]: chunks tile the buffer in order, each inside one rank's region, each at
+    most a bucket; an all-gather of equal regions becomes broadcasts of the same bytes."""
+    from zeroplan.core import Block, Topology, communication, specs_from_shapes
+
+    specs = specs_from_shapes([(64, 64), (64, 64), (64,), (64, 64)])
+    zp = plan(specs, Topology(world_size=2), stage=stage, layout="rank_major", alignment=8, bucket_bytes=4096)
+    (space,) = zp.partition.spaces
+    (whole,) = space.blocks
+    chunks = zp.gather_blocks(space)
+    assert len(chunks) > 2
+    assert [c.start for c in chunks] == sorted(c.start for c in chunks)
+    assert chunks[0].start == 0 and chunks[-1].span.stop == whole.span.stop
+    for before, after in itertools.pairwise(chunks):
+        assert before.span.stop == after.start
+    for chunk in chunks:
+        owners = [q for q, piece in enumerate(chunk.pieces) if piece]
+        assert len(owners) == 1 and chunk.numel * 4 <= 4096
+        q = owners[0]
+        region = whole.piece(q)
+        inside = chunk.piece(q)
+        assert region.buffer_span.start <= inside.buffer_span.start < region.buffer_span.stop
+        assert inside.shard_span.start == inside.buffer_span.start - region.buffer_span.start
+        assert zp.gather_collective(chunk) is Collective.BROADCAST
+    one_block = {c.collective: c for c in communication(zp, 0)}[Collective.BROADCAST]
+    assert one_block.calls == len(chunks)
+    assert isinstance(chunks[0], Block)
+
+
+def test_stage_3_interleaved_and_two_hop_gathers_keep_their_blocks():
+    from zeroplan.core import Topology, specs_from_shapes
+
+    specs = specs_from_shapes([(64, 64), (64, 64), (64,)])
+    for zp in (
+        plan(specs, Topology(world_size=2), stage=3, layout="rank_major", alignment=8, bucket_bytes=4096),
+        plan(specs, Topology(world_size=2), stage=2, layout="interleaved", alignment=8, bucket_bytes=4096),
+        plan(specs, Topology(world_size=4, ranks_per_node=2), stage=2, layout="rank_major", alignment=8),
+    ):
+        for space in zp.partition.spaces:
+            assert zp.gather_blocks(space) == space.blocks

@@ -121,3 +121,26 @@ def across_layouts(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
         "state_equal": state_equal,
         "after_step_diff": after,
     }
+
+
+def first_read_waits_for_its_chunk_only(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """After ``step()``, reading the first parameter completes its own gather, not the whole model's
+    ([Note: gather blocks]): the parameters of later chunks are still in flight."""
+    model = make_model()
+    settings = {k: cfg[k] for k in ("stage", "layout", "collectives") if k in cfg}
+    opt = make_optimizer(model, bucket_bytes=cfg.get("bucket_bytes", 2048), **settings)
+    opt.backward(loss_of(model, *batch(0, rank)))
+    opt.step()
+    params = list(model.parameters())
+    in_flight_before = sum(type(p) is GatheringParameter for p in params)
+    params[0].sum()  # a first read of the first parameter (as the forward's first layer does)
+    in_flight_after = sum(type(p) is GatheringParameter for p in params)
+    opt.wait_for_params()
+    return {
+        "layout": opt.plan.partition.layout,
+        "chunks": [len(opt.plan.gather_blocks(space)) for space in opt.plan.partition.spaces],
+        "in_flight_before": in_flight_before,
+        "in_flight_after": in_flight_after,
+        "first_waiting_after": type(params[0]) is GatheringParameter,
+        "params": len(params),
+    }

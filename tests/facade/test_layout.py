@@ -38,6 +38,18 @@ def test_overlapped_gather_is_bit_identical_and_never_read_stale(pools, world, s
         assert r["layout"] == settings.get("layout", auto)
 
 
+@pytest.mark.parametrize("settings", [{"stage": 1}, {"stage": 2, "layout": "rank_major"}])
+def test_a_rank_major_gather_lets_the_first_layers_run_before_the_rest_arrives(pools, settings):
+    """[Note: gather blocks]: stage 1 (rank-major by default) gathers bucket-sized chunks, so the first
+    read after step() waits for the first chunk, and later parameters are still in flight."""
+    for r in pools(2).run(scenarios_layout.first_read_waits_for_its_chunk_only, settings):
+        assert r["layout"] == "rank_major"
+        assert all(chunks > 2 for chunks in r["chunks"]), r
+        assert r["in_flight_before"] == r["params"], r
+        assert not r["first_waiting_after"]
+        assert 0 < r["in_flight_after"] < r["in_flight_before"], r  # only the first chunk was waited for
+
+
 @pytest.mark.parametrize(("world", "shard"), [(2, None), (4, None), (4, 2)])
 def test_interleaved_min_bytes_uses_one_reduce_scatter_and_one_all_gather_per_bucket(pools, world, shard):
     results = pools(world).run(

@@ -18,6 +18,7 @@ SPECS = specs_from_shapes([(17, 257), (64,)])
         (3, "auto", "gloo", "gloo", {"cuda"}, "carry CPU tensors only"),
         (2, "auto", "gloo", "nccl", {"cuda"}, "could deadlock"),
         (1, "rank_major", "gloo", "gloo", {"cuda"}, None),  # all-reduce and broadcasts only
+        (2, "rank_major", "gloo", "gloo", {"cuda"}, None),  # broadcasts of chunks ([Note: gather blocks])
         (1, "rank_major", "gloo", "nccl", {"cuda"}, None),
         (2, "auto", "min_bytes", "nccl", {"cuda"}, None),
     ],
