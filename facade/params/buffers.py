@@ -33,7 +33,7 @@ from the plan; nothing here computes a layout.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -238,14 +238,23 @@ def block_views(
 
 
 def build_buffers(
-    zp: ZeroPlan, params: Sequence[torch.Tensor], shard_rank: int, device: torch.device
+    zp: ZeroPlan,
+    params: Sequence[torch.Tensor],
+    shard_rank: int,
+    device: torch.device,
+    settle_block: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[SpaceBuffers, ...]:
     """Allocate this rank's buffers, copy parameter values in, make parameters views.
 
-    The values of every parameter are unchanged; only their storage moves.
+    The values of every parameter are unchanged; only their storage moves. ``settle_block``
+    (stage 3) is called on each block once its parameters' values are in it, before the rank's
+    piece is kept and the block freed (construction broadcasts rank 0's values there).
     """
     if zp.stage is Stage.PARAMETERS:
-        return tuple(_stage3_buffers(zp, space, params, shard_rank, device) for space in zp.partition.spaces)
+        return tuple(
+            _stage3_buffers(zp, space, params, shard_rank, device, settle_block)
+            for space in zp.partition.spaces
+        )
     result = []
     for space in zp.partition.spaces:
         dtype = torch_dtype(space.dtype)
@@ -293,21 +302,43 @@ def build_buffers(
 
 
 def _stage3_buffers(
-    zp: ZeroPlan, space: Space, params: Sequence[torch.Tensor], shard_rank: int, device: torch.device
+    zp: ZeroPlan,
+    space: Space,
+    params: Sequence[torch.Tensor],
+    shard_rank: int,
+    device: torch.device,
+    settle_block: Callable[[torch.Tensor], None] | None,
 ) -> SpaceBuffers:
-    """Stage 3: a buffer per block (gathered: allocated), parameters its views, the rank's shard, the master.
+    """Stage 3: the rank's shard and master, and a buffer per block, built one block at a time.
 
-    The blocks stay allocated until ``ShardedParams.shard_all`` frees them, so
-    the values can be broadcast from rank 0 first.
+    Each block is allocated, its parameters' values copied in (each parameter then views it, and its
+    old storage is released), settled (``settle_block``), its piece copied into the shard, and freed;
+    the master and gradient shard come after. Construction holds the parameter shard and one block
+    beyond the model's own parameters, never the model twice. The parameters start sharded
+    ([Note: stage 3]); the first use gathers each block.
     """
     dtype = torch_dtype(space.dtype)
-    blocks = tuple(torch.zeros(b.numel, dtype=dtype, device=device) for b in space.blocks)
-    for index, view in block_views(blocks, space, params).items():
-        param = params[index]
-        view.copy_(param.detach())
-        param.data = view
     shard_numel = space.shard_numel[shard_rank]
     shard = torch.zeros(shard_numel, dtype=dtype, device=device)
+    members: dict[int, list[tuple[int, int]]] = {}
+    for index, (k, local) in block_positions(space).items():
+        members.setdefault(k, []).append((index, local))
+    blocks = []
+    for k, block in enumerate(space.blocks):
+        buffer = torch.zeros(block.numel, dtype=dtype, device=device)
+        for index, local in members.get(k, ()):
+            param = params[index]
+            view = buffer[local : local + param.numel()].view(param.shape)
+            view.copy_(param.detach())
+            param.data = view
+        if settle_block is not None:
+            settle_block(buffer)
+        piece = block.piece(shard_rank)
+        start = piece.buffer_span.start - block.start
+        shard[piece.shard_span.as_slice()].copy_(buffer[start : start + piece.shard_span.numel])
+        buffer.untyped_storage().resize_(0)  # sharded: gathered again where it is used
+        blocks.append(buffer)
+    # Only now, with the parameters' old storage released: the master and the gradient shard.
     master_type = torch_dtype(master_dtype(space.dtype))
     master = shard if master_type == dtype else torch.zeros(shard_numel, dtype=master_type, device=device)
     grad_shard = torch.zeros(shard_numel, dtype=torch_dtype(grad_shard_dtype(zp, space)), device=device)
@@ -319,9 +350,8 @@ def _stage3_buffers(
         master=master,
         extent=space.extent(shard_rank),
         shard_rank=shard_rank,
-        blocks=blocks,
+        blocks=tuple(blocks),
         shard=shard,
     )
-    buf.load_shard()
     buf.load_master()
     return buf

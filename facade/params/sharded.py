@@ -141,7 +141,7 @@ class _Entry:
         self.indices: list[int] = []  # the members' parameter indices
         self.offsets: list[int] = []  # where each member starts in the buffer
         self.trainable = 0
-        self.state = BlockState.GATHERED
+        self.state = BlockState.SHARDED  # construction leaves every block sharded
         self.pending: list[Pending] = []
         self.saved: dict[int, int] = {}  # tensors autograd saved from the buffer, alive now (_SavedView)
 
@@ -171,7 +171,7 @@ class ShardedParams:
         for buf in buffers:
             s = buf.space.index
             for k, (block, buffer) in enumerate(zip(buf.space.blocks, buf.blocks, strict=True)):
-                entry = _Entry((s, k), buffer, block, buffer.untyped_storage().nbytes())
+                entry = _Entry((s, k), buffer, block, block.numel * buffer.element_size())
                 self._entries[s, k] = entry
                 self._storage[buffer.untyped_storage()._cdata] = (s, k)
             for index, (k, local) in block_positions(buf.space).items():
@@ -184,6 +184,7 @@ class ShardedParams:
         for entry in self._entries.values():
             for p in entry.members:
                 p._zeroplan_shards = self  # type: ignore[attr-defined]
+            self._set_class(entry, ShardedParameter)  # built sharded (``build_buffers``)
         # Held weakly, as the gradient sync's hooks: a dropped optimizer must not act on gradients.
         method = weakref.WeakMethod(self.gradient_arrived)
         self._grad_handles = [

@@ -228,7 +228,7 @@ class Domain:
         self.lifecycle = StepLifecycle()
         self.parked: dict[int, ParkedParam] = {}  # [Note: parked state]
         self.attached: torch.nn.Module | None = None
-        self.installed = self._install(zp)
+        self.installed = self._install(zp, from_rank_zero=True)
         broadcast_from_rank_zero(self.installed, self.registry.params)
         self._settle(self.installed)
 
@@ -251,7 +251,7 @@ class Domain:
             names=self.registry.names,
         )
 
-    def _install(self, zp: ZeroPlan) -> Installed:
+    def _install(self, zp: ZeroPlan, *, from_rank_zero: bool = False) -> Installed:
         installed = install(
             zp,
             self.registry,
@@ -263,6 +263,7 @@ class Domain:
             reshard_after_forward=self.options.reshard,
             admit=self.lifecycle.admit_gradient,
             log=self.lifecycle.log,
+            from_rank_zero=from_rank_zero,
         )
         # Show the inner optimizer's full settings (LR schedulers read e.g. ``betas``).
         inner = installed.inner.optimizer

@@ -10,6 +10,7 @@ registered. Re-planning installs a new plan and moves state into it
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -81,6 +82,7 @@ def install(
     reshard_after_forward: bool = True,
     admit: Callable[[str], bool],
     log: CommLog,
+    from_rank_zero: bool = False,
 ) -> Installed:
     """Allocate ``zp``'s buffers (parameters become views), build the inner optimizer, hook gradients.
 
@@ -88,8 +90,13 @@ def install(
         admit: called by each gradient hook with the parameter's name; see
             ``StepLifecycle.admit_gradient``.
         log: where the step's collectives are counted.
+        from_rank_zero: stage 3 takes rank 0's values block by block as it builds (the other stages
+            in :func:`broadcast_from_rank_zero`, which must follow either way).
     """
-    buffers = build_buffers(zp, registry.params, groups.shard_rank, registry.device)
+    settle = None
+    if from_rank_zero and groups.topology.world_size > 1:
+        settle = partial(broadcast, src=0, group=groups.world)
+    buffers = build_buffers(zp, registry.params, groups.shard_rank, registry.device, settle)
     inner = build_inner(zp, buffers, groups.shard_rank, optimizer_class, param_groups)
     sync = GradSync(
         zp=zp,
@@ -141,13 +148,9 @@ def broadcast_from_rank_zero(installed: Installed, params: Sequence[torch.Tensor
     if groups.topology.world_size == 1:
         return
     for buf in installed.buffers:
-        if buf.params is not None:
+        if buf.params is not None:  # stage 3 took rank 0's values while it was built
             broadcast(buf.params, 0, groups.world)
-        else:  # stage 3: its blocks are all still gathered
-            for block in buf.blocks:
-                broadcast(block, 0, groups.world)
-            buf.load_shard()
-        buf.load_master()
+            buf.load_master()
     managed = installed.zp.trainable_indices
     broadcast_values([p for i, p in enumerate(params) if i not in managed], groups.world)
 

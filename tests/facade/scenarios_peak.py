@@ -80,3 +80,31 @@ class _Reversed(nn.Module):
         for layer in reversed(self.layers):
             x = layer(x)
         return x
+
+
+def construction_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Stage 3's construction, measured: the tracker's peak while ``ZeroOptimizer`` is built, above
+    what the model held just before, next to the plan's parameter shard and its largest block.
+
+    The tracker is entered before the model exists (it sees every storage) and re-entered around the
+    construction (which restarts its peak)."""
+    tracker = MemTracker()
+    with tracker:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)))
+    before = tracked_bytes(tracker, "current")
+    with tracker:
+        opt = ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, stage=3, bucket_bytes=cfg["bucket_bytes"], alignment=16
+        )
+        peak = tracked_bytes(tracker, "peak")
+    report = opt.memory_report().ranks[opt.process_groups.rank]
+    blocks = [b.numel * 4 for s in opt.plan.partition.spaces for b in s.blocks]
+    return {
+        "model_bytes": sum(p.numel() * 4 for p in model.parameters()),
+        "before": before,
+        "extra": peak - before,
+        "shard": report.params_bytes,
+        "largest_block": max(blocks),
+        "blocks": len(blocks),
+    }
