@@ -195,15 +195,26 @@ class SpaceBuffers(NamedTuple):
 
 
 def read_pieces(full: torch.Tensor, space: Space, shard_rank: int, out: torch.Tensor) -> None:
-    """``out[shard span] = full[buffer span]`` for each of the rank's pieces (cast to ``out``'s dtype)."""
-    for piece in space.pieces_of(shard_rank):
-        out[piece.shard_span.as_slice()].copy_(full[piece.buffer_span.as_slice()])
+    """``out[shard span] = full[buffer span]`` for each of the rank's pieces (cast to ``out``'s dtype).
+
+    One ``_foreach_copy_`` for all of them: an interleaved shard has a piece per block (thousands for
+    a large model over many ranks), and a copy each would be a kernel launch each on a GPU.
+    """
+    pieces = space.pieces_of(shard_rank)
+    if pieces:
+        torch._foreach_copy_(
+            [out[p.shard_span.as_slice()] for p in pieces], [full[p.buffer_span.as_slice()] for p in pieces]
+        )
 
 
 def write_pieces(flat: torch.Tensor, full: torch.Tensor, space: Space, shard_rank: int) -> None:
-    """``full[buffer span] = flat[shard span]`` for each of the rank's pieces (cast to ``full``'s dtype)."""
-    for piece in space.pieces_of(shard_rank):
-        full[piece.buffer_span.as_slice()].copy_(flat[piece.shard_span.as_slice()])
+    """``full[buffer span] = flat[shard span]`` for each of the rank's pieces (cast to ``full``'s dtype);
+    one ``_foreach_copy_``, as :func:`read_pieces`."""
+    pieces = space.pieces_of(shard_rank)
+    if pieces:
+        torch._foreach_copy_(
+            [full[p.buffer_span.as_slice()] for p in pieces], [flat[p.shard_span.as_slice()] for p in pieces]
+        )
 
 
 def param_views(flat: torch.Tensor, space: Space, params: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:

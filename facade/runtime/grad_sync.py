@@ -243,12 +243,15 @@ class GradSync:
         """Copy parameter ``index``'s parts of bucket ``b`` into its (open) staging buffer."""
         staging = self._open[b]
         grad = self._params[index].grad
-        for copy in self._copies[b][index]:
-            target = staging[copy.staging_offset : copy.staging_offset + copy.param_span.numel]
-            if grad is None:
-                target.zero_()
-            else:
-                target.copy_(grad.reshape(-1)[copy.param_span.as_slice()])
+        copies = self._copies[b][index]
+        targets = [staging[c.staging_offset : c.staging_offset + c.param_span.numel] for c in copies]
+        if grad is None:
+            torch._foreach_zero_(targets)
+        elif len(copies) == 1:
+            targets[0].copy_(grad.reshape(-1)[copies[0].param_span.as_slice()])
+        else:  # a parameter cut into several ranks' pieces: one launch on a GPU, not one per piece
+            flat = grad.reshape(-1)
+            torch._foreach_copy_(targets, [flat[c.param_span.as_slice()] for c in copies])
 
     # ------------------------------------------------------------- launching
     def _start_reduce(self, b: int) -> None:
