@@ -7,10 +7,12 @@
 #
 # It uses the machine's own CUDA torch (never installs one). Wheels of packages the machine lacks
 # (optree, say) can be put in .whl/: they are installed into a private folder first. zeroplan itself
-# is installed without dependencies. The suite runs in two parts: the correctness tests four at a
+# is installed without dependencies. The suite runs in three parts: the correctness tests four at a
 # time, then the overlap probe alone (it times backward against reductions, so nothing shares the
-# GPU with it). Files written: env.txt, suite.log, suite.xml, overlap.log, results.tgz (each
-# scenario's measurements as JSON), demo.txt, gpu_step.txt, gpu_step.json, profile.txt.
+# GPU with it), then the multi-GPU NCCL tests one at a time (each takes up to four GPUs; skipped
+# with fewer than two). Files written: env.txt, suite.log, suite.xml, overlap.log, multi.log,
+# multi.xml, results.tgz (each scenario's measurements as JSON), demo.txt, gpu_step.txt,
+# gpu_step.json, profile.txt.
 set -u
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
@@ -38,10 +40,14 @@ cat "$OUT/env.txt"
 parallel=()
 $PY -c "import xdist" 2>/dev/null && parallel=(-n 4)
 timeout "${SUITE_S:-240}" $PY -m pytest tests/cuda "${parallel[@]}" -k "not test_bucket_reductions_run_while_backward_computes" -rA -q \
-    --junitxml="$OUT/suite.xml" >"$OUT/suite.log" 2>&1
+    --ignore=tests/cuda/test_nccl_multi.py --junitxml="$OUT/suite.xml" >"$OUT/suite.log" 2>&1
 echo "suite rc=$?"; tail -n 40 "$OUT/suite.log"
 timeout "${OVERLAP_S:-120}" $PY -m pytest tests/cuda -k test_bucket_reductions_run_while_backward_computes -rA -q >"$OUT/overlap.log" 2>&1
 echo "overlap rc=$?"; tail -n 15 "$OUT/overlap.log"
+# NCCL on 2-8 GPUs (ZEROPLAN_NCCL_WORLD caps the world, default 4): torchrun per configuration.
+timeout "${MULTI_S:-600}" $PY -m pytest tests/cuda/test_nccl_multi.py -rA -q --junitxml="$OUT/multi.xml" \
+    >"$OUT/multi.log" 2>&1
+echo "multi-GPU rc=$?"; tail -n 20 "$OUT/multi.log"
 timeout 60 $PY tests/cuda/retire_probe.py 29591 >"$ZEROPLAN_CUDA_OUT/retire-probe.json" 2>"$ZEROPLAN_CUDA_OUT/retire-probe.err"
 echo "retire probe rc=$?"; cat "$ZEROPLAN_CUDA_OUT/retire-probe.json"
 tar -czf "$OUT/results.tgz" -C "$ZEROPLAN_CUDA_OUT" . 2>/dev/null
