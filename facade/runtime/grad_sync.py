@@ -21,7 +21,15 @@ Stage 2 frees each ``.grad`` once all its buckets are staged, so a gradient
 outlives its arrival only while its bucket is beyond the window. bf16/fp16
 gradients are reduced in their dtype into room at the end of the staging
 buffer (``StagingLayout.reduced``), summed over replicas there, and cast into
-the fp32 gradient shard, so the step needs no fp32 copy. Stage 1 keeps every
+the fp32 gradient shard, so the step needs no fp32 copy. The sum is divided
+(by the data-parallel world times the loss scale) afterwards, in fp32, where
+DDP divides each rank's bf16/fp16 gradient first. Summing first is kept on
+purpose: dividing by a power-of-two world is then exact, so the sum's own
+rounding is the only one (the one a deterministic summation and fp32 wire
+accumulation address); dividing first would round every rank's gradient
+once more and push small fp16 gradients into subnormals the loss scale is
+there to avoid; and a sum that overflows fp16 is caught by the loss scaler's
+overflow check like any other overflow (bf16's range does not overflow). Stage 1 keeps every
 ``.grad`` as a view of the full gradient buffer (a gradient autograd allocated
 after ``zero_grad(set_to_none=True)`` is moved into it by the hook) and
 reduces each bucket into the rank's own region of that buffer, in place: after
