@@ -70,7 +70,7 @@ def _per_call_traffic(zp, rank, clipping):
         itemsize = zp.specs[space.params[0]].itemsize
         if n == 1:
             continue
-        for block in space.blocks:
+        for block in zp.gather_blocks(space):  # [Note: gather blocks]
             if zp.gather_collective(block) is Collective.ALL_GATHER and topology.hierarchical:
                 hops = two_hop_gather(block, topology, s)
                 for c in (hops.across, *hops.within):

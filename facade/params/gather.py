@@ -54,9 +54,10 @@ made inside ``gathered_params(writeback=True)`` only.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import weakref
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -64,10 +65,16 @@ from torch.utils._pytree import tree_flatten
 
 from zeroplan.core import ZeroPlan
 from zeroplan.facade.params.buffers import SpaceBuffers
+from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_space_gather
 from zeroplan.facade.runtime.groups import ProcessGroups
 
-__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather"]
+__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather", "storage_address"]
+
+
+def storage_address(param: torch.Tensor) -> tuple[int, int]:
+    """Which storage, and where in it, ``param``'s values live (its storage may be freed: stage 3)."""
+    return param.untyped_storage()._cdata, param.storage_offset()
 
 
 class DeferredParameter(torch.nn.Parameter):
@@ -121,13 +128,16 @@ class GatheringParameter(DeferredParameter):
 
 def _arrive(param: torch.Tensor) -> None:
     """Wait for ``param``'s block (which restores its class); restore it anyway if its gather is gone."""
-    ref = getattr(param, "_zeroplan_gather", None)
+    ref = _OWNERS.get(param)
     owner = ref() if ref is not None else None
     if owner is not None:
         owner.wait_for(param)
     if type(param) is GatheringParameter:
         param.__class__ = torch.nn.Parameter
 
+
+#: Each gathering parameter's ParamGather, held weakly (the optimizer may be dropped mid-gather).
+_OWNERS: Owners[weakref.ref[ParamGather]] = Owners()
 
 #: ParamGathers with gathers in flight, held strongly (the optimizer may be gone already), so that
 #: those gathers are retired before the interpreter exits.
@@ -150,7 +160,8 @@ def _retire_at_exit() -> None:
 
 
 class ParamGather:
-    """The parameter gathers of one installed plan (see [Note: parameter gather])."""
+    """Replicated residency: the parameter gathers of one installed plan (see [Note: parameter
+    gather]; it implements :class:`~zeroplan.facade.params.residency.Residency`)."""
 
     def __init__(
         self,
@@ -231,7 +242,7 @@ class ParamGather:
                 self._finish_block(key)  # a parameter class of the user's own: not swapped, so not deferred
                 continue
             for p in members:
-                p._zeroplan_gather = self._self  # type: ignore[attr-defined]
+                _OWNERS.claim(p, self._self)
                 p.__class__ = GatheringParameter
 
     def _finish_block(self, key: tuple[int, int]) -> None:
@@ -256,6 +267,38 @@ class ParamGather:
         """Complete the gathers of the blocks holding ``param``."""
         for key in self._blocks_of.get(id(param), ()):
             self._finish_block(key)
+
+    # ------------------------------------------------------- the residency's life
+    def settle(self, model: torch.nn.Module | None) -> None:
+        """Nothing to do: replicated parameters rest whole, in place."""
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Nothing to hook: the first use of a parameter waits for its own gather."""
+
+    def prepare_replan(self) -> None:
+        """The parameters already hold their whole values once the gathers finished."""
+        self.finish_param_sync()
+
+    def retire(self) -> None:
+        """Nothing is held beyond the gathers, which re-planning finished."""
+
+    @contextlib.contextmanager
+    def gathered(self, *, writeback: bool) -> Iterator[None]:
+        """The parameters whole (every gather finished); with ``writeback``, masters take what was written."""
+        self.finish_param_sync()
+        yield
+        if writeback:
+            for buf in self._buffers:
+                buf.load_master()
+
+    def detached(
+        self, params: Sequence[torch.Tensor], links: Sequence[tuple[int, tuple[int, int]]]
+    ) -> int | None:
+        """The first trainable parameter whose ``.data`` no longer views its place in the flat buffer."""
+        for index, address in links:
+            if storage_address(params[index]) != address:
+                return index
+        return None
 
     def forget(self) -> None:
         """Drop what is in flight without waiting (the process group is gone); restore the classes."""

@@ -70,6 +70,7 @@ import torch
 from zeroplan.core import Block, StepOrderError, ZeroPlan
 from zeroplan.facade.params.buffers import SpaceBuffers, block_positions
 from zeroplan.facade.params.gather import DeferredParameter
+from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_block_gather
 from zeroplan.facade.runtime.groups import ProcessGroups
 
@@ -97,7 +98,16 @@ class Peers:
 
 
 class BlockState(enum.Enum):
-    """Where a stage-3 block is."""
+    """Where a stage-3 block is, and what memory it holds on this rank (as FSDP2's ``ShardedState``).
+
+    * ``SHARDED``: only the rank's piece, inside the domain's shard; the block's buffer has no
+      storage (resized to 0) and its parameters are ``ShardedParameter`` views of it.
+    * ``GATHERING``: the buffer is allocated (the whole block) and this rank's piece written into it;
+      the collective that fills the others' pieces is in flight. The parameters are still
+      ``ShardedParameter``: the first use waits for the gather.
+    * ``GATHERED``: the whole block, complete; its parameters are plain ``nn.Parameter`` again.
+      Freeing it (after its modules ran, or at the end of backward) returns it to ``SHARDED``.
+    """
 
     SHARDED = "sharded"
     GATHERING = "gathering"
@@ -117,8 +127,12 @@ class ShardedParameter(DeferredParameter):
         _gather_on_use(param, name)
 
 
+#: Each stage-3 parameter's residency (held strongly, as the module hooks hold it).
+_OWNERS: Owners[ShardedParams] = Owners()
+
+
 def _gather_on_use(param: torch.Tensor, name: str | None) -> None:
-    sharded: ShardedParams | None = getattr(param, "_zeroplan_shards", None)
+    sharded = _OWNERS.get(param)
     if sharded is None or not sharded.gathering_allowed():
         raise StepOrderError(
             f"{name or 'an operation'} read a stage-3 parameter outside a forward or backward: each rank "
@@ -158,6 +172,7 @@ class ShardedParams:
         groups: ProcessGroups,
         log: CommLog,
         reshard_after_forward: bool,
+        peers: Peers | None = None,
     ) -> None:
         self._zp = zp
         self._buffers = buffers
@@ -183,7 +198,7 @@ class ShardedParams:
                 entry.trainable += index in managed
         for entry in self._entries.values():
             for p in entry.members:
-                p._zeroplan_shards = self  # type: ignore[attr-defined]
+                _OWNERS.claim(p, self)
             self._set_class(entry, ShardedParameter)  # built sharded (``build_buffers``)
         # Held weakly, as the gradient sync's hooks: a dropped optimizer must not act on gradients.
         method = weakref.WeakMethod(self.gradient_arrived)
@@ -199,7 +214,8 @@ class ShardedParams:
         self._hold = 0  # gathered_params() blocks: nothing is freed until it exits
         self._backward_queued = False
         self._saved: contextlib.ExitStack | None = None
-        self._peers = Peers()  # alone until it joins its optimizer's (see [Note: several sharded domains])
+        self._peers = Peers()
+        self.join(peers if peers is not None else Peers())  # [Note: several sharded domains]
         self._reset_pass()
 
     def join(self, peers: Peers) -> None:
@@ -273,7 +289,25 @@ class ShardedParams:
         self._storage[storage._cdata] = entry.key
         storage.resize_(0)
 
-    def detached(self) -> int | None:
+    # ------------------------------------------------------- the residency's life
+    def settle(self, model: torch.nn.Module | None) -> None:
+        """Shard every block (construction leaves them so) and hook ``model`` if one is attached."""
+        self.shard_all()
+        if model is not None:
+            self.attach(model)
+
+    def prepare_replan(self) -> None:
+        """Gather every block: the new plan's buffers are filled from the parameters' values."""
+        self.finish_param_sync()
+        self.gather_all()
+
+    def gathered(self, *, writeback: bool) -> contextlib.AbstractContextManager[None]:
+        """Every block gathered inside (see :meth:`all_gathered`)."""
+        return self.all_gathered(writeback=writeback)
+
+    def detached(
+        self, params: Sequence[torch.Tensor] = (), links: Sequence[tuple[int, tuple[int, int]]] = ()
+    ) -> int | None:
         """The first parameter whose ``.data`` no longer views its block's buffer (``Installed.detached``)."""
         for entry in self._entries.values():
             home = entry.buffer.untyped_storage()._cdata
@@ -304,7 +338,7 @@ class ShardedParams:
         for key in self._entries:
             self._ensure(key)
 
-    def gathered(self, key: _Key) -> bool:
+    def block_gathered(self, key: _Key) -> bool:
         """Whether block ``key`` is gathered (for tests and tools)."""
         return self._entries[key].state is BlockState.GATHERED
 
@@ -370,8 +404,7 @@ class ShardedParams:
         self._grad_handles = []
         for entry in self._entries.values():
             for p in entry.members:
-                if getattr(p, "_zeroplan_shards", None) is self:
-                    del p._zeroplan_shards
+                _OWNERS.release(p, self)
             entry.members, entry.indices, entry.offsets = [], [], []
             for pending in entry.pending:
                 pending.finish()

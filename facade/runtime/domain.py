@@ -39,7 +39,7 @@ groups it was saved with.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from zeroplan.core import ConfigError, MemoryReport, ZeroPlan, memory_report
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory, measure
-from zeroplan.facade.params.sharded import Peers, ShardedParams
+from zeroplan.facade.params.sharded import Peers
 from zeroplan.facade.runtime import replanning
 from zeroplan.facade.runtime.collectives import all_gather_objects
 from zeroplan.facade.runtime.groups import ProcessGroups, make_groups
@@ -264,6 +264,7 @@ class Domain:
             admit=self.lifecycle.admit_gradient,
             log=self.lifecycle.log,
             from_rank_zero=from_rank_zero,
+            peers=self._peers,
         )
         # Show the inner optimizer's full settings (LR schedulers read e.g. ``betas``).
         inner = installed.inner.optimizer
@@ -275,27 +276,21 @@ class Domain:
         return installed
 
     def _settle(self, installed: Installed) -> None:
-        """Stage 3: shard the freshly installed parameters and hook the attached model."""
-        if isinstance(installed.gather, ShardedParams):
-            installed.gather.join(self._peers)  # [Note: several sharded domains]
-            installed.gather.shard_all()
-            if self.attached is not None:
-                installed.gather.attach(self.attached)
+        """The freshly installed residency takes its resting state (stage 3: sharded, model hooked)."""
+        installed.residency.settle(self.attached)
 
     def replan(self, zp: ZeroPlan) -> None:
         """Switch to the agreed plan ``zp`` (see [Note: re-planning]); a no-op for the same plan."""
         if zp.fingerprint() == self.installed.zp.fingerprint():
             return
         old = self.installed
-        old.gather.finish_param_sync()
+        old.residency.finish_param_sync()
         self.lifecycle.release(old)
-        if isinstance(old.gather, ShardedParams):
-            old.gather.gather_all()  # the new plan's buffers are filled from the parameters' values
+        old.residency.prepare_replan()  # the new plan's buffers are filled from the parameters' values
         self.installed, self.parked = replanning.replan(
             old, zp, self.registry.params, self._install, self.parked
         )
-        if isinstance(old.gather, ShardedParams):
-            old.gather.retire()
+        old.residency.retire()
         self._settle(self.installed)
 
     def hyper(self) -> list[dict[str, Any]]:
@@ -304,24 +299,13 @@ class Domain:
 
     # ------------------------------------------------------------ parameters
     def attach(self, model: torch.nn.Module) -> None:
-        """Hook ``model`` so that its forward gathers this domain's stage-3 parameters."""
+        """Hook ``model`` so that its forward finds this domain's parameters (stage 3 gathers them)."""
         self.attached = model
-        if isinstance(self.installed.gather, ShardedParams):
-            self.installed.gather.attach(model)
+        self.installed.residency.attach(model)
 
-    @contextlib.contextmanager
-    def gathered(self, *, writeback: bool) -> Iterator[None]:
+    def gathered(self, *, writeback: bool) -> contextlib.AbstractContextManager[None]:
         """Whole parameter values inside the block (see ``ZeroOptimizer.gathered_params``)."""
-        gather = self.installed.gather
-        if isinstance(gather, ShardedParams):
-            with gather.all_gathered(writeback=writeback):
-                yield
-            return
-        gather.finish_param_sync()
-        yield
-        if writeback:
-            for buf in self.installed.buffers:
-                buf.load_master()
+        return self.installed.residency.gathered(writeback=writeback)
 
     # ------------------------------------------------------------ accounting
     def measured_memory(self) -> MeasuredMemory:
@@ -342,7 +326,7 @@ class Domain:
     def shards(self, scaler: Any) -> Shards:
         """What its state dicts and checkpoints read."""
         inst = self.installed
-        inst.gather.finish_param_sync()  # they read the parameters: the last step's gathers must be complete
+        inst.residency.finish_param_sync()  # they read the parameters: the last gathers must be complete
         return Shards(
             zp=inst.zp,
             buffers=inst.buffers,
@@ -361,13 +345,13 @@ class Domain:
 
     def restore(self, loaded: LoadedState) -> None:
         """Install validated state of this domain; cannot fail for a user reason (scaler: the caller's)."""
-        self.installed.gather.finish_param_sync()
+        self.installed.residency.finish_param_sync()
         self.lifecycle.release(self.installed)
         if loaded.target.fingerprint() != self.installed.zp.fingerprint():
             self.registry = self.registry.with_cohorts([s.cohort for s in loaded.target.specs])
             self.replan(loaded.target)
         if loaded.param_values is not None:
-            with self.gathered(writeback=isinstance(self.installed.gather, ShardedParams)):
+            with self.gathered(writeback=True):  # the loaded values reach the masters (stage 3: shards)
                 state_loading.copy_param_values(self.registry.params, loaded.param_values)
         state_loading.commit_state(self.installed, loaded, self.param_groups)
         if loaded.parked is not None:

@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from zeroplan.core import Stage, ZeroPlan
 from zeroplan.facade.params.buffers import SpaceBuffers, build_buffers
-from zeroplan.facade.params.gather import ParamGather
-from zeroplan.facade.params.sharded import ShardedParams
+from zeroplan.facade.params.gather import ParamGather, storage_address
+from zeroplan.facade.params.residency import Residency
+from zeroplan.facade.params.sharded import Peers, ShardedParams
 from zeroplan.facade.runtime.collectives import CommLog, broadcast
 from zeroplan.facade.runtime.grad_sync import GradSync
 from zeroplan.facade.runtime.groups import ProcessGroups
@@ -38,8 +39,8 @@ class Installed(NamedTuple):
         buffers: one set of flat buffers per dtype space of the plan.
         inner: the ``torch.optim`` optimizer over this rank's master shard.
         sync: the bucketed gradient reduction, hooked to the parameters.
-        gather: the parameter gathers after each step (see [Note: parameter gather]),
-            or at stage 3 the sharded parameters (see [Note: stage 3]).
+        residency: where the parameters' values live ([Note: residency]): replicated and
+            gathered after each step (stages 1-2), or sharded (stage 3).
         links: per trainable parameter, its index and the storage and offset of
             its view of the flat buffer (see :meth:`detached`).
         device: the device of the parameters, where every buffer and every control
@@ -52,22 +53,17 @@ class Installed(NamedTuple):
     buffers: tuple[SpaceBuffers, ...]
     inner: Inner
     sync: GradSync
-    gather: ParamGather | ShardedParams
+    residency: Residency
     links: tuple[tuple[int, tuple[int, int]], ...]
     device: torch.device
 
     def detached(self, params: Sequence[torch.Tensor]) -> int | None:
-        """The first trainable parameter whose ``.data`` is no longer its view of the flat buffer.
+        """The first trainable parameter whose ``.data`` no longer lives where this plan put it.
 
         Such a parameter (e.g. after ``model.to(...)`` copied it) would never
         see an update again; the step refuses to run (see [Note: step lifecycle]).
         """
-        if isinstance(self.gather, ShardedParams):  # stage 3 may move a block's storage (see its _free)
-            return self.gather.detached()
-        for index, address in self.links:
-            if _address(params[index]) != address:
-                return index
-        return None
+        return self.residency.detached(params, self.links)
 
 
 def install(
@@ -83,6 +79,7 @@ def install(
     admit: Callable[[str], bool],
     log: CommLog,
     from_rank_zero: bool = False,
+    peers: Peers | None = None,
 ) -> Installed:
     """Allocate ``zp``'s buffers (parameters become views), build the inner optimizer, hook gradients.
 
@@ -92,6 +89,8 @@ def install(
         log: where the step's collectives are counted.
         from_rank_zero: stage 3 takes rank 0's values block by block as it builds (the other stages
             in :func:`broadcast_from_rank_zero`, which must follow either way).
+        peers: the sharded residencies of the optimizer's other domains ([Note: several sharded
+            domains]); the residency is chosen here, and only here ([Note: residency]).
     """
     settle = None
     if from_rank_zero and groups.topology.world_size > 1:
@@ -109,19 +108,20 @@ def install(
         log=log,
         device=registry.device,
     )
-    links = tuple((index, _address(registry.params[index])) for index in sorted(zp.trainable_indices))
-    gather: ParamGather | ShardedParams
+    links = tuple((index, storage_address(registry.params[index])) for index in sorted(zp.trainable_indices))
+    residency: Residency
     if zp.stage is Stage.PARAMETERS:
-        gather = ShardedParams(
+        residency = ShardedParams(
             zp=zp,
             params=registry.params,
             buffers=buffers,
             groups=groups,
             log=log,
             reshard_after_forward=reshard_after_forward,
+            peers=peers,
         )
     else:
-        gather = ParamGather(
+        residency = ParamGather(
             zp=zp, params=registry.params, buffers=buffers, groups=groups, overlap=overlap_param_gather
         )
     return Installed(
@@ -130,15 +130,10 @@ def install(
         buffers=buffers,
         inner=inner,
         sync=sync,
-        gather=gather,
+        residency=residency,
         links=links,
         device=registry.device,
     )
-
-
-def _address(param: torch.Tensor) -> tuple[int, int]:
-    """Which storage, and where in it, ``param``'s values live (its storage may be freed: stage 3)."""
-    return param.untyped_storage()._cdata, param.storage_offset()
 
 
 @torch.no_grad()

@@ -333,7 +333,7 @@ class JointStep:
     def wait_for_params(self) -> None:
         """Finish the last step's parameter gathers in every domain."""
         for domain in self.domains:
-            domain.installed.gather.finish_param_sync()
+            domain.installed.residency.finish_param_sync()
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hook ``model`` for every stage-3 domain."""

@@ -209,7 +209,7 @@ class StepLifecycle:
                 f"{call} in phase {self.phase.value}: the previous step() did not complete; "
                 "call zero_grad() to start a new step"
             )
-        inst.gather.finish_param_sync()  # the last step's gathers, if no forward waited for them all
+        inst.residency.finish_param_sync()  # the last step's gathers, if no forward waited for them all
         inst.sync.finish_grad_sync()
         flags, self._local = _start_agreement(inst, ctx, self.log)
         if not self.master_grads:  # averaged once per step, kept if the verdict refuses the step
@@ -231,7 +231,7 @@ class StepLifecycle:
         here, once every rank agreed ([Note: parameter writes]).
         """
         _check_agreement(ctx, call, self._local, verdict[: VERDICT_LENGTH - 1])
-        inst.gather.keep_param_writes()  # [Note: parameter writes]; only once every rank agreed
+        inst.residency.keep_param_writes()  # [Note: parameter writes]; only once every rank agreed
         self.found_inf = verdict[VERDICT_LENGTH - 1] > 0
         for spec, tensor in zip(inst.inner.specs, inst.inner.tensors, strict=True):
             tensor.grad = self.master_grads[spec.space][spec.shard_span.as_slice()].view(spec.shape)
@@ -307,7 +307,7 @@ class StepLifecycle:
 
     def publish(self, inst: Installed) -> None:
         """Write updated shards into the parameter buffers and gather them (see [Note: parameter gather])."""
-        inst.gather.start_param_sync(self.log)
+        inst.residency.start_param_sync(self.log)
 
     def release(self, inst: Installed) -> None:
         """Drop the master gradients and this step's reduction progress (``-> IDLE``)."""

@@ -123,7 +123,7 @@ def replan(
     still.update(park(old.zp, old.buffers, state, frozen, groups.shard_rank))
     revived = gather_parked(parked, newly, groups) if newly else {}
     old.sync.remove_hooks()
-    old.gather.finish_param_sync()
+    old.residency.finish_param_sync()
     for index in sorted(frozen):
         param = params[index]
         param.data = param.data.clone()

@@ -112,8 +112,10 @@ def matches_reference(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, A
                 loss = _loss(model, step * micro + m, rank)
                 # stage 3: the bytes parameters hold between forward and backward (saved for backward)
                 held_after_forward.append(sum(p.untyped_storage().nbytes() for p in model.parameters()))
-                if isinstance(opt.domains[0].installed.gather, ShardedParams):  # every domain's saved views
-                    saved.append([d.installed.gather.saved_views() for d in opt.domains])
+                if isinstance(
+                    opt.domains[0].installed.residency, ShardedParams
+                ):  # every domain's saved views
+                    saved.append([d.installed.residency.saved_views() for d in opt.domains])
                 opt.backward(loss)
         norm = opt.clip_grad_norm_(clip) if clip is not None else opt.grad_norm()
         opt.step()

@@ -144,3 +144,17 @@ def first_read_waits_for_its_chunk_only(rank: int, world: int, cfg: dict[str, An
         "first_waiting_after": type(params[0]) is GatheringParameter,
         "params": len(params),
     }
+
+
+def tensor_attributes(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """What a few steps leave written onto the user's parameters (``p.__dict__``): nothing of ours."""
+    model = make_model()
+    opt = make_optimizer(model, stage=cfg["stage"])
+    opt.attach(model)
+    seen: set[str] = set()
+    for step in range(2):
+        opt.backward(loss_of(model, *batch(step, rank)))
+        opt.step()  # stages 1-2: the gathers in flight; stage 3: every block sharded
+        seen |= {name for p in model.parameters() for name in vars(p)}
+        opt.zero_grad()
+    return {"attributes": sorted(seen)}

@@ -224,7 +224,7 @@ def edge_cases(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             loss = loss_of(m, tokens, targets)
             loss.backward()
             if o.plan.stage == 3:
-                held_after_backward.append(o.installed.gather.held_bytes())
+                held_after_backward.append(o.installed.residency.held_bytes())
             o.step()
             o.zero_grad()
     # A submodule called on its own (outside the root's forward), with a backward, then a step.

@@ -80,3 +80,11 @@ def test_checkpoints_move_between_layouts_bit_exactly(pools, save, load, dtype):
         assert r["layouts"] == (save[0], load[0])
         assert r["values_equal"] and r["state_equal"]
         assert r["after_step_diff"] < 1e-6
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nothing_is_written_onto_the_users_parameters(pools, stage):
+    """[Note: residency]: which residency a parameter belongs to is kept beside it (``params.owners``),
+    not as attributes on the user's tensors."""
+    for r in pools(2).run(scenarios_layout.tensor_attributes, {"stage": stage}):
+        assert [a for a in r["attributes"] if a.startswith("_zeroplan")] == [], r
