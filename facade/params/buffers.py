@@ -1,7 +1,8 @@
 """Flat buffers laid out by the plan; parameters become views into them.
 
 [Note: flat buffers]
-For every dtype space of the plan this rank allocates:
+For every dtype space of the plan this rank allocates, at stages 1 and 2
+(:class:`FlatBuffers`):
 
 * ``params`` — the full parameter buffer (``buffer_numel`` elements, padding
   included, zero); each trainable parameter's ``.data`` becomes a view of it
@@ -18,8 +19,8 @@ For every dtype space of the plan this rank allocates:
   inner optimizer's windows are cut where a piece does not follow the last in
   ``params`` and each is a view of ``params`` (:meth:`SpaceBuffers.master_window`).
 
-At stage 3 there is no full buffer that lives between steps (``params`` is
-``None``): ``blocks`` holds one full buffer per block of the plan, whose
+At stage 3 (:class:`BlockBuffers`) no full buffer lives between steps:
+``blocks`` holds one full buffer per block of the plan, whose
 storage is allocated only while the block is gathered ([Note: stage 3] in
 ``params.sharded``), parameters are views of their block, and ``shard`` holds
 the rank's pieces of every block for good (its ``master`` when the parameters
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any
 
 import torch
 
@@ -42,10 +43,13 @@ from zeroplan.core import Space, Span, Stage, ZeroPlan, grad_shard_dtype, master
 from zeroplan.facade.runtime.dtypes import torch_dtype
 
 __all__ = [
+    "BlockBuffers",
+    "FlatBuffers",
     "SpaceBuffers",
     "block_positions",
     "block_views",
-    "build_buffers",
+    "build_block_buffers",
+    "build_flat_buffers",
     "param_views",
     "read_pieces",
     "write_pieces",
@@ -56,8 +60,13 @@ __all__ = [
 _COMPARE_CHUNK = 2**16
 
 
-class SpaceBuffers(NamedTuple):
-    """This rank's buffers of one dtype space (see [Note: flat buffers]).
+class SpaceBuffers:
+    """This rank's buffers of one dtype space (see [Note: flat buffers]): what both kinds share.
+
+    :class:`FlatBuffers` (stages 1 and 2: a full buffer lives between steps) and
+    :class:`BlockBuffers` (stage 3: blocks gathered on demand, a shard of its own) are the two kinds;
+    ``install`` builds the one the plan's stage asks for (:func:`build_flat_buffers`,
+    :func:`build_block_buffers`).
 
     ``extent`` is the length of the rank's shard in the full buffer (its
     pieces, padding included): ``grad_shard[:extent]`` and the master's first
@@ -66,15 +75,25 @@ class SpaceBuffers(NamedTuple):
     its pieces of ``params`` in place.
     """
 
-    space: Space
-    params: torch.Tensor | None
-    grads: torch.Tensor | None
-    grad_shard: torch.Tensor
-    master: torch.Tensor | None
-    extent: int
-    shard_rank: int
-    blocks: tuple[torch.Tensor, ...] = ()
-    shard: torch.Tensor | None = None
+    __slots__ = ("extent", "grad_shard", "master", "shard_rank", "space")
+
+    def __init__(
+        self,
+        *,
+        space: Space,
+        grad_shard: torch.Tensor,
+        master: torch.Tensor | None,
+        extent: int,
+        shard_rank: int,
+    ) -> None:
+        self.space = space
+        self.grad_shard = grad_shard
+        self.master = master
+        self.extent = extent
+        self.shard_rank = shard_rank
+
+    #: Stage 1's full gradient buffer (parameter ``.grad`` are views of it); ``None`` elsewhere.
+    grads: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,12 +111,6 @@ class SpaceBuffers(NamedTuple):
         return torch_dtype(master_dtype(self.space.dtype))
 
     @property
-    def param_bytes(self) -> int:
-        """Bytes of parameters held between steps: the full buffer, or the shard at stage 3."""
-        held = self.params if self.shard is None else self.shard
-        return held.untyped_storage().nbytes() if held is not None else 0
-
-    @property
     def carries_master(self) -> bool:
         """Whether the master is a tensor of its own (fp32 copies of bf16/fp16 parameters): saved, moved."""
         return self.master_dtype != self.dtype
@@ -113,40 +126,80 @@ class SpaceBuffers(NamedTuple):
             raise RuntimeError(f"the {self.space.dtype} parameters are their own master: no master copy")
         return self.master
 
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of parameters held between steps: the full buffer, or the shard at stage 3."""
+        raise NotImplementedError
+
+    def master_window(self, span: Span) -> torch.Tensor:
+        """Elements ``span`` of the rank's master, as a view."""
+        if self.master is None:
+            raise RuntimeError(f"the {self.space.dtype} space has no master of its own here")
+        return self.master[span.as_slice()]
+
+    def shard_values(self) -> torch.Tensor:
+        """The rank's shard of the parameters, flat: a view or a copy."""
+        raise NotImplementedError
+
+    def load_master(self) -> None:
+        """Copy the rank's shard of the parameters into a separate master."""
+        raise NotImplementedError
+
+    def publish_master(self) -> None:
+        """Copy a separate master into the rank's pieces of the parameters (cast)."""
+        raise NotImplementedError
+
+    def keep_param_writes(self) -> None:
+        """Take into the master what was written into the rank's pieces of the parameters."""
+
+    def settle_from_rank_zero(self, broadcast: Callable[[torch.Tensor], None]) -> None:
+        """Take rank 0's parameter values (``broadcast`` sends a tensor from rank 0 to all)."""
+        raise NotImplementedError
+
+
+class FlatBuffers(SpaceBuffers):
+    """Stages 1 and 2: the full parameter buffer (``params``) lives between steps ([Note: flat buffers])."""
+
+    __slots__ = ("grads", "params")
+
+    def __init__(self, *, params: torch.Tensor, grads: torch.Tensor | None, **common: Any) -> None:
+        super().__init__(**common)
+        self.params = params
+        self.grads = grads
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the full parameter buffer."""
+        return self.params.untyped_storage().nbytes()
+
     def master_window(self, span: Span) -> torch.Tensor:
         """Elements ``span`` of the rank's master, as a view: of ``master``, or of its run of ``params``."""
         if self.master is not None:
             return self.master[span.as_slice()]
-        return self._full()[self.space.buffer_span(self.shard_rank, span).as_slice()]
+        return self.params[self.space.buffer_span(self.shard_rank, span).as_slice()]
 
     def shard_values(self) -> torch.Tensor:
-        """The rank's shard of the parameters, flat: a view (its region or stage-3 shard) or a copy."""
-        if self.shard is not None:
-            return self.shard[: self.extent]
-        full = self._full()
+        """The rank's shard of the parameters, flat: a view of its region, or a copy of its pieces."""
         if self.space.shard_is_region:
-            return full[self.space.region(self.shard_rank).as_slice()]
-        out = full.new_empty(self.extent)
-        read_pieces(full, self.space, self.shard_rank, out)
+            return self.params[self.space.region(self.shard_rank).as_slice()]
+        out = self.params.new_empty(self.extent)
+        read_pieces(self.params, self.space, self.shard_rank, out)
         return out
 
     def load_master(self) -> None:
-        """Copy the rank's shard of the parameters into a separate master."""
-        if not self.carries_master:
-            return
-        if self.shard is not None:
-            self.master_copy.copy_(self.shard)
-        else:
-            read_pieces(self._full(), self.space, self.shard_rank, self.master_copy)
+        """Copy the rank's pieces of the parameters into a separate master."""
+        if self.carries_master:
+            read_pieces(self.params, self.space, self.shard_rank, self.master_copy)
 
     def publish_master(self) -> None:
         """Copy a separate master into the rank's pieces of the parameters (cast)."""
-        if not self.carries_master:
-            return
-        if self.shard is not None:
-            self.shard.copy_(self.master_copy)
-        else:
-            write_pieces(self.master_copy, self._full(), self.space, self.shard_rank)
+        if self.carries_master:
+            write_pieces(self.master_copy, self.params, self.space, self.shard_rank)
+
+    def settle_from_rank_zero(self, broadcast: Callable[[torch.Tensor], None]) -> None:
+        """Take rank 0's full buffer, then the master from it."""
+        broadcast(self.params)
+        self.load_master()
 
     def keep_param_writes(self) -> None:
         """Take into the master what was written into the rank's pieces of bf16/fp16 parameters.
@@ -158,9 +211,9 @@ class SpaceBuffers(NamedTuple):
         chunks, as bits (a NaN equals itself), on the device: nothing is read
         on the host ([Note: one host read] in ``joint``).
         """
-        if not self.carries_master or self.shard is not None:
+        if not self.carries_master:
             return
-        full, master = self._full(), self.master_copy
+        full, master = self.params, self.master_copy
         bits = torch.int16  # bf16 and fp16 alike
         for piece in self.space.pieces_of(self.shard_rank):
             shift = piece.buffer_span.start - piece.shard_span.start
@@ -170,28 +223,52 @@ class SpaceBuffers(NamedTuple):
                 written = values.to(self.dtype).view(bits) != held.view(bits)
                 values.copy_(torch.where(written, held.to(values.dtype), values))
 
+
+class BlockBuffers(SpaceBuffers):
+    """Stage 3: a buffer per block, allocated while gathered, and the rank's shard ([Note: flat buffers])."""
+
+    __slots__ = ("blocks", "shard")
+
+    def __init__(self, *, blocks: tuple[torch.Tensor, ...], shard: torch.Tensor, **common: Any) -> None:
+        super().__init__(**common)
+        self.blocks = blocks
+        self.shard = shard
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of the shard (the blocks are the step's transients)."""
+        return self.shard.untyped_storage().nbytes()
+
+    def shard_values(self) -> torch.Tensor:
+        """The rank's shard of the parameters, a view."""
+        return self.shard[: self.extent]
+
+    def load_master(self) -> None:
+        """Copy the shard into a separate master."""
+        if self.carries_master:
+            self.master_copy.copy_(self.shard)
+
+    def publish_master(self) -> None:
+        """Copy a separate master into the shard (cast)."""
+        if self.carries_master:
+            self.shard.copy_(self.master_copy)
+
+    def settle_from_rank_zero(self, broadcast: Callable[[torch.Tensor], None]) -> None:
+        """Nothing: construction took rank 0's values block by block (``build_block_buffers``)."""
+
     def load_shard(self) -> None:
-        """Stage 3: copy the rank's pieces of every (gathered) block into its shard."""
-        if self.shard is None:
-            raise RuntimeError("load_shard: only stage-3 buffers have a shard of their own")
+        """Copy the rank's pieces of every (gathered) block into its shard."""
         for block, full in zip(self.space.blocks, self.blocks, strict=True):
             piece = block.piece(self.shard_rank)
             start = piece.buffer_span.start - block.start
             self.shard[piece.shard_span.as_slice()].copy_(full[start : start + piece.shard_span.numel])
 
     def write_piece(self, k: int) -> None:
-        """Stage 3: copy the rank's piece of block ``k`` from its shard into the block's buffer."""
-        if self.shard is None:
-            raise RuntimeError("write_piece: only stage-3 buffers have a shard of their own")
+        """Copy the rank's piece of block ``k`` from its shard into the block's buffer."""
         block = self.space.blocks[k]
         piece = block.piece(self.shard_rank)
         start = piece.buffer_span.start - block.start
         self.blocks[k][start : start + piece.shard_span.numel].copy_(self.shard[piece.shard_span.as_slice()])
-
-    def _full(self) -> torch.Tensor:
-        if self.params is None:
-            raise RuntimeError("stage-3 buffers have no full parameter buffer")
-        return self.params
 
 
 def read_pieces(full: torch.Tensor, space: Space, shard_rank: int, out: torch.Tensor) -> None:
@@ -248,24 +325,29 @@ def block_views(
     }
 
 
-def build_buffers(
+def build_block_buffers(
     zp: ZeroPlan,
     params: Sequence[torch.Tensor],
     shard_rank: int,
     device: torch.device,
     settle_block: Callable[[torch.Tensor], None] | None = None,
-) -> tuple[SpaceBuffers, ...]:
-    """Allocate this rank's buffers, copy parameter values in, make parameters views.
+) -> tuple[BlockBuffers, ...]:
+    """Stage 3: this rank's shard and blocks per space, built block by block (:func:`_stage3_buffers`).
 
-    The values of every parameter are unchanged; only their storage moves. ``settle_block``
-    (stage 3) is called on each block once its parameters' values are in it, before the rank's
-    piece is kept and the block freed (construction broadcasts rank 0's values there).
+    ``settle_block`` is called on each block once its parameters' values are in it, before the
+    rank's piece is kept and the block freed (construction broadcasts rank 0's values there).
     """
-    if zp.stage is Stage.PARAMETERS:
-        return tuple(
-            _stage3_buffers(zp, space, params, shard_rank, device, settle_block)
-            for space in zp.partition.spaces
-        )
+    spaces = zp.partition.spaces
+    return tuple(_stage3_buffers(zp, space, params, shard_rank, device, settle_block) for space in spaces)
+
+
+def build_flat_buffers(
+    zp: ZeroPlan, params: Sequence[torch.Tensor], shard_rank: int, device: torch.device
+) -> tuple[FlatBuffers, ...]:
+    """Stages 1-2: allocate this rank's flat buffers, copy parameter values in, make parameters views.
+
+    The values of every parameter are unchanged; only their storage moves.
+    """
     result = []
     for space in zp.partition.spaces:
         dtype = torch_dtype(space.dtype)
@@ -298,7 +380,7 @@ def build_buffers(
             master = torch.zeros(shard_numel, dtype=master_type, device=device)
         elif space.shard_is_region:
             master = full[space.region(shard_rank).as_slice()]
-        buf = SpaceBuffers(
+        buf = FlatBuffers(
             space=space,
             params=full,
             grads=grads,
@@ -319,7 +401,7 @@ def _stage3_buffers(
     shard_rank: int,
     device: torch.device,
     settle_block: Callable[[torch.Tensor], None] | None,
-) -> SpaceBuffers:
+) -> BlockBuffers:
     """Stage 3: the rank's shard and master, and a buffer per block, built one block at a time.
 
     Each block is allocated, its parameters' values copied in (each parameter then views it, and its
@@ -353,10 +435,8 @@ def _stage3_buffers(
     master_type = torch_dtype(master_dtype(space.dtype))
     master = shard if master_type == dtype else torch.zeros(shard_numel, dtype=master_type, device=device)
     grad_shard = torch.zeros(shard_numel, dtype=torch_dtype(grad_shard_dtype(zp, space)), device=device)
-    buf = SpaceBuffers(
+    buf = BlockBuffers(
         space=space,
-        params=None,
-        grads=None,
         grad_shard=grad_shard,
         master=master,
         extent=space.extent(shard_rank),

@@ -64,7 +64,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroplan.core import ZeroPlan
-from zeroplan.facade.params.buffers import SpaceBuffers
+from zeroplan.facade.params.buffers import FlatBuffers
 from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_space_gather
 from zeroplan.facade.runtime.groups import ProcessGroups
@@ -168,7 +168,7 @@ class ParamGather:
         *,
         zp: ZeroPlan,
         params: Sequence[torch.Tensor],
-        buffers: Sequence[SpaceBuffers],
+        buffers: Sequence[FlatBuffers],
         groups: ProcessGroups,
         overlap: bool,
     ) -> None:

@@ -1,7 +1,7 @@
 """Stage 3: parameters held as shards, gathered block by block around forward and backward.
 
 [Note: stage 3]
-Between steps a rank holds only its shard of every parameter (``SpaceBuffers.shard``);
+Between steps a rank holds only its shard of every parameter (``BlockBuffers.shard``);
 each block of the plan has a full buffer whose storage is allocated only while
 the block is *gathered*, and each parameter is a view of its block's buffer
 (stage-3 plans cut blocks at parameter boundaries). A parameter whose block is
@@ -68,7 +68,7 @@ from typing import Any
 import torch
 
 from zeroplan.core import Block, StepOrderError, ZeroPlan
-from zeroplan.facade.params.buffers import SpaceBuffers, block_positions
+from zeroplan.facade.params.buffers import BlockBuffers, block_positions
 from zeroplan.facade.params.gather import DeferredParameter
 from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_block_gather
@@ -168,7 +168,7 @@ class ShardedParams:
         *,
         zp: ZeroPlan,
         params: Sequence[torch.Tensor],
-        buffers: Sequence[SpaceBuffers],
+        buffers: Sequence[BlockBuffers],
         groups: ProcessGroups,
         log: CommLog,
         reshard_after_forward: bool,
@@ -199,7 +199,7 @@ class ShardedParams:
         for entry in self._entries.values():
             for p in entry.members:
                 _OWNERS.claim(p, self)
-            self._set_class(entry, ShardedParameter)  # built sharded (``build_buffers``)
+            self._set_class(entry, ShardedParameter)  # built sharded (``build_block_buffers``)
         # Held weakly, as the gradient sync's hooks: a dropped optimizer must not act on gradients.
         method = weakref.WeakMethod(self.gradient_arrived)
         self._grad_handles = [

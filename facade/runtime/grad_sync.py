@@ -141,7 +141,7 @@ class GradSync:
         self._grad_views: dict[int, torch.Tensor] = {}
         if zp.stage is Stage.OPTIMIZER:
             for buf in buffers:
-                if buf.grads is None:  # build_buffers allocates them for stage 1
+                if buf.grads is None:  # build_flat_buffers allocates them for stage 1
                     raise RuntimeError("stage 1 needs full gradient buffers")
                 self._grad_views.update(param_views(buf.grads, buf.space, params))
         self._trainable = sorted(zp.trainable_indices)

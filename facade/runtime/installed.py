@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import Stage, ZeroPlan
-from zeroplan.facade.params.buffers import SpaceBuffers, build_buffers
+from zeroplan.facade.params.buffers import SpaceBuffers, build_block_buffers, build_flat_buffers
 from zeroplan.facade.params.gather import ParamGather, storage_address
 from zeroplan.facade.params.residency import Residency
 from zeroplan.facade.params.sharded import Peers, ShardedParams
@@ -92,29 +92,35 @@ def install(
         peers: the sharded residencies of the optimizer's other domains ([Note: several sharded
             domains]); the residency is chosen here, and only here ([Note: residency]).
     """
-    settle = None
-    if from_rank_zero and groups.topology.world_size > 1:
-        settle = partial(broadcast, src=0, group=groups.world)
-    buffers = build_buffers(zp, registry.params, groups.shard_rank, registry.device, settle)
-    inner = build_inner(zp, buffers, groups.shard_rank, optimizer_class, param_groups)
+    params, shard_rank, device = registry.params, groups.shard_rank, registry.device
+    if zp.stage is Stage.PARAMETERS:
+        settle = None
+        if from_rank_zero and groups.topology.world_size > 1:
+            settle = partial(broadcast, src=0, group=groups.world)
+        blocks = build_block_buffers(zp, params, shard_rank, device, settle)
+        buffers: tuple[SpaceBuffers, ...] = blocks
+    else:
+        flat = build_flat_buffers(zp, params, shard_rank, device)
+        buffers = flat
+    inner = build_inner(zp, buffers, shard_rank, optimizer_class, param_groups)
     sync = GradSync(
         zp=zp,
-        params=registry.params,
+        params=params,
         names=registry.names,
         buffers=buffers,
         groups=groups,
         overlap=overlap,
         admit=admit,
         log=log,
-        device=registry.device,
+        device=device,
     )
-    links = tuple((index, storage_address(registry.params[index])) for index in sorted(zp.trainable_indices))
+    links = tuple((index, storage_address(params[index])) for index in sorted(zp.trainable_indices))
     residency: Residency
     if zp.stage is Stage.PARAMETERS:
         residency = ShardedParams(
             zp=zp,
-            params=registry.params,
-            buffers=buffers,
+            params=params,
+            buffers=blocks,
             groups=groups,
             log=log,
             reshard_after_forward=reshard_after_forward,
@@ -122,7 +128,7 @@ def install(
         )
     else:
         residency = ParamGather(
-            zp=zp, params=registry.params, buffers=buffers, groups=groups, overlap=overlap_param_gather
+            zp=zp, params=params, buffers=flat, groups=groups, overlap=overlap_param_gather
         )
     return Installed(
         zp=zp,
@@ -143,9 +149,7 @@ def broadcast_from_rank_zero(installed: Installed, params: Sequence[torch.Tensor
     if groups.topology.world_size == 1:
         return
     for buf in installed.buffers:
-        if buf.params is not None:  # stage 3 took rank 0's values while it was built
-            broadcast(buf.params, 0, groups.world)
-            buf.load_master()
+        buf.settle_from_rank_zero(partial(broadcast, src=0, group=groups.world))
     managed = installed.zp.trainable_indices
     broadcast_values([p for i, p in enumerate(params) if i not in managed], groups.world)
 

@@ -98,16 +98,16 @@ class JointStep:
         """Whether verdicts and norms need the joint all-reduce over the world (several domains)."""
         return len(self.domains) > 1
 
-    def only_domain(self, call: str, why: str) -> Domain:
+    def only_domain(self, call: str) -> Domain:
         """The data domain, for a ``call`` that describes one plan; with expert groups, why it cannot.
 
         Raises:
-            ConfigError: there are several domains (``why`` says what to use instead).
+            ConfigError: there are several domains (the message says what to use instead).
         """
         if self.joint:
             raise ConfigError(
                 f"{call} describes one plan, but this optimizer has expert groups (one plan "
-                f"per domain): {why}"
+                f"per domain): {_INSTEAD[call]}"
             )
         return self.data
 
@@ -347,3 +347,12 @@ class JointStep:
             for domain in self.domains:
                 stack.enter_context(domain.gathered(writeback=writeback))
             yield
+
+
+#: What to call instead of a one-plan call when the optimizer has expert groups.
+_INSTEAD = {
+    "memory_report()": "one report would leave them out; use memory_reports(), whose .rank(...) sums "
+    "a rank's domains",
+    "shards()": "consolidated state dicts hold one plan and no rank holds every expert; save with "
+    "zeroplan.facade.checkpoint.save(opt, path) or opt.state_dict() on every rank",
+}

@@ -304,7 +304,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ConfigError: the optimizer has expert groups: one report would leave
                 them out; use :meth:`memory_reports`.
         """
-        domain = self._joint.only_domain("memory_report()", _ONE_REPORT)
+        domain = self._joint.only_domain("memory_report()")
         return domain.memory_report(self._joint.clipped(clipping))
 
     def memory_reports(self, *, clipping: bool | None = None) -> DomainsReport:
@@ -378,7 +378,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 out; ``zeroplan.facade.checkpoint`` and ``state_dict()`` save
                 every domain (each domain's parts: ``opt.domains[d].shards(...)``).
         """
-        return self._joint.only_domain("shards()", _ONE_PLAN).shards(self._joint.scaler)
+        return self._joint.only_domain("shards()").shards(self._joint.scaler)
 
     def plan_with_cohorts(self, cohorts: Iterable[int]) -> ZeroPlan:
         """This optimizer's plan with the parameters in other cohorts (pure: changes nothing)."""
@@ -461,11 +461,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         domain.adopt_group(registry, zp, self.param_groups[-1])
 
 
-_ONE_REPORT = "one report would leave them out; use memory_reports(), whose .rank(...) sums a rank's domains"
-_ONE_PLAN = (
-    "consolidated state dicts hold one plan and no rank holds every expert; save with "
-    "zeroplan.facade.checkpoint.save(opt, path) or opt.state_dict() on every rank"
-)
 _NO_DEEPCOPY = (
     "a ZeroOptimizer cannot be deep-copied: it holds process groups, hooks on the model's parameters "
     "and the flat buffers they view. Copy its state instead (opt.state_dict(), or "
