@@ -15,7 +15,7 @@ from models import DTYPES, Reference, batch, loss_of, make_model, rel_err
 
 from zeroplan.core import StepOrderError
 from zeroplan.facade import ZeroOptimizer, checkpoint
-from zeroplan.facade.params.sharded import ShardedParameter
+from zeroplan.facade.params.blocks import ShardedParameter
 
 
 def _model(cfg: dict[str, Any], seed: int = 0) -> torch.nn.Module:

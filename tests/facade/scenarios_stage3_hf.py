@@ -19,7 +19,7 @@ from models import DTYPES, Reference, rel_err
 
 from zeroplan.core import StepOrderError
 from zeroplan.facade import ZeroOptimizer
-from zeroplan.facade.params.sharded import ShardedParameter
+from zeroplan.facade.params.blocks import ShardedParameter
 
 BUCKET_BYTES = 16384  # a handful of blocks for this model, several parameters in most
 

@@ -1,0 +1,285 @@
+"""Stage 3's blocks: where each is (sharded, gathering, gathered) and the moves between states.
+
+:class:`BlockTable` is the state machine of [Note: stage 3] (``params.sharded``) and nothing else:
+it allocates a block's buffer and starts its gather, completes it, frees it (or moves its parameters
+to new storage when someone else still views it), and says what it holds. *When* a block moves is
+decided elsewhere: by the module hooks and the gradient hooks of ``ShardedParams``, and by the
+saved-tensor hooks of ``params.saved_tensors``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from typing import Protocol
+
+import torch
+
+from zeroplan.core import Block, StepOrderError, ZeroPlan
+from zeroplan.facade.params.buffers import BlockBuffers, block_positions
+from zeroplan.facade.params.gather import DeferredParameter
+from zeroplan.facade.params.owners import Owners
+from zeroplan.facade.runtime.collectives import CommLog, Pending, start_block_gather
+from zeroplan.facade.runtime.groups import ProcessGroups
+
+__all__ = ["BlockEntry", "BlockKey", "BlockState", "BlockTable", "GathersOnUse", "ShardedParameter", "OWNERS"]
+
+BlockKey = tuple[int, int]  # (space index, block index)
+
+
+class BlockState(enum.Enum):
+    """Where a stage-3 block is, and what memory it holds on this rank (as FSDP2's ``ShardedState``).
+
+    * ``SHARDED``: only the rank's piece, inside the domain's shard; the block's buffer has no
+      storage (resized to 0) and its parameters are ``ShardedParameter`` views of it.
+    * ``GATHERING``: the buffer is allocated (the whole block) and this rank's piece written into it;
+      the collective that fills the others' pieces is in flight. The parameters are still
+      ``ShardedParameter``: the first use waits for the gather.
+    * ``GATHERED``: the whole block, complete; its parameters are plain ``nn.Parameter`` again.
+      Freeing it (after its modules ran, or at the end of backward) returns it to ``SHARDED``.
+    """
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class GathersOnUse(Protocol):
+    """What a sharded parameter's first use asks of its residency (``ShardedParams``)."""
+
+    def gathering_allowed(self) -> bool:
+        """Whether a use may gather now (inside the attached forward, or a backward)."""
+
+    def gather_param(self, param: torch.Tensor) -> None:
+        """Gather ``param``'s block now."""
+
+
+#: Each stage-3 parameter's residency (held strongly, as the module hooks hold it).
+OWNERS: Owners[GathersOnUse] = Owners()
+
+
+class ShardedParameter(DeferredParameter):
+    """The class of a stage-3 parameter whose block is not gathered (see [Note: stage 3]).
+
+    Never constructed: a plain ``nn.Parameter``'s ``__class__`` is set to it
+    while its block is sharded.
+    """
+
+    @staticmethod
+    def on_use(param: torch.Tensor, name: str | None) -> None:
+        """Gather the block inside the attached forward or a backward; raise elsewhere."""
+        sharded = OWNERS.get(param)
+        if sharded is None or not sharded.gathering_allowed():
+            raise StepOrderError(
+                f"{name or 'an operation'} read a stage-3 parameter outside a forward or backward: each "
+                "rank holds only its shard of it between steps. Call opt.attach(model) once before the "
+                "first forward (the forward then gathers what it uses), and read parameters elsewhere "
+                "inside `with opt.gathered_params():` on every rank"
+            )
+        sharded.gather_param(param)
+
+
+class BlockEntry:
+    """One block: its buffer, plan block (shifted to start at 0), members and state."""
+
+    def __init__(self, key: BlockKey, buffer: torch.Tensor, block: Block, nbytes: int) -> None:
+        self.key = key
+        self.buffer = buffer
+        self.block = replace(block, start=0)  # the buffer holds the block alone
+        self.nbytes = nbytes
+        self.members: list[torch.Tensor] = []
+        self.indices: list[int] = []  # the members' parameter indices
+        self.offsets: list[int] = []  # where each member starts in the buffer
+        self.trainable = 0
+        self.state = BlockState.SHARDED  # construction leaves every block sharded
+        self.pending: list[Pending] = []
+        self.saved: dict[int, int] = {}  # tensors autograd saved from the buffer, alive now (SavedView)
+
+
+class BlockTable:
+    """The blocks of one installed stage-3 plan and their state machine (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        zp: ZeroPlan,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[BlockBuffers],
+        groups: ProcessGroups,
+        log: CommLog,
+    ) -> None:
+        self._zp = zp
+        self._buffers = buffers
+        self._groups = groups
+        self.log = log
+        self.entries: dict[BlockKey, BlockEntry] = {}
+        self._key_of: dict[int, BlockKey] = {}  # id(param) -> its block
+        self._storage: dict[int, BlockKey] = {}  # storage address (StorageImpl) -> block
+        managed = set(zp.trainable_indices)
+        for buf in buffers:
+            s = buf.space.index
+            for k, (block, buffer) in enumerate(zip(buf.space.blocks, buf.blocks, strict=True)):
+                entry = BlockEntry((s, k), buffer, block, block.numel * buffer.element_size())
+                self.entries[s, k] = entry
+                self._storage[buffer.untyped_storage()._cdata] = (s, k)
+            for index, (k, local) in block_positions(buf.space).items():
+                entry = self.entries[s, k]
+                self._key_of[id(params[index])] = (s, k)
+                entry.members.append(params[index])
+                entry.indices.append(index)
+                entry.offsets.append(local)
+                entry.trainable += index in managed
+        for entry in self.entries.values():
+            self._set_class(entry, ShardedParameter)  # built sharded (``build_block_buffers``)
+
+    # ------------------------------------------------------------------ lookups
+    def key_of(self, param: torch.Tensor) -> BlockKey | None:
+        """The block holding ``param`` (``None``: not one of this plan's)."""
+        return self._key_of.get(id(param))
+
+    def key_of_storage(self, storage: int) -> BlockKey | None:
+        """The block whose buffer has the storage at address ``storage`` (``StorageImpl``)."""
+        return self._storage.get(storage)
+
+    def members(self) -> Iterator[torch.Tensor]:
+        """Every parameter of every block."""
+        for entry in self.entries.values():
+            yield from entry.members
+
+    # ------------------------------------------------------------------ moves
+    def _set_class(self, entry: BlockEntry, cls: type) -> None:
+        for p in entry.members:
+            if type(p) in (torch.nn.Parameter, ShardedParameter):
+                p.__class__ = cls
+
+    def start_gather(self, key: BlockKey) -> None:
+        """SHARDED -> GATHERING: allocate the buffer, write this rank's piece, start the gather."""
+        entry = self.entries[key]
+        if entry.state is not BlockState.SHARDED:
+            return
+        entry.buffer.untyped_storage().resize_(entry.nbytes)
+        self._buffers[key[0]].write_piece(key[1])
+        entry.pending = start_block_gather(entry.buffer, entry.block, self._zp, self._groups, self.log)
+        entry.state = BlockState.GATHERING
+
+    def ensure(self, key: BlockKey) -> None:
+        """-> GATHERED: the block complete, its parameters plain ``nn.Parameter`` again."""
+        entry = self.entries[key]
+        if entry.state is BlockState.SHARDED:
+            self.start_gather(key)
+        if entry.state is BlockState.GATHERING:
+            for pending in entry.pending:
+                pending.finish()
+            entry.pending = []
+            entry.state = BlockState.GATHERED
+            self._set_class(entry, torch.nn.Parameter)
+
+    def free(self, key: BlockKey) -> None:
+        """-> SHARDED: release the buffer (waiting for a gather in flight first).
+
+        A tensor that still views the buffer from outside (``model.state_dict()``
+        kept from ``gathered_params()``, a forward's output ``w.t()``) keeps it: the
+        parameters move to a buffer of their own and the old one is left to its
+        holders, so no reader ever sees freed memory.
+        """
+        entry = self.entries[key]
+        if entry.state is BlockState.SHARDED:
+            return
+        for pending in entry.pending:
+            pending.finish()
+        entry.pending = []
+        storage = entry.buffer.untyped_storage()
+        # Holders: the buffer, each parameter, ``storage`` itself and the tensors autograd saved (they
+        # gather the block again when unpacked); anyone else keeps the memory.
+        if torch._C._storage_Use_Count(storage._cdata) > 2 + len(entry.members) + len(entry.saved):
+            del storage
+            self._rehome(entry)
+        else:
+            storage.resize_(0)
+        entry.state = BlockState.SHARDED
+        self._set_class(entry, ShardedParameter)
+
+    def _rehome(self, entry: BlockEntry) -> None:
+        """Move the block's buffer and parameters to empty storage; the old one stays with its holders."""
+        del self._storage[entry.buffer.untyped_storage()._cdata]
+        # Moving a parameter's storage reads none of its values: no member, whatever its class, gathers.
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            entry.buffer.set_(torch.empty_like(entry.buffer))  # the same tensor (the buffers' tuple holds it)
+            for p, local in zip(entry.members, entry.offsets, strict=True):
+                p.data = entry.buffer[local : local + p.numel()].view(p.shape)
+        storage = entry.buffer.untyped_storage()
+        self._storage[storage._cdata] = entry.key
+        storage.resize_(0)
+
+    def prefetch(self, key: BlockKey, step: int, visited: set[BlockKey]) -> None:
+        """Start the gather of the block ``step`` away from ``key`` in its space, once per ``visited``."""
+        nxt = (key[0], key[1] + step)
+        if nxt in self.entries and nxt not in visited:
+            visited.add(nxt)
+            self.start_gather(nxt)
+
+    def shard_all(self) -> None:
+        """Free every block: each rank holds only its shards."""
+        for key in self.entries:
+            self.free(key)
+
+    def gather_all(self) -> None:
+        """Gather every block (collective)."""
+        for key in self.entries:
+            self.start_gather(key)
+        for key in self.entries:
+            self.ensure(key)
+
+    def finish_gathers(self) -> None:
+        """Complete every gather in flight (blocks stay gathered)."""
+        for key, entry in self.entries.items():
+            if entry.state is BlockState.GATHERING:
+                self.ensure(key)
+
+    def forget(self) -> None:
+        """Drop gathers in flight without waiting (the process group is gone)."""
+        for entry in self.entries.values():
+            entry.pending = []
+
+    def release(self) -> None:
+        """Let go of every parameter (another plan's buffers hold their values now); all sharded."""
+        for entry in self.entries.values():
+            entry.members, entry.indices, entry.offsets = [], [], []
+            for pending in entry.pending:
+                pending.finish()
+            entry.pending = []
+            entry.buffer.untyped_storage().resize_(0)
+            entry.state = BlockState.SHARDED
+
+    @contextlib.contextmanager
+    def logging_to(self, log: CommLog) -> Iterator[None]:
+        """Count the gathers started inside in ``log`` (inspection traffic is not the step's)."""
+        saved, self.log = self.log, log
+        try:
+            yield
+        finally:
+            self.log = saved
+
+    # ------------------------------------------------------------------ what it holds
+    def block_gathered(self, key: BlockKey) -> bool:
+        """Whether block ``key`` is gathered (for tests and tools)."""
+        return self.entries[key].state is BlockState.GATHERED
+
+    def saved_views(self) -> int:
+        """Tensors autograd saved from the blocks, alive now (for tests and tools)."""
+        return sum(sum(e.saved.values()) for e in self.entries.values())
+
+    def held_bytes(self) -> int:
+        """Bytes of block buffers allocated now."""
+        return sum(e.nbytes for e in self.entries.values() if e.state is not BlockState.SHARDED)
+
+    def detached(self) -> int | None:
+        """The first parameter whose ``.data`` no longer views its block's buffer."""
+        for entry in self.entries.values():
+            home = entry.buffer.untyped_storage()._cdata
+            for p, index in zip(entry.members, entry.indices, strict=True):
+                if p.untyped_storage()._cdata != home:
+                    return index
+        return None
