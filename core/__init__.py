@@ -22,6 +22,7 @@ from zeroplan.core.activations import (
     activation_memory,
     dims_from_config,
 )
+from zeroplan.core.arena import StagingArena, StagingLayout, grad_shard_dtype, staging_arena, staging_layout
 from zeroplan.core.buckets import Bucket, BucketLayout, GradCopy, Piece, plan_buckets
 from zeroplan.core.comm import (
     STEP_AGREEMENT_ELEMENTS,
@@ -56,19 +57,7 @@ from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
 from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
 from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
-from zeroplan.core.peak import (
-    BackwardPeak,
-    PeakPhase,
-    StagingArena,
-    StagingLayout,
-    StepPeak,
-    backward_peak,
-    grad_shard_dtype,
-    staging_arena,
-    staging_layout,
-    step_peak,
-    step_transient,
-)
+from zeroplan.core.peak import BackwardPeak, PeakPhase, StepPeak, backward_peak, step_peak, step_transient
 from zeroplan.core.planner import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,

@@ -19,7 +19,7 @@ the facade's measured accounting can be compared with it exactly:
   layout, see ``ZeroPlan.master_in_params``), at stage 3 its shard.
 * ``optimizer_state`` — the inner optimizer's state for what the rank steps.
 * ``buffers`` — stage 0: DDP's flat bucket copy of all gradients. Otherwise the
-  gradient staging arena (see [Note: staging arena] in :mod:`zeroplan.core.peak`).
+  gradient staging arena (see [Note: staging arena] in :mod:`zeroplan.core.arena`).
 
 ``total_bytes`` sums these, all persistent. ``peak_bytes`` is what the rank
 holds at the step's peak: ``total_bytes`` plus the transient memory of the
@@ -44,12 +44,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from zeroplan.core.allocation import BufferRole, allocation
 from zeroplan.core.buckets import Bucket
 from zeroplan.core.comm import STEP_AGREEMENT_ELEMENTS, STEP_AGREEMENT_ITEMSIZE, Collective, all_reduce_send
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import require
 from zeroplan.core.hierarchy import two_hop_send
-from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, grad_shard_dtype, step_peak
+from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, step_peak
 from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.topology import Link
 
@@ -390,37 +391,30 @@ def _rank_memory(
     zp: ZeroPlan, shard_rank: int, staging: int, frozen: int, state_of: Callable[[int], int]
 ) -> _RankBytes:
     """Bytes of a shard rank by category; ``staging``: its staging arena; ``state_of``: a rank's
-    optimizer state (stages 1-3)."""
+    optimizer state (stages 1-3). Stages 1-3 sum the allocation plan ([Note: allocation plan])."""
     stage, specs = zp.stage, zp.specs
+    if stage is not Stage.DDP:
+        plan = allocation(zp, shard_rank, blocks=False)  # persistent buffers: blocks are transients
+        return _RankBytes(
+            plan.persistent_bytes(BufferRole.FULL_PARAMS, BufferRole.PARAM_SHARD) + frozen,
+            plan.persistent_bytes(BufferRole.FULL_GRADS, BufferRole.GRAD_SHARD),
+            plan.persistent_bytes(BufferRole.MASTER),
+            state_of(shard_rank),
+            staging,
+        )
     params = grads = master = state = 0
-    for space in zp.partition.spaces:
+    for space in zp.partition.spaces:  # DDP: whole parameters, gradients and fp32 masters everywhere
         isz = DTYPE_ITEMSIZE[space.dtype]
-        low = space.dtype in LOW_PRECISION
-        shard = space.shard_numel[shard_rank]
-        if stage is Stage.DDP:
-            params += space.numel * isz
-            grads += space.numel * isz
-            master += space.numel * _FP32 if low else 0
-            continue
-        full = space.buffer_numel * isz
-        params += shard * isz if stage is Stage.PARAMETERS else full
-        in_place = stage is Stage.OPTIMIZER and space.shard_is_region  # the rank's region is its shard
-        if stage is Stage.OPTIMIZER:
-            grads += full
-        if not in_place:
-            grads += shard * DTYPE_ITEMSIZE[grad_shard_dtype(zp, space)]
-        # Only bf16/fp16 parameters get a separate fp32 master: otherwise the rank steps its
-        # pieces of the full buffer in place (stages 1-2, ZeroPlan.master_in_params) or its shard (stage 3).
-        master += shard * DTYPE_ITEMSIZE[master_dtype(space.dtype)] if low else 0
-    if stage is Stage.DDP:
-        for spec in specs:
-            if spec.trainable:
-                state += zp.optimizers[spec.group].state_bytes(
-                    spec.shape, DTYPE_ITEMSIZE[master_dtype(spec.dtype)]
-                )
-        buffers = sum(space.numel * DTYPE_ITEMSIZE[space.dtype] for space in zp.partition.spaces)
-        return _RankBytes(params + frozen, grads, master, state, buffers)
-    return _RankBytes(params + frozen, grads, master, state_of(shard_rank), staging)
+        params += space.numel * isz
+        grads += space.numel * isz
+        master += space.numel * _FP32 if space.dtype in LOW_PRECISION else 0
+    for spec in specs:
+        if spec.trainable:
+            state += zp.optimizers[spec.group].state_bytes(
+                spec.shape, DTYPE_ITEMSIZE[master_dtype(spec.dtype)]
+            )
+    buffers = sum(space.numel * DTYPE_ITEMSIZE[space.dtype] for space in zp.partition.spaces)
+    return _RankBytes(params + frozen, grads, master, state, buffers)
 
 
 def _state_bytes(zp: ZeroPlan, tensors: Sequence[InnerTensor]) -> int:

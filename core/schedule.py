@@ -43,7 +43,7 @@ class ActionKind(enum.Enum):
     RETIRE = "retire"
     """Complete the oldest reduction in flight; its staging buffer's room is free again."""
     OPEN = "open"
-    """Take the staging buffer of ``bucket`` from the arena ([Note: staging arena] in ``peak``)."""
+    """Take the staging buffer of ``bucket`` from the arena ([Note: staging arena] in ``arena``)."""
     STAGE = "stage"
     """Copy ``param``'s gradient parts of ``bucket`` into its staging buffer."""
     RELEASE = "release"

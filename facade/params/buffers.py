@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from zeroplan.core import Space, Span, Stage, ZeroPlan, grad_shard_dtype, master_dtype
+from zeroplan.core import Space, Span, ZeroPlan, master_dtype
+from zeroplan.core.allocation import BufferRole, BufferSpec, allocation
 from zeroplan.facade.runtime.dtypes import torch_dtype
 
 __all__ = [
@@ -349,15 +350,15 @@ def build_flat_buffers(
     The values of every parameter are unchanged; only their storage moves.
     """
     result = []
-    for space in zp.partition.spaces:
-        dtype = torch_dtype(space.dtype)
-        full = torch.zeros(space.buffer_numel, dtype=dtype, device=device)  # padding stays zero
+    plan = allocation(zp, shard_rank)  # [Note: allocation plan] in zeroplan.core.allocation
+    for space, planned in zip(zp.partition.spaces, plan.spaces, strict=True):
+        made: dict[BufferRole, torch.Tensor] = {}
+        full = _allocate(planned[BufferRole.FULL_PARAMS], made, device)  # padding stays zero
         views = param_views(full, space, params)
         for index, view in views.items():
             view.copy_(params[index].detach())
-        grads = None
-        if zp.stage is Stage.OPTIMIZER:
-            grads = torch.zeros(space.buffer_numel, dtype=dtype, device=device)
+        grads_spec = planned.get(BufferRole.FULL_GRADS)
+        grads = None if grads_spec is None else _allocate(grads_spec, made, device)
         grad_views = param_views(grads, space, params) if grads is not None else {}
         for index, view in views.items():
             param = params[index]
@@ -367,19 +368,9 @@ def build_flat_buffers(
                 param.grad = grad_views[index]
                 if previous is not None:
                     param.grad.copy_(previous)
-        shard_numel = space.shard_numel[shard_rank]
-        if grads is not None and space.shard_is_region:
-            grad_shard = grads[space.region(shard_rank).as_slice()]  # reduced in place
-        else:
-            grad_shard = torch.zeros(
-                shard_numel, dtype=torch_dtype(grad_shard_dtype(zp, space)), device=device
-            )
-        master_type = torch_dtype(master_dtype(space.dtype))
-        master: torch.Tensor | None = None  # interleaved and in place: the pieces of ``full``
-        if not zp.master_in_params(space):
-            master = torch.zeros(shard_numel, dtype=master_type, device=device)
-        elif space.shard_is_region:
-            master = full[space.region(shard_rank).as_slice()]
+        grad_shard = _allocate(planned[BufferRole.GRAD_SHARD], made, device)  # stage 1: maybe a view
+        master_spec = planned.get(BufferRole.MASTER)  # none: interleaved and in place, the pieces of full
+        master = None if master_spec is None else _allocate(master_spec, made, device)
         buf = FlatBuffers(
             space=space,
             params=full,
@@ -392,6 +383,16 @@ def build_flat_buffers(
         buf.load_master()
         result.append(buf)
     return tuple(result)
+
+
+def _allocate(spec: BufferSpec, made: dict[BufferRole, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensor ``spec`` plans: zeros of its own, or its view of a buffer ``made`` before it."""
+    if spec.view_of is None or spec.span is None:
+        tensor = torch.zeros(spec.numel, dtype=torch_dtype(spec.dtype), device=device)
+    else:
+        tensor = made[spec.view_of][spec.span.as_slice()]
+    made[spec.role] = tensor
+    return tensor
 
 
 def _stage3_buffers(
@@ -410,15 +411,15 @@ def _stage3_buffers(
     beyond the model's own parameters, never the model twice. The parameters start sharded
     ([Note: stage 3]); the first use gathers each block.
     """
-    dtype = torch_dtype(space.dtype)
-    shard_numel = space.shard_numel[shard_rank]
-    shard = torch.zeros(shard_numel, dtype=dtype, device=device)
+    planned = allocation(zp, shard_rank).spaces[space.index]  # [Note: allocation plan]
+    made: dict[BufferRole, torch.Tensor] = {}
+    shard = _allocate(planned[BufferRole.PARAM_SHARD], made, device)
     members: dict[int, list[tuple[int, int]]] = {}
     for index, (k, local) in block_positions(space).items():
         members.setdefault(k, []).append((index, local))
     blocks = []
-    for k, block in enumerate(space.blocks):
-        buffer = torch.zeros(block.numel, dtype=dtype, device=device)
+    for k, (block, spec) in enumerate(zip(space.blocks, planned.blocks, strict=True)):
+        buffer = torch.zeros(spec.numel, dtype=torch_dtype(spec.dtype), device=device)
         for index, local in members.get(k, ()):
             param = params[index]
             view = buffer[local : local + param.numel()].view(param.shape)
@@ -432,9 +433,8 @@ def _stage3_buffers(
         buffer.untyped_storage().resize_(0)  # sharded: gathered again where it is used
         blocks.append(buffer)
     # Only now, with the parameters' old storage released: the master and the gradient shard.
-    master_type = torch_dtype(master_dtype(space.dtype))
-    master = shard if master_type == dtype else torch.zeros(shard_numel, dtype=master_type, device=device)
-    grad_shard = torch.zeros(shard_numel, dtype=torch_dtype(grad_shard_dtype(zp, space)), device=device)
+    master = _allocate(planned[BufferRole.MASTER], made, device)
+    grad_shard = _allocate(planned[BufferRole.GRAD_SHARD], made, device)
     buf = BlockBuffers(
         space=space,
         grad_shard=grad_shard,

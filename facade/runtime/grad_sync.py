@@ -129,7 +129,7 @@ class GradSync:
         self._buckets = zp.buckets.buckets
         self._layouts = [staging_layout(zp, b, groups.shard_rank) for b in self._buckets]
         self._padding = [b.padding() for b in self._buckets]
-        arena = staging_arena(zp, groups.shard_rank)  # [Note: staging arena] in zeroplan.core.peak
+        arena = staging_arena(zp, groups.shard_rank)  # [Note: staging arena] in zeroplan.core.arena
         self._offsets = arena.offsets
         self._arena = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
         self._copies: list[dict[int, list[GradCopy]]] = []

@@ -22,7 +22,7 @@ from zeroplan.core import (
     staging_layout,
     step_transient,
 )
-from zeroplan.core.peak import STAGING_ALIGNMENT, _BasePlacement, _nbytes_with, _place
+from zeroplan.core.arena import STAGING_ALIGNMENT, _BasePlacement, _nbytes_with, _place
 from zeroplan.core.schedule import ActionKind, staging_schedule
 
 
