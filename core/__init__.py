@@ -54,7 +54,7 @@ from zeroplan.core.fit import FitReport, RankFit, fit_report
 from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_gather, two_hop_send
 from zeroplan.core.implementations import Implementation, resolve_implementation
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
-from zeroplan.core.memory import CommCost, MemoryReport, RankReport, communication, memory_report
+from zeroplan.core.memory import MemoryReport, RankReport, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
 from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
 from zeroplan.core.peak import BackwardPeak, PeakPhase, StepPeak, backward_peak, step_peak, step_transient
@@ -94,6 +94,7 @@ from zeroplan.core.strategies import (
 )
 from zeroplan.core.temporaries import StepTemporaries
 from zeroplan.core.topology import Link, Topology
+from zeroplan.core.traffic import CommCost, communication
 
 __all__ = [
     "AUTO_MAX_PIECES",

@@ -47,11 +47,12 @@ from typing import Any, NamedTuple
 from zeroplan.core.comm import Collective, send_elements
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
-from zeroplan.core.memory import CommCost, MemoryReport, RankReport, memory_report
+from zeroplan.core.memory import MemoryReport, RankReport, memory_report
 from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.planner import Stage, ZeroPlan, plan
 from zeroplan.core.specs import ParamSpec, check_specs
 from zeroplan.core.topology import Topology
+from zeroplan.core.traffic import CommCost
 
 __all__ = [
     "Domain",
