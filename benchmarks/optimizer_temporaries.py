@@ -27,7 +27,7 @@ it) and every hyper-parameter variant that changes what the step allocates, it
 
 Adafactor and Muon depend on shapes: their fit uses 1-d probes (Adafactor's unfactored path) and
 (32, n/32) matrices (Muon: its 32 x 32 Gram matrices then land in ``c``); zeroplan models rows, columns
-and Gram matrices, see [Note: step temporaries] in ``zeroplan.core.temporaries``.
+and Gram matrices, see [Note: step temporaries] in ``zeroplan.core.optim.temporaries``.
 """
 
 from __future__ import annotations

@@ -15,13 +15,6 @@ group and no torch are needed::
     True
 """
 
-from zeroplan.core.activations import (
-    ActivationMemory,
-    Recompute,
-    TransformerDims,
-    activation_memory,
-    dims_from_config,
-)
 from zeroplan.core.arena import StagingArena, StagingLayout, grad_shard_dtype, staging_arena, staging_layout
 from zeroplan.core.buckets import Bucket, BucketLayout, GradCopy, Piece, plan_buckets
 from zeroplan.core.comm import (
@@ -50,12 +43,13 @@ from zeroplan.core.errors import (
     ZeroplanError,
 )
 from zeroplan.core.experts import ExpertSplit, expert_domains
-from zeroplan.core.fit import FitReport, RankFit, fit_report
 from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_gather, two_hop_send
-from zeroplan.core.implementations import Implementation, resolve_implementation
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
 from zeroplan.core.memory import MemoryReport, RankReport, memory_report
-from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
+from zeroplan.core.optim.implementations import Implementation, resolve_implementation
+from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
+from zeroplan.core.optim.step_tables import step_temporaries
+from zeroplan.core.optim.temporaries import StepTemporaries
 from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
 from zeroplan.core.peak import BackwardPeak, PeakPhase, StepPeak, backward_peak, step_peak, step_transient
 from zeroplan.core.planner import (
@@ -69,10 +63,18 @@ from zeroplan.core.planner import (
     plan,
     windows_in,
 )
-from zeroplan.core.presets import preset_dims, preset_names, preset_specs
-from zeroplan.core.recommend import Option, Recommendation, recommend, shard_sizes
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
+from zeroplan.core.sizing.activations import (
+    ActivationMemory,
+    Recompute,
+    TransformerDims,
+    activation_memory,
+    dims_from_config,
+)
+from zeroplan.core.sizing.fit import FitReport, RankFit, fit_report
+from zeroplan.core.sizing.presets import preset_dims, preset_names, preset_specs
+from zeroplan.core.sizing.recommend import Option, Recommendation, recommend, shard_sizes
 from zeroplan.core.space import Block, ShardPiece
 from zeroplan.core.span import Span
 from zeroplan.core.specs import (
@@ -82,7 +84,6 @@ from zeroplan.core.specs import (
     specs_from_module,
     specs_from_shapes,
 )
-from zeroplan.core.step_tables import step_temporaries
 from zeroplan.core.strategies import (
     PartitionStrategy,
     flat_even,
@@ -92,7 +93,6 @@ from zeroplan.core.strategies import (
     register_strategy,
     strategy_names,
 )
-from zeroplan.core.temporaries import StepTemporaries
 from zeroplan.core.topology import Link, Topology
 from zeroplan.core.traffic import CommCost, communication
 

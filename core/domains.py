@@ -48,7 +48,7 @@ from zeroplan.core.comm import Collective, send_elements
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.memory import MemoryReport, RankReport, memory_report
-from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
+from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.planner import Stage, ZeroPlan, plan
 from zeroplan.core.specs import ParamSpec, check_specs
 from zeroplan.core.topology import Topology

@@ -24,7 +24,7 @@ from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.layout import build_partition
-from zeroplan.core.optimizers import OptimizerSpec, describe_optimizer
+from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.partition import PartitionPlan
 from zeroplan.core.runs import rank_windows
 from zeroplan.core.space import Block, Space, owner_chunks

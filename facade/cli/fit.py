@@ -2,12 +2,12 @@
 
 [Note: fit options]
 ``--device-memory SIZE`` checks every rank's need against one device (see
-[Note: does it fit] in :mod:`zeroplan.core.fit`), so it needs the activations,
+[Note: does it fit] in :mod:`zeroplan.core.sizing.fit`), so it needs the activations,
 given one of two ways:
 
 * ``--seq-len N`` (with ``--micro-batch N``, default 1, and ``--recompute
   none|selective|full``, default none): the formula of [Note: activation
-  memory] (:mod:`zeroplan.core.activations`) on the model's dimensions, which
+  memory] (:mod:`zeroplan.core.sizing.activations`) on the model's dimensions, which
   a ``--preset`` or an ``--hf-config`` gives; a ``--shapes`` file does not, and
   ``--seq-len`` with it is refused;
 * ``--activation-bytes SIZE``: measured or estimated elsewhere (``0`` plans
@@ -43,7 +43,7 @@ from zeroplan.core import (
     preset_dims,
     recommend,
 )
-from zeroplan.core.fit import gib
+from zeroplan.core.sizing.fit import gib
 from zeroplan.facade.cli.model_sources import dims_from_hf_config
 
 __all__ = ["FitSettings", "add_arguments", "fit_settings", "parse_size"]

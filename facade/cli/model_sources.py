@@ -23,7 +23,7 @@ __all__ = ["dims_from_hf_config", "specs_from_hf_config", "specs_from_json", "sp
 
 
 def specs_from_preset(name: str, dtype: str) -> tuple[ParamSpec, ...]:
-    """Specs of a built-in preset (see ``zeroplan.core.presets``)."""
+    """Specs of a built-in preset (see ``zeroplan.core.sizing.presets``)."""
     return preset_specs(name, canonical_dtype(dtype))
 
 

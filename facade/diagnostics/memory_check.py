@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import ConfigError, RankReport, ZeroPlan, memory_report
-from zeroplan.core.fit import gib
-from zeroplan.core.recommend import recommend
+from zeroplan.core.sizing.fit import gib
+from zeroplan.core.sizing.recommend import recommend
 from zeroplan.facade.runtime.registry import Configured
 
 __all__ = ["check_device_memory", "device_memory_problem", "free_bytes"]

@@ -17,8 +17,8 @@ from zeroplan.core import (
     shard_sizes,
     specs_from_shapes,
 )
-from zeroplan.core.fit import gib
-from zeroplan.core.recommend import TRAFFIC_TOLERANCE
+from zeroplan.core.sizing.fit import gib
+from zeroplan.core.sizing.recommend import TRAFFIC_TOLERANCE
 
 MiB = 2**20
 

@@ -19,8 +19,8 @@ from zeroplan.core import (
     resolve_implementation,
     specs_from_shapes,
 )
-from zeroplan.core.step_tables import UNKNOWN_TEMPORARIES, step_temporaries
-from zeroplan.core.temporaries import Cost, Feature, Kind, Moment, Role, Term, Unit
+from zeroplan.core.optim.step_tables import UNKNOWN_TEMPORARIES, step_temporaries
+from zeroplan.core.optim.temporaries import Cost, Feature, Kind, Moment, Role, Term, Unit
 
 
 @pytest.mark.parametrize(

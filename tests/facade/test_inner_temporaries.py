@@ -5,7 +5,7 @@ takes 2 warm-up steps (the state exists; RAdam takes 6, to be past its un-rectif
 parameters, gradients and state with ``MemTracker`` (it counts every tensor an operator *returns*,
 ``param.add_()`` included, so unregistered inputs would count as allocations) and measures one
 ``step()``: the tracker's peak minus its total on entry. See [Note: step temporaries] in
-``zeroplan.core.temporaries``; ``benchmarks/optimizer_temporaries.py`` prints the whole table.
+``zeroplan.core.optim.temporaries``; ``benchmarks/optimizer_temporaries.py`` prints the whole table.
 
 Exact for every case but two documented bounds:
 
@@ -33,7 +33,7 @@ from torch.utils._foreach_utils import (
 )
 
 from zeroplan.core import ConfigError, Implementation, Topology, describe_optimizer, known_optimizers
-from zeroplan.core.implementations import FOREACH_DEVICES, FUSED_DEVICES
+from zeroplan.core.optim.implementations import FOREACH_DEVICES, FUSED_DEVICES
 from zeroplan.facade.diagnostics.meter import step_temporaries
 from zeroplan.facade.runtime.inputs import collect_params
 from zeroplan.facade.runtime.registry import ParamRegistry, PlanSettings

@@ -7,7 +7,7 @@ Inside ``step()`` a ``torch.optim`` optimizer allocates temporaries on top of
 its persistent state: ``-grad`` for ``maximize``, ``grad + weight_decay * param``,
 ``sqrt(exp_avg_sq)``, ... How many are alive at once depends on the optimizer,
 its hyper-parameters and the implementation (see [Note: implementation
-resolution] in :mod:`zeroplan.core.implementations`):
+resolution] in :mod:`zeroplan.core.optim.implementations`):
 
 * the *for-loop* steps one tensor at a time, so its peak follows the largest
   tensor, plus what the previous iteration still holds (Python keeps a local
@@ -24,7 +24,7 @@ times a :class:`Feature` (numel, rows, columns, ...) of the current unit, the
 previous unit or the group's largest tensor. The peak is the largest moment over
 all units.
 
-The coefficients of torch 2.13's optimizers (:mod:`zeroplan.core.step_tables`)
+The coefficients of torch 2.13's optimizers (:mod:`zeroplan.core.optim.step_tables`)
 were measured, not derived: ``benchmarks/optimizer_temporaries.py`` steps each
 optimizer under ``torch.distributed._tools.mem_tracker.MemTracker`` with the
 step's inputs and state registered beforehand, and

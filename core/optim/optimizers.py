@@ -8,8 +8,8 @@ A *non-elementwise* one (Adafactor's factored moments, Muon's orthogonalisation)
 needs whole parameters on one rank: a plan that splits parameters is refused.
 
 The temporaries of ``step()`` depend on the implementation torch runs (see
-[Note: implementation resolution] in :mod:`zeroplan.core.implementations`) and
-are described in [Note: step temporaries] (:mod:`zeroplan.core.temporaries`).
+[Note: implementation resolution] in :mod:`zeroplan.core.optim.implementations`) and
+are described in [Note: step temporaries] (:mod:`zeroplan.core.optim.temporaries`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from zeroplan.core.errors import ConfigError, check_config
-from zeroplan.core.implementations import Implementation, resolve_implementation
-from zeroplan.core.step_tables import UNKNOWN_TEMPORARIES, step_temporaries
-from zeroplan.core.temporaries import StepTemporaries
+from zeroplan.core.optim.implementations import Implementation, resolve_implementation
+from zeroplan.core.optim.step_tables import UNKNOWN_TEMPORARIES, step_temporaries
+from zeroplan.core.optim.temporaries import StepTemporaries
 
 __all__ = ["OptimizerSpec", "describe_optimizer", "known_optimizers"]
 
@@ -45,7 +45,7 @@ class OptimizerSpec:
             optimizers are treated as non-elementwise with unknown state size.
         implementation: how torch steps a param group (for-loop, foreach or fused).
         temporaries: what that step allocates beyond the state; a spec built
-            without it gets :data:`~zeroplan.core.step_tables.UNKNOWN_TEMPORARIES`,
+            without it gets :data:`~zeroplan.core.optim.step_tables.UNKNOWN_TEMPORARIES`,
             more than any torch optimizer allocates.
 
     Example:
@@ -230,7 +230,7 @@ def describe_optimizer(
 
     Raises:
         ConfigError: unknown ``name`` with ``strict``, or ``foreach``/``fused``
-            settings torch refuses (see :func:`~zeroplan.core.implementations.resolve_implementation`).
+            settings torch refuses (see :func:`~zeroplan.core.optim.implementations.resolve_implementation`).
 
     Example:
         >>> describe_optimizer("sgd", momentum=0.9).per_element

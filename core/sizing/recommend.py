@@ -1,6 +1,6 @@
 # zeroplan.core — pure planning: no torch, no I/O.
 # Which configuration is the cheapest that fits a device?
-"""The cheapest configuration that fits each rank's device (see :mod:`zeroplan.core.fit` for the fit).
+"""The cheapest configuration that fits each rank's device (see :mod:`zeroplan.core.sizing.fit` for the fit).
 
 [Note: the cheapest configuration]
 :func:`recommend` plans stages 1, 2 and 3 at every shard size that divides the
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zeroplan.core.errors import ConfigError, check_config, require
-from zeroplan.core.fit import FitReport, fit_report, gib, stage_label
-from zeroplan.core.implementations import Implementation
 from zeroplan.core.memory import memory_report
-from zeroplan.core.optimizers import describe_optimizer
+from zeroplan.core.optim.implementations import Implementation
+from zeroplan.core.optim.optimizers import describe_optimizer
 from zeroplan.core.planner import Stage, plan
+from zeroplan.core.sizing.fit import FitReport, fit_report, gib, stage_label
 from zeroplan.core.specs import ParamSpec
 from zeroplan.core.topology import Topology
 
@@ -217,9 +217,9 @@ def recommend(
         world_size: data-parallel ranks.
         device_bytes: memory of each rank's device.
         activation_bytes: activations of one rank's micro-batch (see
-            :func:`~zeroplan.core.activations.activation_memory`).
+            :func:`~zeroplan.core.sizing.activations.activation_memory`).
         optimizer: the inner optimizer's name.
-        settings: its settings (read by :func:`~zeroplan.core.optimizers.describe_optimizer`).
+        settings: its settings (read by :func:`~zeroplan.core.optim.optimizers.describe_optimizer`).
         ranks_per_node: for the topology.
         stages: the stages to assess.
         **plan_options: more arguments of :func:`~zeroplan.core.planner.plan`

@@ -1,6 +1,6 @@
 # zeroplan.core — pure planning: no torch, no I/O.
 # Does a plan fit a device once activations are added?
-"""Whether each rank fits a device, activations included (the recommender: :mod:`zeroplan.core.recommend`).
+"""Whether each rank fits a device, activations included (the recommender: ``sizing.recommend``).
 
 [Note: does it fit]
 A rank needs, at the most, the larger of two moments of a step (see [Note: the
@@ -10,7 +10,7 @@ step's peak] in :mod:`zeroplan.core.peak` for the transients):
   masters, optimizer state, staging arena) + the backward's transient
   (:attr:`~zeroplan.core.memory.RankReport.backward_transient_bytes`:
   autograd's gradients) + the activations of its micro-batch (see [Note:
-  activation memory] in :mod:`zeroplan.core.activations`). The activations are
+  activation memory] in :mod:`zeroplan.core.sizing.activations`). The activations are
   all alive when the backward starts and are freed layer by layer as it goes,
   while the transient may peak anywhere in it: adding both is an upper bound
   (the forward, persistent + activations, is below it).

@@ -9,7 +9,7 @@ up to names of tied weights (GPT-2's ``lm_head`` is tied to ``wte`` and appears
 once).
 
 :func:`preset_dims` gives the dimensions the activations depend on (see
-:mod:`zeroplan.core.activations`), from the same architecture values.
+:mod:`zeroplan.core.sizing.activations`), from the same architecture values.
 
 Example:
     >>> specs = preset_specs("gpt2")
@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from zeroplan.core.activations import TransformerDims
 from zeroplan.core.errors import ConfigError
+from zeroplan.core.sizing.activations import TransformerDims
 from zeroplan.core.specs import ParamSpec
 
 __all__ = ["PRESETS", "preset_dims", "preset_names", "preset_specs"]

@@ -1,6 +1,6 @@
 # zeroplan.core — pure planning: no torch, no I/O.
 # torch 2.13's step temporaries per optimizer, hyper-parameters and implementation, as measured.
-"""The tables of [Note: step temporaries] (:mod:`zeroplan.core.temporaries`) for torch 2.13.
+"""The tables of [Note: step temporaries] (:mod:`zeroplan.core.optim.temporaries`) for torch 2.13.
 
 Each entry was fitted to ``MemTracker`` measurements by
 ``benchmarks/optimizer_temporaries.py``, read against torch's source to name
@@ -10,8 +10,8 @@ what each moment holds, and is checked against the measurement by
 
 from __future__ import annotations
 
-from zeroplan.core.implementations import Implementation
-from zeroplan.core.temporaries import Cost, Feature, Kind, Moment, Role, StepTemporaries, Term, Unit
+from zeroplan.core.optim.implementations import Implementation
+from zeroplan.core.optim.temporaries import Cost, Feature, Kind, Moment, Role, StepTemporaries, Term, Unit
 
 __all__ = ["UNKNOWN_TEMPORARIES", "step_temporaries"]
 
