@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -253,18 +253,19 @@ class JointStep:
         """``clipping``, or by default whether the last completed step clipped."""
         return self.data.lifecycle.last.clipped if clipping is None else clipping
 
-    def memory_reports(self, positions: dict[int, int], clipping: bool | None) -> DomainsReport:
-        """Every domain's planned report, the joint calls as ``controls`` (``positions``: group by id)."""
+    def memory_reports(self, param_groups: Sequence[dict[str, Any]], clipping: bool | None) -> DomainsReport:
+        """Every domain's planned report, the joint calls as ``controls`` (``param_groups``: the user's)."""
         clipped = self.clipped(clipping)
         controls = int(clipped) + int(self.data.installed.zp.loss_scaling) if self.joint else 0
         return DomainsReport(
-            domains=self.domain_plans(positions).domains,
+            domains=self.domain_plans(param_groups).domains,
             reports=tuple(d.memory_report(clipped and not self.joint) for d in self.domains),
             controls=controls,
         )
 
-    def domain_plans(self, positions: dict[int, int]) -> DomainPlans:
-        """Every domain's plan with its param groups' positions (``positions``: by group ``id``)."""
+    def domain_plans(self, param_groups: Sequence[dict[str, Any]]) -> DomainPlans:
+        """Every domain's plan with its param groups' positions among the user's ``param_groups``."""
+        positions = {id(g): i for i, g in enumerate(param_groups)}
         return DomainPlans(
             domains=tuple(
                 CoreDomain(
@@ -299,6 +300,26 @@ class JointStep:
         )
         for domain, (registry, zp) in zip(self.domains, planned, strict=True):
             domain.adopt(registry, zp)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, multiplied by the loss scale when scaling is on."""
+        if self.data.installed.zp.loss_scaling:
+            loss = loss * self.loss_scale
+        loss.backward(**kwargs)
+
+    def add_param_group(
+        self,
+        param_group: Any,
+        register: Callable[[dict[str, Any]], None],
+        param_groups: Sequence[dict[str, Any]],
+    ) -> None:
+        """Plan ``param_group`` into its domain (agreed by every rank), ``register`` it as
+        ``torch.optim`` does (it lands last in ``param_groups``), then the domain adopts it."""
+        domain, (registry, zp, group) = self.plan_group(param_group)
+        new = registry.params[len(domain.registry.params) :]
+        extra = {} if domain is self.data else {"process_group": domain.world}
+        register({**group, **extra, "params": list(new)})
+        domain.adopt_group(registry, zp, param_groups[-1])
 
     def plan_group(self, param_group: Any) -> tuple[Domain, tuple[ParamRegistry, ZeroPlan, dict[str, Any]]]:
         """The domain a new param group joins (by its ``process_group``) and its plan with the group.
@@ -356,3 +377,9 @@ _INSTEAD = {
     "shards()": "consolidated state dicts hold one plan and no rank holds every expert; save with "
     "zeroplan.facade.checkpoint.save(opt, path) or opt.state_dict() on every rank",
 }
+
+NO_DEEPCOPY = (
+    "a ZeroOptimizer cannot be deep-copied: it holds process groups, hooks on the model's parameters "
+    "and the flat buffers they view. Copy its state instead (opt.state_dict(), or "
+    "zeroplan.facade.checkpoint) and build a new ZeroOptimizer over the copied model"
+)

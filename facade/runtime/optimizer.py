@@ -32,12 +32,10 @@ from zeroplan.facade.checkpoint.consolidate import consolidated_state_dict
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory
 from zeroplan.facade.params.buffers import SpaceBuffers
 from zeroplan.facade.runtime import construction
-from zeroplan.facade.runtime.domain import (
-    Domain,
-    ExecutionOptions,
-)
+from zeroplan.facade.runtime.domain import Domain, ExecutionOptions
 from zeroplan.facade.runtime.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.runtime.installed import Installed
+from zeroplan.facade.runtime.joint import NO_DEEPCOPY
 from zeroplan.facade.runtime.lifecycle import StepLifecycle
 from zeroplan.facade.state import domains as domain_states
 from zeroplan.facade.state.dicts import Shards
@@ -210,9 +208,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------ training API
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, multiplied by the loss scale when scaling is on."""
-        if self._data.installed.zp.loss_scaling:
-            loss = loss * self.loss_scale
-        loss.backward(**kwargs)
+        self._joint.backward(loss, **kwargs)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Context in which backward accumulates gradients locally, without reduction."""
@@ -314,14 +310,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         what :meth:`last_step_comm` measures (with several domains the clipping
         norm and the overflow verdict are one all-reduce each over the world).
         """
-        return self._joint.memory_reports(self._positions(), clipping)
+        return self._joint.memory_reports(self.param_groups, clipping)
 
     def domain_plans(self) -> DomainPlans:
         """Every domain's plan, with the user's group positions (pure value)."""
-        return self._joint.domain_plans(self._positions())
-
-    def _positions(self) -> dict[int, int]:
-        return {id(g): i for i, g in enumerate(self.param_groups)}
+        return self._joint.domain_plans(self.param_groups)
 
     def domain_positions(self) -> tuple[int, ...]:
         """This rank's position in each domain's process group (what ``memory_reports().rank`` takes)."""
@@ -333,7 +326,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Raises:
             ConfigError: always; copy the state instead.
         """
-        raise ConfigError(_NO_DEEPCOPY)
+        raise ConfigError(NO_DEEPCOPY)
 
     def wait_for_params(self) -> None:
         """Complete the last step's parameter gathers (before reading parameters outside a forward)."""
@@ -454,15 +447,4 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._initialized:  # torch.optim.Optimizer.__init__ adds the first groups
             super().add_param_group(param_group)
             return
-        domain, (registry, zp, group) = self._joint.plan_group(param_group)
-        new = registry.params[len(domain.registry.params) :]
-        extra = {} if domain is self._data else {"process_group": domain.world}
-        super().add_param_group({**group, **extra, "params": list(new)})
-        domain.adopt_group(registry, zp, self.param_groups[-1])
-
-
-_NO_DEEPCOPY = (
-    "a ZeroOptimizer cannot be deep-copied: it holds process groups, hooks on the model's parameters "
-    "and the flat buffers they view. Copy its state instead (opt.state_dict(), or "
-    "zeroplan.facade.checkpoint) and build a new ZeroOptimizer over the copied model"
-)
+        self._joint.add_param_group(param_group, super().add_param_group, self.param_groups)
