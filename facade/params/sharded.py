@@ -1,8 +1,9 @@
 """Stage 3: parameters held as shards, gathered block by block around forward and backward.
 
-This module decides *when* blocks move (module hooks, gradient hooks, the end of backward, the step)
-and implements the residency protocol ([Note: residency]); the blocks' states and moves are
-``params.blocks``, the saved-tensor hooks ``params.saved_tensors``.
+This module is the residency ([Note: residency]) and decides when blocks move in backward (gradient
+hooks, saved tensors brought back, the end of backward) and at the step; the blocks' states and
+moves are ``params.blocks``, the forward's module hooks ``params.module_hooks``, the saved-tensor
+hooks ``params.saved_tensors``.
 
 [Note: stage 3]
 Between steps a rank holds only its shard of every parameter (``BlockBuffers.shard``);
@@ -65,7 +66,6 @@ import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import Any
 
 import torch
 
@@ -73,6 +73,7 @@ from zeroplan.core import ZeroPlan
 from zeroplan.facade.params import saved_tensors
 from zeroplan.facade.params.blocks import OWNERS, BlockKey, BlockTable
 from zeroplan.facade.params.buffers import BlockBuffers
+from zeroplan.facade.params.module_hooks import ForwardHooks, in_backward
 from zeroplan.facade.params.saved_tensors import SavedView
 from zeroplan.facade.runtime.collectives import CommLog
 from zeroplan.facade.runtime.groups import ProcessGroups
@@ -126,17 +127,18 @@ class ShardedParams:
             params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method))
             for index in sorted(managed)
         ]
-        self._modules: dict[int, list[BlockKey]] = {}  # id(module) -> blocks of its own parameters
-        self._users: dict[BlockKey, set[int]] = {}  # block -> modules holding its parameters
-        self._handles: list[Any] = []
-        self._forward_depth = 0
-        self._opened_by: list[int] = []  # modules that opened a forward of their own (called directly)
         self._hold = 0  # gathered_params() blocks: nothing is freed until it exits
         self._backward_queued = False
-        self._saved: contextlib.ExitStack | None = None
         self._peers = Peers()
         self.join(peers if peers is not None else Peers())  # [Note: several sharded domains]
-        self._reset_pass()
+        self._hooks = ForwardHooks(
+            self._blocks,
+            reshard_after_forward=reshard_after_forward,
+            may_free=self._may_free,
+            begin_pass=self._begin_pass,
+            saved_tensor_hooks=self._saved_tensor_hooks,
+        )
+        self._begin_pass()
 
     def join(self, peers: Peers) -> None:
         """Recognise the blocks of ``peers`` (the other domains' instances) in saved tensors, and be seen."""
@@ -213,21 +215,7 @@ class ShardedParams:
     # ------------------------------------------------------------- attaching
     def attach(self, model: torch.nn.Module) -> None:
         """Hook ``model``'s modules (see [Note: stage 3]); replaces an earlier attachment."""
-        self.detach()
-        root = model.register_forward_pre_hook(self._begin_forward, prepend=True)
-        self._handles.append(root)
-        for module in model.modules():
-            keys = sorted(
-                {k for p in module.parameters(recurse=False) if (k := self._blocks.key_of(p)) is not None}
-            )
-            if not keys:
-                continue
-            self._modules[id(module)] = keys
-            for key in keys:
-                self._users.setdefault(key, set()).add(id(module))
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
-        self._handles.append(model.register_forward_hook(self._end_forward, always_call=True))
+        self._hooks.attach(model)
 
     def retire(self) -> None:
         """Let go of the parameters for good (re-planning installed another plan over them)."""
@@ -243,96 +231,39 @@ class ShardedParams:
 
     def detach(self) -> None:
         """Remove the hooks of :meth:`attach`."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._modules = {}
-        self._users = {}
+        self._hooks.detach()
 
     @property
     def attached(self) -> bool:
         """Whether a model is attached."""
-        return bool(self._handles)
+        return self._hooks.attached
 
     def gathering_allowed(self) -> bool:
         """Whether a sharded parameter may gather on use: inside the attached forward, or a backward."""
-        return self._forward_depth > 0 or _in_backward()
+        return self._hooks.in_forward or in_backward()
 
     def gather_param(self, param: torch.Tensor) -> None:
         """Gather ``param``'s block now (used outside its modules); kept until the forward ends."""
         key = self._blocks.key_of(param)
         if key is not None:
             self._blocks.ensure(key)
-            self._pinned.add(key)
+            self._hooks.pin(key)
 
-    def _reset_pass(self) -> None:
-        self._done: set[int] = set()
-        self._running: dict[int, int] = {}
-        self._visited_forward: set[BlockKey] = set()
+    def _begin_pass(self) -> None:
+        """A new forward began: forget the last backward's progress."""
         self._visited_backward: set[BlockKey] = set()
         self._arrived: dict[BlockKey, int] = {}
-        self._pinned: set[BlockKey] = set()
 
-    def _begin_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if self._forward_depth == 0:
-            self._reset_pass()
-            stack = contextlib.ExitStack()
-            pack = partial(saved_tensors.pack, self, self._peers.members)
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, saved_tensors.unpack))
-            self._saved = stack
-        self._forward_depth += 1
-
-    def _end_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._forward_depth == 0:  # a pre-hook before ours raised: this forward never began
-            return
-        self._forward_depth -= 1
-        if self._forward_depth:
-            return
-        if self._saved is not None:
-            self._saved.close()
-            self._saved = None
-        if self.reshard_after_forward and self._hold == 0 and not _in_backward():
-            self.shard_all()
-        self._pinned = set()
-
-    def _enter(self, module: torch.nn.Module, args: Any) -> None:
-        if self._forward_depth == 0 and not _in_backward():  # a submodule called on its own
-            self._begin_forward(module, args)
-            self._opened_by.append(id(module))
-        keys = self._modules.get(id(module), ())
-        for key in keys:
-            self._visited_forward.add(key)
-            self._blocks.ensure(key)
-        if keys:
-            self._blocks.prefetch(keys[-1], 1, self._visited_forward)
-        self._running[id(module)] = self._running.get(id(module), 0) + 1
-
-    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._running[id(module)] = self._running.get(id(module), 1) - 1
-        self._done.add(id(module))
-        # In backward (activation checkpointing recomputes forwards) blocks wait for their gradients.
-        if self.reshard_after_forward and self._hold == 0 and not _in_backward():
-            self._free_finished(module)
-        if self._opened_by and self._opened_by[-1] == id(module) and self._running[id(module)] == 0:
-            self._opened_by.pop()
-            self._end_forward(module, args, output)
-
-    def _free_finished(self, module: torch.nn.Module) -> None:
-        """Free the blocks of ``module`` whose every module has run (and none runs now)."""
-        for key in self._modules.get(id(module), ()):
-            users = self._users.get(key, set())
-            if (
-                key not in self._pinned
-                and users <= self._done
-                and not any(self._running.get(u) for u in users)
-            ):
-                self._blocks.free(key)
+    def _saved_tensor_hooks(self) -> contextlib.AbstractContextManager[None]:
+        """The saved-tensor hooks of the attached forward ([Note: several sharded domains])."""
+        pack = partial(saved_tensors.pack, self, self._peers.members)
+        return torch.autograd.graph.saved_tensors_hooks(pack, saved_tensors.unpack)
 
     # ------------------------------------------------------------- backward
     def view_of(self, tensor: torch.Tensor, storage: int, *, own: bool) -> SavedView | None:
         """A saved view of ``tensor`` if it views one of this instance's blocks (a peer's: only while
         this instance's own forward is open, [Note: several sharded domains])."""
-        key = self._blocks.key_of_storage(storage) if own or self._forward_depth > 0 else None
+        key = self._blocks.key_of_storage(storage) if own or self._hooks.in_forward else None
         return None if key is None else SavedView(tensor, self._blocks.entries[key], self)
 
     def bring_back(self, packed: SavedView) -> torch.Tensor:
@@ -360,13 +291,13 @@ class ShardedParams:
 
     def _queue_end_of_backward(self) -> None:
         """Once per backward: free what is still gathered when it ends (a parameter got no gradient)."""
-        if not self._backward_queued and _in_backward():
+        if not self._backward_queued and in_backward():
             self._backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         self._backward_queued = False
-        if self._hold == 0 and self._forward_depth == 0:
+        if self._hold == 0 and not self._hooks.in_forward:
             self.shard_all()
 
     @contextlib.contextmanager
@@ -393,11 +324,6 @@ class ShardedParams:
             self._hold -= 1
             if self._hold == 0:
                 self.shard_all()
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _call_weakly(method: weakref.WeakMethod, param: torch.Tensor) -> None:

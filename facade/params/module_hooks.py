@@ -1,0 +1,154 @@
+"""Stage 3's module hooks: a forward gathers the blocks each module uses and frees them after.
+
+:class:`ForwardHooks` registers hooks on the attached model ([Note: stage 3] in ``params.sharded``)
+and keeps the forward pass's state: which modules ran and run, which blocks were visited (for the
+prefetch) or pinned (used outside their modules), and the saved-tensor hooks in force while the
+forward is open. It moves blocks only through ``BlockTable``; whether a block may be freed now
+(``gathered_params`` holds them) and what a new pass resets beyond the forward are its residency's
+(``may_free``, ``begin_pass``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zeroplan.facade.params.blocks import BlockKey, BlockTable
+
+__all__ = ["ForwardHooks", "in_backward"]
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class ForwardHooks:
+    """The attached model's forward hooks over one ``BlockTable`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        blocks: BlockTable,
+        *,
+        reshard_after_forward: bool,
+        may_free: Callable[[], bool],
+        begin_pass: Callable[[], None],
+        saved_tensor_hooks: Callable[[], contextlib.AbstractContextManager[None]],
+    ) -> None:
+        self._blocks = blocks
+        self.reshard_after_forward = reshard_after_forward
+        self._may_free = may_free
+        self._begin_pass = begin_pass
+        self._saved_tensor_hooks = saved_tensor_hooks
+        self._modules: dict[int, list[BlockKey]] = {}  # id(module) -> blocks of its own parameters
+        self._users: dict[BlockKey, set[int]] = {}  # block -> modules holding its parameters
+        self._handles: list[Any] = []
+        self._depth = 0
+        self._opened_by: list[int] = []  # modules that opened a forward of their own (called directly)
+        self._saved: contextlib.ExitStack | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._done: set[int] = set()
+        self._running: dict[int, int] = {}
+        self._visited: set[BlockKey] = set()
+        self._pinned: set[BlockKey] = set()
+
+    # ------------------------------------------------------------------ attaching
+    def attach(self, model: torch.nn.Module) -> None:
+        """Hook ``model``'s modules; replaces an earlier attachment."""
+        self.detach()
+        self._handles.append(model.register_forward_pre_hook(self._begin, prepend=True))
+        for module in model.modules():
+            keys = sorted(
+                {k for p in module.parameters(recurse=False) if (k := self._blocks.key_of(p)) is not None}
+            )
+            if not keys:
+                continue
+            self._modules[id(module)] = keys
+            for key in keys:
+                self._users.setdefault(key, set()).add(id(module))
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+        self._handles.append(model.register_forward_hook(self._end, always_call=True))
+
+    def detach(self) -> None:
+        """Remove the hooks of :meth:`attach`."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._modules = {}
+        self._users = {}
+
+    @property
+    def attached(self) -> bool:
+        """Whether a model is attached."""
+        return bool(self._handles)
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether the attached forward (or a module called on its own) is running."""
+        return self._depth > 0
+
+    def pin(self, key: BlockKey) -> None:
+        """Keep block ``key`` gathered until the forward ends (a parameter used outside its modules)."""
+        self._pinned.add(key)
+
+    # ------------------------------------------------------------------ the hooks
+    def _begin(self, module: torch.nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self._reset()
+            self._begin_pass()
+            stack = contextlib.ExitStack()
+            stack.enter_context(self._saved_tensor_hooks())
+            self._saved = stack
+        self._depth += 1
+
+    def _end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._depth == 0:  # a pre-hook before ours raised: this forward never began
+            return
+        self._depth -= 1
+        if self._depth:
+            return
+        if self._saved is not None:
+            self._saved.close()
+            self._saved = None
+        if self.reshard_after_forward and self._may_free() and not in_backward():
+            self._blocks.shard_all()
+        self._pinned = set()
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        if self._depth == 0 and not in_backward():  # a submodule called on its own
+            self._begin(module, args)
+            self._opened_by.append(id(module))
+        keys = self._modules.get(id(module), ())
+        for key in keys:
+            self._visited.add(key)
+            self._blocks.ensure(key)
+        if keys:
+            self._blocks.prefetch(keys[-1], 1, self._visited)
+        self._running[id(module)] = self._running.get(id(module), 0) + 1
+
+    def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._running[id(module)] = self._running.get(id(module), 1) - 1
+        self._done.add(id(module))
+        # In backward (activation checkpointing recomputes forwards) blocks wait for their gradients.
+        if self.reshard_after_forward and self._may_free() and not in_backward():
+            self._free_finished(module)
+        if self._opened_by and self._opened_by[-1] == id(module) and self._running[id(module)] == 0:
+            self._opened_by.pop()
+            self._end(module, args, output)
+
+    def _free_finished(self, module: torch.nn.Module) -> None:
+        """Free the blocks of ``module`` whose every module has run (and none runs now)."""
+        for key in self._modules.get(id(module), ()):
+            users = self._users.get(key, set())
+            if (
+                key not in self._pinned
+                and users <= self._done
+                and not any(self._running.get(u) for u in users)
+            ):
+                self._blocks.free(key)
