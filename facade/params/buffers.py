@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from zeroplan.core import Space, Span, ZeroPlan, master_dtype
-from zeroplan.core.allocation import BufferRole, BufferSpec, allocation
+from zeroplan.core.allocation import BufferRole, BufferSpec, SpaceAllocation, allocation
 from zeroplan.facade.runtime.dtypes import torch_dtype
 
 __all__ = [
@@ -338,8 +338,11 @@ def build_block_buffers(
     ``settle_block`` is called on each block once its parameters' values are in it, before the
     rank's piece is kept and the block freed (construction broadcasts rank 0's values there).
     """
-    spaces = zp.partition.spaces
-    return tuple(_stage3_buffers(zp, space, params, shard_rank, device, settle_block) for space in spaces)
+    plan = allocation(zp, shard_rank)  # [Note: allocation plan] in zeroplan.core.allocation
+    return tuple(
+        _stage3_buffers(space, planned, params, shard_rank, device, settle_block)
+        for space, planned in zip(zp.partition.spaces, plan.spaces, strict=True)
+    )
 
 
 def build_flat_buffers(
@@ -396,8 +399,8 @@ def _allocate(spec: BufferSpec, made: dict[BufferRole, torch.Tensor], device: to
 
 
 def _stage3_buffers(
-    zp: ZeroPlan,
     space: Space,
+    planned: SpaceAllocation,
     params: Sequence[torch.Tensor],
     shard_rank: int,
     device: torch.device,
@@ -411,7 +414,6 @@ def _stage3_buffers(
     beyond the model's own parameters, never the model twice. The parameters start sharded
     ([Note: stage 3]); the first use gathers each block.
     """
-    planned = allocation(zp, shard_rank).spaces[space.index]  # [Note: allocation plan]
     made: dict[BufferRole, torch.Tensor] = {}
     shard = _allocate(planned[BufferRole.PARAM_SHARD], made, device)
     members: dict[int, list[tuple[int, int]]] = {}

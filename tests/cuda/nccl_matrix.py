@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 import torch.distributed as dist
 
@@ -206,26 +207,21 @@ def _consolidate(opt: ZeroOptimizer, model: torch.nn.Module, device: torch.devic
     """``consolidated_state_dict()``: where its tensors live and what it adds to the GPU's peak."""
     if device.type != "cuda":
         state = opt.consolidated_state_dict()
-        return {"devices": sorted({str(t.device) for t in _tensors(state)})}
+        return {"devices": sorted({str(t.device) for t in tensors_of(state)})}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     state = opt.consolidated_state_dict()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    devices = sorted({str(t.device) for t in _tensors(state)})
+    devices = sorted({str(t.device) for t in tensors_of(state)})
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"devices": devices, "gpu_peak_bytes": peak, "param_bytes": param_bytes}
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors(v)]
-    return []
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    """Every tensor in a (state-dict) tree."""
+    return [leaf for leaf in optree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 def main(port: int, name: str, on: str) -> dict[str, Any]:

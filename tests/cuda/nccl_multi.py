@@ -60,8 +60,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from nccl_matrix import SyncCounter, _tensors
+from nccl_matrix import SyncCounter, tensors_of
 from torch import nn
+from world2_overlap import Stall, sleep_cycles
 
 from zeroplan.facade import ZeroOptimizer
 from zeroplan.facade import checkpoint as ckpt
@@ -423,7 +424,7 @@ def run(name: str, rank: int, world: int, device: torch.device) -> dict[str, Any
 
 
 def state_tensors(opt: ZeroOptimizer) -> list[torch.Tensor]:
-    return [t.detach().clone() for t in _tensors(opt.state_dict())]
+    return [t.detach().clone() for t in tensors_of(opt.state_dict())]
 
 
 def checkpoint_round_trip(opt: ZeroOptimizer, s: Setup, rank: int, world: int) -> dict[str, bool]:
@@ -466,7 +467,7 @@ def consolidate(opt: ZeroOptimizer, model: nn.Module, device: torch.device) -> d
         out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated() - before
         out["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     if state is not None:
-        out["devices"] = sorted({str(t.device) for t in _tensors(state)})
+        out["devices"] = sorted({str(t.device) for t in tensors_of(state)})
         out["entries"] = len(state["state"])
     # A plain dict, sliced by every rank back into the same plan: the optimizer state is unchanged.
     before_state = state_tensors(opt)
@@ -510,7 +511,7 @@ class Probe:
         self.launches: list[str] = []
         self.first: Any = None
         self.stall_record: dict[str, Any] = {}
-        self.cycles = _sleep_cycles(STALL_S) if self.cuda else 0
+        self.cycles = sleep_cycles(STALL_S) if self.cuda else 0
         for fn in REDUCTIONS:
             setattr(dist, fn, self._wrap(fn, getattr(dist, fn)))
 
@@ -560,39 +561,6 @@ class Probe:
             "launched_in_backward": len(self.launches),
             "kinds": sorted(set(self.launches)),
         }
-
-
-def _sleep_cycles(seconds: float) -> int:
-    """GPU clock cycles ``torch.cuda._sleep`` spins for about ``seconds``."""
-    probe = 50_000_000
-    torch.cuda._sleep(1000)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(probe)
-    end.record()
-    end.synchronize()
-    return int(probe * seconds * 1e3 / start.elapsed_time(end))
-
-
-class _StallFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, probe: Probe) -> torch.Tensor:
-        ctx.probe = probe
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.probe.stall()
-        return grad, None
-
-
-class Stall(nn.Module):
-    def __init__(self, probe: Probe) -> None:
-        super().__init__()
-        self.probe = probe
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _StallFn.apply(x, self.probe)
 
 
 def overlap(cfg: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, Any] | None:

@@ -70,7 +70,7 @@ class Probe:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.cycles = _sleep_cycles(STALL_S) if self.cuda else 0
+        self.cycles = sleep_cycles(STALL_S) if self.cuda else 0
         self.armed = False
         self._reset()
 
@@ -156,7 +156,7 @@ class Probe:
         }
 
 
-def _sleep_cycles(seconds: float) -> int:
+def sleep_cycles(seconds: float) -> int:
     """GPU clock cycles that ``torch.cuda._sleep`` spins for about ``seconds`` on this device."""
     probe = 50_000_000
     torch.cuda._sleep(1000)  # load the kernel
