@@ -11,7 +11,7 @@
 # time, then the overlap probe alone (it times backward against reductions, so nothing shares the
 # GPU with it), then the multi-GPU NCCL tests one at a time (each takes up to four GPUs; skipped
 # with fewer than two). Files written: env.txt, suite.log, suite.xml, overlap.log, multi.log,
-# multi.xml, results.tgz (each scenario's measurements as JSON), demo.txt, gpu_step.txt,
+# multi.xml, sanitizer.log, results.tgz (each scenario's measurements as JSON), demo.txt, gpu_step.txt,
 # gpu_step.json, profile.txt.
 set -u
 OUT=${OUT:-$PWD/gpu-results}
@@ -50,6 +50,15 @@ timeout "${MULTI_S:-600}" $PY -m pytest tests/cuda/test_nccl_multi.py -rA -q --j
 echo "multi-GPU rc=$?"; tail -n 20 "$OUT/multi.log"
 timeout 60 $PY tests/cuda/retire_probe.py 29591 >"$ZEROPLAN_CUDA_OUT/retire-probe.json" 2>"$ZEROPLAN_CUDA_OUT/retire-probe.err"
 echo "retire probe rc=$?"; cat "$ZEROPLAN_CUDA_OUT/retire-probe.json"
+# CUDA's stream sanitizer (CSAN) over the configurations that use side streams: it reports a kernel
+# reading or writing a tensor another stream may still be using without an event between them.
+for cfg in stage2-bf16 stage1-bf16-rank-major stage2-fp16-dynamic-scale stage3-bf16 stage3-bf16-clip-checkpoint; do
+    TORCH_CUDA_SANITIZER=1 timeout "${SANITIZER_S:-120}" $PY tests/cuda/nccl_matrix.py 29593 "$cfg" \
+        >/tmp/zeroplan-csan.log 2>&1
+    rc=$?
+    cat /tmp/zeroplan-csan.log >>"$OUT/sanitizer.log"
+    echo "sanitizer $cfg rc=$rc races=$(grep -c 'CSAN detected' /tmp/zeroplan-csan.log)" | tee -a "$OUT/sanitizer.log"
+done
 tar -czf "$OUT/results.tgz" -C "$ZEROPLAN_CUDA_OUT" . 2>/dev/null
 # The demo as a user starts it, on one GPU (one rank: NCCL needs a GPU per rank), stages 2 and 3.
 for stage in 2 3; do

@@ -31,6 +31,8 @@ CONFIGS = [
     {"stage": 2, "dtype": "bf16", "hyper": {"lr": 1e-3, "fused": True}},
     {"stage": 2, "dtype": "bf16", "hyper": {"lr": 1e-3, "foreach": True}},
     {"stage": 1, "dtype": "bf16", "hyper": {"lr": 1e-3, "foreach": True}},
+    {"stage": 3, "dtype": "fp32", "hyper": {"lr": 1e-3, "foreach": True}},
+    {"stage": 3, "dtype": "bf16", "hyper": {"lr": 1e-3, "fused": True}},
 ]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -104,6 +106,8 @@ def measure(config: dict[str, object], device: torch.device) -> dict[str, object
         bucket_bytes=WIDTH * WIDTH,
         **config["hyper"],  # type: ignore[arg-type]
     )
+    if config["stage"] == 3:
+        opt.attach(model)  # one block per Linear: the forward gathers each in turn
     x = torch.randn(BATCH, WIDTH, device=device, dtype=dtype)
 
     def step() -> None:
