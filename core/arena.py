@@ -59,12 +59,18 @@ class StagingLayout(NamedTuple):
             copied (cast) into the shard. ``None``: straight into the shard.
         received: under a point-to-point exchange (the ``GLOO`` policy, see
             [Note: collective policy]), room for the pieces the other ``N - 1``
-            ranks send this rank, in their rank order; ``None`` otherwise.
+            ranks send this rank, in their rank order; in deterministic mode
+            ([Note: deterministic mode]) for all ``N`` pieces, the rank's own
+            included, added there in rank order; ``None`` otherwise.
+        gathered: deterministic mode with replicas (MiCS): room for the ``R``
+            replicas' sums of the piece, gathered and added there in replica
+            order; ``None`` otherwise.
     """
 
     numel: int
     reduced: Span | None
     received: Span | None = None
+    gathered: Span | None = None
 
 
 class StagingArena(NamedTuple):
@@ -104,7 +110,7 @@ def staging_layout(zp: ZeroPlan, bucket: Bucket, shard_rank: int) -> StagingLayo
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
         >>> zp = plan(specs_from_shapes([(64,)], dtype="bfloat16"), Topology(world_size=2), alignment=8)
         >>> staging_layout(zp, zp.buckets.buckets[0], 1)   # 64 gradients, then the rank's 32
-        StagingLayout(numel=96, reduced=Span(start=64, stop=96), received=None)
+        StagingLayout(numel=96, reduced=Span(start=64, stop=96), received=None, gathered=None)
     """
     return _piece_layout(zp, bucket, bucket.piece_of(shard_rank))
 
@@ -113,6 +119,8 @@ def _piece_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece | None) -> StagingL
     """:func:`staging_layout` of the rank that receives ``piece`` (``None``: a rank without one)."""
     if piece is None:
         return StagingLayout(bucket.numel, None)
+    if zp.deterministic:
+        return _deterministic_layout(zp, bucket, piece)
     space = zp.partition.spaces[bucket.space]
     cast = grad_shard_dtype(zp, space) != space.dtype
     if zp.exchanges(bucket.collective):
@@ -125,6 +133,20 @@ def _piece_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece | None) -> StagingL
         tail = Span(bucket.numel, bucket.numel + piece.shard_span.numel)
         return StagingLayout(tail.stop, tail)
     return StagingLayout(bucket.numel, piece.staging_span)
+
+
+def _deterministic_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece) -> StagingLayout:
+    """Rooms for every shard rank's copy of ``piece``, then every replica's sum of it ([Note:
+    deterministic mode]); the sum is written (cast) into the gradient shard from there."""
+    numel, end = piece.shard_span.numel, bucket.numel
+    n, r = zp.topology.shard_size, zp.topology.replica_size
+    if numel == 0:
+        return StagingLayout(end, None)
+    received = Span(end, end + n * numel) if n > 1 else None
+    end = received.stop if received is not None else end
+    gathered = Span(end, end + r * numel) if r > 1 else None
+    end = gathered.stop if gathered is not None else end
+    return StagingLayout(end, None, received, gathered)
 
 
 def _room_after(zp: ZeroPlan, bucket: Bucket) -> bool:

@@ -76,6 +76,9 @@ class Collective(str, Enum):
     """Uneven pieces gathered by one broadcast from each owning rank."""
     ALL_REDUCE = "all_reduce"
     """Sum of the whole payload on every rank."""
+    ALL_TO_ALL = "all_to_all"
+    """Each rank sends every peer the peer's piece; the receiver adds them in rank order
+    (deterministic mode, [Note: deterministic mode]): a reduce-scatter's bytes."""
 
     def __str__(self) -> str:
         return self.value
@@ -118,7 +121,9 @@ class CollectivePolicy(str, Enum):
 
 
 #: Collectives where rank ``r`` sends ``total - pieces[r]``.
-REDUCING = frozenset({Collective.REDUCE_SCATTER, Collective.REDUCE_SCATTER_V, Collective.REDUCE})
+REDUCING = frozenset(
+    {Collective.REDUCE_SCATTER, Collective.REDUCE_SCATTER_V, Collective.REDUCE, Collective.ALL_TO_ALL}
+)
 #: Collectives where rank ``r`` sends ``total - pieces[(r + 1) % N]``.
 GATHERING = frozenset({Collective.ALL_GATHER, Collective.BROADCAST})
 

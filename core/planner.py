@@ -18,8 +18,9 @@ from enum import IntEnum
 from itertools import groupby, pairwise
 from typing import NamedTuple
 
-from zeroplan.core.buckets import BucketLayout, plan_buckets
+from zeroplan.core.buckets import Bucket, BucketLayout, plan_buckets
 from zeroplan.core.comm import Collective, CollectivePolicy
+from zeroplan.core.deterministic import check_power_of_two
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
@@ -152,6 +153,8 @@ class ZeroPlan:
             overflow all-reduce per step).
         max_inflight_buckets: buckets whose staging buffers may be alive at
             once: the number of persistent staging arena ([Note: staging arena]).
+        deterministic: sums in canonical orders ([Note: deterministic mode]):
+            buckets are exchanged and added in rank order, replicas gathered.
 
     Raises:
         ConfigError: inconsistent settings, or a parameter-splitting plan for
@@ -165,6 +168,7 @@ class ZeroPlan:
     optimizers: tuple[OptimizerSpec, ...]
     loss_scaling: bool = False
     max_inflight_buckets: int = 2
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         check_config(self.stage in tuple(Stage), f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
@@ -187,6 +191,16 @@ class ZeroPlan:
             type(self.max_inflight_buckets) is int and self.max_inflight_buckets >= 1,
             f"max_inflight_buckets must be an int >= 1, got {self.max_inflight_buckets!r}",
         )
+        check_config(
+            type(self.deterministic) is bool, f"deterministic must be a bool, got {self.deterministic!r}"
+        )
+        if self.deterministic:
+            check_config(
+                self.stage is not Stage.DDP,
+                "deterministic=True needs stage 1, 2 or 3 (stage 0 all-reduces whole gradients in ring "
+                "order); stage 1 holds the same memory",
+            )
+            check_power_of_two("world size", self.topology.world_size)
         if self.partition.splits_params and not self.elementwise:
             split = next(s for s in self.partition.specs if len(self.partition.fragments[s.index]) > 1)
             raise ConfigError(
@@ -235,6 +249,17 @@ class ZeroPlan:
         (see [Note: collective policy]).
         """
         return block.gather
+
+    def reduce_collective(self, bucket: Bucket) -> Collective:
+        """How ``bucket``'s gradients are summed over the shard group: its own collective, or in
+        deterministic mode an exchange added in rank order ([Note: deterministic mode])."""
+        return Collective.ALL_TO_ALL if self.deterministic else bucket.collective
+
+    @property
+    def replica_collective(self) -> Collective:
+        """How a reduced piece is summed over the replica group (MiCS): an all-reduce, or in
+        deterministic mode an all-gather added in replica order ([Note: deterministic mode])."""
+        return Collective.ALL_GATHER if self.deterministic else Collective.ALL_REDUCE
 
     def exchanges(self, collective: Collective) -> bool:
         """Whether ``collective`` runs as a point-to-point exchange (see [Note: collective policy])."""
@@ -405,6 +430,7 @@ class ZeroPlan:
                 tuple((o.name, o.elementwise, o.per_element, o.scalars, o.factored) for o in self.optimizers),
                 self.loss_scaling,
                 self.max_inflight_buckets,
+                *(["deterministic"] if self.deterministic else []),  # default plans keep their digest
             ],
         )
 
@@ -427,6 +453,7 @@ def plan(
     max_inflight_buckets: int = 2,
     policy: CollectivePolicy | str = CollectivePolicy.MIN_BYTES,
     layout: str = "auto",
+    deterministic: bool = False,
 ) -> ZeroPlan:
     """Plan a sharded optimizer for ``specs`` on ``topology``.
 
@@ -445,6 +472,8 @@ def plan(
             [Note: layout] and [Note: interleaved layout]. ``"auto"`` is rank-major at
             stage 1 (in-place reduction into the full gradient buffer) and interleaved
             otherwise (unless the pieces would be too many).
+        deterministic: sum in canonical orders, bit-identical at any world size
+            ([Note: deterministic mode]).
 
     Raises:
         ConfigError: any argument is invalid (the message says how to fix it).
@@ -485,4 +514,5 @@ def plan(
         optimizers=optimizers,
         loss_scaling=loss_scaling,
         max_inflight_buckets=max_inflight_buckets,
+        deterministic=deterministic,
     )

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from zeroplan.core.buckets import Bucket
 from zeroplan.core.comm import STEP_AGREEMENT_ELEMENTS, STEP_AGREEMENT_ITEMSIZE, Collective, all_reduce_send
+from zeroplan.core.deterministic import EXACT_NORM_ELEMENTS, NORM_LIMBS
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE
 from zeroplan.core.hierarchy import two_hop_send
 from zeroplan.core.planner import Stage, ZeroPlan
@@ -143,7 +144,11 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
 
         world_reduced: list[_SizedBucket] = []  # GLOO policy: buckets all-reduced over the world group
         for b, isz in sized:
-            if b.collective is Collective.ALL_REDUCE:
+            if zp.deterministic:  # every bucket exchanged, all-to-all ([Note: deterministic mode])
+                row = account(Collective.ALL_TO_ALL, b.numel * isz, 1)
+                for rank, numel in b.piece_numels():  # a rank does not send its own piece
+                    row[rank] += numel * isz
+            elif b.collective is Collective.ALL_REDUCE:
                 world_reduced.append(_SizedBucket(b, isz))
             elif b.collective is Collective.REDUCE_SCATTER:  # equal pieces: every rank keeps as much
                 account(b.collective, b.numel * isz, 1)
@@ -175,6 +180,11 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
         every_rank: Counter[_Elements] = Counter()
         if r > 1:
             for b, isz in sized:
+                if zp.deterministic:  # each non-empty piece's sum gathered over the replicas
+                    for rank, numel in b.piece_numels():
+                        if numel:
+                            piece_sizes[rank][_Elements(numel, isz)] += 1
+                    continue
                 if b.collective is Collective.ALL_REDUCE:
                     continue  # already summed over the replicas too
                 if b.collective is Collective.REDUCE_SCATTER:
@@ -196,6 +206,10 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
             replica_link = topo.replica_link(w)
             mine = piece_sizes[s] + every_rank if every_rank else piece_sizes[s]
             for (numel, isz), count in mine.items():
+                if zp.deterministic:
+                    nbytes = count * (r - 1) * numel * isz
+                    tally.add(w, "replica", Collective.ALL_GATHER, replica_link, nbytes, count)
+                    continue
                 nbytes = count * all_reduce_send(numel, r, g) * isz
                 tally.add(w, "replica", Collective.ALL_REDUCE, replica_link, nbytes, count)
     controls = int(zp.loss_scaling) + int(clipping)
@@ -205,7 +219,12 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
                 group, size, position, link = "world", world, w, topo.world_link
             else:
                 group, size, position, link = "shard", n, topo.shard_rank(w), topo.shard_link(w)
-            if size > 1:
+            if size > 1 and zp.deterministic and clipping:  # the exact norm: a max, then limbs
+                nbytes = int(zp.loss_scaling) * all_reduce_send(1, size, position) * _FP32
+                nbytes += all_reduce_send(EXACT_NORM_ELEMENTS, size, position) * 8
+                nbytes += all_reduce_send(NORM_LIMBS, size, position) * 8
+                tally.add(w, group, Collective.ALL_REDUCE, link, nbytes, controls + 1)
+            elif size > 1:
                 nbytes = controls * all_reduce_send(1, size, position) * _FP32
                 tally.add(w, group, Collective.ALL_REDUCE, link, nbytes, controls)
     if zp.stage is not Stage.DDP and world > 1:  # the step agreement ([Note: control calls])

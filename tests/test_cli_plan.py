@@ -47,6 +47,7 @@ def expected_report(
         bucket_bytes=int(kwargs.get("bucket_mb", 25.0) * 2**20),
         loss_scaling=kwargs.get("loss_scaling", False),
         layout=kwargs.get("layout", "auto"),
+        deterministic=kwargs.get("deterministic", False),
     )
     return zp, memory_report(zp)
 
@@ -125,6 +126,10 @@ def test_table_rows_are_capped():
             ["--preset", "mixtral-8x7b", "--world", "8", "--stage", "0", "--dtype", "fp32"],
             {"world": 8, "stage": 0, "dtype": "fp32", "preset": "mixtral-8x7b"},
         ),
+        (  # deterministic mode: all-to-all exchanges, replica gathers, room for every piece
+            ["--preset", "gpt2", "--world", "8", "--shard-size", "4", "--deterministic"],
+            {"world": 8, "shard": 4, "deterministic": True, "preset": "gpt2"},
+        ),
     ],
 )
 def test_json_document_matches_the_in_process_report(args, settings):
@@ -137,6 +142,7 @@ def test_json_document_matches_the_in_process_report(args, settings):
     check_document(document, report)
     assert document["buckets"] == len(zp.buckets.buckets)
     assert document["strategy"] == zp.partition.strategy
+    assert document["deterministic"] == zp.deterministic
 
 
 def test_json_defaults():

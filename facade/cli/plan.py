@@ -83,6 +83,12 @@ def register(sub: Any) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket cap in MiB (default 25)")
     p.add_argument("--alignment", type=int, default=128, help="alignment in elements (default 128)")
     p.add_argument("--loss-scaling", action="store_true", help="plan the fp16 overflow check")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="plan deterministic mode: buckets exchanged all-to-all and added in rank order, replica "
+        "sums gathered, the exact clip norm (a power-of-two world)",
+    )
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON document")
     p.add_argument("--rows", type=int, default=16, help="most rank rows in the table (default 16)")
     p.add_argument(
@@ -107,6 +113,7 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
         "bucket_bytes": max(1, int(args.bucket_mb * 2**20)),
         "loss_scaling": args.loss_scaling,
         "layout": args.layout,
+        "deterministic": args.deterministic,
     }
 
 
@@ -150,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
             buckets=len(zp.buckets.buckets),
             layout=zp.partition.layout,
             layout_requested=args.layout,
+            deterministic=zp.deterministic,
             splits_params=zp.partition.splits_params,
             planning_seconds=round(elapsed, 4),
         )
@@ -158,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return status
     layout = zp.partition.layout + (" (auto)" if args.layout == "auto" else "")
+    layout += ", deterministic" if zp.deterministic else ""
     _print_table(
         report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), layout, elapsed, args.rows, fit
     )

@@ -99,10 +99,12 @@ from zeroplan.core import (
     CommCost,
     Link,
     Space,
+    StagingLayout,
     ZeroPlan,
     send_elements,
     two_hop_gather,
 )
+from zeroplan.core.deterministic import tree_steps
 from zeroplan.facade.runtime.groups import ProcessGroups
 
 __all__ = [
@@ -467,6 +469,86 @@ def _start_exchange_gather(
     peers = [q for q in range(n) if q != s]
     sends = [(q, places[s]) for q in peers]
     return _start_exchange(sends, [(q, places[q]) for q in peers], groups.shard, _GATHER_TAG)
+
+
+def start_canonical_reduce(
+    staging: torch.Tensor,
+    output: torch.Tensor | None,
+    bucket: Bucket,
+    layout: StagingLayout,
+    groups: ProcessGroups,
+    log: CommLog,
+) -> Pending:
+    """Deterministic mode's reduction of one bucket ([Note: deterministic mode] in ``zeroplan.core``).
+
+    One ``all_to_all_single`` gives this rank every shard rank's copy of its
+    piece, in rank order, in ``layout.received``; on completion they are added
+    as a binary tree (:func:`~zeroplan.core.deterministic.tree_steps`), then,
+    with replicas (MiCS), the replicas' sums are all-gathered into
+    ``layout.gathered`` and added the same way, and the sum is written (cast)
+    into ``output``. Every rank takes part even when it owns no piece.
+    """
+    n, s = groups.topology.shard_size, groups.shard_rank
+    sizes = list(bucket.piece_sizes(n))
+    grads = staging[: bucket.numel]
+    piece = bucket.piece_of(s)
+    own = grads[piece.staging_span.as_slice()] if piece is not None else grads[:0]
+    room = None if layout.received is None else staging[layout.received.as_slice()]
+    pending = None
+    if n > 1:  # a rank without a piece (or an empty one) sends and receives nothing back
+        log.record("shard", Collective.ALL_TO_ALL, sizes, s, staging.element_size(), link=groups.shard_link)
+        received = room if room is not None else grads.new_empty(0)
+        exchange = partial(
+            dist.all_to_all_single,
+            output_split_sizes=[received.numel() // n] * n,
+            input_split_sizes=sizes,
+            group=groups.shard,
+            async_op=True,
+        )
+        pending = _start(exchange, received, grads)
+    gathered = None if layout.gathered is None else staging[layout.gathered.as_slice()]
+    finish = partial(_canonical_sum, pending, own, room, gathered, output, groups, log)
+    return Pending(None, after=finish)
+
+
+def _canonical_sum(
+    pending: Pending | None,
+    own: torch.Tensor,
+    room: torch.Tensor | None,
+    gathered: torch.Tensor | None,
+    output: torch.Tensor | None,
+    groups: ProcessGroups,
+    log: CommLog,
+) -> None:
+    """Wait for the exchange, add the pieces in rank order, then the replicas' sums in replica order."""
+    if pending is not None:
+        pending.finish(home_waits=False)  # the bucket's completion decides which streams wait
+    if output is None or own.numel() == 0:
+        return
+    total = own if room is None else _tree_sum(room, groups.topology.shard_size)
+    if gathered is not None:
+        r = groups.topology.replica_size
+        log.record(
+            "replica",
+            Collective.ALL_GATHER,
+            [own.numel()] * r,
+            groups.replica_rank,
+            own.element_size(),
+            link=groups.replica_link,
+        )
+        _start(partial(dist.all_gather_single, group=groups.replica, async_op=True), gathered, total).finish(
+            home_waits=False
+        )
+        total = _tree_sum(gathered, r)
+    output.copy_(total)
+
+
+def _tree_sum(slots: torch.Tensor, n: int) -> torch.Tensor:
+    """Add ``n`` equal slots of ``slots`` as a binary tree in slot order; the sum is slot 0."""
+    parts = slots.chunk(n)
+    for a, b in tree_steps(n):
+        parts[a].add_(parts[b])
+    return parts[0]
 
 
 def start_replica_reduce(piece: torch.Tensor, groups: ProcessGroups, log: CommLog) -> Pending:

@@ -85,6 +85,7 @@ class Request:
     collectives: str
     overlap_grad_reduce: bool
     strict_memory: bool
+    deterministic: bool = False
 
     def configure(self, item: DomainInput, first: bool) -> Configured:
         """Validate the request for one domain (shard groups and nodes are the data domain's only)."""
@@ -103,6 +104,7 @@ class Request:
             collectives=self.collectives,
             layout=self.layout,
             ranks_per_node=self.ranks_per_node if first else None,
+            deterministic=self.deterministic,
         )
 
 
@@ -142,6 +144,12 @@ def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> 
     def make() -> tuple[ZeroPlan, list[dict[str, Any]]]:
         if split_problem is not None:
             raise split_problem
+        if request.deterministic and len(inputs) > 1:
+            raise ConfigError(
+                "deterministic=True does not support expert groups (param groups with their own "
+                "process_group) yet: their sums have no canonical order across groups; use "
+                "deterministic=False, or one data-parallel group"
+            )
         configured[:], plans[:] = [], []
         for d, item in enumerate(inputs):
             c = request.configure(item, first=d == 0)
@@ -204,9 +212,17 @@ def check_transport(zp: ZeroPlan, backend: str, devices: set[str]) -> None:
     and 2 (all-reduces, and broadcasts of chunks: [Note: gather blocks] in ``zeroplan.core.planner``)
     need no exchange and run on gloo with CUDA tensors too.
 
+    Deterministic mode's all-to-all ([Note: deterministic mode] in ``zeroplan.core``) runs on NCCL,
+    and on gloo for CPU tensors only.
+
     Raises:
         ConfigError: the plan exchanges on another backend than gloo, or CUDA tensors over gloo.
     """
+    if zp.deterministic and zp.topology.shard_size > 1 and backend == "gloo" and devices - {"cpu"}:
+        raise ConfigError(
+            f"deterministic=True exchanges gradients with all_to_all, which gloo carries for CPU tensors "
+            f"only, and the parameters are on {sorted(devices - {'cpu'})}: use backend='nccl' for GPU tensors"
+        )
     exchanged = any(zp.exchanges(b.collective) for b in zp.buckets.buckets) or any(
         zp.exchanges(zp.gather_collective(block))
         for space in zp.partition.spaces

@@ -72,6 +72,7 @@ from zeroplan.core import (
 )
 from zeroplan.core.schedule import Action, ActionKind, staging_schedule
 from zeroplan.facade.params.buffers import SpaceBuffers, param_views
+from zeroplan.facade.runtime.accumulation import MicroBatchSums
 from zeroplan.facade.runtime.collectives import (
     CommLog,
     Pending,
@@ -80,6 +81,7 @@ from zeroplan.facade.runtime.collectives import (
     mark_side_stream,
     on_side_stream,
     start_bucket_reduce,
+    start_canonical_reduce,
     start_replica_reduce,
     wait_for_mark,
 )
@@ -145,6 +147,9 @@ class GradSync:
                     raise RuntimeError("stage 1 needs full gradient buffers")
                 self._grad_views.update(param_views(buf.grads, buf.space, params))
         self._trainable = sorted(zp.trainable_indices)
+        self._sums = MicroBatchSums() if zp.deterministic else None  # [Note: deterministic mode]
+        self.uneven_micro_batches: int | None = None
+        """Deterministic mode: a count of this step's micro-batches that is not a power of two."""
         self.last_arrivals: tuple[int, ...] | None = None
         """The order the last reduced step's gradients arrived in (``memory_report(arrivals=...)``)."""
         # The hooks hold the sync weakly: a dropped optimizer must not keep reducing gradients
@@ -171,6 +176,9 @@ class GradSync:
                     pending.finish()
             join_side_stream(self._arena.device)
         self._ready = [False] * len(self._zp.specs)
+        if self._sums is not None:
+            self._sums.reset()
+        self.uneven_micro_batches = None
         self._arrivals: list[int] = []
         self._schedule = staging_schedule(self._zp, overlap=self._overlap)  # [Note: staging schedule]
         next(self._schedule)
@@ -194,11 +202,18 @@ class GradSync:
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         if param.grad is not None and param.grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
             param.grad = param.grad.to_dense()  # buckets are dense; the update is the same
+        if self._sums is not None:  # [Note: deterministic mode]: the tree, not autograd, adds
+            reduce_now = self._admit(self._names[index])
+            self._sums.add(index, param.grad)
+            param.grad = None
+            if not reduce_now:
+                return
+            self._take_root(index, self._sums.passes)
         view = self._grad_views.get(index)
         if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
             param.grad = view
-        if not self._admit(self._names[index]):
+        if self._sums is None and not self._admit(self._names[index]):
             return  # no_sync(): accumulate locally
         if self._ready[index]:
             raise StepOrderError(
@@ -209,6 +224,26 @@ class GradSync:
         self._ready[index] = True
         self._arrivals.append(index)
         self._carry_out(self._schedule.send(index))
+
+    def _take_root(self, index: int, micro_batches: int) -> None:
+        """``.grad`` of parameter ``index`` becomes its micro-batch tree's sum (deterministic mode).
+
+        A count that is not a power of two has no canonical tree: the partial
+        sums are still added (the collectives go on, nothing hangs) and the
+        step agreement raises on every rank.
+        """
+        assert self._sums is not None
+        try:
+            grad = self._sums.root(index, micro_batches)
+        except ValueError:
+            self.uneven_micro_batches = micro_batches
+            grad = self._sums.root(index, 1 << (micro_batches - 1).bit_length())
+        param = self._params[index]
+        param.grad = grad
+        view = self._grad_views.get(index)
+        if view is not None and grad is not None:
+            view.copy_(grad)
+            param.grad = view
 
     # ------------------------------------------------------------- staging
     def _carry_out(self, actions: list[Action]) -> None:
@@ -269,12 +304,19 @@ class GradSync:
         piece = bucket.piece_of(self._groups.shard_rank)
         output = buf.grad_shard[piece.shard_span.as_slice()] if piece is not None else None
         layout = self._layouts[b]
+        if self._zp.deterministic:  # [Note: deterministic mode]
+            pending = start_canonical_reduce(staging, output, bucket, layout, self._groups, self._log)
+            self._launched(b, _InFlight(bucket, staging, pending, None, output))
+            return
         reduced = output if layout.reduced is None else staging[layout.reduced.as_slice()]
         grads = staging[: bucket.numel]
         received = None if layout.received is None else staging[layout.received.as_slice()]
         pending = start_bucket_reduce(grads, reduced, bucket, self._groups, self._log, received)
+        self._launched(b, _InFlight(bucket, staging, pending, reduced, output))
+
+    def _launched(self, b: int, entry: _InFlight) -> None:
         del self._open[b]  # only now: a launch that raised leaves it open, for reset() to drop
-        self._inflight.append(_InFlight(bucket, staging, pending, reduced, output))
+        self._inflight.append(entry)
         self._next += 1
         if self._grad_views and self._next == len(self._buckets):
             self._written = self._grad_versions()  # stage 1: see written_back()
@@ -314,6 +356,11 @@ class GradSync:
         accumulated under ``no_sync()`` but untouched by the last backward are
         reduced as they are.
         """
+        if self._sums is not None:  # gradients of earlier micro-batches only: their trees end here
+            passes = self._sums.passes
+            for index in self._trainable:
+                if not self._ready[index]:
+                    self._take_root(index, passes)
         self._carry_out(self._schedule.send(None))
         with on_side_stream(self._arena.device):  # rule 1 of [Note: streams]
             for pending in self._replica:
@@ -350,6 +397,8 @@ class GradSync:
         At stage 1 with ``set_to_none=False`` the gradient buffers are zeroed and
         the trainable parameters' ``.grad`` stay (or become again) views of them.
         """
+        # Deterministic mode: autograd must hand each micro-batch's gradient over, never add it.
+        set_to_none = set_to_none or self._sums is not None
         keep_views = not set_to_none and bool(self._grad_views)
         if keep_views:
             for buf in self._buffers:

@@ -118,7 +118,10 @@ class JointStep:
 
     def context(self, domain: Domain) -> StepContext:
         """What a step of ``domain`` needs: the one loss scale and the data-parallel divisor."""
-        return domain.context(self.loss_scale, self.data.settings.topology.world_size)
+        zp = self.data.installed.zp
+        scaled_by_world = zp.deterministic and zp.loss_scaling  # backward() divided the loss already
+        world = 1 if scaled_by_world else self.data.settings.topology.world_size
+        return domain.context(self.loss_scale, world)
 
     # ------------------------------------------------------------ a step's calls
     @contextlib.contextmanager
@@ -302,9 +305,17 @@ class JointStep:
             domain.adopt(registry, zp)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, multiplied by the loss scale when scaling is on."""
-        if self.data.installed.zp.loss_scaling:
-            loss = loss * self.loss_scale
+        """``loss.backward()``, multiplied by the loss scale when scaling is on.
+
+        In deterministic mode the scale is divided by the world, so the backward
+        computes exactly the world-1 run's values (fp16 gradients that are
+        subnormal there are here too), and the divisor leaves the world out
+        (:meth:`context`, [Note: deterministic mode]).
+        """
+        zp = self.data.installed.zp
+        if zp.loss_scaling:
+            world = zp.topology.world_size if zp.deterministic else 1
+            loss = loss * (self.loss_scale / world)
         loss.backward(**kwargs)
 
     def add_param_group(

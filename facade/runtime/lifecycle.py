@@ -48,6 +48,7 @@ import contextlib
 import enum
 import math
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -62,6 +63,7 @@ from zeroplan.facade.runtime.collectives import (
     start_space_gather,
     to_device,
 )
+from zeroplan.facade.runtime.exact_norm import exact_norm
 from zeroplan.facade.runtime.inner import hyperparameter_digest, sync_hyperparameters
 from zeroplan.facade.runtime.installed import Installed
 
@@ -243,6 +245,15 @@ class StepLifecycle:
         This rank's part (:meth:`local_norm`) combined over the shard group by
         one scalar all-reduce, logged in ``log`` (a throwaway log for inspection).
         """
+        if inst.zp.deterministic and norm_type != math.inf:  # [Note: deterministic mode]
+            parts = [grad[: buf.extent] for grad, buf in zip(self.master_grads, inst.buffers, strict=True)]
+            return exact_norm(
+                parts,
+                norm_type,
+                inst.device,
+                partial(all_reduce_shard, op=dist.ReduceOp.MAX, groups=inst.groups, log=log),
+                partial(all_reduce_shard, op=dist.ReduceOp.SUM, groups=inst.groups, log=log),
+            )
         local = self.local_norm(inst, norm_type)
         all_reduce_shard(local, norm_op(norm_type), inst.groups, log)
         return finish_norm(local, norm_type)
@@ -365,6 +376,8 @@ class _Local(NamedTuple):
 
     detached: int | None
     rewritten: int | None
+    uneven: int | None = None
+    """Deterministic mode: this rank's count of micro-batches, when it is not a power of two."""
 
 
 VERDICT_LENGTH = 5
@@ -380,9 +393,10 @@ def _start_agreement(inst: Installed, ctx: StepContext, log: CommLog) -> tuple[t
     ([Note: control calls] in ``zeroplan.core.comm``). The integers travel to
     the device without a host sync (``to_device``).
     """
-    local = _Local(inst.detached(ctx.params), inst.sync.written_back())
+    local = _Local(inst.detached(ctx.params), inst.sync.written_back(), inst.sync.uneven_micro_batches)
     digest = hyperparameter_digest(ctx.param_groups)
-    values = [int(local.detached is not None), int(local.rewritten is not None), digest, -digest]
+    astray = local.detached is not None or local.uneven is not None
+    values = [int(astray), int(local.rewritten is not None), digest, -digest]
     flags = to_device(values, torch.int64, inst.device)
     all_reduce_world(flags, dist.ReduceOp.MAX, inst.groups, log)
     return flags, local
@@ -398,7 +412,14 @@ def _averaged(buf: SpaceBuffers, divisor: float) -> torch.Tensor:
 def _check_agreement(ctx: StepContext, call: str, local: _Local, flags: Sequence[int]) -> None:
     """Raise unless no rank's gradients or parameters went astray and all share settings (every rank
     reads the same ``flags``, so every rank raises alike)."""
-    detached, rewritten = local
+    detached, rewritten, uneven = local
+    if uneven is not None:
+        raise ConfigError(
+            f"{call}: deterministic=True, but this rank ran {uneven} backward passes in this step: "
+            "each rank must run a power of two of micro-batches (G/W of the G canonical ones, "
+            "no_sync() around all but the last), whose sums form whole subtrees of the canonical "
+            "tree ([Note: deterministic mode]); nothing was changed"
+        )
     if detached is not None:
         raise ConfigError(
             f"{call}: parameter {ctx.names[detached]!r} no longer shares storage with the optimizer's flat "
@@ -423,8 +444,9 @@ def _check_agreement(ctx: StepContext, call: str, local: _Local, flags: Sequence
         )
     if flags[0] > 0 or flags[1] > 0:
         raise ConfigError(
-            f"{call}: another rank has a parameter detached from the optimizer's flat buffer or a gradient "
-            "written back after the reduction; see the error on that rank"
+            f"{call}: another rank has a parameter detached from the optimizer's flat buffer, a gradient "
+            "written back after the reduction, or (deterministic=True) a count of micro-batches that is "
+            "not a power of two; see the error on that rank"
         )
     if flags[2] != -flags[3]:
         raise ConfigError(

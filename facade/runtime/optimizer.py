@@ -88,6 +88,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             all-reduced / broadcast) or ``"auto"`` (by backend); see
             [Note: collective policy] in ``zeroplan.core.comm``.
         strict_memory: raise, not warn, when the planned peak does not fit the GPU.
+        deterministic: results bit-identical at any world size, stage, layout and
+            bucket size, for canonical micro-batches ([Note: deterministic mode] in
+            ``zeroplan.core.deterministic``): a power-of-two world, sums in fixed
+            orders, an exact clip norm.
         **optimizer_defaults: hyper-parameters of the inner optimizer (``lr``, ...).
 
     Raises:
@@ -123,6 +127,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         max_inflight_buckets: int = 2,
         collectives: str = "auto",
         strict_memory: bool = False,
+        deterministic: bool = False,
         **optimizer_defaults: Any,
     ) -> None:
         self._initialized = False
@@ -143,6 +148,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             collectives=collectives,
             overlap_grad_reduce=overlap_grad_reduce,
             strict_memory=strict_memory,
+            deterministic=deterministic,
         )
         agreed = construction.agree(params, world, request)
         # Nothing below can fail for a user reason: state changes start here.

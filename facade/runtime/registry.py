@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import ConfigError, ParamSpec, Topology, ZeroPlan, describe_optimizer, plan
+from zeroplan.core.errors import ConfigTypeError
 from zeroplan.facade.runtime.inner import check_hyperparameters, check_keywords
 from zeroplan.facade.runtime.inputs import ParamList, collect_params, describe_params
 
@@ -121,6 +122,7 @@ class PlanSettings:
     max_inflight_buckets: int
     policy: str
     layout: str = "auto"
+    deterministic: bool = False
 
     @property
     def optimizer_name(self) -> str:
@@ -146,6 +148,7 @@ class PlanSettings:
             "max_inflight_buckets": self.max_inflight_buckets,
             "policy": self.policy,
             "layout": self.layout,
+            "deterministic": self.deterministic,
         }
 
 
@@ -181,6 +184,7 @@ def configure(
     collectives: str,
     layout: str = "auto",
     ranks_per_node: int | None = None,
+    deterministic: bool = False,
 ) -> Configured:
     """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
 
@@ -202,6 +206,8 @@ def configure(
         raise ConfigError(f"shard_group_size must be an int >= 1, got {shard_group_size!r}")
     if ranks_per_node is not None and (type(ranks_per_node) is not int or ranks_per_node < 1):
         raise ConfigError(f"ranks_per_node must be an int >= 1 or None, got {ranks_per_node!r}")
+    if type(deterministic) is not bool:
+        raise ConfigTypeError(f"deterministic must be True or False, got {deterministic!r}")
     world_size = dist.get_world_size(world)
     if collectives == "auto":
         collectives = "gloo" if dist.get_backend(world) == "gloo" else "min_bytes"
@@ -218,6 +224,7 @@ def configure(
         max_inflight_buckets=max_inflight_buckets,
         policy=collectives,
         layout=layout,
+        deterministic=deterministic,
     )
     return Configured(mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs))
 

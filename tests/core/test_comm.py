@@ -57,5 +57,5 @@ def test_collectives_print_as_their_names():
 
 
 def test_an_unknown_collective_is_a_config_error_naming_it():
-    with pytest.raises(ConfigError, match="unknown collective 'all_to_all'"):
-        send_elements("all_to_all", [1, 2], 0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="unknown collective 'scatter_gather'"):
+        send_elements("scatter_gather", [1, 2], 0)  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from zeroplan.core import (
     staging_layout,
     step_transient,
 )
-from zeroplan.core.arena import STAGING_ALIGNMENT, _BasePlacement, _nbytes_with, _place
+from zeroplan.core.arena import STAGING_ALIGNMENT, StagingLayout, _BasePlacement, _nbytes_with, _place
 from zeroplan.core.schedule import ActionKind, staging_schedule
 
 
@@ -87,21 +87,21 @@ def test_bf16_stage_2_stages_room_for_the_reduced_piece():
     zp = _plan([(512,)], dtype="bf16", bucket_bytes=2**20, policy="min_bytes")
     (bucket,) = zp.buckets.buckets
     assert [staging_layout(zp, bucket, r) for r in (0, 1)] == [
-        (512 + 256, Span(512, 768), None),
-        (512 + 256, Span(512, 768), None),
+        StagingLayout(512 + 256, Span(512, 768), None),
+        StagingLayout(512 + 256, Span(512, 768), None),
     ]
     # Under the GLOO policy equal pieces are exchanged: room for the peer's piece after the
     # gradients, and the sum lands in the rank's own window (never sent), then is cast.
     gloo = _plan([(512,)], dtype="bf16", bucket_bytes=2**20, policy="gloo")
     assert [staging_layout(gloo, gloo.buckets.buckets[0], r) for r in (0, 1)] == [
-        (768, Span(0, 256), Span(512, 768)),
-        (768, Span(256, 512), Span(512, 768)),
+        StagingLayout(768, Span(0, 256), Span(512, 768)),
+        StagingLayout(768, Span(256, 512), Span(512, 768)),
     ]
     # ... and uneven pieces are all-reduced over the world, each rank keeping its piece in place.
     uneven = _plan([(256,)] * 4, dtype="bf16", bucket_bytes=512, policy="gloo", layout="rank_major")
     whole = uneven.buckets.buckets[0]  # rank 1's alone
     assert whole.collective is Collective.ALL_REDUCE
-    assert staging_layout(uneven, whole, 1) == (256, Span(0, 256), None)
+    assert staging_layout(uneven, whole, 1) == StagingLayout(256, Span(0, 256), None)
     # fp32 gradients are reduced straight into the fp32 shard; stage 1 into its own region.
     assert staging_layout(_plan([(512,)]), _plan([(512,)]).buckets.buckets[0], 1).reduced is None
     stage1 = _plan([(512,)], dtype="bf16", stage=1)

@@ -26,6 +26,7 @@ def measured_vs_planned(rank: int, world: int, cfg: dict[str, Any]) -> dict[str,
         strategy=cfg.get("strategy", "auto"),
         loss_scale="dynamic" if dtype == torch.float16 else None,
         collectives=cfg.get("collectives", "auto"),
+        deterministic=cfg.get("deterministic", False),
     )
     clip = cfg.get("clip", False)
     for step in range(2):

@@ -15,6 +15,12 @@ BASE = [
     (4, {"stage": 2, "strategy": "greedy_whole", "bucket_bytes": 4096}),
 ]
 CASES = [(world, {**cfg, "collectives": c}) for world, cfg in BASE for c in ("gloo", "min_bytes")]
+# Deterministic mode ([Note: deterministic mode]): all-to-all exchanges, replica gathers, the exact norm.
+CASES += [
+    (4, {"stage": 2, "shard": 2, "dtype": "bf16", "clip": True, "deterministic": True}),
+    (2, {"stage": 1, "deterministic": True, "clip": True}),
+    (4, {"stage": 2, "strategy": "greedy_whole", "bucket_bytes": 4096, "deterministic": True}),
+]
 
 
 @pytest.mark.parametrize(("world", "cfg"), CASES)

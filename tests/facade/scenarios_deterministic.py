@@ -1,0 +1,98 @@
+"""Deterministic mode: canonical micro-batches on W ranks, the final state's exact bits for rank 0."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from factory import make_optimizer
+from models import DTYPES, batch, loss_of, make_model
+
+from zeroplan.facade import ZeroOptimizer
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    """sha256 of the tensors' bytes, in order (the same digest only for the same bits)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().to("cpu", copy=True).reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _state_tensors(opt: ZeroOptimizer) -> list[torch.Tensor]:
+    """Every tensor of the consolidated optimizer state (masters included), in a fixed order."""
+    state = opt.consolidated_state_dict(None)
+    assert state is not None
+    out: list[torch.Tensor] = []
+    for index in sorted(state["state"]):
+        entry = state["state"][index]
+        out += [entry[k] for k in sorted(entry) if isinstance(entry[k], torch.Tensor)]
+    return out
+
+
+def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg["steps"]`` steps over ``cfg["G"]`` canonical micro-batches; digests of the final state.
+
+    Rank ``r`` runs micro-batches ``r*G/W .. (r+1)*G/W - 1`` with ``no_sync()``
+    around all but its last backward, each loss divided by the G/W it runs.
+    """
+    dtype = DTYPES[cfg.get("dtype", "fp32")]
+    model = make_model(dtype=dtype)
+    settings = {
+        k: cfg[k]
+        for k in ("layout", "overlap_grad_reduce", "overlap_param_gather", "collectives", "strategy")
+        if k in cfg
+    }
+    opt = make_optimizer(
+        model,
+        hyper={"lr": 3e-3, "weight_decay": 0.1, "betas": (0.9, 0.95)},
+        stage=cfg.get("stage", 2),
+        shard=cfg.get("shard"),
+        bucket_bytes=cfg.get("bucket_bytes", 2048),
+        loss_scale="dynamic" if dtype == torch.float16 else None,
+        deterministic=cfg.get("deterministic", True),
+        **settings,
+    )
+    if cfg.get("stage", 2) == 3:
+        opt.attach(model)
+    G = cfg.get("G", 4)
+    mine = G // world
+    norms, scales = [], []
+    for step in range(cfg.get("steps", 3)):
+        for k in range(rank * mine, (rank + 1) * mine):
+            loss = loss_of(model, *batch(step, k, size=2)) / mine
+            if cfg.get("fp16_overflow_step") == step and k == 0:
+                loss = loss * 1e30  # an overflow: the step is skipped everywhere
+            if k < (rank + 1) * mine - 1:
+                with opt.no_sync():
+                    opt.backward(loss)
+            else:
+                opt.backward(loss)
+        if cfg.get("clip", True):
+            norms.append(opt.clip_grad_norm_(1.0).item())
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+    if cfg.get("stage", 2) == 3:
+        with opt.gathered_params():
+            params = _digest(list(model.parameters()))
+    else:
+        params = _digest(list(model.parameters()))
+    norms = [repr(n) for n in norms]  # nan (an overflow step's norm) equals itself as text
+    return {"params": params, "state": _digest(_state_tensors(opt)), "norms": norms, "scales": scales}
+
+
+def with_expert_group(rank: int, world: int) -> None:
+    """Deterministic mode with a param group on its own process group (refused on every rank)."""
+    import torch.distributed as dist
+
+    model = make_model()
+    params = list(model.parameters())
+    own = [dist.new_group([r]) for r in range(world)][rank]  # each rank's experts its own
+    ZeroOptimizer(
+        [{"params": params[:-2]}, {"params": params[-2:], "process_group": own}],
+        torch.optim.AdamW,
+        lr=1e-3,
+        deterministic=True,
+    )
