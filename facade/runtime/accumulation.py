@@ -16,7 +16,7 @@ import torch
 
 from zeroplan.core.deterministic import is_power_of_two, merges_after
 
-__all__ = ["MicroBatchSums"]
+__all__ = ["BackwardPasses", "MicroBatchSums"]
 
 
 class _Node:
@@ -43,34 +43,58 @@ def _join(left: _Node, right: _Node) -> _Node:
     return _Node(left.size + right.size, left.grad)
 
 
+class BackwardPasses:
+    """Counts a step's backward passes: the micro-batch a gradient belongs to."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self._running = False
+
+    def reset(self) -> None:
+        """A new step: no pass yet."""
+        self.done = 0
+        self._running = False
+
+    def current(self) -> int:
+        """The index of the running pass (called from a gradient hook, inside backward)."""
+        if not self._running:  # its first gradient: count the pass when autograd finishes it
+            self._running = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+        return self.done
+
+    @property
+    def count(self) -> int:
+        """Passes of this step so far, a running one included."""
+        return self.done + int(self._running)
+
+    def _end(self) -> None:
+        self._running = False
+        self.done += 1
+
+
 class MicroBatchSums:
     """Per parameter, the partial sums of its micro-batch gradients of this step."""
 
     def __init__(self) -> None:
         self._stacks: dict[int, list[_Node]] = {}
         self._leaves: dict[int, int] = {}
-        self.micro_batch = 0
-        """The index of the backward pass running (or next) in this step."""
-        self._in_pass = False
 
     def reset(self) -> None:
         """Forget this step's partial sums (after the reduction, or when a step is abandoned)."""
         self._stacks.clear()
         self._leaves.clear()
-        self.micro_batch = 0
-        self._in_pass = False
 
     @property
     def held(self) -> list[torch.Tensor]:
         """The partial sums held now (for the memory meter)."""
         return [node.grad for stack in self._stacks.values() for node in stack if node.grad is not None]
 
-    def add(self, index: int, grad: torch.Tensor | None) -> None:
-        """Parameter ``index``'s gradient of the running micro-batch (kept: the caller clears ``.grad``)."""
-        if not self._in_pass:  # the first gradient of a backward pass: count the pass when it ends
-            self._in_pass = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
-        self._fill(index, self.micro_batch)
+    def add(self, index: int, grad: torch.Tensor | None, micro_batch: int) -> None:
+        """Parameter ``index``'s gradient of micro-batch ``micro_batch`` (kept: the caller clears ``.grad``).
+
+        Micro-batches of one parameter come in increasing order; one skipped contributes ``+0``.
+        """
+        self._fill(index, micro_batch)
         self._push(index, _Node(1, grad))
 
     def root(self, index: int, micro_batches: int) -> torch.Tensor | None:
@@ -88,15 +112,6 @@ class MicroBatchSums:
             return None
         assert len(stack) == 1 and stack[0].size == micro_batches
         return stack[0].grad
-
-    @property
-    def passes(self) -> int:
-        """Backward passes of this step so far, counting one still running."""
-        return self.micro_batch + int(self._in_pass)
-
-    def _end_pass(self) -> None:
-        self._in_pass = False
-        self.micro_batch += 1
 
     def _fill(self, index: int, upto: int) -> None:
         """Push ``+0`` leaves (``None``) for the micro-batches before ``upto`` that gave no gradient."""

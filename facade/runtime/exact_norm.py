@@ -22,7 +22,9 @@ _CHUNK = 1 << 20
 
 
 def _powers(part: torch.Tensor, p: float) -> Iterator[torch.Tensor]:
-    """``|g|^p`` of ``part`` in fp64, chunk by chunk."""
+    """``|g|^p`` of ``part`` in fp64, chunk by chunk (nothing for an empty part)."""
+    if part.numel() == 0:
+        return
     for chunk in part.reshape(-1).split(_CHUNK):
         v = chunk.double().abs()
         yield v.square_() if p == 2 else v.pow_(p)

@@ -72,7 +72,7 @@ from zeroplan.core import (
 )
 from zeroplan.core.schedule import Action, ActionKind, staging_schedule
 from zeroplan.facade.params.buffers import SpaceBuffers, param_views
-from zeroplan.facade.runtime.accumulation import MicroBatchSums
+from zeroplan.facade.runtime.accumulation import BackwardPasses, MicroBatchSums
 from zeroplan.facade.runtime.collectives import (
     CommLog,
     Pending,
@@ -148,6 +148,7 @@ class GradSync:
                 self._grad_views.update(param_views(buf.grads, buf.space, params))
         self._trainable = sorted(zp.trainable_indices)
         self._sums = MicroBatchSums() if zp.deterministic else None  # [Note: deterministic mode]
+        self._passes = BackwardPasses()
         self.uneven_micro_batches: int | None = None
         """Deterministic mode: a count of this step's micro-batches that is not a power of two."""
         self.last_arrivals: tuple[int, ...] | None = None
@@ -178,6 +179,7 @@ class GradSync:
         self._ready = [False] * len(self._zp.specs)
         if self._sums is not None:
             self._sums.reset()
+        self._passes.reset()
         self.uneven_micro_batches = None
         self._arrivals: list[int] = []
         self._schedule = staging_schedule(self._zp, overlap=self._overlap)  # [Note: staging schedule]
@@ -204,11 +206,11 @@ class GradSync:
             param.grad = param.grad.to_dense()  # buckets are dense; the update is the same
         if self._sums is not None:  # [Note: deterministic mode]: the tree, not autograd, adds
             reduce_now = self._admit(self._names[index])
-            self._sums.add(index, param.grad)
+            self._sums.add(index, param.grad, self._passes.current())
             param.grad = None
             if not reduce_now:
                 return
-            self._take_root(index, self._sums.passes)
+            self._take_root(index, self._passes.count)
         view = self._grad_views.get(index)
         if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
             view.copy_(param.grad)
@@ -357,10 +359,9 @@ class GradSync:
         reduced as they are.
         """
         if self._sums is not None:  # gradients of earlier micro-batches only: their trees end here
-            passes = self._sums.passes
             for index in self._trainable:
                 if not self._ready[index]:
-                    self._take_root(index, passes)
+                    self._take_root(index, self._passes.count)
         self._carry_out(self._schedule.send(None))
         with on_side_stream(self._arena.device):  # rule 1 of [Note: streams]
             for pending in self._replica:
