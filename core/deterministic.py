@@ -52,10 +52,13 @@ from __future__ import annotations
 from zeroplan.core.errors import ConfigError
 
 __all__ = [
+    "EXACT_NORM_BYTES_PER_ELEMENT",
+    "EXACT_NORM_CHUNK",
     "EXACT_NORM_ELEMENTS",
     "NORM_LIMBS",
     "NORM_LIMB_BITS",
     "check_power_of_two",
+    "exact_norm_transient",
     "is_power_of_two",
     "merges_after",
     "tree_steps",
@@ -65,6 +68,10 @@ __all__ = [
 NORM_LIMB_BITS = 22
 #: Limbs per value: 66 bits below the largest value's power of two are kept; smaller parts are dropped.
 NORM_LIMBS = 3
+#: Elements the exact norm converts to fp64 at a time: its transient memory is
+#: :data:`EXACT_NORM_BYTES_PER_ELEMENT` bytes for each (an fp64 value and its int64 whole part).
+EXACT_NORM_CHUNK = 1 << 16
+EXACT_NORM_BYTES_PER_ELEMENT = 16
 #: Elements (8 bytes each) of each of the exact norm's two all-reduces: the largest value and NaN and
 #: infinity flags (fp64, ``MAX``), then the limbs' sums (int64, ``SUM``).
 EXACT_NORM_ELEMENTS = 3
@@ -121,3 +128,14 @@ def tree_steps(n: int) -> tuple[tuple[int, int], ...]:
         steps.extend((a, a + width) for a in range(0, n, 2 * width))
         width *= 2
     return tuple(steps)
+
+
+def exact_norm_transient(extents: list[int] | tuple[int, ...]) -> int:
+    """Bytes the exact norm allocates at once on a rank whose shards have ``extents`` elements.
+
+    Example:
+        >>> exact_norm_transient([10, 300_000])
+        1048576
+    """
+    largest = min(EXACT_NORM_CHUNK, max(extents, default=0))
+    return EXACT_NORM_BYTES_PER_ELEMENT * largest

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from zeroplan.core.allocation import BufferRole, allocation
+from zeroplan.core.deterministic import exact_norm_transient
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import require
 from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, step_peak
@@ -255,6 +256,10 @@ def memory_report(
     for rank in range(topo.world_size):
         s = topo.shard_rank(rank)
         memory = per_shard[s]
+        step_transient = transients[s].step
+        if zp.deterministic and clipping:  # the exact norm's chunk ([Note: deterministic mode])
+            extents = [space.extent(s) for space in zp.partition.spaces]
+            step_transient = max(step_transient, exact_norm_transient(extents))
         ranks.append(
             RankReport(
                 rank=rank,
@@ -266,7 +271,7 @@ def memory_report(
                 buffer_bytes=memory.buffers,
                 comm=traffic.costs(rank),
                 backward_transient_bytes=transients[s].backward,
-                step_transient_bytes=transients[s].step,
+                step_transient_bytes=step_transient,
             )
         )
     return MemoryReport(

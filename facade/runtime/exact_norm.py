@@ -13,20 +13,17 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from zeroplan.core.deterministic import EXACT_NORM_ELEMENTS, NORM_LIMB_BITS, NORM_LIMBS
+from zeroplan.core.deterministic import EXACT_NORM_CHUNK, EXACT_NORM_ELEMENTS, NORM_LIMB_BITS, NORM_LIMBS
 
 __all__ = ["exact_norm"]
 
-#: Elements converted to fp64 at a time (bounds the transient memory: 8 bytes each, a few times).
-_CHUNK = 1 << 20
-
 
 def _powers(part: torch.Tensor, p: float) -> Iterator[torch.Tensor]:
-    """``|g|^p`` of ``part`` in fp64, chunk by chunk (nothing for an empty part)."""
+    """``|g|^p`` of ``part`` in fp64, chunk by chunk (nothing for an empty part); one chunk alive."""
     if part.numel() == 0:
         return
-    for chunk in part.reshape(-1).split(_CHUNK):
-        v = chunk.double().abs()
+    for chunk in part.reshape(-1).split(EXACT_NORM_CHUNK):
+        v = chunk.double().abs_()
         yield v.square_() if p == 2 else v.pow_(p)
 
 
@@ -39,31 +36,33 @@ def exact_norm(
 ) -> torch.Tensor:
     """The ``p``-norm of the elements of ``parts`` on every rank, as float32; the same bits for any split.
 
-    ``device`` holds the small tensors; ``all_max`` and ``all_sum`` combine a small tensor over the ranks that
-    together hold every element once (in place). A NaN anywhere gives NaN, an
-    infinity (and no NaN) gives infinity, as ``torch.linalg.vector_norm`` does.
+    ``device`` holds the small tensors; ``all_max`` and ``all_sum`` combine a small tensor over the
+    ranks that together hold every element once (in place). A NaN anywhere gives NaN, an infinity
+    (and no NaN) gives infinity, as ``torch.linalg.vector_norm`` does. At most
+    ``EXACT_NORM_BYTES_PER_ELEMENT`` bytes per element of one chunk are alive at once (planned:
+    :func:`~zeroplan.core.deterministic.exact_norm_transient`).
     """
     # The largest finite value, then whether any is NaN, whether any is infinite.
     peak = torch.zeros(EXACT_NORM_ELEMENTS, dtype=torch.float64, device=device)
     for part in parts:
         for v in _powers(part, p):
-            finite = torch.isfinite(v)
-            peak[0] = torch.maximum(peak[0], torch.where(finite, v, 0.0).amax())
             peak[1] = torch.maximum(peak[1], torch.isnan(v).any().double())
             peak[2] = torch.maximum(peak[2], torch.isinf(v).any().double())
+            peak[0] = torch.maximum(peak[0], v.nan_to_num_(0.0, 0.0, 0.0).amax())
     all_max(peak)
-    exponent = torch.frexp(peak[0]).exponent  # every value < 2**exponent
+    exponent = torch.frexp(peak[0]).exponent  # every finite value < 2**exponent
     one = torch.ones((), dtype=torch.float64, device=device)
     scale = torch.ldexp(one, NORM_LIMB_BITS - exponent)
     step = float(1 << NORM_LIMB_BITS)
     limbs = torch.zeros(NORM_LIMBS, dtype=torch.int64, device=device)
     for part in parts:
         for v in _powers(part, p):
-            v = torch.where(torch.isfinite(v), v, 0.0).mul_(scale)  # exact: a power of two
+            v.nan_to_num_(0.0, 0.0, 0.0).mul_(scale)  # exact: a power of two; every value < 2**bits
             for i in range(NORM_LIMBS):
-                whole = torch.floor(v)
-                limbs[i] += whole.to(torch.int64).sum()
-                v = v.sub_(whole).mul_(step)  # exact: the fraction, shifted up
+                whole = v.to(torch.int64)  # the integer part (values are >= 0)
+                limbs[i] += whole.sum()
+                v.sub_(whole).mul_(step)  # exact: the fraction, shifted up
+                del whole
     all_sum(limbs)
     total = limbs[0].double()
     for i in range(1, NORM_LIMBS):

@@ -41,6 +41,7 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             overlap_grad_reduce=cfg.get("overlap", True),
             loss_scale="dynamic" if dtype == torch.float16 else None,
             reshard_after_forward=cfg.get("reshard", True),
+            deterministic=cfg.get("deterministic", False),
             **cfg.get("hyper", {"lr": 1e-3}),
         )
         opt.attach(model)  # stage 3: the forward gathers what it uses (a no-op at stages 1 and 2)
@@ -56,7 +57,7 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
 
     peaks = step_peaks(tracker, step, 3)
-    report = opt.memory_report().ranks[opt.process_groups.rank]
+    report = opt.memory_report(clipping=bool(cfg.get("clip"))).ranks[opt.process_groups.rank]
     assumed = memory_report(
         opt.plan, overlap=cfg.get("overlap", True), reshard_after_forward=cfg.get("reshard", True)
     ).ranks[opt.process_groups.rank]

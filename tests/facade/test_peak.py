@@ -47,13 +47,18 @@ CASES = (
         for inner in (ADAMW_FOREACH, SGD)
         if world != 4 or dtype != "fp16"
     ]
+    + [  # deterministic mode: room for every peer's piece (and the replicas' sums), the exact norm
+        (2, {"stage": 2, "dtype": "bf16", "deterministic": True, "clip": True, **ADAMW_FOREACH}),
+        (4, {"stage": 2, "dtype": "fp32", "shard": 2, "deterministic": True, **ADAMW_FUSED}),
+        (4, {"stage": 3, "dtype": "bf16", "shard": 2, "deterministic": True, **ADAMW_FOREACH}),
+    ]
 )
 
 
 def _id(case):
     world, cfg = case
     inner = "sgd" if cfg["optimizer"] == "sgd" else "fused" if cfg["hyper"].get("fused") else "foreach"
-    extras = [k for k in ("shard", "collectives", "clip", "overlap", "reshard") if k in cfg]
+    extras = [k for k in ("shard", "collectives", "clip", "overlap", "reshard", "deterministic") if k in cfg]
     return "-".join([f"w{world}", f"s{cfg['stage']}", cfg["dtype"], inner, *extras])
 
 
