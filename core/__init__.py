@@ -24,6 +24,7 @@ from zeroplan.core.comm import (
     CollectivePolicy,
     send_elements,
 )
+from zeroplan.core.deterministic import accumulation_bytes
 from zeroplan.core.domains import (
     Domain,
     DomainPlans,
@@ -126,6 +127,7 @@ __all__ = [
     "grad_shard_dtype",
     "staging_layout",
     "staging_arena",
+    "accumulation_bytes",
     "step_peak",
     "step_transient",
     "DEFAULT_ALIGNMENT",

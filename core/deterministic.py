@@ -49,7 +49,12 @@ exact norm's passes. The default mode is unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from zeroplan.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from zeroplan.core.planner import ZeroPlan
 
 __all__ = [
     "EXACT_NORM_BYTES_PER_ELEMENT",
@@ -58,7 +63,9 @@ __all__ = [
     "NORM_LIMBS",
     "NORM_LIMB_BITS",
     "check_power_of_two",
+    "accumulation_bytes",
     "exact_norm_transient",
+    "partial_sums_held",
     "is_power_of_two",
     "merges_after",
     "tree_steps",
@@ -139,3 +146,40 @@ def exact_norm_transient(extents: list[int] | tuple[int, ...]) -> int:
     """
     largest = min(EXACT_NORM_CHUNK, max(extents, default=0))
     return EXACT_NORM_BYTES_PER_ELEMENT * largest
+
+
+def partial_sums_held(micro_batches: int) -> int:
+    """The most partial sums per parameter a rank holds between two of its ``micro_batches``
+    backward passes in deterministic mode: one per set bit of the count done, at most ``log2``.
+
+    Example:
+        >>> [partial_sums_held(m) for m in (1, 2, 4, 8)]
+        [0, 1, 2, 3]
+    """
+    check_power_of_two("number of micro-batches per rank", micro_batches)
+    return max((bin(done).count("1") for done in range(1, micro_batches)), default=0)
+
+
+def accumulation_bytes(zp: ZeroPlan, micro_batches: int) -> int:
+    """Bytes of gradients a rank holds between the backward passes of a step of ``micro_batches``.
+
+    What earlier micro-batches left for the last one, on top of the plan's
+    persistent memory: in deterministic mode the partial sums of the tree
+    (:func:`partial_sums_held` full gradients); otherwise autograd's ``.grad``
+    (one full gradient at stages 2 and 3; stage 1 accumulates into its
+    gradient buffer, already counted). Nothing for one micro-batch.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(1024,)]), Topology(world_size=2), deterministic=True)
+        >>> accumulation_bytes(zp, 4)   # two fp32 partial sums of 1024 elements
+        8192
+    """
+    if micro_batches < 1:
+        raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
+    grads = sum(s.nbytes for s in zp.specs if s.trainable)
+    if zp.deterministic:
+        return partial_sums_held(micro_batches) * grads
+    if micro_batches == 1 or int(zp.stage) == 1:
+        return 0
+    return grads

@@ -14,6 +14,7 @@ from cli_runs import ENV, needs_transformers, plan_in_process, zeroplan, zeropla
 from zeroplan.core import (
     ParamSpec,
     Topology,
+    accumulation_bytes,
     describe_optimizer,
     memory_report,
     plan,
@@ -50,6 +51,10 @@ def expected_report(
         deterministic=kwargs.get("deterministic", False),
     )
     return zp, memory_report(zp)
+
+
+def settings_accumulation(args):
+    return int(args[args.index("--grad-accumulation") + 1]) if "--grad-accumulation" in args else 1
 
 
 def check_document(document, report):
@@ -127,7 +132,17 @@ def test_table_rows_are_capped():
             {"world": 8, "stage": 0, "dtype": "fp32", "preset": "mixtral-8x7b"},
         ),
         (  # deterministic mode: all-to-all exchanges, replica gathers, room for every piece
-            ["--preset", "gpt2", "--world", "8", "--shard-size", "4", "--deterministic"],
+            [
+                "--preset",
+                "gpt2",
+                "--world",
+                "8",
+                "--shard-size",
+                "4",
+                "--deterministic",
+                "--grad-accumulation",
+                "4",
+            ],
             {"world": 8, "shard": 4, "deterministic": True, "preset": "gpt2"},
         ),
     ],
@@ -143,6 +158,7 @@ def test_json_document_matches_the_in_process_report(args, settings):
     assert document["buckets"] == len(zp.buckets.buckets)
     assert document["strategy"] == zp.partition.strategy
     assert document["deterministic"] == zp.deterministic
+    assert document["accumulation_bytes"] == accumulation_bytes(zp, settings_accumulation(args))
 
 
 def test_json_defaults():

@@ -38,6 +38,7 @@ from zeroplan.core import (
     RankReport,
     Recommendation,
     Topology,
+    accumulation_bytes,
     describe_optimizer,
     domains_report,
     expert_domains,
@@ -89,6 +90,14 @@ def register(sub: Any) -> None:
         help="plan deterministic mode: buckets exchanged all-to-all and added in rank order, replica "
         "sums gathered, the exact clip norm (a power-of-two world)",
     )
+    p.add_argument(
+        "--grad-accumulation",
+        type=int,
+        default=1,
+        metavar="N",
+        help="backward passes per rank per step (G/W with --deterministic): report the gradients "
+        "held between them (default 1)",
+    )
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON document")
     p.add_argument("--rows", type=int, default=16, help="most rank rows in the table (default 16)")
     p.add_argument(
@@ -130,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``zeroplan plan`` with parsed ``args``; returns the exit code."""
     if not (math.isfinite(args.bucket_mb) and args.bucket_mb > 0):
         raise ConfigError(f"--bucket-mb must be a finite number > 0, got {args.bucket_mb}")
+    if args.grad_accumulation < 1:
+        raise ConfigError(f"--grad-accumulation must be >= 1, got {args.grad_accumulation}")
     if args.rows < 1:
         raise ConfigError(f"--rows must be >= 1, got {args.rows}")
     if args.expert_parallel != 1:
@@ -158,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             layout=zp.partition.layout,
             layout_requested=args.layout,
             deterministic=zp.deterministic,
+            accumulation_bytes=accumulation_bytes(zp, args.grad_accumulation),
             splits_params=zp.partition.splits_params,
             planning_seconds=round(elapsed, 4),
         )
@@ -170,6 +182,13 @@ def run(args: argparse.Namespace) -> int:
     _print_table(
         report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), layout, elapsed, args.rows, fit
     )
+    if args.grad_accumulation > 1:
+        held = accumulation_bytes(zp, args.grad_accumulation)
+        kind = "partial sums of the micro-batch tree" if zp.deterministic else "autograd's .grad"
+        print(
+            f"gradients held between the {args.grad_accumulation} backward passes: "
+            f"{held / 2**30:.3f} GiB ({kind})"
+        )
     if settings.active or advice is not None:
         _print_fit(settings, fit, advice)
     return status

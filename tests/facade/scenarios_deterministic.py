@@ -96,3 +96,54 @@ def with_expert_group(rank: int, world: int) -> None:
         lr=1e-3,
         deterministic=True,
     )
+
+
+def held_between_micro_batches(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """MemTracker's bytes after each ``no_sync()`` backward of a step, above those before its first.
+
+    A Linear stack (nothing else survives a backward: its activations are freed); the second step
+    is measured, so optimizer state and buffers already exist.
+    """
+    from torch import nn
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from zeroplan.core import accumulation_bytes
+    from zeroplan.facade.diagnostics.meter import tracked_bytes
+
+    dtype = DTYPES[cfg.get("dtype", "fp32")]
+    tracker = MemTracker()
+    with tracker:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))).to(dtype)
+        opt = ZeroOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            lr=1e-3,
+            stage=cfg["stage"],
+            bucket_bytes=4096,
+            deterministic=cfg["deterministic"],
+        )
+        opt.attach(model)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    mine = cfg["micro_batches"]
+    held = []
+    for step in range(2):
+        tracker.reset_mod_stats()
+        with tracker:  # re-entered per backward pass: it refuses a module's second forward otherwise
+            before = tracked_bytes(tracker)
+        for k in range(mine):
+            tracker.reset_mod_stats()
+            with tracker:
+                loss = model(x * (k + 1)).float().square().mean() / mine
+                if k < mine - 1:
+                    with opt.no_sync():
+                        opt.backward(loss)
+                    del loss
+                    if step == 1:
+                        held.append(tracked_bytes(tracker) - before)
+                else:
+                    opt.backward(loss)
+                    del loss
+                    opt.step()
+                    opt.zero_grad()
+    return {"held": max(held, default=0), "planned": accumulation_bytes(opt.plan, mine)}

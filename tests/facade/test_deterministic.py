@@ -57,3 +57,15 @@ def test_expert_groups_are_refused_on_every_rank(pools):
     with pytest.raises(AssertionError, match="does not support expert groups") as info:
         pools(2).run(scenarios_deterministic.with_expert_group)
     assert str(info.value).count("does not support expert groups") >= 2  # both ranks raised
+
+
+@pytest.mark.parametrize(
+    ("stage", "deterministic", "micro_batches"),
+    [(2, True, 8), (2, True, 4), (1, True, 4), (3, True, 4), (2, False, 4), (1, False, 4)],
+)
+def test_gradients_held_between_micro_batches_are_planned(pools, stage, deterministic, micro_batches):
+    """``accumulation_bytes`` against MemTracker: the tree's partial sums (log2 of the micro-batches
+    in gradients) in deterministic mode, autograd's one ``.grad`` (stage 2) or none (stage 1) otherwise."""
+    cfg = {"stage": stage, "deterministic": deterministic, "micro_batches": micro_batches}
+    for r in pools(2).run(scenarios_deterministic.held_between_micro_batches, cfg):
+        assert r["held"] == r["planned"]
