@@ -16,6 +16,11 @@ What it shows, in order of appearance in ``train``:
   whose backward reduces the accumulated sum, overlapped with the backward pass.
 * ``opt.clip_grad_norm_(1.0)``: the norm of the whole model's gradient.
 * a warmup + cosine learning-rate schedule from ``torch.optim.lr_scheduler``.
+* ``--deterministic``: ``ZeroOptimizer(deterministic=True)`` with canonical
+  micro-batches (the global batch cut into ``--canonical-micro-batches`` G, each
+  rank running its contiguous G/W of them), so the run is bit-identical at any
+  power-of-two world size, resumed elsewhere included; it ends by printing a
+  sha256 of the parameters and the whole optimizer state.
 * periodic checkpoints (``--ckpt-dir``) with ``zeroplan.facade.checkpoint``, and
   ``--resume`` from the latest one at any world size: the global batch is fixed
   (``--global-batch`` sequences per step, each a function of the step and its
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import math
 import os
 import sys
@@ -75,6 +81,19 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         type=float,
         default=300.0,
         help="seconds a rank waits in a collective for the others before it fails (default 300)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="bit-identical results at any power-of-two world size (ZeroOptimizer(deterministic=True)); "
+        "--micro-batches then follows from --canonical-micro-batches and the world",
+    )
+    p.add_argument(
+        "--canonical-micro-batches",
+        type=int,
+        default=8,
+        metavar="G",
+        help="with --deterministic: the global batch's fixed micro-batches, a power of two (default 8)",
     )
     args = p.parse_args(argv)
     for name in ("steps", "global_batch", "micro_batches", "ckpt_every", "log_every"):
@@ -161,6 +180,16 @@ def log(rank: int, message: str) -> None:
 def train(args: argparse.Namespace, build: Build = build_gpt) -> float:
     """Join the process group and train; returns the last logged loss (on every rank)."""
     rank, world, device = setup(timedelta(seconds=args.timeout))
+    if args.deterministic:  # canonical micro-batches: this rank runs its contiguous G/W of them
+        # CPU kernels add in an order that depends on their thread count: keep it the same in every
+        # run (torchrun sets OMP_NUM_THREADS=1 for several processes, not for one).
+        torch.set_num_threads(1)
+        canonical = args.canonical_micro_batches
+        if canonical % world or canonical & (canonical - 1):
+            raise SystemExit(
+                f"--canonical-micro-batches {canonical} must be a power of two divisible by world {world}"
+            )
+        args.micro_batches = canonical // world
     if args.global_batch % (world * args.micro_batches):
         raise SystemExit(
             f"--global-batch {args.global_batch} must be a multiple of world {world} x --micro-batches "
@@ -176,6 +205,7 @@ def train(args: argparse.Namespace, build: Build = build_gpt) -> float:
         lr=args.lr,
         betas=(0.9, 0.95),
         weight_decay=0.1,
+        deterministic=args.deterministic,
     )
     opt.attach(model)  # stage 3: the forward gathers the parameters it uses (a no-op at stages 1 and 2)
     scheduler = schedule(opt, args)
@@ -240,7 +270,24 @@ def train(args: argparse.Namespace, build: Build = build_gpt) -> float:
         rank,
         f"done: loss {first_loss:.4f} -> {last_loss:.4f} (steps {start + 1}-{stop}); final {last_loss!r}",
     )
+    if args.deterministic:
+        log(rank, f"state sha256 {state_digest(opt, model)}")
     return last_loss
+
+
+def state_digest(opt: ZeroOptimizer, model: torch.nn.Module) -> str:
+    """sha256 of the parameters and of every tensor of the whole optimizer state (collective)."""
+    with opt.gathered_params():  # stage 3: the whole parameters (a no-op at stages 1 and 2)
+        tensors = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    state = opt.consolidated_state_dict(None)
+    assert state is not None
+    for index in sorted(state["state"]):
+        entry = state["state"][index]
+        tensors += [entry[k] for k in sorted(entry) if isinstance(entry[k], torch.Tensor)]
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.to("cpu", copy=True).reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def run(args: argparse.Namespace, build: Build = build_gpt) -> None:

@@ -6,6 +6,7 @@ import importlib.util
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -118,6 +119,64 @@ def test_resume_continues_the_run_exactly_and_at_another_world_size(runs, tmp_pa
     # One process: the same global batches, summed in another order (bf16 rounding).
     assert losses(resumed["elastic"])[1] == pytest.approx(expected, rel=1e-2)
     assert "world 1" in resumed["elastic"].stdout
+
+
+def _digest(out: subprocess.CompletedProcess[str]) -> str:
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    match = re.search(r"^state sha256 ([0-9a-f]{64})$", out.stdout, re.M)
+    assert match, out.stdout
+    return match.group(1)
+
+
+def _workers(parent: int) -> list[int]:
+    """Process ids whose parent is ``parent`` (torchrun's workers), from ``/proc``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def _kill_one_worker_after(line: str, script: str, *args: str, nproc: int) -> tuple[int, str]:
+    """Start ``torchrun``, SIGKILL its last worker once ``line`` is printed (a preempted node)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(_free_port()), str(EXAMPLES / script), *args,
+    ]  # fmt: skip
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_ENV)
+    seen = []
+    assert job.stdout is not None
+    for text in job.stdout:
+        seen.append(text)
+        if line in text:
+            workers = _workers(job.pid)
+            assert len(workers) == nproc, workers
+            os.kill(workers[-1], signal.SIGKILL)
+            break
+    rest = job.communicate(timeout=240)[0]
+    return job.returncode, "".join(seen) + rest
+
+
+@pytest.mark.skipif(not HAS_CHECKPOINT, reason="zeroplan.facade.checkpoint has not landed")
+def test_deterministic_run_killed_and_resumed_elsewhere_is_bit_identical(tmp_path):
+    """--deterministic at world 4, one worker SIGKILLed after step 8 was saved, resumed at world 1:
+    the final parameters and optimizer state are the bits of an uninterrupted run at world 2."""
+    args = (*SHORT, "--deterministic", "--canonical-micro-batches", "8")
+    whole = _digest(torchrun("train_gpt.py", *args, nproc=2))
+    ckpt = tmp_path / "ckpt"
+    code, output = _kill_one_worker_after(
+        "saved step 8", "train_gpt.py", *args, "--ckpt-dir", str(ckpt), "--ckpt-every", "4", nproc=4
+    )
+    assert code != 0, output  # the job died with its worker: killed before it finished
+    assert "state sha256" not in output
+    resumed = torchrun("train_gpt.py", *args, "--ckpt-dir", str(ckpt), "--resume", nproc=1)
+    assert "resumed from" in resumed.stdout and "at step 8" in resumed.stdout, resumed.stdout
+    assert _digest(resumed) == whole
 
 
 def test_bad_example_arguments_fail_before_training():
