@@ -41,12 +41,22 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     model = make_model(dtype=dtype)
     settings = {
         k: cfg[k]
-        for k in ("layout", "overlap_grad_reduce", "overlap_param_gather", "collectives", "strategy")
+        for k in (
+            "layout",
+            "overlap_grad_reduce",
+            "overlap_param_gather",
+            "collectives",
+            "strategy",
+            "ranks_per_node",
+        )
         if k in cfg
     }
+    optimizer = cfg.get("optimizer", "adamw")
+    hyper = {"lr": 3e-3, "weight_decay": 0.1, "betas": (0.9, 0.95)} if optimizer == "adamw" else None
     opt = make_optimizer(
         model,
-        hyper={"lr": 3e-3, "weight_decay": 0.1, "betas": (0.9, 0.95)},
+        optimizer=optimizer,
+        hyper=hyper,
         stage=cfg.get("stage", 2),
         shard=cfg.get("shard"),
         bucket_bytes=cfg.get("bucket_bytes", 2048),

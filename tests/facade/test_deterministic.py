@@ -24,11 +24,13 @@ CASES = [
     (4, {"stage": 2, "overlap_grad_reduce": False, "collectives": "min_bytes"}),
     (2, {"stage": 2, "strategy": "greedy_whole"}),
     (2, {"stage": 2, "dtype": "fp16", "fp16_overflow_step": 1}),  # an overflow skip is part of the run
+    (4, {"stage": 3, "ranks_per_node": 2, "collectives": "min_bytes", "dtype": "bf16"}),  # two-hop gathers
+    (4, {"stage": 2, "optimizer": "adafactor"}),  # a whole-parameter optimizer: parameters kept whole
 ]
 
 
 def _reference(pools, cfg):
-    keep = {k: cfg[k] for k in ("dtype", "G", "fp16_overflow_step") if k in cfg}
+    keep = {k: cfg[k] for k in ("dtype", "G", "fp16_overflow_step", "optimizer") if k in cfg}
     return pools(1).run(scenarios_deterministic.train, {"stage": 2, **keep})[0]
 
 
