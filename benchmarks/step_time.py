@@ -105,6 +105,8 @@ class Variant:
     overlap_gather: bool = True  # ZeroOptimizer(overlap_param_gather=...)
     layout: str = "auto"  # ZeroOptimizer(layout=...)
     collectives: str = "auto"  # ZeroOptimizer(collectives=...)
+    deterministic: bool = False  # ZeroOptimizer(deterministic=...)
+    paired: str | None = None  # --deterministic: the default-mode configuration it is compared with
     note: str = ""
 
 
@@ -151,6 +153,19 @@ FRESH = (
         note="stage 2, rank-major, gather waited (previous release)",
     ),
     Variant("zero1", "zero", stage=1, note="stage 1, defaults"),
+)
+
+#: ``--deterministic`` (issue 27's cost): each mode next to its default, in the same fresh rounds.
+DETERMINISTIC = (
+    Variant("ddp", "ddp", note="DDP + AdamW(foreach)"),
+    Variant("zero2", "zero", stage=2, note="stage 2, defaults"),
+    Variant(
+        "zero2-det", "zero", stage=2, deterministic=True, paired="zero2", note="stage 2, deterministic=True"
+    ),
+    Variant("zero1", "zero", stage=1, note="stage 1, defaults"),
+    Variant(
+        "zero1-det", "zero", stage=1, deterministic=True, paired="zero1", note="stage 1, deterministic=True"
+    ),
 )
 
 
@@ -206,6 +221,7 @@ class Runner:
                 overlap_param_gather=variant.overlap_gather,
                 layout=variant.layout,
                 collectives=variant.collectives,
+                deterministic=variant.deterministic,
                 **hyper,
             )
             self.optimizer: torch.optim.Optimizer = self.zero
@@ -432,6 +448,11 @@ def _fresh_worker(rank: int, world: int, port: int, opts: Options, variant: Vari
                     "median_ms": 1e3 * statistics.median(step_max),
                     "cpu_ms_per_rank": 1e3 * statistics.fmean(g["cpu"] for g in gathered),
                     "loss": loss,
+                    "planned_peak_mb": (
+                        runner.zero.memory_report(clipping=False).ranks[0].peak_bytes / MB
+                        if runner.zero is not None
+                        else None
+                    ),
                 }
             )
     finally:
@@ -498,6 +519,12 @@ def run_fresh_rounds(world: int, opts: Options) -> dict[str, Any]:
             "loss": statistics.median(m["loss"] for m in per_round),
             "wall_s": statistics.fmean(m["wall_s"] for m in per_round),
         }
+        if v.paired is not None:  # the mode's cost: its step over its default's, round by round
+            row["ratio_to_default"] = _spread(
+                [m[v.name]["median_ms"] / m[v.paired]["median_ms"] for m in rounds]
+            )
+            row["paired"] = v.paired
+        row["planned_peak_mb"] = per_round[0].get("planned_peak_mb")
         for base, key in (("ddp", "ratio_to_ddp"), ("zero-red", "ratio_to_zero_red")):
             row[key] = (
                 _spread([m[v.name]["median_ms"] / m[base]["median_ms"] for m in rounds])
@@ -555,6 +582,19 @@ def fresh_report(results: list[dict[str, Any]], opts: Options) -> None:
                 f"{row['loss']:.4f}",
             )
         console.print(table)
+    for res in results:
+        for row in res["configs"]:
+            if "ratio_to_default" in row:
+                spread = row["ratio_to_default"]
+                console.print(
+                    f"world {res['world']}: {row['name']} / {row['paired']} = {spread['median']:.3f} "
+                    f"({spread['min']:.2f}-{spread['max']:.2f}) step time; planned peak per rank "
+                    f"{row['planned_peak_mb']:.1f} MiB against "
+                    + next(
+                        f"{r['planned_peak_mb']:.1f}" for r in res["configs"] if r["name"] == row["paired"]
+                    )
+                    + " MiB"
+                )
     for v in opts.variants:
         console.print(f"  {v.name}: {v.note}")
     m = opts.model
@@ -648,16 +688,23 @@ def parse(argv: list[str] | None = None) -> Options:
         action="store_true",
         help="glibc keeps freed memory in every worker (GLIBC_TUNABLES, see the docstring)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="with --fresh-rounds: ZeroOptimizer(deterministic=True) next to the default mode",
+    )
     a = p.parse_args(argv)
     if a.fresh_rounds < 0:
         p.error("--fresh-rounds must be >= 0")
+    if a.deterministic and not a.fresh_rounds:
+        p.error("--deterministic needs --fresh-rounds N")
     if a.quick:
         model = GPT_TINY
         steps, warmup, batch = 3, 1, 2
     else:
         model = GPT_7M
         steps, warmup, batch = (10, 3, 4) if a.fresh_rounds else (25, 3, 4)
-    base = FRESH if a.fresh_rounds else MAIN
+    base = (DETERMINISTIC if a.deterministic else FRESH) if a.fresh_rounds else MAIN
     variants = base + (SWEEP if a.sweep else ())
     if a.only:
         wanted = [s.strip() for s in a.only.split(",")]
