@@ -24,7 +24,6 @@ from zeroplan.core.comm import (
     CollectivePolicy,
     send_elements,
 )
-from zeroplan.core.deterministic import accumulation_bytes
 from zeroplan.core.domains import (
     Domain,
     DomainPlans,
@@ -46,7 +45,7 @@ from zeroplan.core.errors import (
 from zeroplan.core.experts import ExpertSplit, expert_domains
 from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_gather, two_hop_send
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
-from zeroplan.core.memory import MemoryReport, RankReport, memory_report
+from zeroplan.core.memory import MemoryReport, RankReport, accumulation_bytes, memory_report
 from zeroplan.core.optim.implementations import Implementation, resolve_implementation
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
 from zeroplan.core.optim.step_tables import step_temporaries

@@ -28,7 +28,10 @@ Every floating-point sum of a step is made canonical:
   group's sum is a subtree and the replicas' sums (MiCS) are gathered and
   added as the tree's top levels. Each leaf of the rank tree is W times the
   world-1 leaf (the loss is divided by G/W, not G: a power of two, exact), and
-  the sum is divided by W afterwards, exactly, as in the default mode.
+  the sum is divided by W afterwards, exactly, as in the default mode. With a
+  loss scale (fp16) ``opt.backward`` multiplies by scale/W instead, so the
+  backward itself computes the world-1 values (a gradient subnormal in fp16
+  there is here too) and the sum is divided by the scale only.
 * **The clip norm.** ``|g|^p`` is summed exactly, so in any order: each value
   (fp64) is cut into three integer limbs of :data:`NORM_LIMB_BITS` bits below
   the largest value's power of two (one all-reduce, ``MAX``), the limbs are
@@ -38,23 +41,27 @@ Every floating-point sum of a step is made canonical:
 
 Parameter gathers copy and need nothing. What the mode needs from the user:
 deterministic forward and backward kernels (on CUDA,
-``torch.use_deterministic_algorithms(True)``), the same G micro-batches in the
-same order, and a power-of-two world: a non-power-of-two world (or shard or
-replica group) is refused at construction, because its ranks' micro-batches
-cannot be whole subtrees of the canonical tree. The cost is the exchange in
-place of a reduce-scatter (the same bytes) with room for every peer's piece,
-up to ``log2(G/W)`` partial sums of the gradients while accumulating, and the
-exact norm's passes. The default mode is unchanged.
+``torch.use_deterministic_algorithms(True)``; on CPU the same intra-op thread
+count in every run, since kernels split their sums by thread: torchrun sets
+``OMP_NUM_THREADS=1`` for several processes and not for one), the same G
+micro-batches in the same order, and a power-of-two world: a non-power-of-two
+world (so shard or replica group) is refused at construction, because its
+ranks' micro-batches cannot be whole subtrees of the canonical tree. A rank
+whose count of backward passes in a step is not a power of two makes the step
+agreement raise on every rank; that every rank ran G/W is not checked.
+Expert groups are refused (their sums across groups have no canonical order
+yet). The cost is the exchange in
+place of a reduce-scatter (the same bytes) with room for every peer's piece
+(:func:`~zeroplan.core.arena.staging_layout`), the replica sums gathered
+rather than all-reduced, up to ``log2(G/W)`` partial sums of the gradients
+while accumulating (:func:`~zeroplan.core.memory.accumulation_bytes`), and the exact norm's passes
+over one chunk at a time (:func:`exact_norm_transient`), all planned. The
+default mode is unchanged.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from zeroplan.core.errors import ConfigError
-
-if TYPE_CHECKING:
-    from zeroplan.core.planner import ZeroPlan
 
 __all__ = [
     "EXACT_NORM_BYTES_PER_ELEMENT",
@@ -63,7 +70,6 @@ __all__ = [
     "NORM_LIMBS",
     "NORM_LIMB_BITS",
     "check_power_of_two",
-    "accumulation_bytes",
     "exact_norm_transient",
     "partial_sums_held",
     "is_power_of_two",
@@ -158,28 +164,3 @@ def partial_sums_held(micro_batches: int) -> int:
     """
     check_power_of_two("number of micro-batches per rank", micro_batches)
     return max((bin(done).count("1") for done in range(1, micro_batches)), default=0)
-
-
-def accumulation_bytes(zp: ZeroPlan, micro_batches: int) -> int:
-    """Bytes of gradients a rank holds between the backward passes of a step of ``micro_batches``.
-
-    What earlier micro-batches left for the last one, on top of the plan's
-    persistent memory: in deterministic mode the partial sums of the tree
-    (:func:`partial_sums_held` full gradients); otherwise autograd's ``.grad``
-    (one full gradient at stages 2 and 3; stage 1 accumulates into its
-    gradient buffer, already counted). Nothing for one micro-batch.
-
-    Example:
-        >>> from zeroplan.core import Topology, plan, specs_from_shapes
-        >>> zp = plan(specs_from_shapes([(1024,)]), Topology(world_size=2), deterministic=True)
-        >>> accumulation_bytes(zp, 4)   # two fp32 partial sums of 1024 elements
-        8192
-    """
-    if micro_batches < 1:
-        raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
-    grads = sum(s.nbytes for s in zp.specs if s.trainable)
-    if zp.deterministic:
-        return partial_sums_held(micro_batches) * grads
-    if micro_batches == 1 or int(zp.stage) == 1:
-        return 0
-    return grads

@@ -43,14 +43,14 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from zeroplan.core.allocation import BufferRole, allocation
-from zeroplan.core.deterministic import exact_norm_transient
+from zeroplan.core.deterministic import exact_norm_transient, partial_sums_held
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
-from zeroplan.core.errors import require
+from zeroplan.core.errors import ConfigError, require
 from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, step_peak
 from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.traffic import CommCost, step_traffic
 
-__all__ = ["MemoryReport", "RankReport", "memory_report"]
+__all__ = ["MemoryReport", "RankReport", "accumulation_bytes", "memory_report"]
 
 _FP32 = 4
 
@@ -283,3 +283,28 @@ def memory_report(
         total_params=sum(s.numel for s in zp.specs),
         ranks=tuple(ranks),
     )
+
+
+def accumulation_bytes(zp: ZeroPlan, micro_batches: int) -> int:
+    """Bytes of gradients a rank holds between the backward passes of a step of ``micro_batches``.
+
+    What earlier micro-batches left for the last one, on top of the plan's
+    persistent memory: in deterministic mode the partial sums of the tree
+    (:func:`partial_sums_held` full gradients); otherwise autograd's ``.grad``
+    (one full gradient at stages 2 and 3; stage 1 accumulates into its
+    gradient buffer, already counted). Nothing for one micro-batch.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(1024,)]), Topology(world_size=2), deterministic=True)
+        >>> accumulation_bytes(zp, 4)   # two fp32 partial sums of 1024 elements
+        8192
+    """
+    if micro_batches < 1:
+        raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}")
+    grads = sum(s.nbytes for s in zp.specs if s.trainable)
+    if zp.deterministic:
+        return partial_sums_held(micro_batches) * grads
+    if micro_batches == 1 or int(zp.stage) == 1:
+        return 0
+    return grads
