@@ -49,8 +49,10 @@ world (so shard or replica group) is refused at construction, because its
 ranks' micro-batches cannot be whole subtrees of the canonical tree. A rank
 whose count of backward passes in a step is not a power of two makes the step
 agreement raise on every rank; that every rank ran G/W is not checked.
-Expert groups are refused (their sums across groups have no canonical order
-yet). The cost is the exchange in
+Expert groups are refused: with expert parallelism an expert's backward adds
+the tokens of several ranks' micro-batches inside one matmul, an order the
+model's dispatch decides, so its gradient is no sum of per-micro-batch
+gradients the optimizer could order. The cost is the exchange in
 place of a reduce-scatter (the same bytes) with room for every peer's piece
 (:func:`~zeroplan.core.arena.staging_layout`), the replica sums gathered
 rather than all-reduced, up to ``log2(G/W)`` partial sums of the gradients

@@ -147,7 +147,8 @@ def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> 
         if request.deterministic and len(inputs) > 1:
             raise ConfigError(
                 "deterministic=True does not support expert groups (param groups with their own "
-                "process_group) yet: their sums have no canonical order across groups; use "
+                "process_group): an expert's backward adds several ranks' tokens in one kernel, so its "
+                "gradient has no canonical order across world sizes ([Note: deterministic mode]); use "
                 "deterministic=False, or one data-parallel group"
             )
         configured[:], plans[:] = [], []

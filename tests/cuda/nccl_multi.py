@@ -103,6 +103,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "consolidate": True,
     },
     "stage2-bf16-overlap": {"stage": 2, "dtype": "bf16", "probe": "overlap"},
+    # deterministic=True: the world's final bits against rank 0 alone over the same canonical micro-batches
+    "stage2-bf16-deterministic": {"stage": 2, "dtype": "bf16", "probe": "deterministic"},
+    "stage3-bf16-deterministic-mics": {
+        "stage": 3,
+        "dtype": "bf16",
+        "shard_group_size": 2,
+        "probe": "deterministic",
+        "min_world": 4,
+        "multiple": 2,
+    },
 }
 SETTINGS = ("stage", "shard_group_size", "ranks_per_node", "loss_scale")
 
@@ -335,6 +345,8 @@ def run(name: str, rank: int, world: int, device: torch.device) -> dict[str, Any
     cfg = CONFIGS[name]
     if cfg.get("probe") == "overlap":
         return overlap(cfg, rank, world, device)
+    if cfg.get("probe") == "deterministic":
+        return deterministic(cfg, rank, world, device)
     s = Setup(cfg, rank, world, device)
     settings = {k: cfg[k] for k in SETTINGS if k in cfg}
     collectives = "min_bytes" if device.type == "cpu" else "auto"
@@ -593,6 +605,69 @@ def overlap(cfg: dict[str, Any], rank: int, world: int, device: torch.device) ->
         del opt, model
     every = gather(result, world)
     return None if every is None else {"ranks": every}
+
+
+CANONICAL = 8  # deterministic probe: micro-batches per step (each rank runs CANONICAL / world)
+
+
+def _canonical_run(
+    cfg: dict[str, Any], rank: int, world: int, device: torch.device, group: dist.ProcessGroup | None
+) -> dict[str, Any]:
+    """Three clipped steps of ``deterministic=True`` over this rank's canonical micro-batches; digests."""
+    import hashlib
+
+    model = build_model(GPT, seed=0, dtype=DTYPES[cfg["dtype"]], device=device)
+    collectives = "min_bytes" if device.type == "cpu" else "auto"
+    keys = ("stage", "shard_group_size") if group is None else ("stage",)  # alone: no shard groups
+    settings = {k: cfg[k] for k in keys if k in cfg}
+    opt = ZeroOptimizer(
+        model.parameters(),
+        torch.optim.AdamW,
+        process_group=group,
+        bucket_bytes=BUCKET_BYTES,
+        collectives=collectives,
+        deterministic=True,
+        **settings,
+        **HYPER,
+    )
+    opt.attach(model)
+    mine = CANONICAL // world
+    norms = []
+    for step in range(3):
+        for k in range(rank * mine, (rank + 1) * mine):
+            loss = loss_of(model, *(t.to(device) for t in TASK.batch(step=step, rank=k, size=2))) / mine
+            with contextlib.nullcontext() if k == (rank + 1) * mine - 1 else opt.no_sync():
+                opt.backward(loss)
+        norms.append(repr(opt.clip_grad_norm_(CLIP).item()))
+        opt.step()
+        opt.zero_grad()
+    digest = hashlib.sha256()
+    for p in values(opt, model):
+        digest.update(p.to("cpu", copy=True).reshape(-1).view(torch.uint8).numpy().tobytes())
+    state = opt.consolidated_state_dict(None)
+    assert state is not None
+    for i in sorted(state["state"]):
+        for _, v in sorted(state["state"][i].items()):
+            if torch.is_tensor(v):
+                digest.update(v.to("cpu", copy=True).reshape(-1).view(torch.uint8).numpy().tobytes())
+    return {"digest": digest.hexdigest(), "norms": norms}
+
+
+def deterministic(cfg: dict[str, Any], rank: int, world: int, device: torch.device) -> dict[str, Any] | None:
+    """``deterministic=True`` at this world, then rank 0 alone (a group of one) over all micro-batches.
+
+    [Note: deterministic mode]: the two must end in the same bits (parameters, the whole optimizer
+    state, every clip norm). Deterministic kernels are asked for (``use_deterministic_algorithms``).
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read at this process's first matmul
+    torch.use_deterministic_algorithms(True)
+    alone = dist.new_group([0])  # every rank creates every group
+    ours = _canonical_run(cfg, rank, world, device, None)
+    dist.barrier()
+    if rank != 0:
+        return None
+    reference = _canonical_run(cfg, 0, 1, device, alone)
+    return {"deterministic": {"world": ours, "alone": reference, "same": ours == reference}}
 
 
 # ---------------------------------------------------------------- entry point

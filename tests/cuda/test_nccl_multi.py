@@ -93,6 +93,9 @@ def problems(result: dict[str, Any]) -> list[str]:
         return [result["trace"]]
     if "ranks" in result:
         return overlap_problems(result)
+    if "deterministic" in result:  # [Note: deterministic mode]: the world's bits are rank 0's alone
+        found = result["deterministic"]
+        return [] if found["same"] else [f"deterministic mode differs from world 1: {found}"]
     cfg = nccl_multi.CONFIGS[result["name"]]
     dtype, cuda = cfg["dtype"], result["device"].startswith("cuda")
     grad_tol = nccl_multi.GRAD_TOL[dtype]
