@@ -1,0 +1,154 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# Wire formats: what gradients (and parameters) travel as, their bytes, and the error each codec may add.
+"""Wire formats: the encodings a collective's payload can travel in, their bytes and error bounds.
+
+[Note: wire formats]
+A wire format says how a tensor is encoded for the network and how the
+receiver turns it back into numbers it accumulates in fp32:
+
+* ``param``: the parameter dtype, as today (bf16 gradients are summed in bf16
+  by a reduce-scatter on NCCL).
+* ``fp32``: four bytes per element, exact for bf16/fp16 gradients.
+* ``bf16``: two bytes per element; the receiver adds the pieces in fp32 (an
+  exchange, not a reduce-scatter, so the sum does not round to bf16 at each
+  hop): a bf16 reduce-scatter's bytes, an fp32 sum of the bf16 values.
+* ``int8`` and ``fp8`` (e4m3): one byte per element plus one fp32 scale per
+  block of ``block`` elements (qgZ / qwZ in DeepSpeed ZeRO++): each block is
+  scaled so its largest magnitude maps to the format's largest value (127,
+  448), rounded to nearest, and multiplied back by the scale on receipt.
+  The round trip's error in a block is at most half a quantum: ``scale / 2``
+  for int8; for e4m3 ``2**-4`` of the value's magnitude (3 mantissa bits),
+  at least ``2**-10 * scale`` (its subnormal spacing is ``2**-9``)
+  (:func:`round_trip_bound`).
+
+Blocks never straddle a rank's piece: the alignment (which every piece is a
+multiple of) must be a multiple of the block (:func:`check_wire`). The
+bytes of an encoded piece are :func:`wire_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from zeroplan.core.dtypes import DTYPE_ITEMSIZE
+from zeroplan.core.errors import ConfigError, check_config
+
+__all__ = ["DEFAULT_WIRE_BLOCK", "WireCodec", "WireFormat", "check_wire", "round_trip_bound", "wire_bytes"]
+
+#: Elements per scale of the blockwise codecs (int8, fp8).
+DEFAULT_WIRE_BLOCK = 128
+_SCALE_BYTES = 4  # one fp32 scale per block
+
+
+class WireFormat(str, Enum):
+    """What a payload travels as ([Note: wire formats])."""
+
+    PARAM = "param"
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+    FP8 = "fp8"
+
+    @property
+    def blockwise(self) -> bool:
+        """Whether it carries one fp32 scale per block."""
+        return self in (WireFormat.INT8, WireFormat.FP8)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Largest magnitude each blockwise format represents: a block's largest value is scaled to it.
+_LARGEST = {WireFormat.INT8: 127.0, WireFormat.FP8: 448.0}
+_ELEMENT_BYTES = {WireFormat.FP32: 4, WireFormat.BF16: 2, WireFormat.INT8: 1, WireFormat.FP8: 1}
+
+
+@dataclass(frozen=True)
+class WireCodec:
+    """A wire format with its block size (elements per scale; ignored by unscaled formats).
+
+    Raises:
+        ConfigError: an unknown format or a block size below 1.
+    """
+
+    format: WireFormat
+    block: int = DEFAULT_WIRE_BLOCK
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "format", WireFormat(self.format))
+        except ValueError:
+            choices = ", ".join(repr(f.value) for f in WireFormat)
+            raise ConfigError(f"unknown wire format {self.format!r}; use one of {choices}") from None
+        check_config(
+            type(self.block) is int and self.block >= 1, f"wire block must be an int >= 1, got {self.block!r}"
+        )
+
+    @property
+    def largest(self) -> float:
+        """The magnitude a block's largest element is scaled to (blockwise formats)."""
+        return _LARGEST[self.format]
+
+    def element_bytes(self, param_dtype: str) -> int:
+        """Bytes per element on the wire, for parameters of ``param_dtype``."""
+        if self.format is WireFormat.PARAM:
+            return DTYPE_ITEMSIZE[param_dtype]
+        return _ELEMENT_BYTES[self.format]
+
+
+def wire_bytes(codec: WireCodec, numel: int, param_dtype: str) -> int:
+    """Bytes of ``numel`` elements encoded by ``codec``: the elements, then a scale per started block.
+
+    Example:
+        >>> wire_bytes(WireCodec(WireFormat.INT8, block=128), 300, "bfloat16")   # 300 + 3 scales
+        312
+        >>> wire_bytes(WireCodec(WireFormat.BF16), 300, "float32")
+        600
+    """
+    payload = numel * codec.element_bytes(param_dtype)
+    if codec.format.blockwise:
+        payload += -(-numel // codec.block) * _SCALE_BYTES
+    return payload
+
+
+def check_wire(codec: WireCodec, alignment: int) -> None:
+    """Refuse a blockwise codec whose blocks would straddle two ranks' pieces.
+
+    Raises:
+        ConfigError: ``alignment`` is not a multiple of the codec's block.
+    """
+    if codec.format.blockwise and alignment % codec.block:
+        raise ConfigError(
+            f"the {codec.format.value} wire's block of {codec.block} elements does not divide the "
+            f"alignment ({alignment}): a block would straddle two ranks' pieces; use a block that "
+            f"divides it (e.g. {_largest_divisor(alignment, codec.block)}) or alignment a multiple of "
+            f"{codec.block}"
+        )
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def round_trip_bound(codec: WireCodec, value: float, scale: float) -> float:
+    """The most a value may change in an encode/decode round trip, given its block's ``scale``.
+
+    ``scale`` is the block's largest magnitude divided by :attr:`WireCodec.largest`.
+    Unscaled formats: half an ulp of ``value`` in that format (0 for fp32 and
+    the parameter dtype, which the caller already holds exactly).
+
+    Example:
+        >>> round_trip_bound(WireCodec(WireFormat.INT8), 3.0, 0.5)
+        0.25
+        >>> round_trip_bound(WireCodec(WireFormat.FP8), 10.0, 1.0)
+        0.625
+    """
+    magnitude = abs(value)
+    if codec.format is WireFormat.INT8:
+        return scale / 2
+    if codec.format is WireFormat.FP8:
+        return max(magnitude * 2**-4, scale * 2**-10)
+    if codec.format is WireFormat.BF16:
+        return magnitude * 2**-8
+    return 0.0
