@@ -66,10 +66,15 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     )
     if cfg.get("stage", 2) == 3:
         opt.attach(model)
+    first = 0
+    if cfg.get("load_from"):  # resume a run saved at another world size, stage or layout
+        from zeroplan.facade import checkpoint
+
+        first = int(checkpoint.load(opt, cfg["load_from"])["step"])
     G = cfg.get("G", 4)
     mine = G // world
     norms, scales = [], []
-    for step in range(cfg.get("steps", 3)):
+    for step in range(first, cfg.get("steps", 3)):
         for k in range(rank * mine, (rank + 1) * mine):
             loss = loss_of(model, *batch(step, k, size=2)) / mine
             if cfg.get("fp16_overflow_step") == step and k == 0:
@@ -84,6 +89,10 @@ def train(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         scales.append(opt.loss_scale)
+    if cfg.get("save_to"):
+        from zeroplan.facade import checkpoint
+
+        checkpoint.save(opt, cfg["save_to"], extra={"step": cfg.get("steps", 3)})
     if cfg.get("stage", 2) == 3:
         with opt.gathered_params():
             params = _digest(list(model.parameters()))
@@ -157,3 +166,26 @@ def held_between_micro_batches(rank: int, world: int, cfg: dict[str, Any]) -> di
                     opt.step()
                     opt.zero_grad()
     return {"held": max(held, default=0), "planned": accumulation_bytes(opt.plan, mine)}
+
+
+def uneven_micro_batches(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 runs 3 backward passes (not a power of two), the others 2: step() must raise on every
+    rank and change nothing."""
+    model = make_model()
+    opt = make_optimizer(model, hyper={"lr": 1e-2}, deterministic=True)
+    before = _digest(list(model.parameters()))
+    passes = 3 if rank == 0 else 2
+    for k in range(passes):
+        loss = loss_of(model, *batch(0, rank * 4 + k, size=2)) / passes
+        if k < passes - 1:
+            with opt.no_sync():
+                opt.backward(loss)
+        else:
+            opt.backward(loss)
+    try:
+        opt.step()
+    except Exception as exc:
+        raised = f"{type(exc).__name__}: {exc}"
+    else:
+        raised = None
+    return {"raised": raised, "unchanged": _digest(list(model.parameters())) == before}

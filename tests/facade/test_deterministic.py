@@ -71,3 +71,34 @@ def test_gradients_held_between_micro_batches_are_planned(pools, stage, determin
     cfg = {"stage": stage, "deterministic": deterministic, "micro_batches": micro_batches}
     for r in pools(2).run(scenarios_deterministic.held_between_micro_batches, cfg):
         assert r["held"] == r["planned"]
+
+
+def test_a_count_of_micro_batches_that_is_not_a_power_of_two_raises_on_every_rank(pools):
+    first, other = pools(2).run(scenarios_deterministic.uneven_micro_batches)
+    assert first["raised"] and "this rank ran 3 backward passes" in first["raised"]
+    assert other["raised"] and "count of micro-batches that is not a power of two" in other["raised"]
+    assert first["unchanged"] and other["unchanged"]
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [
+        ((4, {"stage": 3, "shard": 2, "dtype": "bf16"}), (2, {"stage": 2, "dtype": "bf16"})),
+        ((2, {"stage": 1}), (4, {"stage": 2, "layout": "rank_major"})),
+    ],
+)
+def test_a_checkpoint_resumed_at_another_world_continues_the_same_bits(pools, tmp_path, saved, resumed):
+    """Two steps at one world size, saved; the third resumed at another (and at another stage): the
+    final state is the uninterrupted world-1 run's ([Note: deterministic mode], item 2 of issue 27)."""
+    keep = {k: resumed[1][k] for k in ("dtype",) if k in resumed[1]}
+    whole = pools(1).run(scenarios_deterministic.train, {"stage": 2, "G": 4, "steps": 3, **keep})[0]
+    world, cfg = saved
+    pools(world).run(scenarios_deterministic.train, {**cfg, "G": 4, "steps": 2, "save_to": str(tmp_path)})
+    world, cfg = resumed
+    finals = pools(world).run(
+        scenarios_deterministic.train, {**cfg, "G": 4, "steps": 3, "load_from": str(tmp_path)}
+    )
+    for final in finals:
+        assert final["params"] == whole["params"]
+        assert final["state"] == whole["state"]
+        assert final["norms"] == whole["norms"][-1:]
