@@ -35,11 +35,13 @@ from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.partition import Space
 from zeroplan.core.planner import Stage, ZeroPlan
 from zeroplan.core.span import Span, round_up
+from zeroplan.core.wire import wire_payload_bytes, wire_scale_bytes
 
 __all__ = [
     "STAGING_ALIGNMENT",
     "StagingArena",
     "StagingLayout",
+    "WireRooms",
     "arena_bytes",
     "grad_shard_dtype",
     "staging_arena",
@@ -65,12 +67,41 @@ class StagingLayout(NamedTuple):
         gathered: deterministic mode with replicas (MiCS): room for the ``R``
             replicas' sums of the piece, gathered and added there in replica
             order; ``None`` otherwise.
+        wire: with a gradient wire format ([Note: wire formats]), the byte
+            rooms of the encoded exchange (:class:`WireRooms`); ``None`` otherwise.
     """
 
     numel: int
     reduced: Span | None
     received: Span | None = None
     gathered: Span | None = None
+    wire: WireRooms | None = None
+
+
+class WireRooms(NamedTuple):
+    """Byte spans of a staging buffer under a gradient wire format ([Note: wire formats]).
+
+    After the bucket's gradients: the encoded bucket to send (``send``, its
+    scales ``send_scales``), every shard rank's encoded copy of this rank's
+    piece (``received``, ``received_scales``), and fp32 room (``sums``) that
+    first holds the bucket's values while they are scaled and rounded, then
+    one decoded slot per shard rank, added there. With replicas (MiCS) the
+    group's sum is encoded again (``replica_send``, ``replica_send_scales``),
+    all-gathered (``replica_received``, ``replica_received_scales``) and
+    decoded into ``replica_sums``. Scale spans are empty for unscaled formats;
+    replica spans empty without replicas.
+    """
+
+    send: Span
+    send_scales: Span
+    received: Span
+    received_scales: Span
+    sums: Span
+    replica_send: Span
+    replica_send_scales: Span
+    replica_received: Span
+    replica_received_scales: Span
+    replica_sums: Span
 
 
 class StagingArena(NamedTuple):
@@ -110,15 +141,19 @@ def staging_layout(zp: ZeroPlan, bucket: Bucket, shard_rank: int) -> StagingLayo
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
         >>> zp = plan(specs_from_shapes([(64,)], dtype="bfloat16"), Topology(world_size=2), alignment=8)
         >>> staging_layout(zp, zp.buckets.buckets[0], 1)   # 64 gradients, then the rank's 32
-        StagingLayout(numel=96, reduced=Span(start=64, stop=96), received=None, gathered=None)
+        StagingLayout(numel=96, reduced=Span(start=64, stop=96), received=None, gathered=None, wire=None)
     """
     return _piece_layout(zp, bucket, bucket.piece_of(shard_rank))
 
 
 def _piece_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece | None) -> StagingLayout:
     """:func:`staging_layout` of the rank that receives ``piece`` (``None``: a rank without one)."""
+    if piece is None and zp.grad_wire is not None:
+        return _wire_layout(zp, bucket, None)
     if piece is None:
         return StagingLayout(bucket.numel, None)
+    if zp.grad_wire is not None:
+        return _wire_layout(zp, bucket, piece)
     if zp.deterministic:
         return _deterministic_layout(zp, bucket, piece)
     space = zp.partition.spaces[bucket.space]
@@ -147,6 +182,44 @@ def _deterministic_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece) -> Staging
     gathered = Span(end, end + r * numel) if r > 1 else None
     end = gathered.stop if gathered is not None else end
     return StagingLayout(end, None, received, gathered)
+
+
+def _wire_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece | None) -> StagingLayout:
+    """The rooms of an encoded exchange ([Note: wire formats]), each at a 16-byte boundary."""
+    codec = zp.grad_wire
+    assert codec is not None
+    space = zp.partition.spaces[bucket.space]
+    itemsize = DTYPE_ITEMSIZE[space.dtype]
+    n, r = zp.topology.shard_size, zp.topology.replica_size
+    mine = 0 if piece is None else piece.shard_span.numel
+    at = bucket.numel * itemsize
+    spans: list[Span] = []
+
+    def room(nbytes: int) -> None:
+        nonlocal at
+        start = round_up(at, STAGING_ALIGNMENT)
+        spans.append(Span(start, start + nbytes))
+        at = start + nbytes
+
+    def payload(numel: int) -> int:
+        return wire_payload_bytes(codec, numel, space.dtype)
+
+    def scales(numel: int) -> int:
+        return wire_scale_bytes(codec, numel)
+
+    exchanged = n > 1
+    room(payload(bucket.numel) if exchanged else 0)
+    room(sum(scales(q) for q in bucket.piece_sizes(n)) if exchanged else 0)  # each piece's blocks
+    room(n * payload(mine) if exchanged else 0)
+    room(n * scales(mine) if exchanged else 0)
+    room(4 * max(bucket.numel if exchanged else 0, n * mine))
+    replicas = r > 1 and mine > 0
+    room(payload(mine) if replicas else 0)
+    room(scales(mine) if replicas else 0)
+    room(r * payload(mine) if replicas else 0)
+    room(r * scales(mine) if replicas else 0)
+    room(4 * r * mine if replicas else 0)
+    return StagingLayout(-(-at // itemsize), None, wire=WireRooms(*spans))
 
 
 def _room_after(zp: ZeroPlan, bucket: Bucket) -> bool:

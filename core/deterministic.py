@@ -83,9 +83,10 @@ __all__ = [
 NORM_LIMB_BITS = 22
 #: Limbs per value: 66 bits below the largest value's power of two are kept; smaller parts are dropped.
 NORM_LIMBS = 3
-#: Elements the exact norm converts to fp64 at a time: its transient memory is
+#: Elements the exact norm converts to fp64 at a time (1 Mi: a few launches per shard on a GPU, 16 MiB
+#: transient at most): its transient memory is
 #: :data:`EXACT_NORM_BYTES_PER_ELEMENT` bytes for each (an fp64 value and its int64 whole part).
-EXACT_NORM_CHUNK = 1 << 16
+EXACT_NORM_CHUNK = 1 << 20
 EXACT_NORM_BYTES_PER_ELEMENT = 16
 #: Elements (8 bytes each) of each of the exact norm's two all-reduces: the largest value and NaN and
 #: infinity flags (fp64, ``MAX``), then the limbs' sums (int64, ``SUM``).
@@ -149,8 +150,10 @@ def exact_norm_transient(extents: list[int] | tuple[int, ...]) -> int:
     """Bytes the exact norm allocates at once on a rank whose shards have ``extents`` elements.
 
     Example:
-        >>> exact_norm_transient([10, 300_000])
-        1048576
+        >>> exact_norm_transient([10, 300_000])   # 16 bytes per element of the largest shard
+        4800000
+        >>> exact_norm_transient([10, 3_000_000])  # ... up to a chunk
+        16777216
     """
     largest = min(EXACT_NORM_CHUNK, max(extents, default=0))
     return EXACT_NORM_BYTES_PER_ELEMENT * largest

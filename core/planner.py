@@ -32,6 +32,7 @@ from zeroplan.core.space import Block, Space, owner_chunks
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs, specs_fingerprint
 from zeroplan.core.topology import Topology
+from zeroplan.core.wire import WireCodec, WireFormat, check_wire
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
@@ -155,6 +156,9 @@ class ZeroPlan:
             once: the number of persistent staging arena ([Note: staging arena]).
         deterministic: sums in canonical orders ([Note: deterministic mode]):
             buckets are exchanged and added in rank order, replicas gathered.
+        grad_wire: what gradients travel as ([Note: wire formats]); ``None``:
+            the parameter dtype, by the policy's collectives. Otherwise every
+            bucket is exchanged encoded and added in fp32 by its receiver.
 
     Raises:
         ConfigError: inconsistent settings, or a parameter-splitting plan for
@@ -169,6 +173,7 @@ class ZeroPlan:
     loss_scaling: bool = False
     max_inflight_buckets: int = 2
     deterministic: bool = False
+    grad_wire: WireCodec | None = None
 
     def __post_init__(self) -> None:
         check_config(self.stage in tuple(Stage), f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
@@ -201,6 +206,28 @@ class ZeroPlan:
                 "order); stage 1 holds the same memory",
             )
             check_power_of_two("world size", self.topology.world_size)
+            check_config(
+                self.loss_scaling or all(space.dtype != "float16" for space in self.partition.spaces),
+                "deterministic=True with fp16 parameters needs a loss scale (loss_scale='dynamic' or a "
+                "number): opt.backward then divides it by the world, so the fp16 backward computes the "
+                "world-1 values; without one, gradients W times larger round differently near fp16's limits",
+            )
+        if self.grad_wire is not None:
+            check_config(
+                isinstance(self.grad_wire, WireCodec) and self.grad_wire.format is not WireFormat.PARAM,
+                f"grad_wire must be a WireCodec of a format other than 'param', got {self.grad_wire!r}",
+            )
+            check_config(
+                self.stage is not Stage.DDP,
+                "a gradient wire format (reduce_dtype) needs stage 1, 2 or 3 (stage 0 all-reduces whole "
+                "gradients)",
+            )
+            check_config(
+                not self.deterministic,
+                "deterministic=True and a gradient wire format (reduce_dtype) cannot be combined yet: an "
+                "encoded rank sum is not the world-1 run's sum; use one or the other",
+            )
+            check_wire(self.grad_wire, self.partition.alignment)
         if self.partition.splits_params and not self.elementwise:
             split = next(s for s in self.partition.specs if len(self.partition.fragments[s.index]) > 1)
             raise ConfigError(
@@ -253,13 +280,20 @@ class ZeroPlan:
     def reduce_collective(self, bucket: Bucket) -> Collective:
         """How ``bucket``'s gradients are summed over the shard group: its own collective, or in
         deterministic mode an exchange added in rank order ([Note: deterministic mode])."""
-        return Collective.ALL_TO_ALL if self.deterministic else bucket.collective
+        return Collective.ALL_TO_ALL if self.exchanges_encoded or self.deterministic else bucket.collective
 
     @property
     def replica_collective(self) -> Collective:
         """How a reduced piece is summed over the replica group (MiCS): an all-reduce, or in
         deterministic mode an all-gather added in replica order ([Note: deterministic mode])."""
-        return Collective.ALL_GATHER if self.deterministic else Collective.ALL_REDUCE
+        return (
+            Collective.ALL_GATHER if self.exchanges_encoded or self.deterministic else Collective.ALL_REDUCE
+        )
+
+    @property
+    def exchanges_encoded(self) -> bool:
+        """Whether gradients travel in a wire format of their own ([Note: wire formats])."""
+        return self.grad_wire is not None
 
     def exchanges(self, collective: Collective) -> bool:
         """Whether ``collective`` runs as a point-to-point exchange (see [Note: collective policy])."""
@@ -431,8 +465,22 @@ class ZeroPlan:
                 self.loss_scaling,
                 self.max_inflight_buckets,
                 *(["deterministic"] if self.deterministic else []),  # default plans keep their digest
+                *(
+                    [("grad_wire", self.grad_wire.format.value, self.grad_wire.block)]
+                    if self.grad_wire
+                    else []
+                ),
             ],
         )
+
+
+def _wire(grad_wire: WireCodec | str | None) -> WireCodec | None:
+    """``plan(grad_wire=...)`` as a codec, or ``None`` for the parameter dtype."""
+    if isinstance(grad_wire, str):
+        grad_wire = WireCodec(grad_wire)  # type: ignore[arg-type]  # validated there
+    if grad_wire is None or grad_wire.format is WireFormat.PARAM:
+        return None
+    return grad_wire
 
 
 def auto_strategy(optimizer: OptimizerSpec) -> str:
@@ -454,6 +502,7 @@ def plan(
     policy: CollectivePolicy | str = CollectivePolicy.MIN_BYTES,
     layout: str = "auto",
     deterministic: bool = False,
+    grad_wire: WireCodec | str | None = None,
 ) -> ZeroPlan:
     """Plan a sharded optimizer for ``specs`` on ``topology``.
 
@@ -474,6 +523,9 @@ def plan(
             otherwise (unless the pieces would be too many).
         deterministic: sum in canonical orders, bit-identical at any world size
             ([Note: deterministic mode]).
+        grad_wire: what gradients travel as: ``None`` (the parameter dtype), a
+            format name (``"fp32"``, ``"bf16"``, ``"int8"``, ``"fp8"``) or a
+            :class:`WireCodec` ([Note: wire formats]).
 
     Raises:
         ConfigError: any argument is invalid (the message says how to fix it).
@@ -515,4 +567,5 @@ def plan(
         loss_scaling=loss_scaling,
         max_inflight_buckets=max_inflight_buckets,
         deterministic=deterministic,
+        grad_wire=_wire(grad_wire),
     )

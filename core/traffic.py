@@ -23,6 +23,7 @@ from zeroplan.core.dtypes import DTYPE_ITEMSIZE
 from zeroplan.core.hierarchy import two_hop_send
 from zeroplan.core.planner import Stage, ZeroPlan
 from zeroplan.core.topology import Link
+from zeroplan.core.wire import wire_scale_bytes
 
 __all__ = ["CommCost", "communication", "step_traffic"]
 
@@ -143,11 +144,19 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
                 entry.nbytes += times * hop.elements
 
         world_reduced: list[_SizedBucket] = []  # GLOO policy: buckets all-reduced over the world group
+        codec = zp.grad_wire
         for b, isz in sized:
-            if zp.deterministic:  # every bucket exchanged, all-to-all ([Note: deterministic mode])
-                row = account(Collective.ALL_TO_ALL, b.numel * isz, 1)
+            if zp.deterministic or codec is not None:  # every bucket exchanged, all-to-all
+                wire = isz if codec is None else codec.element_size
+                row = account(Collective.ALL_TO_ALL, b.numel * wire, 1)
                 for rank, numel in b.piece_numels():  # a rank does not send its own piece
-                    row[rank] += numel * isz
+                    row[rank] += numel * wire
+                if codec is not None and codec.format.blockwise:  # the scales: a second exchange
+                    pieces = list(b.piece_numels())  # each piece is scaled in blocks of its own
+                    total = sum(wire_scale_bytes(codec, q) for _, q in pieces)
+                    row = account(Collective.ALL_TO_ALL, total, 1)
+                    for rank, numel in pieces:
+                        row[rank] += wire_scale_bytes(codec, numel)
             elif b.collective is Collective.ALL_REDUCE:
                 world_reduced.append(_SizedBucket(b, isz))
             elif b.collective is Collective.REDUCE_SCATTER:  # equal pieces: every rank keeps as much
@@ -180,7 +189,7 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
         every_rank: Counter[_Elements] = Counter()
         if r > 1:
             for b, isz in sized:
-                if zp.deterministic:  # each non-empty piece's sum gathered over the replicas
+                if zp.deterministic or codec is not None:  # each non-empty piece's sum gathered
                     for rank, numel in b.piece_numels():
                         if numel:
                             piece_sizes[rank][_Elements(numel, isz)] += 1
@@ -206,6 +215,12 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
             replica_link = topo.replica_link(w)
             mine = piece_sizes[s] + every_rank if every_rank else piece_sizes[s]
             for (numel, isz), count in mine.items():
+                if codec is not None:  # the group's fp32 sum, encoded, then its scales
+                    encoded = numel * codec.element_size + wire_scale_bytes(codec, numel)
+                    nbytes = count * (r - 1) * encoded
+                    calls = count * (2 if codec.format.blockwise else 1)
+                    tally.add(w, "replica", Collective.ALL_GATHER, replica_link, nbytes, calls)
+                    continue
                 if zp.deterministic:
                     nbytes = count * (r - 1) * numel * isz
                     tally.add(w, "replica", Collective.ALL_GATHER, replica_link, nbytes, count)

@@ -21,9 +21,22 @@ receiver turns it back into numbers it accumulates in fp32:
   at least ``2**-10 * scale`` (its subnormal spacing is ``2**-9``)
   (:func:`round_trip_bound`).
 
-Blocks never straddle a rank's piece: the alignment (which every piece is a
-multiple of) must be a multiple of the block (:func:`check_wire`). The
-bytes of an encoded piece are :func:`wire_bytes`.
+Gradients (``ZeroOptimizer(reduce_dtype=...)``, ``ZeroPlan.grad_wire``):
+every format but ``param`` reduces each bucket by an exchange, never a
+reduce-scatter: the sender encodes each rank's piece of the staged bucket
+(each piece in blocks of its own, so a block never straddles two pieces),
+one ``all_to_all_single`` moves the elements (a second the scales), and the
+receiver decodes every rank's copy of its piece into fp32 slots and adds them
+in rank order, then writes (casts) the sum into its gradient shard. With
+replicas (MiCS) the shard group's fp32 sum is encoded again, all-gathered and
+added in replica order: a second encoding. The staging buffer holds the rooms
+(``WireRooms`` in ``zeroplan.core.arena``); traffic counts the encoded bytes,
+scales included. A block with an infinity or a NaN decodes to non-finite
+values, so an fp16 overflow still reaches the loss scaler. The alignment
+must be a multiple of the block (:func:`check_wire`). Not combined with
+deterministic mode (an encoded rank sum is not the world-1 run's sum).
+Parameters still travel in their own dtype (the parameter wire is to come).
+The bytes of an encoded piece are :func:`wire_bytes`.
 """
 
 from __future__ import annotations
@@ -34,7 +47,16 @@ from enum import Enum
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE
 from zeroplan.core.errors import ConfigError, check_config
 
-__all__ = ["DEFAULT_WIRE_BLOCK", "WireCodec", "WireFormat", "check_wire", "round_trip_bound", "wire_bytes"]
+__all__ = [
+    "DEFAULT_WIRE_BLOCK",
+    "WireCodec",
+    "WireFormat",
+    "check_wire",
+    "round_trip_bound",
+    "wire_bytes",
+    "wire_payload_bytes",
+    "wire_scale_bytes",
+]
 
 #: Elements per scale of the blockwise codecs (int8, fp8).
 DEFAULT_WIRE_BLOCK = 128
@@ -90,6 +112,12 @@ class WireCodec:
         """The magnitude a block's largest element is scaled to (blockwise formats)."""
         return _LARGEST[self.format]
 
+    @property
+    def element_size(self) -> int:
+        """Bytes per element on the wire (not for ``param``, whose size is the parameters')."""
+        check_config(self.format is not WireFormat.PARAM, "the param wire's element size is the parameters'")
+        return _ELEMENT_BYTES[self.format]
+
     def element_bytes(self, param_dtype: str) -> int:
         """Bytes per element on the wire, for parameters of ``param_dtype``."""
         if self.format is WireFormat.PARAM:
@@ -106,10 +134,17 @@ def wire_bytes(codec: WireCodec, numel: int, param_dtype: str) -> int:
         >>> wire_bytes(WireCodec(WireFormat.BF16), 300, "float32")
         600
     """
-    payload = numel * codec.element_bytes(param_dtype)
-    if codec.format.blockwise:
-        payload += -(-numel // codec.block) * _SCALE_BYTES
-    return payload
+    return wire_payload_bytes(codec, numel, param_dtype) + wire_scale_bytes(codec, numel)
+
+
+def wire_payload_bytes(codec: WireCodec, numel: int, param_dtype: str) -> int:
+    """Bytes of ``numel`` encoded elements, scales left out."""
+    return numel * codec.element_bytes(param_dtype)
+
+
+def wire_scale_bytes(codec: WireCodec, numel: int) -> int:
+    """Bytes of the fp32 scales of ``numel`` elements: one per started block (none unscaled)."""
+    return -(-numel // codec.block) * _SCALE_BYTES if codec.format.blockwise else 0
 
 
 def check_wire(codec: WireCodec, alignment: int) -> None:

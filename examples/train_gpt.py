@@ -184,6 +184,9 @@ def train(args: argparse.Namespace, build: Build = build_gpt) -> float:
         # CPU kernels add in an order that depends on their thread count: keep it the same in every
         # run (torchrun sets OMP_NUM_THREADS=1 for several processes, not for one).
         torch.set_num_threads(1)
+        if device.type == "cuda":  # deterministic kernels (cuBLAS reads its workspace setting on first use)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         canonical = args.canonical_micro_batches
         if canonical % world or canonical & (canonical - 1):
             raise SystemExit(

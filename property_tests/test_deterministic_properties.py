@@ -143,6 +143,7 @@ def test_every_world_reduces_to_world_1s_bits(
         bucket_bytes=bucket_bytes,
         alignment=4,
         deterministic=True,
+        loss_scaling=dtype == "float16",  # fp16 needs a loss scale in this mode
     )
     note(f"G={micro_batches} W={world} S={shard} {zp.partition.layout}, {len(zp.buckets.buckets)} buckets")
     torch_dtype = DTYPES[dtype]
@@ -156,8 +157,11 @@ def test_every_world_reduces_to_world_1s_bits(
         leaves.append(row)
     reference = _roots(leaves, range(micro_batches), 1.0, specs, torch_dtype)
     mine = micro_batches // world
+    # A rank's loss is divided by G/W, not G: its leaves are W times world 1's, divided back after the
+    # sum. With a loss scale (fp16) opt.backward divides by W itself: the leaves are world 1's.
+    factor = 1 if dtype == "float16" else world
     ranks = [
-        _roots(leaves, range(r * mine, (r + 1) * mine), float(world), specs, torch_dtype)
+        _roots(leaves, range(r * mine, (r + 1) * mine), float(factor), specs, torch_dtype)
         for r in range(world)
     ]
 
@@ -175,7 +179,7 @@ def test_every_world_reduces_to_world_1s_bits(
                 _tree([staged[group[q]][window] for q in range(n)]) for group in topology.shard_groups()
             ]
             total = _tree(group_sums) if replicas > 1 else group_sums[0]
-            averaged = total.float() / world
+            averaged = total.float() / factor
             assert torch.equal(averaged, expected[window]), f"bucket {bucket.index}, shard rank {s}"
             for group in range(replicas):
                 reduced[(group * n + s, bucket.index)] = averaged

@@ -56,3 +56,14 @@ def test_an_all_zero_block_decodes_to_zeros():
         codec = WireCodec(fmt, block=4)
         x = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -2.0, 0.5, 0.0])
         assert torch.equal(decode(encode(x, codec), codec, 8)[:4], torch.zeros(4))
+
+
+def test_a_non_finite_value_makes_its_whole_block_non_finite():
+    """An fp16 overflow must reach the loss scaler's check: it is never rounded into a finite value."""
+    for fmt in (WireFormat.INT8, WireFormat.FP8):
+        codec = WireCodec(fmt, block=4)
+        for bad in (float("inf"), float("nan")):
+            x = torch.tensor([1.0, bad, 0.5, 0.0, 1.0, 2.0, 3.0, 4.0])
+            back = decode(encode(x, codec), codec, 8)
+            assert not torch.isfinite(back[:4]).any(), (fmt, bad, back)
+            assert torch.isfinite(back[4:]).all()

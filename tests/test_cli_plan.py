@@ -21,6 +21,7 @@ from zeroplan.core import (
     preset_specs,
     specs_from_shapes,
 )
+from zeroplan.core.wire import WireCodec
 
 RANK_KEYS = {
     "params_bytes",
@@ -49,6 +50,7 @@ def expected_report(
         loss_scaling=kwargs.get("loss_scaling", False),
         layout=kwargs.get("layout", "auto"),
         deterministic=kwargs.get("deterministic", False),
+        grad_wire=kwargs.get("grad_wire"),
     )
     return zp, memory_report(zp)
 
@@ -130,6 +132,21 @@ def test_table_rows_are_capped():
         (
             ["--preset", "mixtral-8x7b", "--world", "8", "--stage", "0", "--dtype", "fp32"],
             {"world": 8, "stage": 0, "dtype": "fp32", "preset": "mixtral-8x7b"},
+        ),
+        (  # gradients sent as int8 with a scale per 64 elements, added in fp32 ([Note: wire formats])
+            [
+                "--preset",
+                "gpt2",
+                "--world",
+                "8",
+                "--shard-size",
+                "4",
+                "--reduce-dtype",
+                "int8",
+                "--wire-block",
+                "64",
+            ],
+            {"world": 8, "shard": 4, "grad_wire": WireCodec("int8", block=64), "preset": "gpt2"},
         ),
         (  # deterministic mode: all-to-all exchanges, replica gathers, room for every piece
             [

@@ -49,6 +49,7 @@ from zeroplan.core import (
     preset_names,
     strategy_names,
 )
+from zeroplan.core.wire import WireCodec
 from zeroplan.facade.cli import fit as fitting
 from zeroplan.facade.cli.model_sources import specs_from_hf_config, specs_from_json, specs_from_preset
 
@@ -91,6 +92,16 @@ def register(sub: Any) -> None:
         "sums gathered, the exact clip norm (a power-of-two world)",
     )
     p.add_argument(
+        "--reduce-dtype",
+        choices=["param", "fp32", "bf16", "int8", "fp8"],
+        default="param",
+        help="what gradients travel as ([Note: wire formats]): the parameter dtype (default), fp32, "
+        "bf16 added in fp32, or blockwise-scaled int8 / fp8 added in fp32",
+    )
+    p.add_argument(
+        "--wire-block", type=int, default=128, help="elements per scale of int8 / fp8 (default 128)"
+    )
+    p.add_argument(
         "--grad-accumulation",
         type=int,
         default=1,
@@ -123,6 +134,9 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
         "loss_scaling": args.loss_scaling,
         "layout": args.layout,
         "deterministic": args.deterministic,
+        "grad_wire": None
+        if args.reduce_dtype == "param"
+        else WireCodec(args.reduce_dtype, block=args.wire_block),
     }
 
 
@@ -169,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             layout=zp.partition.layout,
             layout_requested=args.layout,
             deterministic=zp.deterministic,
+            reduce_dtype=args.reduce_dtype,
             accumulation_bytes=accumulation_bytes(zp, args.grad_accumulation),
             splits_params=zp.partition.splits_params,
             planning_seconds=round(elapsed, 4),
@@ -179,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         return status
     layout = zp.partition.layout + (" (auto)" if args.layout == "auto" else "")
     layout += ", deterministic" if zp.deterministic else ""
+    layout += f", gradients sent as {args.reduce_dtype}" if zp.grad_wire is not None else ""
     _print_table(
         report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), layout, elapsed, args.rows, fit
     )

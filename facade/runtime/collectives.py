@@ -104,8 +104,12 @@ from zeroplan.core import (
     send_elements,
     two_hop_gather,
 )
+from zeroplan.core.arena import WireRooms
 from zeroplan.core.deterministic import tree_steps
+from zeroplan.core.span import Span
+from zeroplan.core.wire import WireCodec
 from zeroplan.facade.runtime.groups import ProcessGroups
+from zeroplan.facade.runtime.wire_codec import decode_slots, encode_into, encode_pieces, wire_dtype
 
 __all__ = [
     "CommLog",
@@ -146,7 +150,7 @@ class Pending:
     See [Note: retiring a collective] and [Note: streams]. Build it with :func:`_start`.
     """
 
-    __slots__ = ("_after", "_held", "_home", "_work")
+    __slots__ = ("_after", "_held", "_home", "_parts", "_work")
 
     def __init__(
         self,
@@ -154,19 +158,34 @@ class Pending:
         after: Callable[[], None] | None = None,
         held: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
         home: torch.cuda.Stream | None = None,
+        parts: Sequence[Pending] | None = None,
     ) -> None:
         self._work = work
         self._after = after
         self._held = tuple(held)
         self._home = home
+        self._parts = None if parts is None else list(parts)
+
+    def abandon(self) -> None:
+        """Wait for what was issued and drop ``after`` (a step given up: nothing more is sent or
+        written). A ``Pending`` that does not list its ``parts`` finishes as :meth:`finish` does."""
+        if self._parts is None:
+            self.finish(home_waits=False)
+            return
+        parts, self._parts, self._after = self._parts, [], None
+        for part in parts:
+            part.finish(home_waits=False)
 
     def finish(self, *, home_waits: bool = True) -> None:
         """Block until the collective completed and the backend let go of its tensors, then run ``after``.
 
         On CUDA "completed" is for the current stream (the device waits, not the host), and with
         ``home_waits`` the stream it was started from waits too (rule 2 of [Note: streams]).
-        A second call does nothing.
+        A second call does nothing. Its ``parts`` (collectives ``after`` needs) finish first.
         """
+        parts, self._parts = self._parts or [], None if self._parts is None else []
+        for part in parts:
+            part.finish(home_waits=False)  # the bucket's completion decides which streams wait
         work, self._work = self._work, None
         held, self._held = self._held, ()
         after, self._after = self._after, None
@@ -507,12 +526,137 @@ def start_canonical_reduce(
         )
         pending = _start(exchange, received, grads)
     gathered = None if layout.gathered is None else staging[layout.gathered.as_slice()]
-    finish = partial(_canonical_sum, pending, own, room, gathered, output, groups, log)
-    return Pending(None, after=finish)
+    finish = partial(_canonical_sum, own, room, gathered, output, groups, log)
+    return Pending(None, after=finish, parts=[] if pending is None else [pending])
+
+
+def start_encoded_reduce(
+    staging: torch.Tensor,
+    output: torch.Tensor | None,
+    bucket: Bucket,
+    layout: StagingLayout,
+    codec: WireCodec,
+    groups: ProcessGroups,
+    log: CommLog,
+) -> Pending:
+    """One bucket's reduction in a gradient wire format ([Note: wire formats] in ``zeroplan.core``).
+
+    The bucket is encoded into ``layout.wire.send`` (and its scales), one
+    ``all_to_all_single`` per part gives this rank every shard rank's encoded
+    copy of its piece, and on completion they are decoded into fp32 slots and
+    added in rank order; with replicas (MiCS) the group's sum is encoded again,
+    all-gathered and added in replica order. The fp32 sum is written (cast)
+    into ``output``. Every rank takes part even when it owns no piece.
+    """
+    rooms = layout.wire
+    assert rooms is not None
+    n, s = groups.topology.shard_size, groups.shard_rank
+    raw = staging.view(torch.uint8)
+    dtype = wire_dtype(codec)
+
+    def room(span: Span, of: torch.dtype) -> torch.Tensor:
+        return raw[span.as_slice()].view(of)
+
+    sizes = list(bucket.piece_sizes(n))
+    grads = staging[: bucket.numel]
+    piece = bucket.piece_of(s)
+    own = grads[piece.staging_span.as_slice()] if piece is not None else grads[:0]
+    mine = own.numel()
+    sums = room(rooms.sums, torch.float32)
+    parts: list[Pending] = []
+    if n > 1:
+        send, received = room(rooms.send, dtype), room(rooms.received, dtype)
+        send_scales, received_scales = (
+            room(rooms.send_scales, torch.float32),
+            room(rooms.received_scales, torch.float32),
+        )
+        encode_pieces(grads, sizes, codec, send, send_scales, sums[: bucket.numel])
+        log.record("shard", Collective.ALL_TO_ALL, sizes, s, send.element_size(), link=groups.shard_link)
+        exchange = partial(
+            dist.all_to_all_single,
+            output_split_sizes=[mine] * n,
+            input_split_sizes=sizes,
+            group=groups.shard,
+            async_op=True,
+        )
+        parts.append(_start(exchange, _as_bytes_if_fp8(received), _as_bytes_if_fp8(send)))
+        if codec.format.blockwise:
+            blocks = [-(-q // codec.block) for q in sizes]
+            log.record("shard", Collective.ALL_TO_ALL, blocks, s, 4, link=groups.shard_link)
+            exchange = partial(
+                dist.all_to_all_single,
+                output_split_sizes=[-(-mine // codec.block)] * n,
+                input_split_sizes=blocks,
+                group=groups.shard,
+                async_op=True,
+            )
+            parts.append(_start(exchange, received_scales, send_scales))
+    finish = partial(_encoded_sum, own, rooms, raw, codec, output, groups, log)
+    return Pending(None, after=finish, parts=parts)
+
+
+def _encoded_sum(
+    own: torch.Tensor,
+    rooms: WireRooms,
+    raw: torch.Tensor,
+    codec: WireCodec,
+    output: torch.Tensor | None,
+    groups: ProcessGroups,
+    log: CommLog,
+) -> None:
+    """Once the exchange completed: decode and add the pieces in rank order, then the replicas' sums."""
+    mine = own.numel()
+    if output is None or mine == 0:
+        return
+    n, r = groups.topology.shard_size, groups.topology.replica_size
+    dtype = wire_dtype(codec)
+
+    def room(span: Span, of: torch.dtype) -> torch.Tensor:
+        return raw[span.as_slice()].view(of)
+
+    sums = room(rooms.sums, torch.float32)[: n * mine]
+    if n > 1:
+        decode_slots(room(rooms.received, dtype), room(rooms.received_scales, torch.float32), codec, sums, n)
+    else:
+        sums.copy_(own)
+    total = _fold(sums, n)
+    if r > 1:
+        send, send_scales = room(rooms.replica_send, dtype), room(rooms.replica_send_scales, torch.float32)
+        encode_into(total, codec, send, send_scales, total)
+        gathered = room(rooms.replica_received, dtype)
+        gathered_scales = room(rooms.replica_received_scales, torch.float32)
+        link = groups.replica_link
+        log.record(
+            "replica", Collective.ALL_GATHER, [mine] * r, groups.replica_rank, send.element_size(), link=link
+        )
+        gather = partial(dist.all_gather_single, group=groups.replica, async_op=True)
+        _start(gather, _as_bytes_if_fp8(gathered), _as_bytes_if_fp8(send)).finish(home_waits=False)
+        if codec.format.blockwise:
+            blocks = -(-mine // codec.block)
+            log.record("replica", Collective.ALL_GATHER, [blocks] * r, groups.replica_rank, 4, link=link)
+            _start(gather, gathered_scales, send_scales).finish(home_waits=False)
+        replica_sums = room(rooms.replica_sums, torch.float32)
+        decode_slots(gathered, gathered_scales, codec, replica_sums, r)
+        total = _fold(replica_sums, r)
+    output.copy_(total)
+
+
+def _as_bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
+    """fp8 travels as its bytes: backends need not know the dtype (gloo does not)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _fold(slots: torch.Tensor, n: int) -> torch.Tensor:
+    """Add ``n`` equal slots in slot order into slot 0: a tree for a power of two, else left to right."""
+    if n & (n - 1) == 0:
+        return _tree_sum(slots, n)
+    parts = slots.chunk(n)
+    for other in parts[1:]:
+        parts[0].add_(other)
+    return parts[0]
 
 
 def _canonical_sum(
-    pending: Pending | None,
     own: torch.Tensor,
     room: torch.Tensor | None,
     gathered: torch.Tensor | None,
@@ -520,9 +664,7 @@ def _canonical_sum(
     groups: ProcessGroups,
     log: CommLog,
 ) -> None:
-    """Wait for the exchange, add the pieces in rank order, then the replicas' sums in replica order."""
-    if pending is not None:
-        pending.finish(home_waits=False)  # the bucket's completion decides which streams wait
+    """Once the exchange completed: add the pieces in rank order, then the replicas' sums in order."""
     if output is None or own.numel() == 0:
         return
     total = own if room is None else _tree_sum(room, groups.topology.shard_size)

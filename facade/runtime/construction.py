@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import ConfigError, ScalerConfig, ZeroPlan, ZeroplanError, initial_state
+from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
 from zeroplan.facade.diagnostics.memory_check import check_device_memory
 from zeroplan.facade.params.sharded import Peers
 from zeroplan.facade.runtime import replanning
@@ -46,7 +47,7 @@ from zeroplan.facade.runtime.domain import (
     split_domains,
 )
 from zeroplan.facade.runtime.joint import JointStep
-from zeroplan.facade.runtime.registry import Configured, configure
+from zeroplan.facade.runtime.registry import Configured, configure, grad_wire
 
 
 def _import_dynamo_now() -> None:
@@ -86,6 +87,8 @@ class Request:
     overlap_grad_reduce: bool
     strict_memory: bool
     deterministic: bool = False
+    reduce_dtype: Any = None
+    wire_block: int = DEFAULT_WIRE_BLOCK
 
     def configure(self, item: DomainInput, first: bool) -> Configured:
         """Validate the request for one domain (shard groups and nodes are the data domain's only)."""
@@ -105,6 +108,7 @@ class Request:
             layout=self.layout,
             ranks_per_node=self.ranks_per_node if first else None,
             deterministic=self.deterministic,
+            grad_wire=grad_wire(self.reduce_dtype, self.wire_block),
         )
 
 
@@ -223,6 +227,12 @@ def check_transport(zp: ZeroPlan, backend: str, devices: set[str]) -> None:
         raise ConfigError(
             f"deterministic=True exchanges gradients with all_to_all, which gloo carries for CPU tensors "
             f"only, and the parameters are on {sorted(devices - {'cpu'})}: use backend='nccl' for GPU tensors"
+        )
+    if zp.grad_wire is not None and zp.topology.world_size > 1 and backend == "gloo" and devices - {"cpu"}:
+        raise ConfigError(
+            f"reduce_dtype={zp.grad_wire.format.value!r} exchanges gradients with all_to_all, which gloo "
+            f"carries for CPU tensors only, and the parameters are on {sorted(devices - {'cpu'})}: use "
+            "backend='nccl' for GPU tensors"
         )
     exchanged = any(zp.exchanges(b.collective) for b in zp.buckets.buckets) or any(
         zp.exchanges(zp.gather_collective(block))

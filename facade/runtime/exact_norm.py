@@ -9,6 +9,7 @@ which is associative: over elements, shards and ranks in any order.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -23,8 +24,8 @@ def _powers(part: torch.Tensor, p: float) -> Iterator[torch.Tensor]:
     if part.numel() == 0:
         return
     for chunk in part.reshape(-1).split(EXACT_NORM_CHUNK):
-        v = chunk.double().abs_()
-        yield v.square_() if p == 2 else v.pow_(p)
+        v = chunk.to(torch.float64, copy=True).abs_()  # a copy: fp64 gradients are never written
+        yield v if p in (1, math.inf) else v.square_() if p == 2 else v.pow_(p)
 
 
 def exact_norm(
@@ -50,7 +51,12 @@ def exact_norm(
             peak[2] = torch.maximum(peak[2], torch.isinf(v).any().double())
             peak[0] = torch.maximum(peak[0], v.nan_to_num_(0.0, 0.0, 0.0).amax())
     all_max(peak)
-    exponent = torch.frexp(peak[0]).exponent  # every finite value < 2**exponent
+    if p == math.inf:  # the largest magnitude: exact already; the second call keeps the planned traffic
+        all_sum(torch.zeros(NORM_LIMBS, dtype=torch.int64, device=device))
+        norm = torch.where(peak[2] > 0, torch.inf, peak[0])
+        return torch.where(peak[1] > 0, torch.nan, norm).float()
+    # Every finite value < 2**exponent; at least 2**-1000, so that the scale below stays finite.
+    exponent = torch.frexp(peak[0]).exponent.clamp_(min=-1000)
     one = torch.ones((), dtype=torch.float64, device=device)
     scale = torch.ldexp(one, NORM_LIMB_BITS - exponent)
     step = float(1 << NORM_LIMB_BITS)

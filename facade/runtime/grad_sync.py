@@ -82,6 +82,7 @@ from zeroplan.facade.runtime.collectives import (
     on_side_stream,
     start_bucket_reduce,
     start_canonical_reduce,
+    start_encoded_reduce,
     start_replica_reduce,
     wait_for_mark,
 )
@@ -171,8 +172,8 @@ class GradSync:
         del opened  # their room in the arena is free again
         if inflight or replica:  # completed on the side stream, as always ([Note: streams])
             with on_side_stream(self._arena.device):
-                for entry in inflight:
-                    entry.pending.finish(home_waits=False)
+                for entry in inflight:  # waited for, never completed: nothing more is sent or written
+                    entry.pending.abandon()
                 for pending in replica:
                     pending.finish()
             join_side_stream(self._arena.device)
@@ -190,6 +191,11 @@ class GradSync:
         self._inflight: deque[_InFlight] = deque()
         self._replica: list[Pending] = []
         self._retired: StreamMark | None = None  # the last retirement, on the side stream
+
+    @property
+    def micro_batches(self) -> int:
+        """Backward passes of this step so far (deterministic mode counts them; 0 otherwise)."""
+        return self._passes.count if self._sums is not None else 0
 
     def remove_hooks(self) -> None:
         """Detach from the parameters (before re-planning)."""
@@ -306,6 +312,11 @@ class GradSync:
         piece = bucket.piece_of(self._groups.shard_rank)
         output = buf.grad_shard[piece.shard_span.as_slice()] if piece is not None else None
         layout = self._layouts[b]
+        codec = self._zp.grad_wire
+        if codec is not None:  # [Note: wire formats]
+            pending = start_encoded_reduce(staging, output, bucket, layout, codec, self._groups, self._log)
+            self._launched(b, _InFlight(bucket, staging, pending, None, output))
+            return
         if self._zp.deterministic:  # [Note: deterministic mode]
             pending = start_canonical_reduce(staging, output, bucket, layout, self._groups, self._log)
             self._launched(b, _InFlight(bucket, staging, pending, None, output))

@@ -232,7 +232,7 @@ class StepLifecycle:
         Parameters written since the last step are taken into the masters only
         here, once every rank agreed ([Note: parameter writes]).
         """
-        _check_agreement(ctx, call, self._local, verdict[: VERDICT_LENGTH - 1])
+        _check_agreement(ctx, call, self._local, verdict[: VERDICT_LENGTH - 1], inst.zp.deterministic)
         inst.residency.keep_param_writes()  # [Note: parameter writes]; only once every rank agreed
         self.found_inf = verdict[VERDICT_LENGTH - 1] > 0
         for spec, tensor in zip(inst.inner.specs, inst.inner.tensors, strict=True):
@@ -245,7 +245,7 @@ class StepLifecycle:
         This rank's part (:meth:`local_norm`) combined over the shard group by
         one scalar all-reduce, logged in ``log`` (a throwaway log for inspection).
         """
-        if inst.zp.deterministic and norm_type != math.inf:  # [Note: deterministic mode]
+        if inst.zp.deterministic:  # [Note: deterministic mode]
             parts = [grad[: buf.extent] for grad, buf in zip(self.master_grads, inst.buffers, strict=True)]
             return exact_norm(
                 parts,
@@ -395,6 +395,8 @@ def _start_agreement(inst: Installed, ctx: StepContext, log: CommLog) -> tuple[t
     """
     local = _Local(inst.detached(ctx.params), inst.sync.written_back(), inst.sync.uneven_micro_batches)
     digest = hyperparameter_digest(ctx.param_groups)
+    if inst.zp.deterministic:  # ranks that ran different numbers of micro-batches disagree too
+        digest = (digest * 1_000_003 + inst.sync.micro_batches) % (1 << 62)
     astray = local.detached is not None or local.uneven is not None
     values = [int(astray), int(local.rewritten is not None), digest, -digest]
     flags = to_device(values, torch.int64, inst.device)
@@ -409,7 +411,9 @@ def _averaged(buf: SpaceBuffers, divisor: float) -> torch.Tensor:
     return grad.div_(divisor)
 
 
-def _check_agreement(ctx: StepContext, call: str, local: _Local, flags: Sequence[int]) -> None:
+def _check_agreement(
+    ctx: StepContext, call: str, local: _Local, flags: Sequence[int], deterministic: bool = False
+) -> None:
     """Raise unless no rank's gradients or parameters went astray and all share settings (every rank
     reads the same ``flags``, so every rank raises alike)."""
     detached, rewritten, uneven = local
@@ -418,7 +422,9 @@ def _check_agreement(ctx: StepContext, call: str, local: _Local, flags: Sequence
             f"{call}: deterministic=True, but this rank ran {uneven} backward passes in this step: "
             "each rank must run a power of two of micro-batches (G/W of the G canonical ones, "
             "no_sync() around all but the last), whose sums form whole subtrees of the canonical "
-            "tree ([Note: deterministic mode]); nothing was changed"
+            "tree ([Note: deterministic mode]); nothing was changed. (A reentrant activation "
+            "checkpoint, torch.utils.checkpoint(use_reentrant=True), runs backward passes of its own "
+            "that count too: use use_reentrant=False)"
         )
     if detached is not None:
         raise ConfigError(
@@ -449,8 +455,14 @@ def _check_agreement(ctx: StepContext, call: str, local: _Local, flags: Sequence
             "not a power of two; see the error on that rank"
         )
     if flags[2] != -flags[3]:
+        counts = (
+            ", or (deterministic=True) ran different numbers of micro-batches in this step (each must "
+            "run G/W of the G canonical ones)"
+            if deterministic
+            else ""
+        )
         raise ConfigError(
             f"{call}: the ranks hold different hyper-parameters in param_groups (an edit such as "
             "param_groups[0]['lr'] = ... made on some ranks only, or a scheduler stepped on some ranks "
-            "only); every rank must step with the same settings"
+            f"only){counts}; every rank must step with the same settings"
         )

@@ -28,6 +28,7 @@ from zeroplan.core import (
     ScalerState,
     ZeroPlan,
 )
+from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
 from zeroplan.facade.checkpoint.consolidate import consolidated_state_dict
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory
 from zeroplan.facade.params.buffers import SpaceBuffers
@@ -88,6 +89,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             all-reduced / broadcast) or ``"auto"`` (by backend); see
             [Note: collective policy] in ``zeroplan.core.comm``.
         strict_memory: raise, not warn, when the planned peak does not fit the GPU.
+        reduce_dtype: what gradients travel as ([Note: wire formats] in
+            ``zeroplan.core.wire``): ``None`` (the parameter dtype, today's
+            collectives), ``torch.float32``/``"fp32"``, ``torch.bfloat16``/``"bf16"``
+            (added in fp32 by the receiver), or blockwise-scaled ``"int8"`` /
+            ``"fp8"`` (e4m3), added in fp32; all but ``None`` exchange every bucket
+            with ``all_to_all``.
+        wire_block: elements per fp32 scale of the int8 and fp8 wires (must divide
+            ``alignment``).
         deterministic: results bit-identical at any world size, stage, layout and
             bucket size, for canonical micro-batches ([Note: deterministic mode] in
             ``zeroplan.core.deterministic``): a power-of-two world, sums in fixed
@@ -128,6 +137,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         collectives: str = "auto",
         strict_memory: bool = False,
         deterministic: bool = False,
+        reduce_dtype: str | torch.dtype | None = None,
+        wire_block: int = DEFAULT_WIRE_BLOCK,
         **optimizer_defaults: Any,
     ) -> None:
         self._initialized = False
@@ -149,6 +160,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             overlap_grad_reduce=overlap_grad_reduce,
             strict_memory=strict_memory,
             deterministic=deterministic,
+            reduce_dtype=reduce_dtype,
+            wire_block=wire_block,
         )
         agreed = construction.agree(params, world, request)
         # Nothing below can fail for a user reason: state changes start here.

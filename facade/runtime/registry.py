@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from zeroplan.core import ConfigError, ParamSpec, Topology, ZeroPlan, describe_optimizer, plan
 from zeroplan.core.errors import ConfigTypeError
+from zeroplan.core.wire import WireCodec, WireFormat
 from zeroplan.facade.runtime.inner import check_hyperparameters, check_keywords
 from zeroplan.facade.runtime.inputs import ParamList, collect_params, describe_params
 
@@ -123,6 +124,7 @@ class PlanSettings:
     policy: str
     layout: str = "auto"
     deterministic: bool = False
+    grad_wire: WireCodec | None = None
 
     @property
     def optimizer_name(self) -> str:
@@ -149,6 +151,7 @@ class PlanSettings:
             "policy": self.policy,
             "layout": self.layout,
             "deterministic": self.deterministic,
+            "grad_wire": self.grad_wire,
         }
 
 
@@ -185,6 +188,7 @@ def configure(
     layout: str = "auto",
     ranks_per_node: int | None = None,
     deterministic: bool = False,
+    grad_wire: WireCodec | None = None,
 ) -> Configured:
     """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
 
@@ -225,6 +229,7 @@ def configure(
         policy=collectives,
         layout=layout,
         deterministic=deterministic,
+        grad_wire=grad_wire,
     )
     return Configured(mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs))
 
@@ -241,3 +246,34 @@ def scale_mode(loss_scale: float | str | None) -> float | str | None:
         if math.isfinite(loss_scale) and loss_scale > 0:
             return float(loss_scale)
     raise ConfigError(f"loss_scale must be None, a finite number > 0 or 'dynamic', got {loss_scale!r}")
+
+
+#: ``ZeroOptimizer(reduce_dtype=...)``: torch dtypes and names of the wire formats ([Note: wire formats]).
+_WIRES: dict[Any, WireFormat] = {
+    torch.float32: WireFormat.FP32,
+    torch.bfloat16: WireFormat.BF16,
+    torch.int8: WireFormat.INT8,
+    torch.float8_e4m3fn: WireFormat.FP8,
+    "fp32": WireFormat.FP32,
+    "float32": WireFormat.FP32,
+    "bf16": WireFormat.BF16,
+    "bfloat16": WireFormat.BF16,
+    "int8": WireFormat.INT8,
+    "fp8": WireFormat.FP8,
+    "float8_e4m3fn": WireFormat.FP8,
+}
+
+
+def grad_wire(reduce_dtype: Any, block: int) -> WireCodec | None:
+    """The gradient wire of ``ZeroOptimizer(reduce_dtype=..., wire_block=...)`` (``None``: today's).
+
+    Raises:
+        ConfigError: an unknown format, or a bad block size (the message lists what works).
+    """
+    if reduce_dtype is None:
+        return None
+    fmt = _WIRES.get(reduce_dtype)
+    if fmt is None:
+        names = "None, torch.float32 or 'fp32', torch.bfloat16 or 'bf16', 'int8', 'fp8'"
+        raise ConfigError(f"reduce_dtype={reduce_dtype!r} is not a gradient wire format; use one of {names}")
+    return WireCodec(fmt, block=block)

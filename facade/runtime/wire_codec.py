@@ -14,9 +14,73 @@ import torch
 
 from zeroplan.core.wire import WireCodec, WireFormat
 
-__all__ = ["Encoded", "decode", "encode"]
+__all__ = [
+    "Encoded",
+    "decode",
+    "decode_into",
+    "decode_slots",
+    "encode",
+    "encode_into",
+    "encode_pieces",
+    "wire_dtype",
+]
 
-_DTYPES = {WireFormat.FP32: torch.float32, WireFormat.BF16: torch.bfloat16, WireFormat.INT8: torch.int8}
+_DTYPES = {
+    WireFormat.FP32: torch.float32,
+    WireFormat.BF16: torch.bfloat16,
+    WireFormat.INT8: torch.int8,
+    WireFormat.FP8: torch.float8_e4m3fn,
+}
+
+
+def wire_dtype(codec: WireCodec) -> torch.dtype:
+    """The dtype of ``codec``'s elements on the wire."""
+    return _DTYPES[codec.format]
+
+
+def encode_into(
+    x: torch.Tensor, codec: WireCodec, payload: torch.Tensor, scales: torch.Tensor, scratch: torch.Tensor
+) -> None:
+    """:func:`encode` into given memory: ``payload`` (``x.numel()`` wire elements), ``scales`` (one
+    fp32 per started block), with ``scratch`` (``x.numel()`` fp32; may be ``x`` itself when fp32).
+
+    Blocks start at ``x``'s first element; the last may be partial. Only per-block temporaries are
+    allocated. A block holding an infinity or a NaN gets a non-finite scale, so its decoded values
+    are non-finite too: an overflow is never hidden.
+    """
+    if not codec.format.blockwise:
+        payload.copy_(x.reshape(-1))
+        return
+    flat = scratch.reshape(-1)
+    flat.copy_(x.reshape(-1))
+    for rows, row_scales in _row_groups(flat, scales, codec.block):
+        low, high = torch.aminmax(rows, dim=1)
+        torch.maximum(low.abs_(), high.abs_(), out=row_scales).div_(codec.largest)
+        row_scales.masked_fill_(row_scales == 0, 1.0)  # an all-zero block stays zero; NaN and inf stay
+        rows.div_(row_scales[:, None])
+        if codec.format is WireFormat.INT8:
+            rows.round_()
+        rows.clamp_(-codec.largest, codec.largest)
+    payload.copy_(flat)
+
+
+def decode_into(payload: torch.Tensor, scales: torch.Tensor, codec: WireCodec, out: torch.Tensor) -> None:
+    """:func:`decode` into ``out`` (fp32, ``payload.numel()`` elements), allocating nothing."""
+    out.copy_(payload)
+    if codec.format.blockwise:
+        for rows, row_scales in _row_groups(out, scales, codec.block):
+            rows.mul_(row_scales[:, None])
+
+
+def _row_groups(
+    flat: torch.Tensor, scales: torch.Tensor, block: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``flat`` as rows of ``block`` elements with their scales, then its partial last block (if any)."""
+    whole = flat.numel() // block
+    groups = [(flat[: whole * block].view(whole, block), scales[:whole])] if whole else []
+    if flat.numel() > whole * block:
+        groups.append((flat[whole * block :].view(1, -1), scales[whole : whole + 1]))
+    return groups
 
 
 class Encoded(NamedTuple):
@@ -26,15 +90,6 @@ class Encoded(NamedTuple):
     scales: torch.Tensor | None
 
 
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """``x`` (flat) as rows of ``block`` elements, the last padded with zeros."""
-    flat = x.reshape(-1)
-    tail = -flat.numel() % block
-    if tail:
-        flat = torch.cat([flat, flat.new_zeros(tail)])
-    return flat.view(-1, block)
-
-
 def encode(x: torch.Tensor, codec: WireCodec) -> Encoded:
     """``x`` (any float dtype, flat or not) encoded by ``codec`` (``param``: as it is)."""
     fmt = codec.format
@@ -42,15 +97,10 @@ def encode(x: torch.Tensor, codec: WireCodec) -> Encoded:
         return Encoded(x.reshape(-1), None)
     if not fmt.blockwise:
         return Encoded(x.reshape(-1).to(_DTYPES[fmt]), None)
-    rows = _blocks(x.float(), codec.block)
-    scales = rows.abs().amax(dim=1) / codec.largest
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block stays zero
-    scaled = rows / scales[:, None]
-    if fmt is WireFormat.INT8:
-        payload = scaled.round_().clamp_(-codec.largest, codec.largest).to(torch.int8)
-    else:
-        payload = scaled.clamp_(-codec.largest, codec.largest).to(torch.float8_e4m3fn)
-    return Encoded(payload.reshape(-1)[: x.numel()], scales)
+    payload = torch.empty(x.numel(), dtype=_DTYPES[fmt], device=x.device)
+    scales = torch.empty(-(-x.numel() // codec.block), dtype=torch.float32, device=x.device)
+    encode_into(x, codec, payload, scales, torch.empty(x.numel(), dtype=torch.float32, device=x.device))
+    return Encoded(payload, scales)
 
 
 def decode(encoded: Encoded, codec: WireCodec, numel: int) -> torch.Tensor:
@@ -58,5 +108,41 @@ def decode(encoded: Encoded, codec: WireCodec, numel: int) -> torch.Tensor:
     payload, scales = encoded
     if scales is None:
         return payload.float()
-    rows = _blocks(payload.float(), codec.block)
-    return (rows * scales[:, None]).reshape(-1)[:numel]
+    out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+    decode_into(payload, scales, codec, out)
+    return out
+
+
+def encode_pieces(
+    x: torch.Tensor,
+    sizes: list[int],
+    codec: WireCodec,
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    scratch: torch.Tensor,
+) -> None:
+    """:func:`encode_into` of consecutive pieces of ``x`` (``sizes``), each with blocks of its own, so
+    that each piece travels with its own scales."""
+    if not codec.format.blockwise:
+        payload.copy_(x.reshape(-1))
+        return
+    at = scale_at = 0
+    for size in sizes:
+        blocks = -(-size // codec.block)
+        part = slice(at, at + size)
+        encode_into(x[part], codec, payload[part], scales[scale_at : scale_at + blocks], scratch[part])
+        at, scale_at = at + size, scale_at + blocks
+
+
+def decode_slots(
+    payload: torch.Tensor, scales: torch.Tensor, codec: WireCodec, out: torch.Tensor, slots: int
+) -> None:
+    """:func:`decode_into` of ``slots`` equal pieces, each with blocks of its own."""
+    if not codec.format.blockwise or slots == 0:
+        out.copy_(payload)
+        return
+    size = payload.numel() // slots
+    blocks = scales.numel() // slots
+    for q in range(slots):
+        part = slice(q * size, (q + 1) * size)
+        decode_into(payload[part], scales[q * blocks : (q + 1) * blocks], codec, out[part])

@@ -42,6 +42,8 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             loss_scale="dynamic" if dtype == torch.float16 else None,
             reshard_after_forward=cfg.get("reshard", True),
             deterministic=cfg.get("deterministic", False),
+            reduce_dtype=cfg.get("wire"),
+            wire_block=16,
             **cfg.get("hyper", {"lr": 1e-3}),
         )
         opt.attach(model)  # stage 3: the forward gathers what it uses (a no-op at stages 1 and 2)

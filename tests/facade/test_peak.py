@@ -52,13 +52,19 @@ CASES = (
         (4, {"stage": 2, "dtype": "fp32", "shard": 2, "deterministic": True, **ADAMW_FUSED}),
         (4, {"stage": 3, "dtype": "bf16", "shard": 2, "deterministic": True, **ADAMW_FOREACH}),
     ]
+    + [  # gradient wire formats: the encoded rooms and the fp32 slots ([Note: wire formats])
+        (2, {"stage": 2, "dtype": "bf16", "wire": "int8", **ADAMW_FOREACH}),
+        (4, {"stage": 2, "dtype": "fp32", "shard": 2, "wire": "fp8", **ADAMW_FUSED}),
+        (2, {"stage": 3, "dtype": "bf16", "wire": "bf16", **SGD}),
+    ]
 )
 
 
 def _id(case):
     world, cfg = case
     inner = "sgd" if cfg["optimizer"] == "sgd" else "fused" if cfg["hyper"].get("fused") else "foreach"
-    extras = [k for k in ("shard", "collectives", "clip", "overlap", "reshard", "deterministic") if k in cfg]
+    keys = ("shard", "collectives", "clip", "overlap", "reshard", "deterministic", "wire")
+    extras = [f"{k}={cfg[k]}" if k == "wire" else k for k in keys if k in cfg]
     return "-".join([f"w{world}", f"s{cfg['stage']}", cfg["dtype"], inner, *extras])
 
 
