@@ -47,8 +47,9 @@ count in every run, since kernels split their sums by thread: torchrun sets
 micro-batches in the same order, and a power-of-two world: a non-power-of-two
 world (so shard or replica group) is refused at construction, because its
 ranks' micro-batches cannot be whole subtrees of the canonical tree. A rank
-whose count of backward passes in a step is not a power of two makes the step
-agreement raise on every rank; that every rank ran G/W is not checked.
+whose count of backward passes in a step is not a power of two, or ranks whose
+counts differ, make the step agreement raise on every rank (that the count is
+G/W is the user's part); fp16 needs a loss scale.
 Expert groups are refused: with expert parallelism an expert's backward adds
 the tokens of several ranks' micro-batches inside one matmul, an order the
 model's dispatch decides, so its gradient is no sum of per-micro-batch
