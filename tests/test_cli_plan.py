@@ -175,6 +175,11 @@ def test_json_document_matches_the_in_process_report(args, settings):
     assert document["buckets"] == len(zp.buckets.buckets)
     assert document["strategy"] == zp.partition.strategy
     assert document["deterministic"] == zp.deterministic
+    if zp.grad_wire is not None:  # rank 0's bytes per link, next to the same plan without the wire
+        _, default = expected_report(specs, **{**settings, "grad_wire": None})
+        rows = document["wire_per_link"]
+        assert sum(r["bytes"] for r in rows) == report.ranks[0].comm_bytes_per_step
+        assert sum(r["default_bytes"] for r in rows) == default.ranks[0].comm_bytes_per_step
     assert document["accumulation_bytes"] == accumulation_bytes(zp, settings_accumulation(args))
 
 

@@ -24,11 +24,13 @@ import json
 import math
 import sys
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from zeroplan.core import (
     AUTO_MAX_PIECES,
     LAYOUTS,
+    CommCost,
     ConfigError,
     DomainPlans,
     DomainsReport,
@@ -173,6 +175,10 @@ def run(args: argparse.Namespace) -> int:
     fit = fitting.assess(report, settings)
     advice = fitting.recommendation(args, specs, settings)
     status = 1 if advice is not None and advice.best is None else 0
+    per_link = None
+    if zp.grad_wire is not None:  # the same plan with gradients in the parameter dtype, to compare
+        default = memory_report(plan(specs, topology, **{**_plan_options(args), "grad_wire": None}))
+        per_link = _bytes_per_link(default.ranks[0].comm, report.ranks[0].comm)
     if args.json:
         document = report.as_dict()
         document.update(
@@ -184,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             layout_requested=args.layout,
             deterministic=zp.deterministic,
             reduce_dtype=args.reduce_dtype,
+            wire_per_link=None if per_link is None else [row._asdict() for row in per_link],
             accumulation_bytes=accumulation_bytes(zp, args.grad_accumulation),
             splits_params=zp.partition.splits_params,
             planning_seconds=round(elapsed, 4),
@@ -198,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     _print_table(
         report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), layout, elapsed, args.rows, fit
     )
+    if per_link is not None:
+        _print_per_link(per_link, args.reduce_dtype)
     if args.grad_accumulation > 1:
         held = accumulation_bytes(zp, args.grad_accumulation)
         kind = "partial sums of the micro-batch tree" if zp.deterministic else "autograd's .grad"
@@ -416,6 +425,38 @@ def _print_table(
     for c in report.ranks[0].comm:
         comm.add_row(c.group, c.collective.value, c.link.value, f"{c.calls:,}", _gib(c.bytes))
     print_table(console, comm, key=3)
+
+
+class LinkBytes(NamedTuple):
+    """Rank 0's bytes per step on one link of one group, by default and with the wire format."""
+
+    group: str
+    link: str
+    default_bytes: int
+    bytes: int
+
+
+def _bytes_per_link(default: Sequence[CommCost], chosen: Sequence[CommCost]) -> list[LinkBytes]:
+    """Both traffics summed per (group, link), in the order the links first appear."""
+    totals: dict[tuple[str, str], list[int]] = {}
+    for column, costs in enumerate((default, chosen)):
+        for c in costs:
+            totals.setdefault((c.group, c.link.value), [0, 0])[column] += c.bytes
+    return [LinkBytes(group, link, a, b) for (group, link), (a, b) in totals.items()]
+
+
+def _print_per_link(rows: list[LinkBytes], wire: str) -> None:
+    """The traffic of rank 0 per group and link with gradients sent as ``wire``, next to the default."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"rank 0's traffic per step, gradients as {wire} against the parameter dtype")
+    for column in ("group", "link", "default GiB", f"{wire} GiB", "ratio"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        ratio = f"{row.bytes / row.default_bytes:.2f}" if row.default_bytes else "-"
+        table.add_row(row.group, row.link, _gib(row.default_bytes), _gib(row.bytes), ratio)
+    Console().print(table)
 
 
 #: Where the memory table splits in a narrow terminal: memory held | peak, need and traffic
