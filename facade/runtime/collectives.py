@@ -515,16 +515,9 @@ def start_canonical_reduce(
     room = None if layout.received is None else staging[layout.received.as_slice()]
     pending = None
     if n > 1:  # a rank without a piece (or an empty one) sends and receives nothing back
-        log.record("shard", Collective.ALL_TO_ALL, sizes, s, staging.element_size(), link=groups.shard_link)
-        received = room if room is not None else grads.new_empty(0)
-        exchange = partial(
-            dist.all_to_all_single,
-            output_split_sizes=[received.numel() // n] * n,
-            input_split_sizes=sizes,
-            group=groups.shard,
-            async_op=True,
+        pending = _start_piece_exchange(
+            grads, room if room is not None else grads.new_empty(0), sizes, groups, log
         )
-        pending = _start(exchange, received, grads)
     gathered = None if layout.gathered is None else staging[layout.gathered.as_slice()]
     finish = partial(_canonical_sum, own, room, gathered, output, groups, log)
     return Pending(None, after=finish, parts=[] if pending is None else [pending])
@@ -554,43 +547,23 @@ def start_encoded_reduce(
     raw = staging.view(torch.uint8)
     dtype = wire_dtype(codec)
 
-    def room(span: Span, of: torch.dtype) -> torch.Tensor:
-        return raw[span.as_slice()].view(of)
-
     sizes = list(bucket.piece_sizes(n))
     grads = staging[: bucket.numel]
     piece = bucket.piece_of(s)
     own = grads[piece.staging_span.as_slice()] if piece is not None else grads[:0]
-    mine = own.numel()
-    sums = room(rooms.sums, torch.float32)
+    sums = _room(raw, rooms.sums, torch.float32)
     parts: list[Pending] = []
     if n > 1:
-        send, received = room(rooms.send, dtype), room(rooms.received, dtype)
+        send, received = _room(raw, rooms.send, dtype), _room(raw, rooms.received, dtype)
         send_scales, received_scales = (
-            room(rooms.send_scales, torch.float32),
-            room(rooms.received_scales, torch.float32),
+            _room(raw, rooms.send_scales, torch.float32),
+            _room(raw, rooms.received_scales, torch.float32),
         )
         encode_pieces(grads, sizes, codec, send, send_scales, sums[: bucket.numel])
-        log.record("shard", Collective.ALL_TO_ALL, sizes, s, send.element_size(), link=groups.shard_link)
-        exchange = partial(
-            dist.all_to_all_single,
-            output_split_sizes=[mine] * n,
-            input_split_sizes=sizes,
-            group=groups.shard,
-            async_op=True,
-        )
-        parts.append(_start(exchange, _as_bytes_if_fp8(received), _as_bytes_if_fp8(send)))
-        if codec.format.blockwise:
+        parts.append(_start_piece_exchange(send, received, sizes, groups, log))
+        if codec.format.blockwise:  # the scales: each piece's blocks
             blocks = [-(-q // codec.block) for q in sizes]
-            log.record("shard", Collective.ALL_TO_ALL, blocks, s, 4, link=groups.shard_link)
-            exchange = partial(
-                dist.all_to_all_single,
-                output_split_sizes=[-(-mine // codec.block)] * n,
-                input_split_sizes=blocks,
-                group=groups.shard,
-                async_op=True,
-            )
-            parts.append(_start(exchange, received_scales, send_scales))
+            parts.append(_start_piece_exchange(send_scales, received_scales, blocks, groups, log))
     finish = partial(_encoded_sum, own, rooms, raw, codec, output, groups, log)
     return Pending(None, after=finish, parts=parts)
 
@@ -611,34 +584,71 @@ def _encoded_sum(
     n, r = groups.topology.shard_size, groups.topology.replica_size
     dtype = wire_dtype(codec)
 
-    def room(span: Span, of: torch.dtype) -> torch.Tensor:
-        return raw[span.as_slice()].view(of)
-
-    sums = room(rooms.sums, torch.float32)[: n * mine]
+    sums = _room(raw, rooms.sums, torch.float32)[: n * mine]
     if n > 1:
-        decode_slots(room(rooms.received, dtype), room(rooms.received_scales, torch.float32), codec, sums, n)
+        decode_slots(
+            _room(raw, rooms.received, dtype),
+            _room(raw, rooms.received_scales, torch.float32),
+            codec,
+            sums,
+            n,
+        )
     else:
         sums.copy_(own)
     total = _fold(sums, n)
     if r > 1:
-        send, send_scales = room(rooms.replica_send, dtype), room(rooms.replica_send_scales, torch.float32)
-        encode_into(total, codec, send, send_scales, total)
-        gathered = room(rooms.replica_received, dtype)
-        gathered_scales = room(rooms.replica_received_scales, torch.float32)
-        link = groups.replica_link
-        log.record(
-            "replica", Collective.ALL_GATHER, [mine] * r, groups.replica_rank, send.element_size(), link=link
+        send, send_scales = (
+            _room(raw, rooms.replica_send, dtype),
+            _room(raw, rooms.replica_send_scales, torch.float32),
         )
-        gather = partial(dist.all_gather_single, group=groups.replica, async_op=True)
-        _start(gather, _as_bytes_if_fp8(gathered), _as_bytes_if_fp8(send)).finish(home_waits=False)
+        encode_into(total, codec, send, send_scales, total)
+        gathered = _room(raw, rooms.replica_received, dtype)
+        gathered_scales = _room(raw, rooms.replica_received_scales, torch.float32)
+        _gather_replicas(send, gathered, groups, log)
         if codec.format.blockwise:
-            blocks = -(-mine // codec.block)
-            log.record("replica", Collective.ALL_GATHER, [blocks] * r, groups.replica_rank, 4, link=link)
-            _start(gather, gathered_scales, send_scales).finish(home_waits=False)
-        replica_sums = room(rooms.replica_sums, torch.float32)
+            _gather_replicas(send_scales, gathered_scales, groups, log)
+        replica_sums = _room(raw, rooms.replica_sums, torch.float32)
         decode_slots(gathered, gathered_scales, codec, replica_sums, r)
         total = _fold(replica_sums, r)
     output.copy_(total)
+
+
+def _start_piece_exchange(
+    send: torch.Tensor, received: torch.Tensor, sizes: Sequence[int], groups: ProcessGroups, log: CommLog
+) -> Pending:
+    """One logged ``all_to_all_single`` over the shard group: each shard rank gets its piece of
+    ``send`` (``sizes``, in rank order), this rank every peer's copy of its own in ``received``'s
+    equal slots (empty when it has none)."""
+    n, s = groups.topology.shard_size, groups.shard_rank
+    log.record("shard", Collective.ALL_TO_ALL, list(sizes), s, send.element_size(), link=groups.shard_link)
+    exchange = partial(
+        dist.all_to_all_single,
+        output_split_sizes=[received.numel() // n] * n,
+        input_split_sizes=list(sizes),
+        group=groups.shard,
+        async_op=True,
+    )
+    return _start(exchange, _as_bytes_if_fp8(received), _as_bytes_if_fp8(send))
+
+
+def _gather_replicas(mine: torch.Tensor, gathered: torch.Tensor, groups: ProcessGroups, log: CommLog) -> None:
+    """A logged, blocking ``all_gather_single`` of ``mine`` over the replica group into ``gathered``."""
+    r = groups.topology.replica_size
+    log.record(
+        "replica",
+        Collective.ALL_GATHER,
+        [mine.numel()] * r,
+        groups.replica_rank,
+        mine.element_size(),
+        link=groups.replica_link,
+    )
+    gather = partial(dist.all_gather_single, group=groups.replica, async_op=True)
+    _start(gather, _as_bytes_if_fp8(gathered), _as_bytes_if_fp8(mine)).finish(home_waits=False)
+
+
+def _room(raw: torch.Tensor, span: Span, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes ``span`` of a staging buffer ``raw`` as ``dtype`` ([Note: wire formats])."""
+    return raw[span.as_slice()].view(dtype)
 
 
 def _as_bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
@@ -669,19 +679,8 @@ def _canonical_sum(
         return
     total = own if room is None else _tree_sum(room, groups.topology.shard_size)
     if gathered is not None:
-        r = groups.topology.replica_size
-        log.record(
-            "replica",
-            Collective.ALL_GATHER,
-            [own.numel()] * r,
-            groups.replica_rank,
-            own.element_size(),
-            link=groups.replica_link,
-        )
-        _start(partial(dist.all_gather_single, group=groups.replica, async_op=True), gathered, total).finish(
-            home_waits=False
-        )
-        total = _tree_sum(gathered, r)
+        _gather_replicas(total, gathered, groups, log)
+        total = _tree_sum(gathered, groups.topology.replica_size)
     output.copy_(total)
 
 

@@ -217,10 +217,7 @@ class GradSync:
             if not reduce_now:
                 return
             self._take_root(index, self._passes.count)
-        view = self._grad_views.get(index)
-        if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            param.grad = view
+        self._into_view(index)
         if self._sums is None and not self._admit(self._names[index]):
             return  # no_sync(): accumulate locally
         if self._ready[index]:
@@ -246,11 +243,15 @@ class GradSync:
         except ValueError:
             self.uneven_micro_batches = micro_batches
             grad = self._sums.root(index, 1 << (micro_batches - 1).bit_length())
-        param = self._params[index]
-        param.grad = grad
-        view = self._grad_views.get(index)
-        if view is not None and grad is not None:
-            view.copy_(grad)
+        self._params[index].grad = grad
+        self._into_view(index)
+
+    def _into_view(self, index: int) -> None:
+        """Stage 1: parameter ``index``'s ``.grad``, if autograd (or the tree) allocated it, moves
+        into its view of the full gradient buffer, which the reduction reads and writes."""
+        param, view = self._params[index], self._grad_views.get(index)
+        if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
             param.grad = view
 
     # ------------------------------------------------------------- staging
