@@ -40,7 +40,11 @@ categories, the staging arena included). During a step it also holds, at the mos
 
 Clipping, the overflow check and the parameter gather allocate nothing
 beyond scalars at stages 1 and 2 (norms are reduced to one number; updated
-shards are gathered into the parameter buffer in place), so they add no phase.
+shards are gathered into the parameter buffer in place), so they add no phase,
+except under a parameter wire: every block's encoded gather holds a room from
+``step()`` until the block is decoded, and the step phase holds the larger of the
+optimizer's temporaries and all the rooms (:func:`gather_rooms`), next to
+stage 1's copies (freed when ``step()`` returns).
 At stage 3 the backward also holds gathered blocks (see :func:`gathered_bytes`).
 Activations, the loss and the batch are the user's and are not planned. Stage
 0 describes ``DistributedDataParallel``: its peak is an estimate (see
@@ -66,6 +70,8 @@ __all__ = [
     "PeakPhase",
     "StepPeak",
     "backward_peak",
+    "GatherRooms",
+    "gather_rooms",
     "gathered_bytes",
     "step_peak",
     "step_transient",
@@ -207,6 +213,35 @@ def _temporaries_bytes(zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTen
     return max(per_group, default=0)
 
 
+class GatherRooms(NamedTuple):
+    """Stages 1-2 under a parameter wire: the bytes the encoded gathers hold ([Note: wire formats]).
+
+    Attributes:
+        started: inside ``step()``, next to stage 1's copies: every block's room, each started
+            in buffer order after this rank encoded its own piece through a scratch.
+        decoding: the first read after ``step()``: every room, and the scratch its block is
+            decoded through.
+    """
+
+    started: int
+    decoding: int
+
+
+def gather_rooms(zp: ZeroPlan, shard_rank: int) -> GatherRooms:
+    """What shard rank ``shard_rank``'s encoded gathers hold at stages 1-2 (zeros without a wire)."""
+    total = started = scratch = 0
+    for space in zp.partition.spaces:
+        for block in zp.gather_blocks(space):
+            room = zp.gather_room(space, block)
+            if room is None:
+                continue
+            total += room.nbytes
+            scratch = max(scratch, room.scratch_bytes)
+            if block.pieces[shard_rank]:  # this rank encodes its piece once its room exists
+                started = max(started, total + room.scratch_bytes)
+    return GatherRooms(max(started, total), total + scratch if total else 0)
+
+
 def gathered_bytes(zp: ZeroPlan, reshard_after_forward: bool = True) -> int:
     """Stage 3: bytes of gathered blocks alive at once in backward ([Note: stage 3] in the facade).
 
@@ -221,10 +256,17 @@ def gathered_bytes(zp: ZeroPlan, reshard_after_forward: bool = True) -> int:
     total = 0
     for space in zp.partition.spaces:
         sizes = [b.numel * DTYPE_ITEMSIZE[space.dtype] for b in space.blocks]
+        # A parameter wire: the block being prefetched also holds its encoded gather's room.
+        # A parameter wire: the block being gathered also holds its room, and a scratch while it is
+        # decoded in backward; without resharding, backward gathers nothing and the forward's last
+        # room is what stays (measured: tests/facade/test_peak.py).
+        held = [zp.gather_room(space, b) for b in space.blocks]
+        rooms = [0 if room is None else room.nbytes + room.scratch_bytes for room in held]
         if not reshard_after_forward:
-            total += sum(sizes)
+            total += sum(sizes) + max((0 if room is None else room.nbytes for room in held), default=0)
         else:
-            total += max((a + b for a, b in pairwise(sizes)), default=sum(sizes))
+            pairs = zip(pairwise(sizes), pairwise(rooms), strict=True)
+            total += max((a + b + max(ra, rb) for (a, b), (ra, rb) in pairs), default=sum(sizes) + sum(rooms))
     return total
 
 
@@ -263,4 +305,14 @@ def step_peak(
             if bytes_ is None:
                 bytes_ = known[id(tensors[r])] = _temporaries_bytes(zp, r, tensors[r])
             temporaries.append(bytes_)
-    return tuple(StepPeak(transient[r], _copies_bytes(zp, r) + temporaries[r]) for r in range(n))
+    return tuple(StepPeak(transient[r], _step_bytes(zp, r, temporaries[r])) for r in range(n))
+
+
+def _step_bytes(zp: ZeroPlan, shard_rank: int, temporaries: int) -> int:
+    """The step phase: stage 1's copies with the inner optimizer's temporaries, or (after those are
+    gone, before the copies are) a parameter wire's rooms, or its first decode."""
+    copies = _copies_bytes(zp, shard_rank)
+    if zp.param_wire is None or zp.stage not in (Stage.OPTIMIZER, Stage.GRADIENTS):
+        return copies + temporaries
+    rooms = gather_rooms(zp, shard_rank)
+    return max(copies + max(temporaries, rooms.started), rooms.decoding)

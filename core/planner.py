@@ -32,7 +32,10 @@ from zeroplan.core.space import Block, Space, owner_chunks
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs, specs_fingerprint
 from zeroplan.core.topology import Topology
-from zeroplan.core.wire import WireCodec, WireFormat, check_wire
+from zeroplan.core.wire import GatherRoom, WireCodec, WireFormat, check_wire, gather_room
+
+#: What updated parameters may travel as (fp32 is never smaller than the parameters).
+_PARAM_WIRES = (WireFormat.BF16, WireFormat.INT8, WireFormat.FP8)
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
@@ -159,6 +162,9 @@ class ZeroPlan:
         grad_wire: what gradients travel as ([Note: wire formats]); ``None``:
             the parameter dtype, by the policy's collectives. Otherwise every
             bucket is exchanged encoded and added in fp32 by its receiver.
+        param_wire: what updated parameters travel as in their gathers
+            ([Note: wire formats]); ``None``: the parameter dtype. Otherwise
+            every rank, the owner included, holds the decoded values.
 
     Raises:
         ConfigError: inconsistent settings, or a parameter-splitting plan for
@@ -174,6 +180,7 @@ class ZeroPlan:
     max_inflight_buckets: int = 2
     deterministic: bool = False
     grad_wire: WireCodec | None = None
+    param_wire: WireCodec | None = None
 
     def __post_init__(self) -> None:
         check_config(self.stage in tuple(Stage), f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
@@ -228,6 +235,8 @@ class ZeroPlan:
                 "encoded rank sum is not the world-1 run's sum; use one or the other",
             )
             check_wire(self.grad_wire, self.partition.alignment)
+        if self.param_wire is not None:
+            self._check_param_wire(self.param_wire)
         if self.partition.splits_params and not self.elementwise:
             split = next(s for s in self.partition.specs if len(self.partition.fragments[s.index]) > 1)
             raise ConfigError(
@@ -289,6 +298,39 @@ class ZeroPlan:
         return (
             Collective.ALL_GATHER if self.exchanges_encoded or self.deterministic else Collective.ALL_REDUCE
         )
+
+    def _check_param_wire(self, codec: WireCodec) -> None:
+        """Refuse a parameter wire the plan cannot keep exact masters under ([Note: wire formats])."""
+        check_config(
+            isinstance(codec, WireCodec) and codec.format in _PARAM_WIRES,
+            f"param_wire must be a WireCodec of format 'bf16', 'int8' or 'fp8', got {codec!r} (fp32 "
+            "would send more bytes than bf16/fp16 parameters and change nothing)",
+        )
+        check_config(
+            self.stage is not Stage.DDP,
+            "a parameter wire format (gather_dtype) needs stage 1, 2 or 3 (stage 0 gathers nothing)",
+        )
+        check_config(
+            not self.deterministic,
+            "deterministic=True and a parameter wire format (gather_dtype) cannot be combined: a world "
+            "of one gathers nothing, so its parameters are never encoded; use one or the other",
+        )
+        in_place = [s.dtype for s in self.partition.spaces if self.master_in_params(s)]
+        if in_place:
+            raise ConfigError(
+                f"gather_dtype={codec.format.value!r} at stage {int(self.stage)} needs fp32 masters apart "
+                f"from the parameters, but the {in_place[0]} parameters are stepped in place (they are "
+                "their own master, and every rank must hold the decoded values); train in bf16/fp16 "
+                "(fp32 masters are kept) or use stage 3 (its shard stays exact)"
+            )
+        check_wire(codec, self.partition.alignment)
+
+    def gather_room(self, space: Space, block: Block) -> GatherRoom | None:
+        """The room of the encoded gather of ``space``'s ``block``; ``None`` when parameters travel as
+        they are, or nothing is gathered (a shard group of one)."""
+        if self.param_wire is None or self.topology.shard_size == 1:
+            return None
+        return gather_room(self.param_wire, block.pieces, space.dtype)
 
     @property
     def exchanges_encoded(self) -> bool:
@@ -470,17 +512,22 @@ class ZeroPlan:
                     if self.grad_wire
                     else []
                 ),
+                *(
+                    [("param_wire", self.param_wire.format.value, self.param_wire.block)]
+                    if self.param_wire
+                    else []
+                ),
             ],
         )
 
 
-def _wire(grad_wire: WireCodec | str | None) -> WireCodec | None:
-    """``plan(grad_wire=...)`` as a codec, or ``None`` for the parameter dtype."""
-    if isinstance(grad_wire, str):
-        grad_wire = WireCodec(grad_wire)  # type: ignore[arg-type]  # validated there
-    if grad_wire is None or grad_wire.format is WireFormat.PARAM:
+def _wire(wire: WireCodec | str | None) -> WireCodec | None:
+    """``plan(grad_wire=...)`` or ``plan(param_wire=...)`` as a codec, ``None`` for the parameter dtype."""
+    if isinstance(wire, str):
+        wire = WireCodec(wire)  # type: ignore[arg-type]  # validated there
+    if wire is None or wire.format is WireFormat.PARAM:
         return None
-    return grad_wire
+    return wire
 
 
 def auto_strategy(optimizer: OptimizerSpec) -> str:
@@ -503,6 +550,7 @@ def plan(
     layout: str = "auto",
     deterministic: bool = False,
     grad_wire: WireCodec | str | None = None,
+    param_wire: WireCodec | str | None = None,
 ) -> ZeroPlan:
     """Plan a sharded optimizer for ``specs`` on ``topology``.
 
@@ -526,6 +574,8 @@ def plan(
         grad_wire: what gradients travel as: ``None`` (the parameter dtype), a
             format name (``"fp32"``, ``"bf16"``, ``"int8"``, ``"fp8"``) or a
             :class:`WireCodec` ([Note: wire formats]).
+        param_wire: what updated parameters travel as in their gathers: ``None``
+            (the parameter dtype), ``"bf16"``, ``"int8"``, ``"fp8"`` or a codec.
 
     Raises:
         ConfigError: any argument is invalid (the message says how to fix it).
@@ -568,4 +618,5 @@ def plan(
         max_inflight_buckets=max_inflight_buckets,
         deterministic=deterministic,
         grad_wire=_wire(grad_wire),
+        param_wire=_wire(param_wire),
     )

@@ -173,16 +173,19 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
             isz = DTYPE_ITEMSIZE[space.dtype]
             for block in zp.gather_blocks(space):  # [Note: gather blocks]
                 gather = zp.gather_collective(block)
+                room = zp.gather_room(space, block)  # encoded: each piece's slot of bytes moves
+                sent = block if room is None else room.slots
+                unit = isz if room is None else 1
                 if zp.gathers_in_two_hops(block):
-                    two_hops(block.pieces[0], isz, times)
+                    two_hops(sent.pieces[0], unit, times)
                     continue
                 calls = 1 if gather is Collective.ALL_GATHER else n - block.pieces.count(0)
-                row = account(gather, times * block.numel * isz, times * calls)
+                row = account(gather, times * sent.numel * unit, times * calls)
                 if block.equal:  # every sender skips a piece of one size
-                    unsent_by_all[gather] += times * block.pieces[0] * isz
+                    unsent_by_all[gather] += times * sent.pieces[0] * unit
                     continue
-                for q, piece in enumerate(block.pieces):  # a sender skips its successor's piece
-                    row[(q - 1) % n] += times * piece * isz
+                for q, piece in enumerate(sent.pieces):  # a sender skips its successor's piece
+                    row[(q - 1) % n] += times * piece * unit
         # MiCS: each piece is then all-reduced over the replica group; count pieces by size
         # (every_rank: the pieces of buckets of equal pieces, one per rank).
         piece_sizes: list[Counter[_Elements]] = [Counter() for _ in range(n)]

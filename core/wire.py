@@ -43,16 +43,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE
 from zeroplan.core.errors import ConfigError, check_config
+from zeroplan.core.space import Block
+from zeroplan.core.span import Span, round_up
 
 __all__ = [
     "DEFAULT_WIRE_BLOCK",
+    "WIRE_CHUNK",
+    "GatherRoom",
     "WireCodec",
     "WireFormat",
     "check_wire",
+    "gather_room",
     "round_trip_bound",
+    "wire_chunk",
     "wire_bytes",
     "wire_payload_bytes",
     "wire_scale_bytes",
@@ -61,6 +68,9 @@ __all__ = [
 #: Elements per scale of the blockwise codecs (int8, fp8).
 DEFAULT_WIRE_BLOCK = 128
 _SCALE_BYTES = 4  # one fp32 scale per block
+
+#: Elements a gather encodes or decodes at a time through its fp32 scratch (rounded to whole blocks).
+WIRE_CHUNK = 1 << 16
 
 
 class WireFormat(str, Enum):
@@ -187,3 +197,77 @@ def round_trip_bound(codec: WireCodec, value: float, scale: float) -> float:
     if codec.format is WireFormat.BF16:
         return magnitude * 2**-8
     return 0.0
+
+
+@dataclass(frozen=True)
+class GatherRoom:
+    """The bytes of one block's encoded gather ([Note: wire formats]), allocated while it is in flight.
+
+    One *slot* per shard rank, consecutive and in rank order: the rank's piece
+    encoded (its elements, padded to 4 bytes when scales follow, then one fp32
+    scale per block started at the piece's first element). Pieces are encoded
+    and decoded ``chunk`` elements at a time through an fp32 scratch of
+    ``scratch_bytes``, allocated only while that runs (none for the unscaled
+    bf16 wire, a cast).
+
+    Attributes:
+        payloads: per rank, the bytes of its encoded elements.
+        scales: per rank, the bytes of its scales (empty when unscaled).
+        chunk: elements encoded or decoded at a time (a multiple of the block).
+        scratch_numel: fp32 elements of the scratch.
+    """
+
+    payloads: tuple[Span, ...]
+    scales: tuple[Span, ...]
+    chunk: int
+    scratch_numel: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slots: what stays allocated while the gather is in flight."""
+        return self.scales[-1].stop if self.scales else 0
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the scratch, alive only while a piece is encoded or decoded."""
+        return _SCALE_BYTES * self.scratch_numel
+
+    def slot(self, rank: int) -> Span:
+        """Rank ``rank``'s slot: its elements, then its scales."""
+        return Span(self.payloads[rank].start, self.scales[rank].stop)
+
+    @property
+    def slots(self) -> Block:
+        """The slots as a block of bytes: what the gather's collectives move (every rank's slot)."""
+        sizes = tuple(self.slot(q).numel for q in range(len(self.payloads)))
+        return Block(start=0, pieces=sizes, shard_starts=(0,) * len(sizes))
+
+
+@lru_cache(maxsize=256)
+def gather_room(codec: WireCodec, pieces: tuple[int, ...], param_dtype: str) -> GatherRoom:
+    """The room of an encoded gather of a block whose ranks hold ``pieces`` elements.
+
+    Example:
+        >>> room = gather_room(WireCodec(WireFormat.INT8, block=4), (6, 6), "bfloat16")
+        >>> room.slot(1), room.scales[1]         # 6 int8 padded to 8 bytes, then 2 scales
+        (Span(start=16, stop=32), Span(start=24, stop=32))
+        >>> room.nbytes, room.scratch_bytes      # 6 fp32 elements at most in the scratch
+        (32, 24)
+    """
+    payloads, scales = [], []
+    at = 0
+    for numel in pieces:
+        nbytes = wire_payload_bytes(codec, numel, param_dtype)
+        scaled = wire_scale_bytes(codec, numel)
+        payloads.append(Span(at, at + nbytes))
+        at = round_up(at + nbytes, _SCALE_BYTES) if scaled else at + nbytes
+        scales.append(Span(at, at + scaled))
+        at += scaled
+    chunk = wire_chunk(codec)
+    scratch = min(chunk, max(pieces, default=0)) if codec.format.blockwise else 0
+    return GatherRoom(tuple(payloads), tuple(scales), chunk, scratch)
+
+
+def wire_chunk(codec: WireCodec) -> int:
+    """Elements a piece is encoded or decoded in at a time: :data:`WIRE_CHUNK`, in whole blocks."""
+    return codec.block * max(1, WIRE_CHUNK // codec.block)

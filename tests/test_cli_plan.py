@@ -51,6 +51,7 @@ def expected_report(
         layout=kwargs.get("layout", "auto"),
         deterministic=kwargs.get("deterministic", False),
         grad_wire=kwargs.get("grad_wire"),
+        param_wire=kwargs.get("param_wire"),
     )
     return zp, memory_report(zp)
 
@@ -148,6 +149,30 @@ def test_table_rows_are_capped():
             ],
             {"world": 8, "shard": 4, "grad_wire": WireCodec("int8", block=64), "preset": "gpt2"},
         ),
+        (  # stage 3 parameters gathered as fp8 and gradients as bf16, per link, over two nodes
+            [
+                "--preset",
+                "gpt2",
+                "--world",
+                "8",
+                "--ranks-per-node",
+                "4",
+                "--stage",
+                "3",
+                "--reduce-dtype",
+                "bf16",
+                "--gather-dtype",
+                "fp8",
+            ],
+            {
+                "world": 8,
+                "stage": 3,
+                "per_node": 4,
+                "grad_wire": WireCodec("bf16"),
+                "param_wire": WireCodec("fp8"),
+                "preset": "gpt2",
+            },
+        ),
         (  # deterministic mode: all-to-all exchanges, replica gathers, room for every piece
             [
                 "--preset",
@@ -175,8 +200,8 @@ def test_json_document_matches_the_in_process_report(args, settings):
     assert document["buckets"] == len(zp.buckets.buckets)
     assert document["strategy"] == zp.partition.strategy
     assert document["deterministic"] == zp.deterministic
-    if zp.grad_wire is not None:  # rank 0's bytes per link, next to the same plan without the wire
-        _, default = expected_report(specs, **{**settings, "grad_wire": None})
+    if zp.grad_wire or zp.param_wire:  # rank 0's bytes per link, next to the same plan without wires
+        _, default = expected_report(specs, **{**settings, "grad_wire": None, "param_wire": None})
         rows = document["wire_per_link"]
         assert sum(r["bytes"] for r in rows) == report.ranks[0].comm_bytes_per_step
         assert sum(r["default_bytes"] for r in rows) == default.ranks[0].comm_bytes_per_step

@@ -101,6 +101,14 @@ def register(sub: Any) -> None:
         "bf16 added in fp32, or blockwise-scaled int8 / fp8 added in fp32",
     )
     p.add_argument(
+        "--gather-dtype",
+        choices=["param", "bf16", "int8", "fp8"],
+        default="param",
+        help="what updated parameters travel as in their gathers ([Note: wire formats]): the "
+        "parameter dtype (default), bf16, or blockwise-scaled int8 / fp8 (bf16/fp16 parameters at "
+        "stages 1-2, any at stage 3)",
+    )
+    p.add_argument(
         "--wire-block", type=int, default=128, help="elements per scale of int8 / fp8 (default 128)"
     )
     p.add_argument(
@@ -139,6 +147,9 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
         "grad_wire": None
         if args.reduce_dtype == "param"
         else WireCodec(args.reduce_dtype, block=args.wire_block),
+        "param_wire": None
+        if args.gather_dtype == "param"
+        else WireCodec(args.gather_dtype, block=args.wire_block),
     }
 
 
@@ -176,8 +187,9 @@ def run(args: argparse.Namespace) -> int:
     advice = fitting.recommendation(args, specs, settings)
     status = 1 if advice is not None and advice.best is None else 0
     per_link = None
-    if zp.grad_wire is not None:  # the same plan with gradients in the parameter dtype, to compare
-        default = memory_report(plan(specs, topology, **{**_plan_options(args), "grad_wire": None}))
+    if zp.grad_wire is not None or zp.param_wire is not None:  # the same plan without wires, to compare
+        plain = {**_plan_options(args), "grad_wire": None, "param_wire": None}
+        default = memory_report(plan(specs, topology, **plain))
         per_link = _bytes_per_link(default.ranks[0].comm, report.ranks[0].comm)
     if args.json:
         document = report.as_dict()
@@ -190,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             layout_requested=args.layout,
             deterministic=zp.deterministic,
             reduce_dtype=args.reduce_dtype,
+            gather_dtype=args.gather_dtype,
             wire_per_link=None if per_link is None else [row._asdict() for row in per_link],
             accumulation_bytes=accumulation_bytes(zp, args.grad_accumulation),
             splits_params=zp.partition.splits_params,
@@ -206,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), layout, elapsed, args.rows, fit
     )
     if per_link is not None:
-        _print_per_link(per_link, args.reduce_dtype)
+        _print_per_link(per_link, _wire_label(args))
     if args.grad_accumulation > 1:
         held = accumulation_bytes(zp, args.grad_accumulation)
         kind = "partial sums of the micro-batch tree" if zp.deterministic else "autograd's .grad"
@@ -445,12 +458,18 @@ def _bytes_per_link(default: Sequence[CommCost], chosen: Sequence[CommCost]) -> 
     return [LinkBytes(group, link, a, b) for (group, link), (a, b) in totals.items()]
 
 
+def _wire_label(args: argparse.Namespace) -> str:
+    """What the wires send, for the per-link table: ``"grads int8, params fp8"``."""
+    wires = [("grads", args.reduce_dtype), ("params", args.gather_dtype)]
+    return ", ".join(f"{what} {wire}" for what, wire in wires if wire != "param")
+
+
 def _print_per_link(rows: list[LinkBytes], wire: str) -> None:
-    """The traffic of rank 0 per group and link with gradients sent as ``wire``, next to the default."""
+    """The traffic of rank 0 per group and link under the wires ``wire`` names, next to the default."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"rank 0's traffic per step, gradients as {wire} against the parameter dtype")
+    table = Table(title=f"rank 0's traffic per step, {wire} against the parameter dtype")
     for column in ("group", "link", "default GiB", f"{wire} GiB", "ratio"):
         table.add_column(column, justify="right")
     for row in rows:

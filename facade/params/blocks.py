@@ -161,7 +161,8 @@ class BlockTable:
             return
         entry.buffer.untyped_storage().resize_(entry.nbytes)
         self._buffers[key[0]].write_piece(key[1])
-        entry.pending = start_block_gather(entry.buffer, entry.block, self._zp, self._groups, self.log)
+        space = self._zp.partition.spaces[entry.key[0]]
+        entry.pending = start_block_gather(entry.buffer, space, entry.block, self._zp, self._groups, self.log)
         entry.state = BlockState.GATHERING
 
     def ensure(self, key: BlockKey) -> None:

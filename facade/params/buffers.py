@@ -42,6 +42,7 @@ import torch
 from zeroplan.core import Space, Span, ZeroPlan, master_dtype
 from zeroplan.core.allocation import BufferRole, BufferSpec, SpaceAllocation, allocation
 from zeroplan.facade.runtime.dtypes import torch_dtype
+from zeroplan.facade.runtime.wire_codec import PublishedPieces
 
 __all__ = [
     "BlockBuffers",
@@ -202,7 +203,7 @@ class FlatBuffers(SpaceBuffers):
         broadcast(self.params)
         self.load_master()
 
-    def keep_param_writes(self) -> None:
+    def keep_param_writes(self, published: PublishedPieces | None = None) -> None:
         """Take into the master what was written into the rank's pieces of bf16/fp16 parameters.
 
         Stages 1 and 2 (see [Note: parameter writes]): every element of the
@@ -210,11 +211,19 @@ class FlatBuffers(SpaceBuffers):
         (``model.load_state_dict(...)``, an in-place edit) gets the parameter's
         value as its master; the others keep their fp32 bits. Compared in
         chunks, as bits (a NaN equals itself), on the device: nothing is read
-        on the host ([Note: one host read] in ``joint``).
+        on the host ([Note: one host read] in ``joint``). Under a parameter
+        wire (``published``) the parameters hold what the master publishes as
+        (encoded and decoded), and that is compared instead.
         """
         if not self.carries_master:
             return
         full, master = self.params, self.master_copy
+        if published is not None:
+            for piece in published.pieces:
+                published.take_written(
+                    master[piece.shard_span.as_slice()], full[piece.buffer_span.as_slice()]
+                )
+            return
         bits = torch.int16  # bf16 and fp16 alike
         for piece in self.space.pieces_of(self.shard_rank):
             shift = piece.buffer_span.start - piece.shard_span.start
@@ -257,12 +266,20 @@ class BlockBuffers(SpaceBuffers):
     def settle_from_rank_zero(self, broadcast: Callable[[torch.Tensor], None]) -> None:
         """Nothing: construction took rank 0's values block by block (``build_block_buffers``)."""
 
-    def load_shard(self) -> None:
-        """Copy the rank's pieces of every (gathered) block into its shard."""
+    def load_shard(self, published: PublishedPieces | None = None) -> None:
+        """Copy the rank's pieces of every (gathered) block into its shard; under a parameter wire
+        (``published``) only the elements that differ from what the shard publishes as."""
         for block, full in zip(self.space.blocks, self.blocks, strict=True):
             piece = block.piece(self.shard_rank)
             start = piece.buffer_span.start - block.start
-            self.shard[piece.shard_span.as_slice()].copy_(full[start : start + piece.shard_span.numel])
+            held, shard = (
+                full[start : start + piece.shard_span.numel],
+                self.shard[piece.shard_span.as_slice()],
+            )
+            if published is None:
+                shard.copy_(held)
+            else:
+                published.take_written(shard, held)
 
     def write_piece(self, k: int) -> None:
         """Copy the rank's piece of block ``k`` from its shard into the block's buffer."""

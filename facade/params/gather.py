@@ -68,6 +68,7 @@ from zeroplan.facade.params.buffers import FlatBuffers
 from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_space_gather
 from zeroplan.facade.runtime.groups import ProcessGroups
+from zeroplan.facade.runtime.wire_codec import published_pieces
 
 __all__ = ["DeferredParameter", "GatheringParameter", "ParamGather", "storage_address"]
 
@@ -200,6 +201,8 @@ class ParamGather:
         self._space_params = [[params[i] for i in buf.space.params] for buf in buffers]
         self._settled: list[int] = []
         self._settle()
+        # Under a parameter wire the parameters hold their pieces' decoded values ([Note: wire formats]).
+        self._published = [published_pieces(zp, buf.space, groups.shard_rank) for buf in buffers]
 
     def _versions(self) -> list[int]:
         return [sum(p._version for p in members) for members in self._space_params]
@@ -216,9 +219,10 @@ class ParamGather:
         bumps it) are compared with their masters.
         """
         self.finish_param_sync()
-        for buf, settled, now in zip(self._buffers, self._settled, self._versions(), strict=True):
+        spaces = zip(self._buffers, self._published, self._settled, self._versions(), strict=True)
+        for buf, published, settled, now in spaces:
             if now != settled:
-                buf.keep_param_writes()
+                buf.keep_param_writes(published)
         self._settle()
 
     def start_param_sync(self, log: CommLog) -> None:
@@ -288,8 +292,11 @@ class ParamGather:
         self.finish_param_sync()
         yield
         if writeback:
-            for buf in self._buffers:
-                buf.load_master()
+            for buf, published in zip(self._buffers, self._published, strict=True):
+                if published is None:
+                    buf.load_master()
+                else:  # the master keeps its bits wherever nothing was written
+                    buf.keep_param_writes(published)
 
     def detached(
         self, params: Sequence[torch.Tensor], links: Sequence[tuple[int, tuple[int, int]]]

@@ -77,6 +77,7 @@ from zeroplan.facade.params.module_hooks import ForwardHooks, in_backward
 from zeroplan.facade.params.saved_tensors import SavedView
 from zeroplan.facade.runtime.collectives import CommLog
 from zeroplan.facade.runtime.groups import ProcessGroups
+from zeroplan.facade.runtime.wire_codec import published_pieces
 
 __all__ = ["Peers", "ShardedParams"]
 
@@ -116,6 +117,8 @@ class ShardedParams:
         peers: Peers | None = None,
     ) -> None:
         self._buffers = buffers
+        # Under a parameter wire every gathered piece holds decoded values ([Note: wire formats]).
+        self._published = [published_pieces(zp, buf.space, groups.shard_rank) for buf in buffers]
         self.reshard_after_forward = reshard_after_forward
         self._blocks = BlockTable(zp=zp, params=params, buffers=buffers, groups=groups, log=log)
         for p in self._blocks.members():
@@ -317,8 +320,8 @@ class ShardedParams:
         try:
             yield
             if writeback:
-                for buf in self._buffers:
-                    buf.load_shard()
+                for buf, published in zip(self._buffers, self._published, strict=True):
+                    buf.load_shard(published)
                     buf.load_master()
         finally:
             self._hold -= 1

@@ -107,9 +107,16 @@ from zeroplan.core import (
 from zeroplan.core.arena import WireRooms
 from zeroplan.core.deterministic import tree_steps
 from zeroplan.core.span import Span
-from zeroplan.core.wire import WireCodec
+from zeroplan.core.wire import GatherRoom, WireCodec
 from zeroplan.facade.runtime.groups import ProcessGroups
-from zeroplan.facade.runtime.wire_codec import decode_slots, encode_into, encode_pieces, wire_dtype
+from zeroplan.facade.runtime.wire_codec import (
+    decode_piece,
+    decode_slots,
+    encode_into,
+    encode_piece,
+    encode_pieces,
+    wire_dtype,
+)
 
 __all__ = [
     "CommLog",
@@ -187,6 +194,7 @@ class Pending:
         for part in parts:
             part.finish(home_waits=False)  # the bucket's completion decides which streams wait
         work, self._work = self._work, None
+        decoded_here = work is None  # a composite: ``after`` itself reads what its parts delivered
         held, self._held = self._held, ()
         after, self._after = self._after, None
         if work is not None:
@@ -199,6 +207,10 @@ class Pending:
                     self._home.wait_stream(current)
         if after is not None:
             after()
+        if decoded_here and home_waits and self._home is not None:
+            current = torch.cuda.current_stream(self._home.device)
+            if current != self._home:
+                self._home.wait_stream(current)
 
 
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}
@@ -783,40 +795,116 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
 
 
 def start_block_gather(
-    full: torch.Tensor, block: Block, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+    full: torch.Tensor,
+    space: Space,
+    block: Block,
+    zp: ZeroPlan,
+    groups: ProcessGroups,
+    log: CommLog,
+    *,
+    encoded: bool = True,
 ) -> list[Pending]:
-    """Start the gather of one block of ``full`` as ``zp`` says; this rank's piece holds its values."""
-    n = groups.topology.shard_size
-    if n == 1:
+    """Start the gather of ``space``'s ``block`` in ``full`` as ``zp`` says; this rank's piece holds
+    its values. Under a parameter wire ([Note: wire formats]) one :class:`Pending` decodes every piece;
+    ``encoded=False`` sends the values as they are (gradients, not parameters)."""
+    if groups.topology.shard_size == 1:
         return []
-    s = groups.shard_rank
-    itemsize = full.element_size()
+    room = zp.gather_room(space, block) if encoded else None
+    if room is None:
+        return _start_gather(full, block, block, zp, groups, log)
+    return [_start_encoded_gather(full, block, room, zp, groups, log)]
+
+
+def _start_gather(
+    moved: torch.Tensor, layout: Block, block: Block, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """The collectives ``zp`` gathers ``block`` with, moving ``moved`` laid out as ``layout`` (the
+    block itself, or the slots of its encoded pieces, in bytes)."""
+    n, s = groups.topology.shard_size, groups.shard_rank
+    itemsize = moved.element_size()
     collective = zp.gather_collective(block)
     if zp.gathers_in_two_hops(block):
-        return _start_two_hop_gather(full, block, groups, log)
+        return _start_two_hop_gather(moved, layout, groups, log)
     if zp.exchanges(collective):
         return _start_exchange_gather(
-            [full[block.piece(q).buffer_span.as_slice()] for q in range(n)], groups, log
+            [moved[layout.piece(q).buffer_span.as_slice()] for q in range(n)], groups, log
         )
     if collective is Collective.ALL_GATHER:
-        mine = full[block.piece(s).buffer_span.as_slice()]
-        log.record("shard", Collective.ALL_GATHER, list(block.pieces), s, itemsize, link=groups.shard_link)
-        out = full[block.span.as_slice()]
+        mine = moved[layout.piece(s).buffer_span.as_slice()]
+        log.record("shard", Collective.ALL_GATHER, list(layout.pieces), s, itemsize, link=groups.shard_link)
+        out = moved[layout.span.as_slice()]
         return [_start(partial(dist.all_gather_single, group=groups.shard, async_op=True), out, mine)]
     pending = []
     for q in range(n):
         if not block.pieces[q]:
             continue
-        sizes = [block.pieces[q] if p == q else 0 for p in range(n)]
+        sizes = [layout.pieces[q] if p == q else 0 for p in range(n)]
         log.record("shard", Collective.BROADCAST, sizes, s, itemsize, link=groups.shard_link)
         start = partial(dist.broadcast, group_src=q, group=groups.shard, async_op=True)
-        pending.append(_start(start, full[block.piece(q).buffer_span.as_slice()]))
+        pending.append(_start(start, moved[layout.piece(q).buffer_span.as_slice()]))
     return pending
+
+
+def _start_encoded_gather(
+    full: torch.Tensor, block: Block, room: GatherRoom, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+) -> Pending:
+    """A block's gather under a parameter wire ([Note: wire formats] in ``zeroplan.core``).
+
+    This rank encodes its piece into its slot of a room allocated for the
+    gather, and decodes it back into its piece at once: the owner holds what
+    every other rank will decode. The slots travel by the block's own
+    collectives (as bytes); on completion every other piece is decoded into
+    place and the room is let go.
+    """
+    codec = zp.param_wire
+    assert codec is not None
+    s = groups.shard_rank
+    raw = torch.empty(room.nbytes, dtype=torch.uint8, device=full.device)
+    own = full[block.piece(s).buffer_span.as_slice()]
+    if own.numel():
+        payload, scales = _slot(raw, room, s, codec)
+        scratch = _scratch(room, full.device)
+        encode_piece(own, codec, payload, scales, scratch, room.chunk)
+        decode_piece(payload, scales, codec, own, scratch, room.chunk)
+        del scratch
+    parts = _start_gather(raw, room.slots, block, zp, groups, log)
+    decode = partial(_decode_gathered, full, block, room, raw, codec, s)
+    return Pending(None, after=decode, parts=parts, home=_current_stream(full.device))
+
+
+def _slot(
+    raw: torch.Tensor, room: GatherRoom, rank: int, codec: WireCodec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s encoded elements and scales (none unscaled) in a gather's room."""
+    scales = room.scales[rank]
+    return (
+        _room(raw, room.payloads[rank], wire_dtype(codec)),
+        _room(raw, scales, torch.float32) if scales.numel else raw.new_empty(0, dtype=torch.float32),
+    )
+
+
+def _scratch(room: GatherRoom, device: torch.device) -> torch.Tensor:
+    """The fp32 scratch pieces are encoded and decoded through, for as long as the caller holds it."""
+    return torch.empty(room.scratch_numel, dtype=torch.float32, device=device)
+
+
+def _decode_gathered(
+    full: torch.Tensor, block: Block, room: GatherRoom, raw: torch.Tensor, codec: WireCodec, mine: int
+) -> None:
+    """Decode every other rank's slot into its piece of ``full`` (on the stream that waited)."""
+    if raw.is_cuda:  # the room is freed after this, maybe on another stream than it was made on
+        raw.record_stream(torch.cuda.current_stream(raw.device))
+    scratch = _scratch(room, full.device)
+    for q, numel in enumerate(block.pieces):
+        if q != mine and numel:
+            payload, scales = _slot(raw, room, q, codec)
+            piece = full[block.piece(q).buffer_span.as_slice()]
+            decode_piece(payload, scales, codec, piece, scratch, room.chunk)
 
 
 def _start_two_hop_gather(
     full: torch.Tensor, block: Block, groups: ProcessGroups, log: CommLog
-) -> list[Pending]:
+) -> list[Pending]:  # ``block``: how ``full`` is laid out (the block, or its encoded slots)
     """Gather a block of equal pieces across nodes, wait, then start the gather inside the node.
 
     See [Note: hierarchical all-gather]: the first hop lands each piece in its
@@ -843,15 +931,22 @@ def _start_two_hop_gather(
 
 
 def start_space_gather(
-    full: torch.Tensor, space: Space, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+    full: torch.Tensor,
+    space: Space,
+    zp: ZeroPlan,
+    groups: ProcessGroups,
+    log: CommLog,
+    *,
+    encoded: bool = True,
 ) -> dict[int, list[Pending]]:
     """Start the gathers of every block of ``full`` (a space's full buffer), in buffer order.
 
     Returns, per block index, its collectives (blocks that needed none are left out).
+    ``encoded``: as :func:`start_block_gather`.
     """
     started = {}
     for k, block in enumerate(zp.gather_blocks(space)):  # [Note: gather blocks] in core.planner
-        pending = start_block_gather(full, block, zp, groups, log)
+        pending = start_block_gather(full, space, block, zp, groups, log, encoded=encoded)
         if pending:
             started[k] = pending
     return started

@@ -47,7 +47,7 @@ from zeroplan.facade.runtime.domain import (
     split_domains,
 )
 from zeroplan.facade.runtime.joint import JointStep
-from zeroplan.facade.runtime.registry import Configured, configure, grad_wire
+from zeroplan.facade.runtime.registry import Configured, configure, grad_wire, param_wire
 
 
 def _import_dynamo_now() -> None:
@@ -88,6 +88,7 @@ class Request:
     strict_memory: bool
     deterministic: bool = False
     reduce_dtype: Any = None
+    gather_dtype: Any = None
     wire_block: int = DEFAULT_WIRE_BLOCK
 
     def configure(self, item: DomainInput, first: bool) -> Configured:
@@ -109,6 +110,7 @@ class Request:
             ranks_per_node=self.ranks_per_node if first else None,
             deterministic=self.deterministic,
             grad_wire=grad_wire(self.reduce_dtype, self.wire_block),
+            param_wire=param_wire(self.gather_dtype, self.wire_block),
         )
 
 

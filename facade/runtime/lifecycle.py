@@ -344,7 +344,9 @@ class StepLifecycle:
         for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
             full = grad.new_zeros(buf.space.buffer_numel)
             write_pieces(grad, full, buf.space, inst.groups.shard_rank)
-            for pending in start_space_gather(full, buf.space, inst.zp, inst.groups, log).values():
+            for pending in start_space_gather(
+                full, buf.space, inst.zp, inst.groups, log, encoded=False
+            ).values():
                 for p in pending:
                     p.finish()
             for index, view in param_views(full, buf.space, ctx.params).items():

@@ -95,6 +95,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             (added in fp32 by the receiver), or blockwise-scaled ``"int8"`` /
             ``"fp8"`` (e4m3), added in fp32; all but ``None`` exchange every bucket
             with ``all_to_all``.
+        gather_dtype: what updated parameters travel as in their gathers (stages 1-2
+            after ``step()``, stage 3 in every gather): ``None`` (the parameter
+            dtype), ``torch.bfloat16``/``"bf16"``, or blockwise-scaled ``"int8"`` /
+            ``"fp8"``. Every rank, the owner included, then holds the decoded
+            values; the fp32 masters stay exact (at stages 1-2 the parameters
+            must be bf16/fp16, so that masters of their own exist).
         wire_block: elements per fp32 scale of the int8 and fp8 wires (must divide
             ``alignment``).
         deterministic: results bit-identical at any world size, stage, layout and
@@ -138,6 +144,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         strict_memory: bool = False,
         deterministic: bool = False,
         reduce_dtype: str | torch.dtype | None = None,
+        gather_dtype: str | torch.dtype | None = None,
         wire_block: int = DEFAULT_WIRE_BLOCK,
         **optimizer_defaults: Any,
     ) -> None:
@@ -161,6 +168,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             strict_memory=strict_memory,
             deterministic=deterministic,
             reduce_dtype=reduce_dtype,
+            gather_dtype=gather_dtype,
             wire_block=wire_block,
         )
         agreed = construction.agree(params, world, request)

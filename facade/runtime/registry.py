@@ -125,6 +125,7 @@ class PlanSettings:
     layout: str = "auto"
     deterministic: bool = False
     grad_wire: WireCodec | None = None
+    param_wire: WireCodec | None = None
 
     @property
     def optimizer_name(self) -> str:
@@ -152,6 +153,7 @@ class PlanSettings:
             "layout": self.layout,
             "deterministic": self.deterministic,
             "grad_wire": self.grad_wire,
+            "param_wire": self.param_wire,
         }
 
 
@@ -189,6 +191,7 @@ def configure(
     ranks_per_node: int | None = None,
     deterministic: bool = False,
     grad_wire: WireCodec | None = None,
+    param_wire: WireCodec | None = None,
 ) -> Configured:
     """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
 
@@ -230,6 +233,7 @@ def configure(
         layout=layout,
         deterministic=deterministic,
         grad_wire=grad_wire,
+        param_wire=param_wire,
     )
     return Configured(mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs))
 
@@ -270,10 +274,32 @@ def grad_wire(reduce_dtype: Any, block: int) -> WireCodec | None:
     Raises:
         ConfigError: an unknown format, or a bad block size (the message lists what works).
     """
-    if reduce_dtype is None:
+    return _codec("reduce_dtype", reduce_dtype, block, "a gradient")
+
+
+def param_wire(gather_dtype: Any, block: int) -> WireCodec | None:
+    """The parameter wire of ``ZeroOptimizer(gather_dtype=..., wire_block=...)`` (``None``: today's).
+
+    Raises:
+        ConfigError: an unknown format (fp32 included: never smaller than the parameters), or a bad
+            block size.
+    """
+    codec = _codec("gather_dtype", gather_dtype, block, "a parameter")
+    if codec is not None and codec.format is WireFormat.FP32:
+        raise ConfigError(
+            f"gather_dtype={gather_dtype!r} sends at least the parameters' bytes and changes nothing; use "
+            "None (the parameter dtype), torch.bfloat16 or 'bf16', 'int8' or 'fp8'"
+        )
+    return codec
+
+
+def _codec(keyword: str, value: Any, block: int, what: str) -> WireCodec | None:
+    if value is None:
         return None
-    fmt = _WIRES.get(reduce_dtype)
+    fmt = _WIRES.get(value)
     if fmt is None:
         names = "None, torch.float32 or 'fp32', torch.bfloat16 or 'bf16', 'int8', 'fp8'"
-        raise ConfigError(f"reduce_dtype={reduce_dtype!r} is not a gradient wire format; use one of {names}")
+        if keyword == "gather_dtype":
+            names = "None, torch.bfloat16 or 'bf16', 'int8', 'fp8'"
+        raise ConfigError(f"{keyword}={value!r} is not {what} wire format; use one of {names}")
     return WireCodec(fmt, block=block)

@@ -12,15 +12,20 @@ from typing import NamedTuple
 
 import torch
 
-from zeroplan.core.wire import WireCodec, WireFormat
+from zeroplan.core import ShardPiece, Space, ZeroPlan
+from zeroplan.core.wire import WireCodec, WireFormat, wire_chunk
 
 __all__ = [
     "Encoded",
+    "PublishedPieces",
+    "published_pieces",
     "decode",
     "decode_into",
+    "decode_piece",
     "decode_slots",
     "encode",
     "encode_into",
+    "encode_piece",
     "encode_pieces",
     "wire_dtype",
 ]
@@ -146,3 +151,99 @@ def decode_slots(
     for q in range(slots):
         part = slice(q * size, (q + 1) * size)
         decode_into(payload[part], scales[q * blocks : (q + 1) * blocks], codec, out[part])
+
+
+def encode_piece(
+    x: torch.Tensor,
+    codec: WireCodec,
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    scratch: torch.Tensor,
+    chunk: int,
+) -> None:
+    """:func:`encode_into` of ``x`` (one piece: blocks from its first element) ``chunk`` elements at a
+    time through ``scratch`` (fp32, at least ``min(chunk, x.numel())``); a cast when unscaled."""
+    if not codec.format.blockwise:
+        payload.copy_(x.reshape(-1))
+        return
+    flat, per_chunk = x.reshape(-1), chunk // codec.block
+    for i, at in enumerate(range(0, flat.numel(), chunk)):
+        part = flat[at : at + chunk]
+        first = i * per_chunk
+        blocks = scales[first : first + -(-part.numel() // codec.block)]
+        encode_into(part, codec, payload[at : at + part.numel()], blocks, scratch[: part.numel()])
+
+
+def decode_piece(
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    codec: WireCodec,
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+    chunk: int,
+) -> None:
+    """:func:`encode_piece` undone into ``out`` (any float dtype: the decoded fp32 values are cast),
+    ``chunk`` elements at a time through ``scratch``; a cast when unscaled."""
+    flat = out.reshape(-1)
+    if not codec.format.blockwise:
+        flat.copy_(payload)
+        return
+    per_chunk = chunk // codec.block
+    for i, at in enumerate(range(0, flat.numel(), chunk)):
+        part = flat[at : at + chunk]
+        first = i * per_chunk
+        blocks = scales[first : first + -(-part.numel() // codec.block)]
+        values = part if part.dtype == torch.float32 else scratch[: part.numel()]
+        decode_into(payload[at : at + part.numel()], blocks, codec, values)
+        if values is not part:
+            part.copy_(values)
+
+
+def round_trip(x: torch.Tensor, codec: WireCodec) -> torch.Tensor:
+    """``x`` (one piece, flat) encoded and decoded as a parameter gather does, in ``x``'s dtype."""
+    chunk = wire_chunk(codec)
+    if not codec.format.blockwise:
+        return x.to(_DTYPES[codec.format]).to(x.dtype)
+    payload = torch.empty(x.numel(), dtype=_DTYPES[codec.format], device=x.device)
+    scales = torch.empty(-(-x.numel() // codec.block), dtype=torch.float32, device=x.device)
+    scratch = torch.empty(min(chunk, x.numel()), dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    encode_piece(x, codec, payload, scales, scratch, chunk)
+    decode_piece(payload, scales, codec, out, scratch, chunk)
+    return out
+
+
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
+class PublishedPieces(NamedTuple):
+    """A rank's pieces of a space as its parameter gathers encode them ([Note: wire formats]): each
+    gather block's piece is encoded on its own, blocks of the codec from its first element.
+
+    Every rank holds the decoded values, the owner too, so a parameter no longer equals the cast of
+    its master; :meth:`take_written` tells a user's write from the wire's rounding.
+    """
+
+    codec: WireCodec
+    pieces: tuple[ShardPiece, ...]
+
+    def take_written(self, values: torch.Tensor, held: torch.Tensor) -> None:
+        """Where ``held`` (a piece of the parameters) differs, as bits, from what ``values`` (its
+        master or shard) publishes as, ``values`` takes ``held``'s value; the rest keep theirs.
+
+        Compared a chunk of whole blocks at a time: temporaries stay small.
+        """
+        bits = _BITS[held.element_size()]
+        chunk = wire_chunk(self.codec)
+        for at in range(0, held.numel(), chunk):
+            mine, theirs = values[at : at + chunk], held[at : at + chunk]
+            written = round_trip(mine.to(held.dtype), self.codec).view(bits) != theirs.view(bits)
+            mine.copy_(torch.where(written, theirs.to(mine.dtype), mine))
+
+
+def published_pieces(zp: ZeroPlan, space: Space, shard_rank: int) -> PublishedPieces | None:
+    """How ``space``'s pieces of shard rank ``shard_rank`` travel: ``None`` as they are."""
+    if zp.param_wire is None or zp.topology.shard_size == 1:
+        return None
+    pieces = tuple(b.piece(shard_rank) for b in zp.gather_blocks(space) if b.pieces[shard_rank])
+    return PublishedPieces(zp.param_wire, pieces)

@@ -43,6 +43,7 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             reshard_after_forward=cfg.get("reshard", True),
             deterministic=cfg.get("deterministic", False),
             reduce_dtype=cfg.get("wire"),
+            gather_dtype=cfg.get("gather"),
             wire_block=16,
             **cfg.get("hyper", {"lr": 1e-3}),
         )

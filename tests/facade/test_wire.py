@@ -60,6 +60,15 @@ def test_a_bf16_wire_sums_in_fp32_where_the_default_rounds_to_bf16(pools):
             {"per_rank": [{"reduce_dtype": "int8"}, {"reduce_dtype": "fp8"}]},
             "",  # different wires on different ranks: the plans differ
         ),
+        ({"gather_dtype": "int4"}, "gather_dtype='int4' is not a parameter wire format"),
+        ({"gather_dtype": "fp32"}, "sends at least the parameters' bytes and changes nothing"),
+        ({"gather_dtype": "int8"}, "needs fp32 masters apart from the parameters"),  # fp32, stage 2
+        ({"gather_dtype": "int8", "stage": 3, "wire_block": 24}, "does not divide the alignment"),
+        ({"gather_dtype": "fp8", "stage": 3, "deterministic": True}, "cannot be combined"),
+        (
+            {"per_rank": [{"stage": 3, "gather_dtype": "int8"}, {"stage": 3, "gather_dtype": "fp8"}]},
+            "",
+        ),
     ],
 )
 def test_bad_wire_settings_fail_on_every_rank(pools, cfg, needle):
@@ -68,3 +77,47 @@ def test_bad_wire_settings_fail_on_every_rank(pools, cfg, needle):
     message = str(info.value)
     assert message.count("--- rank") == 2, message  # both ranks raised
     assert needle in message
+
+
+# The parameter wire ([Note: wire formats]): what updated parameters travel as in their gathers.
+GATHER_CASES = [
+    (2, {"stage": 2, "gather": "int8"}),
+    (2, {"stage": 2, "gather": "fp8", "layout": "rank_major"}),  # chunks broadcast by their owner
+    (4, {"stage": 1, "gather": "int8", "shard": 2}),  # MiCS: gathered inside each shard group
+    (4, {"stage": 2, "gather": "int8", "ranks_per_node": 2}),  # two hops, both encoded
+    (2, {"stage": 2, "gather": "bf16", "dtype": "fp16"}),
+    (2, {"stage": 3, "gather": "int8", "dtype": "fp32"}),  # stage 3 keeps an exact fp32 shard
+    (4, {"stage": 3, "gather": "fp8", "shard": 2}),
+    (2, {"stage": 2, "gather": "int8", "wire": "int8"}),  # both wires
+    (2, {"stage": 2, "gather": "int8", "collectives": "min_bytes"}),  # all_gather of equal slots
+]
+
+
+def _gather_id(case: tuple[int, dict]) -> str:
+    world, cfg = case
+    return f"w{world}-" + "-".join(f"{k}={v}" for k, v in cfg.items())
+
+
+@pytest.mark.parametrize(("world", "cfg"), GATHER_CASES, ids=[_gather_id(c) for c in GATHER_CASES])
+def test_every_rank_holds_the_same_decoded_parameters_within_the_bound(pools, world, cfg):
+    results = pools(world).run(scenarios_wire.published_params, cfg)
+    shard = cfg.get("shard", world)
+    for group in range(world // shard):  # ranks gathering from each other hold the same bits
+        assert len({results[group * shard + q]["params"] for q in range(shard)}) == 1
+    dtype_rounding = 0.0 if cfg.get("dtype") == "fp32" else 2**-8  # the decoded fp32 value, cast
+    for r in results:
+        bound = r["largest"] * (RELATIVE[cfg["gather"]] + dtype_rounding)
+        assert 0.0 < r["error"] <= bound * (1 + 1e-6), (r["error"], bound)
+        assert r["masters_exact"], "the fp32 masters (and optimizer state) must not see the wire"
+        assert r["comm"] == r["planned_comm"]
+        # Three elements written on every rank: their masters moved, nothing else did. Stage 3
+        # gathers them again, through the wire: the block holding them is encoded anew.
+        if cfg["stage"] == 3:
+            held = zip(r["written_held"], [0.5, -0.25, 2.0], strict=True)
+            assert all(abs(a - b) <= 2.0 * (RELATIVE[cfg["gather"]] + dtype_rounding) for a, b in held)
+            assert 1 <= r["params_moved"] <= 16  # one wire block
+        else:
+            assert r["written_held"] == [0.5, -0.25, 2.0]
+            assert 1 <= r["params_moved"] <= 3
+        if cfg.get("dtype") != "fp32":  # fp32 at stage 3: the shard is the master, in no state dict
+            assert 1 <= r["masters_moved"] <= 3
