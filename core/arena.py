@@ -35,7 +35,7 @@ from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.partition import Space
 from zeroplan.core.planner import Stage, ZeroPlan
 from zeroplan.core.span import Span, round_up
-from zeroplan.core.wire import wire_payload_bytes, wire_scale_bytes
+from zeroplan.core.wire import replica_parts, wire_payload_bytes, wire_scale_bytes
 
 __all__ = [
     "STAGING_ALIGNMENT",
@@ -86,10 +86,13 @@ class WireRooms(NamedTuple):
     piece (``received``, ``received_scales``), and fp32 room (``sums``) that
     first holds the bucket's values while they are scaled and rounded, then
     one decoded slot per shard rank, added there. With replicas (MiCS) the
-    group's sum is encoded again (``replica_send``, ``replica_send_scales``),
-    all-gathered (``replica_received``, ``replica_received_scales``) and
-    decoded into ``replica_sums``. Scale spans are empty for unscaled formats;
-    replica spans empty without replicas.
+    group's sum is encoded again in ``R`` parts (``replica_send``,
+    ``replica_send_scales``; :func:`~zeroplan.core.wire.replica_parts`), every
+    replica's copy of this rank's part lands in ``replica_received`` (and its
+    scales), decoded into ``replica_sums`` and added; the part's sum is then
+    encoded into its slot of ``replica_received``, which the replicas' slots
+    fill by an all-gather, and decoded into ``replica_sums``. Scale spans are
+    empty for unscaled formats; replica spans empty without replicas.
     """
 
     send: Span
@@ -214,11 +217,12 @@ def _wire_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece | None) -> StagingLa
     room(n * scales(mine) if exchanged else 0)
     room(4 * max(bucket.numel if exchanged else 0, n * mine))
     replicas = r > 1 and mine > 0
+    parts = replica_parts(mine, r)  # equal slots of the largest part for the all-gather
     room(payload(mine) if replicas else 0)
-    room(scales(mine) if replicas else 0)
-    room(r * payload(mine) if replicas else 0)
-    room(r * scales(mine) if replicas else 0)
-    room(4 * r * mine if replicas else 0)
+    room(sum(scales(p) for p in parts) if replicas else 0)
+    room(r * payload(parts[0]) if replicas else 0)
+    room(r * scales(parts[0]) if replicas else 0)
+    room(4 * r * parts[0] if replicas else 0)
     return StagingLayout(-(-at // itemsize), None, wire=WireRooms(*spans))
 
 

@@ -293,11 +293,13 @@ class ZeroPlan:
 
     @property
     def replica_collective(self) -> Collective:
-        """How a reduced piece is summed over the replica group (MiCS): an all-reduce, or in
-        deterministic mode an all-gather added in replica order ([Note: deterministic mode])."""
-        return (
-            Collective.ALL_GATHER if self.exchanges_encoded or self.deterministic else Collective.ALL_REDUCE
-        )
+        """How a reduced piece is summed over the replica group (MiCS): an all-reduce, in
+        deterministic mode an all-gather added in replica order ([Note: deterministic mode]), and
+        under a gradient wire an all-to-all of encoded parts (their sums then all-gathered,
+        [Note: wire formats])."""
+        if self.exchanges_encoded:
+            return Collective.ALL_TO_ALL
+        return Collective.ALL_GATHER if self.deterministic else Collective.ALL_REDUCE
 
     def _check_param_wire(self, codec: WireCodec) -> None:
         """Refuse a parameter wire the plan cannot keep exact masters under ([Note: wire formats])."""

@@ -23,7 +23,7 @@ from zeroplan.core.dtypes import DTYPE_ITEMSIZE
 from zeroplan.core.hierarchy import two_hop_send
 from zeroplan.core.planner import Stage, ZeroPlan
 from zeroplan.core.topology import Link
-from zeroplan.core.wire import wire_scale_bytes
+from zeroplan.core.wire import WireCodec, replica_parts, wire_scale_bytes
 
 __all__ = ["CommCost", "communication", "step_traffic"]
 
@@ -218,10 +218,12 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
             replica_link = topo.replica_link(w)
             mine = piece_sizes[s] + every_rank if every_rank else piece_sizes[s]
             for (numel, isz), count in mine.items():
-                if codec is not None:  # the group's fp32 sum, encoded, then its scales
-                    encoded = numel * codec.element_size + wire_scale_bytes(codec, numel)
-                    nbytes = count * (r - 1) * encoded
-                    calls = count * (2 if codec.format.blockwise else 1)
+                if codec is not None:  # the group's sum in parts: exchanged, then the parts' sums gathered
+                    parts = replica_parts(numel, r)
+                    calls = count * (2 if codec.format.blockwise else 1)  # elements, then their scales
+                    others = sum(_encoded(codec, p) for p in parts) - _encoded(codec, parts[g])
+                    tally.add(w, "replica", Collective.ALL_TO_ALL, replica_link, count * others, calls)
+                    nbytes = count * (r - 1) * _encoded(codec, parts[0])
                     tally.add(w, "replica", Collective.ALL_GATHER, replica_link, nbytes, calls)
                     continue
                 if zp.deterministic:
@@ -250,6 +252,11 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
             nbytes = all_reduce_send(STEP_AGREEMENT_ELEMENTS, world, w) * STEP_AGREEMENT_ITEMSIZE
             tally.add(w, "world", Collective.ALL_REDUCE, topo.world_link, nbytes, 1)
     return tally
+
+
+def _encoded(codec: WireCodec, numel: int) -> int:
+    """Bytes of ``numel`` elements on ``codec``'s wire, scales included."""
+    return numel * codec.element_size + wire_scale_bytes(codec, numel)
 
 
 def _ddp_traffic(tally: _Tally, sized: list[_SizedBucket], world: int, link: Link) -> None:

@@ -28,15 +28,43 @@ reduce-scatter: the sender encodes each rank's piece of the staged bucket
 one ``all_to_all_single`` moves the elements (a second the scales), and the
 receiver decodes every rank's copy of its piece into fp32 slots and adds them
 in rank order, then writes (casts) the sum into its gradient shard. With
-replicas (MiCS) the shard group's fp32 sum is encoded again, all-gathered and
-added in replica order: a second encoding. The staging buffer holds the rooms
-(``WireRooms`` in ``zeroplan.core.arena``); traffic counts the encoded bytes,
+replicas (MiCS) the shard group's fp32 sum takes the same path over the
+replica group, as a reduce-scatter and an all-gather would: it is split in
+``R`` parts (:func:`replica_parts`), each encoded, exchanged all-to-all and
+added in replica order by the replica owning that part, whose sum is encoded
+once more and all-gathered; every replica, the part's owner included, decodes
+every part, so all hold the same bits. That is ``2 (R - 1) / R`` of the piece
+per rank, a ring all-reduce's bytes, at the cost of two more encodings. The
+staging buffer holds the rooms (``WireRooms`` in ``zeroplan.core.arena``);
+traffic counts the encoded bytes,
 scales included. A block with an infinity or a NaN decodes to non-finite
 values, so an fp16 overflow still reaches the loss scaler. The alignment
 must be a multiple of the block (:func:`check_wire`). Not combined with
 deterministic mode (an encoded rank sum is not the world-1 run's sum).
-Parameters still travel in their own dtype (the parameter wire is to come).
 The bytes of an encoded piece are :func:`wire_bytes`.
+
+Parameters (``ZeroOptimizer(gather_dtype=...)``, ``ZeroPlan.param_wire``:
+``bf16``, ``int8`` or ``fp8``): every gather of updated parameters (stages
+1-2 after ``step()``, stage 3 before each use) is encoded. Each rank encodes
+its piece of the block into its *slot* of a room allocated for that gather
+(:class:`GatherRoom`: the elements, then the piece's scales; blocks of the
+codec start at the piece's first element) and decodes it back into its piece
+at once, so **the owner holds the same decoded values as every other rank**
+(ranks whose model copies differed would diverge silently). The slots move by
+the block's own collectives, as bytes (an all-gather of equal slots, a
+broadcast per owner, the exchange, or both hops of a two-hop gather: the
+inter-node and the intra-node hop are both encoded, the encoding done once by
+the owner). On completion each other slot is decoded into its piece and the
+room is let go; pieces are encoded and decoded a chunk of whole blocks at a
+time through an fp32 scratch. The fp32 masters stay exact: they are never
+read back from the parameters, except where a user wrote them, which is told
+apart from the wire's rounding by re-encoding the master and comparing bits
+(``keep_param_writes``, ``gathered_params(writeback=True)``). So at stages 1
+and 2 the parameters must be bf16/fp16 (fp32 parameters are their own master
+there, stepped in place); stage 3's shard is exact for any dtype. Traffic
+counts each slot's bytes; the rooms of every block of a step (stages 1-2: all
+in flight from ``step()`` to the first read) and one scratch are in the planned
+peak (``zeroplan.core.peak``).
 """
 
 from __future__ import annotations
@@ -58,6 +86,7 @@ __all__ = [
     "WireFormat",
     "check_wire",
     "gather_room",
+    "replica_parts",
     "round_trip_bound",
     "wire_chunk",
     "wire_bytes",
@@ -271,3 +300,15 @@ def gather_room(codec: WireCodec, pieces: tuple[int, ...], param_dtype: str) -> 
 def wire_chunk(codec: WireCodec) -> int:
     """Elements a piece is encoded or decoded in at a time: :data:`WIRE_CHUNK`, in whole blocks."""
     return codec.block * max(1, WIRE_CHUNK // codec.block)
+
+
+def replica_parts(numel: int, replicas: int) -> tuple[int, ...]:
+    """How a rank's summed piece of ``numel`` elements is split over ``replicas`` for the encoded
+    replica step ([Note: wire formats]): ``ceil(numel / replicas)`` each, the last ones shorter.
+
+    Example:
+        >>> replica_parts(10, 4), replica_parts(3, 4)
+        ((3, 3, 3, 1), (1, 1, 1, 0))
+    """
+    sub = -(-numel // replicas)
+    return tuple(min(sub, max(0, numel - k * sub)) for k in range(replicas))

@@ -107,9 +107,10 @@ from zeroplan.core import (
 from zeroplan.core.arena import WireRooms
 from zeroplan.core.deterministic import tree_steps
 from zeroplan.core.span import Span
-from zeroplan.core.wire import GatherRoom, WireCodec
+from zeroplan.core.wire import GatherRoom, WireCodec, replica_parts
 from zeroplan.facade.runtime.groups import ProcessGroups
 from zeroplan.facade.runtime.wire_codec import (
+    decode_into,
     decode_piece,
     decode_slots,
     encode_into,
@@ -609,20 +610,84 @@ def _encoded_sum(
         sums.copy_(own)
     total = _fold(sums, n)
     if r > 1:
-        send, send_scales = (
-            _room(raw, rooms.replica_send, dtype),
-            _room(raw, rooms.replica_send_scales, torch.float32),
-        )
-        encode_into(total, codec, send, send_scales, total)
-        gathered = _room(raw, rooms.replica_received, dtype)
-        gathered_scales = _room(raw, rooms.replica_received_scales, torch.float32)
-        _gather_replicas(send, gathered, groups, log)
-        if codec.format.blockwise:
-            _gather_replicas(send_scales, gathered_scales, groups, log)
-        replica_sums = _room(raw, rooms.replica_sums, torch.float32)
-        decode_slots(gathered, gathered_scales, codec, replica_sums, r)
-        total = _fold(replica_sums, r)
+        total = _encoded_replica_sum(total, rooms, raw, codec, groups, log)
     output.copy_(total)
+
+
+def _encoded_replica_sum(
+    total: torch.Tensor,
+    rooms: WireRooms,
+    raw: torch.Tensor,
+    codec: WireCodec,
+    groups: ProcessGroups,
+    log: CommLog,
+) -> torch.Tensor:
+    """The replicas' sum of ``total`` (this rank's fp32 group sum), as every replica decodes it.
+
+    A reduce-scatter and an all-gather, encoded ([Note: wire formats]): ``total``
+    is split in parts (:func:`~zeroplan.core.wire.replica_parts`), each encoded
+    and sent to the replica owning it by one ``all_to_all``; the owner decodes
+    every replica's copy and adds them in replica order, encodes that sum into
+    its slot, and one ``all_gather`` gives every replica every slot, decoded
+    (the owner's too, so all hold the same bits) into the whole piece.
+    """
+    r, g = groups.topology.replica_size, groups.replica_rank
+    dtype, blockwise = wire_dtype(codec), codec.format.blockwise
+    parts = replica_parts(total.numel(), r)
+    sub, mine = parts[0], parts[g]
+    blocks = [-(-p // codec.block) if blockwise else 0 for p in parts]
+    slot_blocks = blocks[0]
+    send, send_scales = (
+        _room(raw, rooms.replica_send, dtype),
+        _room(raw, rooms.replica_send_scales, torch.float32),
+    )
+    slots = _room(raw, rooms.replica_received, dtype)
+    slot_scales = _room(raw, rooms.replica_received_scales, torch.float32)
+    sums = _room(raw, rooms.replica_sums, torch.float32)
+
+    encode_pieces(total, list(parts), codec, send, send_scales, sums[: total.numel()])
+    _exchange_replicas(send, slots[: r * mine], list(parts), groups, log)
+    if blockwise:
+        _exchange_replicas(send_scales, slot_scales[: r * blocks[g]], blocks, groups, log)
+    if mine:
+        decode_slots(slots[: r * mine], slot_scales[: r * blocks[g]], codec, sums[: r * mine], r)
+        part_sum = _fold(sums[: r * mine], r)
+        encode_into(
+            part_sum, codec, slots[g * sub : g * sub + mine], slot_scales[g * slot_blocks :], part_sum
+        )
+    _gather_replicas(slots[g * sub : (g + 1) * sub], slots[: r * sub], groups, log)
+    if blockwise:
+        own = slot_scales[g * slot_blocks : (g + 1) * slot_blocks]
+        _gather_replicas(own, slot_scales[: r * slot_blocks], groups, log)
+    for q, numel in enumerate(parts):
+        if numel:
+            scales = slot_scales[q * slot_blocks : q * slot_blocks + blocks[q]]
+            decode_into(slots[q * sub : q * sub + numel], scales, codec, sums[q * sub : q * sub + numel])
+    return sums[: total.numel()]
+
+
+def _exchange_replicas(
+    send: torch.Tensor, received: torch.Tensor, sizes: Sequence[int], groups: ProcessGroups, log: CommLog
+) -> None:
+    """A logged, blocking ``all_to_all_single`` over the replica group: replica ``q`` gets part
+    ``q`` of ``send`` (``sizes``), this rank every replica's copy of its part in ``received``."""
+    r = groups.topology.replica_size
+    log.record(
+        "replica",
+        Collective.ALL_TO_ALL,
+        list(sizes),
+        groups.replica_rank,
+        send.element_size(),
+        link=groups.replica_link,
+    )
+    exchange = partial(
+        dist.all_to_all_single,
+        output_split_sizes=[received.numel() // r] * r,
+        input_split_sizes=list(sizes),
+        group=groups.replica,
+        async_op=True,
+    )
+    _start(exchange, _as_bytes_if_fp8(received), _as_bytes_if_fp8(send)).finish(home_waits=False)
 
 
 def _start_piece_exchange(

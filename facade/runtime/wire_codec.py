@@ -60,7 +60,9 @@ def encode_into(
     flat.copy_(x.reshape(-1))
     for rows, row_scales in _row_groups(flat, scales, codec.block):
         low, high = torch.aminmax(rows, dim=1)
-        torch.maximum(low.abs_(), high.abs_(), out=row_scales).div_(codec.largest)
+        # Divided by a tensor, not a number: CUDA divides by a number as a multiplication by its
+        # reciprocal, whose rounding differs from the CPU's (a scale one ulp apart).
+        torch.maximum(low.abs_(), high.abs_(), out=row_scales).div_(torch.full_like(low, codec.largest))
         row_scales.masked_fill_(row_scales == 0, 1.0)  # an all-zero block stays zero; NaN and inf stay
         rows.div_(row_scales[:, None])
         if codec.format is WireFormat.INT8:

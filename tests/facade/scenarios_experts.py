@@ -44,6 +44,10 @@ def _optimizer(model: moe.MoELM, ep_dp: Any, cfg: dict[str, Any]) -> Any:
     name = cfg.get("optimizer", "adamw")
     cls, hyper = OPTIMIZERS[name]
     keys = ("stage", "loss_scale", "shard", "collectives", "overlap_grad_reduce", "reshard_after_forward")
+    keys += ("reduce_dtype", "gather_dtype")  # [Note: wire formats]: every domain's
+    if "reduce_dtype" in cfg or "gather_dtype" in cfg:
+        cfg = {**cfg, "wire_block": 16}  # dividing make_optimizer's alignment
+        keys += ("wire_block",)
     settings = {k: cfg[k] for k in keys if k in cfg}
     opt = make_optimizer(_groups(model, ep_dp, cfg), optimizer=name, hyper=hyper, **settings)
     opt.attach(model)  # stage 3: every domain gathers its blocks in the model's forward

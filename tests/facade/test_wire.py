@@ -1,11 +1,13 @@
-"""Gradient wire formats ([Note: wire formats] in ``zeroplan.core.wire``): each codec's reduction
-against the exact average, within the codec's bound; traffic and memory equal to the plan; refusals.
+"""Wire formats ([Note: wire formats] in ``zeroplan.core.wire``): each gradient codec's reduction
+against the exact average, within the codec's bound; gathered parameters alike on every rank within
+the codec's bound, masters exact; traffic and memory equal to the plan; refusals.
 
 The bound of a reduction: every rank's piece is encoded once (and, with replicas, the shard group's
-sum once more), each element within :func:`~zeroplan.core.wire.round_trip_bound` of its value, so the
-averaged gradient is off by at most that bound of the largest gradient of any rank per encoding
-(plus the rounding of a bf16 gradient shard at stage 1). fp32 and bf16 wires add in fp32: at stages
-2 and 3 the bf16 gradients of two ranks are summed exactly, where the default bf16 sum rounds.
+sum twice more: its parts, then each part's sum), each element within
+:func:`~zeroplan.core.wire.round_trip_bound` of its value, so the averaged gradient is off by at most
+that bound of the largest gradient of any rank per encoding (plus the rounding of a bf16 gradient
+shard at stage 1). fp32 and bf16 wires add in fp32: at stages 2 and 3 the bf16 gradients of two
+ranks are summed exactly, where the default bf16 sum rounds.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ CASES = [
     (2, {"stage": 2, "wire": "fp32"}),
     (2, {"stage": 2, "wire": "int8"}),
     (2, {"stage": 2, "wire": "fp8"}),
+    (4, {"stage": 2, "wire": "int8"}),
     (4, {"stage": 2, "wire": "int8", "shard": 2}),  # MiCS: the group's sum is encoded again
+    (8, {"stage": 2, "wire": "fp8", "shard": 2}),  # four replicas: parts exchanged, then gathered
     (4, {"stage": 3, "wire": "fp8"}),
     (2, {"stage": 1, "wire": "int8"}),  # rank-major: pieces need not be whole blocks
     (4, {"stage": 1, "wire": "bf16", "shard": 2}),
@@ -32,7 +36,7 @@ CASES = [
 
 @pytest.mark.parametrize(("world", "cfg"), CASES)
 def test_reduction_is_within_the_codec_bound_and_as_planned(pools, world, cfg):
-    encodings = 2 if cfg.get("shard") else 1
+    encodings = 3 if cfg.get("shard") else 1  # MiCS: the group's sum in parts, then each part's sum
     for r in pools(world).run(scenarios_wire.reduced_error, cfg):
         bound = r["largest"] * (encodings * RELATIVE[cfg["wire"]] + (BF16_OUTPUT if cfg["stage"] == 1 else 0))
         assert r["error"] <= bound * (1 + 1e-6) + 1e-12, (r["error"], bound)
