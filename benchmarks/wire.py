@@ -31,7 +31,12 @@ and the bytes rank 0 sent in the last step
 ``zeroplan.facade.cli.demo.outcome``: bf16 runs decorrelate within ~100 steps),
 so after a few hundred steps every bf16 row differs from the fp32 reference by
 about as much as the default wire does: compare the rows with the ``bf16``
-row (the control) rather than with zero.
+row (the control) rather than with zero. So the table also gives what comes
+before that: the mean distance of the loss from the reference's over the first
+``EARLY_LOSS`` steps and the parameters' after ``EARLY`` steps; and with
+``--seeds N`` every row is the mean over N seeds (model initialisation and
+data), each compared with the reference run of its seed, with the spread of
+the final loss over seeds: the margin a codec's final loss is judged by.
 
 ``--speed`` times worlds 2 and 4 (``--worlds``) in interleaved fresh-process
 rounds as ``step_time.py --fresh-rounds`` does (its ``run_fresh`` and
@@ -70,8 +75,9 @@ Usage::
 
     python benchmarks/wire.py --converge --quick          # smoke run: tiny model, a few steps
     python benchmarks/wire.py --speed --quick             # worlds 2 and 4, one round
-    python benchmarks/wire.py --converge --json converge.json     # about 6 min on 2 cores
-    python benchmarks/wire.py --speed --json speed.json           # about 10-12 min on 2 cores
+    python benchmarks/wire.py --converge --json converge.json     # about 4 min on 2 cores
+    python benchmarks/wire.py --converge --seeds 3                # three seeds: about 12 min
+    python benchmarks/wire.py --speed --rounds 2 --json speed.json   # about 6 min on 2 cores
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -104,6 +110,8 @@ LR = 1e-3
 WEIGHT_DECAY = 0.01
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TAIL = 20  # --converge: the final loss is the mean of the last TAIL steps
+EARLY = 20  # --converge: parameters are compared after EARLY steps too, before training decorrelates them
+EARLY_LOSS = 100  # --converge: the mean |loss - reference loss| over the first EARLY_LOSS steps
 REFERENCE = "fp32"  # --converge: the reference configuration
 EXACT = "bf16 reduce=fp32"  # --converge: bf16 parameters, gradients added in fp32 (no wire rounding)
 
@@ -170,6 +178,7 @@ class WireOptions(Options):
     wire_block: int = 128
     task: SortTask = CONVERGE_TASK
     converge_world: int = 4
+    seeds: int = 1
 
 
 def gather_wire_supported() -> bool:
@@ -265,10 +274,13 @@ def _converge_worker(
     try:
         start = time.perf_counter()
         runner = WireRunner(config, opts, world)
-        losses = []
+        losses, early = [], None
         for step in range(opts.steps):
             tokens, targets = opts.task.batch(step=step, rank=rank, size=opts.batch)
             losses.append(runner.step(tokens, targets).item())
+            if step + 1 == EARLY:
+                with runner.zero.gathered_params():  # collective
+                    early = {n: p.detach().float().numpy().copy() for n, p in runner.model.named_parameters()}
         comm, _ = runner.comm_bytes()
         with runner.zero.gathered_params():  # collective; completes the last step's gathers
             params = {n: p.detach().float().numpy().copy() for n, p in runner.model.named_parameters()}
@@ -278,6 +290,7 @@ def _converge_worker(
             queue.put(
                 {
                     "params": params,
+                    "early_params": early,
                     "numel": runner.numel,
                     "losses": [statistics.fmean(ls) for ls in zip(*gathered, strict=True)],
                     "comm_bytes": comm,
@@ -328,46 +341,69 @@ def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
 
 
 def run_converge(opts: WireOptions) -> dict[str, Any]:
-    """Every configuration once, in turn, at ``opts.converge_world``; rows compared with the references."""
+    """Every configuration once per seed, in turn, at ``opts.converge_world``; rows compared with the
+    reference run of the same seed, then summarized over seeds."""
     world = opts.converge_world
-    runs: dict[str, dict[str, Any]] = {}
-    for config in opts.variants:
-        runs[config.name] = result = run_fresh(world, config, opts, worker=_converge_worker)
-        if "error" in result:
-            print(f"{config.name}: failed: {result['error']}", file=sys.stderr, flush=True)
-        else:
+    by_seed: list[dict[str, dict[str, Any]]] = []
+    for seed in range(opts.seeds):
+        seeded = replace(opts, seed=seed, task=opts.task._replace(seed=seed))
+        runs: dict[str, dict[str, Any]] = {}
+        for config in opts.variants:
+            runs[config.name] = result = run_fresh(world, config, seeded, worker=_converge_worker)
+            if "error" in result:
+                print(f"{config.name}: failed: {result['error']}", file=sys.stderr, flush=True)
+                continue
             tail = statistics.fmean(result["losses"][-TAIL:])
             print(
-                f"{config.name}: loss {tail:.4f} (last {TAIL}), {result['train_s']:.0f} s "
+                f"seed {seed}, {config.name}: loss {tail:.4f} (last {TAIL}), {result['train_s']:.0f} s "
                 f"({1e3 * result['train_s'] / opts.steps:.0f} ms/step), wall {result['wall_s']:.0f} s",
                 file=sys.stderr,
                 flush=True,
             )
-    ref, exact = runs.get(REFERENCE, {}), runs.get(EXACT, {})
-    default_bytes = runs.get("bf16", {}).get("comm_bytes")
-    rows = []
-    for config in opts.variants:
-        r = runs[config.name]
-        row: dict[str, Any] = {"name": config.name, "note": config.note, "error": r.get("error")}
-        row.update(dtype=config.dtype, reduce_dtype=config.reduce_dtype, gather_dtype=config.gather_dtype)
-        if row["error"] is None:
-            tail = statistics.fmean(r["losses"][-TAIL:])
-            row.update(
-                loss_tail=tail,
-                loss_last=r["losses"][-1],
-                losses=r["losses"],
-                comm_bytes=r["comm_bytes"],
-                bytes_vs_default=r["comm_bytes"] / default_bytes if default_bytes else None,
-                train_s=r["train_s"],
-                numel=r["numel"],
-            )
-            if "params" in ref:
-                row["loss_vs_ref"] = abs(tail - statistics.fmean(ref["losses"][-TAIL:]))
-                row["param_diff_vs_ref"] = _max_diff(r["params"], ref["params"])
-            if "params" in exact:
-                row["param_diff_vs_exact"] = _max_diff(r["params"], exact["params"])
-        rows.append(row)
-    return {"world": world, "configs": rows}
+        by_seed.append(runs)
+    rows = [_converge_row(config, by_seed) for config in opts.variants]
+    return {"world": world, "seeds": opts.seeds, "configs": rows}
+
+
+def _converge_row(config: WireConfig, by_seed: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One configuration over every seed: means (and the spread of the final loss)."""
+    row: dict[str, Any] = {"name": config.name, "note": config.note, "error": None}
+    row.update(dtype=config.dtype, reduce_dtype=config.reduce_dtype, gather_dtype=config.gather_dtype)
+    per_seed = []
+    for runs in by_seed:
+        r, ref, exact = runs[config.name], runs.get(REFERENCE, {}), runs.get(EXACT, {})
+        if "error" in r:
+            row["error"] = r["error"]
+            return row
+        default_bytes = runs.get("bf16", {}).get("comm_bytes")
+        one = {
+            "loss_tail": statistics.fmean(r["losses"][-TAIL:]),
+            "loss_last": r["losses"][-1],
+            "comm_bytes": r["comm_bytes"],
+            "bytes_vs_default": r["comm_bytes"] / default_bytes if default_bytes else None,
+            "train_s": r["train_s"],
+            "numel": r["numel"],
+            "losses": r["losses"],
+        }
+        if "params" in ref:
+            one["loss_vs_ref"] = abs(one["loss_tail"] - statistics.fmean(ref["losses"][-TAIL:]))
+            one["param_diff_vs_ref"] = _max_diff(r["params"], ref["params"])
+            early = zip(r["losses"][:EARLY_LOSS], ref["losses"][:EARLY_LOSS], strict=True)
+            one["early_loss_vs_ref"] = statistics.fmean(abs(a - b) for a, b in early)
+            if r.get("early_params") is not None and ref.get("early_params") is not None:
+                one["early_param_diff_vs_ref"] = _max_diff(r["early_params"], ref["early_params"])
+        if "params" in exact:
+            one["param_diff_vs_exact"] = _max_diff(r["params"], exact["params"])
+        per_seed.append(one)
+    for key in per_seed[0]:
+        values = [one.get(key) for one in per_seed]
+        if key == "losses" or any(v is None for v in values):
+            row[key] = values if key == "losses" else None
+            continue
+        row[key] = statistics.fmean(values)
+    tails = [one["loss_tail"] for one in per_seed]
+    row["loss_tail_min"], row["loss_tail_max"] = min(tails), max(tails)
+    return row
 
 
 def run_speed(world: int, opts: WireOptions) -> dict[str, Any]:
@@ -459,19 +495,22 @@ def converge_report(result: dict[str, Any], opts: WireOptions) -> None:
         title=f"convergence: world {result['world']}, stage {opts.stage}, {opts.steps} steps",
         title_justify="left",
     )
-    for name in ("configuration", f"loss (last {TAIL})", "last step", "|Δloss| vs fp32"):
+    columns = ("configuration", f"loss (last {TAIL})", "(min-max over seeds)", "|Δloss| vs fp32")
+    columns += (f"mean |Δloss| first {EARLY_LOSS}", f"max|Δθ| step {EARLY}", "max|Δθ| end")
+    columns += (f"max|Δθ| vs {EXACT}", "sent/step rank 0 (KiB)", "/ bf16", "s")
+    for name in columns:
         table.add_column(name, justify="left" if name == "configuration" else "right")
-    for name in ("max|Δθ| vs fp32", f"max|Δθ| vs {EXACT}", "sent/step rank 0 (KiB)", "/ bf16", "s"):
-        table.add_column(name, justify="right")
     for row in result["configs"]:
         if row["error"] is not None:
-            table.add_row(row["name"], "[red]failed[/]", *["—"] * 7)
+            table.add_row(row["name"], "[red]failed[/]", *["—"] * (len(columns) - 2))
             continue
         table.add_row(
             row["name"],
             f"{row['loss_tail']:.4f}",
-            f"{row['loss_last']:.4f}",
+            f"{row['loss_tail_min']:.4f}-{row['loss_tail_max']:.4f}",
             _cell(row.get("loss_vs_ref"), ".4f"),
+            _cell(row.get("early_loss_vs_ref"), ".2e"),
+            _cell(row.get("early_param_diff_vs_ref"), ".2e"),
             _cell(row.get("param_diff_vs_ref"), ".2e"),
             _cell(row.get("param_diff_vs_exact"), ".2e"),
             f"{row['comm_bytes'] / 1024:.1f}",
@@ -490,7 +529,9 @@ def converge_report(result: dict[str, Any], opts: WireOptions) -> None:
         f"seed {task.seed}), {opts.batch} sequences per rank per step, the same on every configuration; "
         f"ZeroOptimizer(AdamW(lr={LR}, weight_decay={WEIGHT_DECAY}), stage={opts.stage}, wire_block="
         f"{opts.wire_block}, buckets {opts.bucket_mb:g} MiB); gloo on CPU ({os.cpu_count()} cores), one "
-        "thread per process. Loss: mean over ranks; Δθ: final parameters as fp32, rank 0; sent: "
+        f"thread per process. {result['seeds']} seed(s) (model initialisation and data), each row the "
+        "mean over seeds, every difference taken against the reference run of the same seed. Loss: "
+        f"mean over ranks; Δθ: parameters as fp32, rank 0, after {EARLY} steps and at the end; sent: "
         "last_step_comm() of the last step; s: training time of the run."
     )
 
@@ -553,6 +594,7 @@ def parse(argv: list[str] | None = None) -> tuple[str, WireOptions, str | None]:
     p.add_argument("--rounds", type=int, default=None, help="--speed: fresh rounds (default 3, --quick 1)")
     p.add_argument("--worlds", default="2,4", help="--speed: comma-separated world sizes (default 2,4)")
     p.add_argument("--world", type=int, default=4, help="--converge: world size (default 4)")
+    p.add_argument("--seeds", type=int, default=1, help="--converge: seeds (model and data) per config")
     p.add_argument("--stage", type=int, default=2, choices=(1, 2, 3), help="ZeroOptimizer stage (default 2)")
     p.add_argument("--batch", type=int, default=None, help="sequences per rank per step")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb / ZeroOptimizer bucket")
@@ -602,9 +644,10 @@ def parse(argv: list[str] | None = None) -> tuple[str, WireOptions, str | None]:
         wire_block=a.wire_block,
         task=task,
         converge_world=a.world,
+        seeds=a.seeds,
     )
-    if converge and opts.steps < 1:
-        p.error("--steps must be >= 1")
+    if converge and (opts.steps < max(EARLY, EARLY_LOSS) or opts.seeds < 1) and not a.quick:
+        p.error(f"--steps must be >= {max(EARLY, EARLY_LOSS)} and --seeds >= 1")
     return ("converge" if converge else "speed"), opts, a.json
 
 

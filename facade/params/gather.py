@@ -48,7 +48,11 @@ parameter's value into the master wherever they differ; the other elements keep
 their fp32 bits. A rank sees only its own pieces, so write on every rank (as
 loading a state dict does). Writes through ``p.data`` (a tensor with a version
 counter of its own) are not seen: use the parameter itself. Stage 3 keeps writes
-made inside ``gathered_params(writeback=True)`` only.
+made inside ``gathered_params(writeback=True)`` only. Under a parameter wire
+(``gather_dtype``, [Note: wire formats] in ``zeroplan.core.wire``) the pieces
+hold their master's cast encoded and decoded, not the cast itself, so that is
+what they are compared with (``PublishedPieces`` in ``runtime.wire_codec``),
+here and in ``gathered_params(writeback=True)``.
 """
 
 from __future__ import annotations

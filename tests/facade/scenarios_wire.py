@@ -143,3 +143,71 @@ def published_params(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, An
         "written_held": after_write[:3].tolist(),
         "params_moved": int((after_write != params).sum()),
     }
+
+
+#: ``torch.distributed`` functions a step may call, by the collective zeroplan logs them as.
+_METERED = {
+    "all_to_all_single": "all_to_all",
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather": "all_gather",
+    "broadcast": "broadcast",
+    "all_reduce": "all_reduce",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "reduce": "reduce",
+}
+
+
+class _Meter:
+    """Calls of ``torch.distributed`` counted where the library cannot see it: each metered function
+    replaced by a wrapper that counts calls (per collective) and the bytes the tensors hold."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.real = {name: getattr(dist, name) for name in _METERED}
+        for name, collective in _METERED.items():
+            setattr(dist, name, self._counting(collective, self.real[name]))
+
+    def _counting(self, collective: str, real: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls[collective] = self.calls.get(collective, 0) + 1
+            return real(*args, **kwargs)
+
+        return counted
+
+    def close(self) -> None:
+        for name, real in self.real.items():
+            setattr(dist, name, real)
+
+
+def metered(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A second step counted by :class:`_Meter` (from the first step's end to the second's), next to
+    the calls ``last_step_comm()`` reports for it, per collective."""
+    model = make_model(dtype=DTYPES[cfg.get("dtype", "bf16")])
+    opt = make_optimizer(
+        model,
+        hyper={"lr": 1e-2},
+        stage=cfg["stage"],
+        shard=cfg.get("shard"),
+        collectives="min_bytes",  # one call per collective (the gloo policy's exchanges are many)
+        wire_block=16,
+        reduce_dtype=cfg.get("wire"),
+        gather_dtype=cfg.get("gather"),
+        **({"ranks_per_node": cfg["ranks_per_node"]} if "ranks_per_node" in cfg else {}),
+    )
+    opt.attach(model)
+    opt.backward(loss_of(model, *batch(0, rank)))
+    opt.step()
+    meter = _Meter()
+    try:
+        opt.zero_grad()
+        opt.backward(loss_of(model, *batch(1, rank)))
+        opt.step()
+    finally:
+        meter.close()
+    logged: dict[str, int] = {}
+    for c in opt.last_step_comm():
+        logged[c.collective.value] = logged.get(c.collective.value, 0) + c.calls
+    return {"metered": meter.calls, "logged": logged}

@@ -125,3 +125,17 @@ def test_every_rank_holds_the_same_decoded_parameters_within_the_bound(pools, wo
             assert 1 <= r["params_moved"] <= 3
         if cfg.get("dtype") != "fp32":  # fp32 at stage 3: the shard is the master, in no state dict
             assert 1 <= r["masters_moved"] <= 3
+
+
+@pytest.mark.parametrize(
+    ("world", "cfg"),
+    [
+        (2, {"stage": 2, "wire": "int8", "gather": "int8"}),
+        (4, {"stage": 3, "wire": "fp8", "gather": "fp8", "shard": 2}),  # MiCS: replica parts too
+        (4, {"stage": 2, "gather": "int8", "ranks_per_node": 2}),  # two hops
+    ],
+)
+def test_every_call_of_a_step_is_in_its_logged_traffic(pools, world, cfg):
+    """Counted outside zeroplan (``torch.distributed`` wrapped), the step's calls are the ones it logs."""
+    for r in pools(world).run(scenarios_wire.metered, cfg):
+        assert r["metered"] == r["logged"], r
