@@ -163,6 +163,23 @@ class WireCodec:
             return DTYPE_ITEMSIZE[param_dtype]
         return _ELEMENT_BYTES[self.format]
 
+    def summary(self, param_dtype: str) -> dict[str, object]:
+        """What travels, per element of ``param_dtype`` parameters: the wire dtype, its bytes and the
+        scales' share (one fp32 scale per block), for reports.
+
+        Example:
+            >>> WireCodec(WireFormat.INT8, block=128).summary("bfloat16")["scale_bytes_per_element"]
+            0.03125
+        """
+        scales = _SCALE_BYTES / self.block if self.format.blockwise else 0.0
+        return {
+            "format": self.format.value,
+            "block": self.block if self.format.blockwise else None,
+            "element_bytes": self.element_bytes(param_dtype),
+            "scale_bytes_per_element": scales,
+            "accumulated_in": "float32",
+        }
+
 
 def wire_bytes(codec: WireCodec, numel: int, param_dtype: str) -> int:
     """Bytes of ``numel`` elements encoded by ``codec``: the elements, then a scale per started block.

@@ -205,6 +205,8 @@ def test_json_document_matches_the_in_process_report(args, settings):
         rows = document["wire_per_link"]
         assert sum(r["bytes"] for r in rows) == report.ranks[0].comm_bytes_per_step
         assert sum(r["default_bytes"] for r in rows) == default.ranks[0].comm_bytes_per_step
+        wires = {"gradients": zp.grad_wire, "parameters": zp.param_wire}
+        assert document["wires"] == {k: c.summary(specs[0].dtype) for k, c in wires.items() if c}
     assert document["accumulation_bytes"] == accumulation_bytes(zp, settings_accumulation(args))
 
 

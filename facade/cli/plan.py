@@ -40,6 +40,7 @@ from zeroplan.core import (
     RankReport,
     Recommendation,
     Topology,
+    ZeroPlan,
     accumulation_bytes,
     describe_optimizer,
     domains_report,
@@ -204,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
             reduce_dtype=args.reduce_dtype,
             gather_dtype=args.gather_dtype,
             wire_per_link=None if per_link is None else [row._asdict() for row in per_link],
+            wires=_wires(zp, specs),
             accumulation_bytes=accumulation_bytes(zp, args.grad_accumulation),
             splits_params=zp.partition.splits_params,
             planning_seconds=round(elapsed, 4),
@@ -215,11 +217,18 @@ def run(args: argparse.Namespace) -> int:
     layout = zp.partition.layout + (" (auto)" if args.layout == "auto" else "")
     layout += ", deterministic" if zp.deterministic else ""
     layout += f", gradients sent as {args.reduce_dtype}" if zp.grad_wire is not None else ""
+    layout += f", parameters gathered as {args.gather_dtype}" if zp.param_wire is not None else ""
     _print_table(
         report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), layout, elapsed, args.rows, fit
     )
     if per_link is not None:
         _print_per_link(per_link, _wire_label(args))
+        for what, wire in _wires(zp, specs).items():
+            scales = wire["scale_bytes_per_element"]
+            share = f", {scales:g} bytes of fp32 scale per element" if scales else ""
+            sent = f"{wire['format']}, {wire['element_bytes']} byte(s) per element{share}"
+            received = "added in fp32" if what == "gradients" else "decoded alike on every rank"
+            print(f"{what}: {sent}, {received}")
     if args.grad_accumulation > 1:
         held = accumulation_bytes(zp, args.grad_accumulation)
         kind = "partial sums of the micro-batch tree" if zp.deterministic else "autograd's .grad"
@@ -456,6 +465,13 @@ def _bytes_per_link(default: Sequence[CommCost], chosen: Sequence[CommCost]) -> 
         for c in costs:
             totals.setdefault((c.group, c.link.value), [0, 0])[column] += c.bytes
     return [LinkBytes(group, link, a, b) for (group, link), (a, b) in totals.items()]
+
+
+def _wires(zp: ZeroPlan, specs: Sequence[ParamSpec]) -> dict[str, dict[str, object]]:
+    """The plan's wire formats ([Note: wire formats]): what gradients and parameters travel as."""
+    dtype = specs[0].dtype if specs else "float32"
+    wires = {"gradients": zp.grad_wire, "parameters": zp.param_wire}
+    return {what: codec.summary(dtype) for what, codec in wires.items() if codec is not None}
 
 
 def _wire_label(args: argparse.Namespace) -> str:
