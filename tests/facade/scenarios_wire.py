@@ -108,6 +108,7 @@ def published_params(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, An
         **({"layout": cfg["layout"]} if "layout" in cfg else {}),
         **({"ranks_per_node": cfg["ranks_per_node"]} if "ranks_per_node" in cfg else {}),
         **({"collectives": cfg["collectives"]} if "collectives" in cfg else {}),
+        **({"overlap_param_gather": cfg["overlap"]} if "overlap" in cfg else {}),
     }
     out: dict[str, Any] = {}
     for gather in (None, cfg["gather"]):

@@ -94,6 +94,7 @@ GATHER_CASES = [
     (4, {"stage": 3, "gather": "fp8", "shard": 2}),
     (2, {"stage": 2, "gather": "int8", "wire": "int8"}),  # both wires
     (2, {"stage": 2, "gather": "int8", "collectives": "min_bytes"}),  # all_gather of equal slots
+    (2, {"stage": 1, "gather": "fp8", "overlap": False}),  # decoded inside step()
 ]
 
 
