@@ -87,13 +87,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from zeroplan.core import CheckpointError, ConfigError
 from zeroplan.facade import checkpoint
+from zeroplan.facade.checkpoint.names import TRAINER_DIR
 from zeroplan.facade.params.module_buffers import broadcast_buffers
 from zeroplan.facade.runtime.optimizer import ZeroOptimizer
 
 __all__ = ["CHECKPOINT_DIR", "ZeroTrainer"]
 
 #: The folder inside each of ``Trainer``'s ``checkpoint-N`` folders that holds the optimizer.
-CHECKPOINT_DIR = "zeroplan"
+CHECKPOINT_DIR = TRAINER_DIR
 
 #: ``ZeroOptimizer`` settings ``zero_kwargs`` may hold (hyper-parameters come from ``args``).
 ZERO_SETTINGS = frozenset(

@@ -13,6 +13,8 @@ STARTS_INTERPRETERS = (
     "tests/test_demo.py::test_stage_3_without_resharding_gathers_once_per_step",
     "tests/test_examples.py",
     "tests/facade/test_hf.py",
+    "tests/facade/test_export_hf.py",
+    "tests/facade/test_export.py::test_the_console_script_prints_one_line_for_a_missing_checkpoint",
     "tests/facade/test_faults.py",
     "tests/facade/test_exit.py",
     "tests/facade/test_checkpoint_failures.py::test_a_save_killed_midway_leaves_the_previous_checkpoint",

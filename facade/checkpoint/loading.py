@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from zeroplan.facade.runtime.domain import Domain
     from zeroplan.facade.runtime.optimizer import ZeroOptimizer
 
-__all__ = ["domain_shards", "load"]
+__all__ = ["Source", "domain_shards", "load", "saved_param"]
 
 
 def domain_shards(opt: ZeroOptimizer) -> tuple[Shards, list[Shards]]:
@@ -111,7 +111,7 @@ def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
     return extra[0]
 
 
-class _Source(NamedTuple):
+class Source(NamedTuple):
     """Where one domain's saved state lies in a snapshot, and which of its blocks this rank verifies.
 
     Every reader reads every parameter; shard ``q``'s blocks are verified by
@@ -134,16 +134,23 @@ class _Source(NamedTuple):
     readers: int
 
 
-def _saved_param(source: _Source, index: int, open_file: Callable[[str], TensorFile]) -> list[torch.Tensor]:
-    """Parameter ``index`` as saved, flat, in consecutive parts: its fragments, or its frozen copy."""
+def saved_param(
+    source: Source, index: int, open_file: Callable[[str], TensorFile], *, master: bool = False
+) -> list[torch.Tensor]:
+    """Parameter ``index`` as saved, flat, in consecutive parts: its fragments, or its frozen copy.
+
+    ``master``: its fp32 master where the shard files hold one apart from the parameters
+    (``separate_master``); fp32 parameters and frozen ones are their own masters.
+    """
     spec = source.shards.partition.specs[index]
     if not spec.trainable:
         return [
             open_file(source.frozen_file).read(param_tensor(index), 0, spec.numel, verify=source.checker == 0)
         ]
+    separate = master and spec.dtype in source.shards.separate_master
     return [
         open_file(source.file_of(f.rank)).read(
-            region_tensor(spec.dtype),
+            master_tensor(spec.dtype) if separate else region_tensor(spec.dtype),
             f.shard_offset,
             f.shard_span.stop,
             verify=f.rank % source.readers == source.checker,
@@ -207,7 +214,7 @@ def _prepare(
         check_shard_file(open_file(shard_file(q)), q, manifest.shards)
     if rank == 0 and FROZEN in manifest.names:
         check_frozen_file(open_file(FROZEN), saved)
-    source = _Source(manifest.shards, shard_file, FROZEN, rank, world)
+    source = Source(manifest.shards, shard_file, FROZEN, rank, world)
     loaded = _read(source, target, reshard, sh, open_file, scaler=manifest.scaler, digest=manifest.digest)
     states = [
         _read_experts(domain, esh, group, snapshot, open_file, manifest)
@@ -217,7 +224,7 @@ def _prepare(
 
 
 def _read(
-    source: _Source,
+    source: Source,
     target: ZeroPlan,
     reshard: ReshardPlan,
     sh: Shards,
@@ -228,7 +235,7 @@ def _read(
 ) -> LoadedState:
     """One domain's parameters and this rank's state in ``target``'s layout, read through ``reshard``."""
     saved, shards = source.shards.partition, source.shards
-    params = [_saved_param(source, spec.index, open_file) for spec in saved.specs]
+    params = [saved_param(source, spec.index, open_file) for spec in saved.specs]
     for i, (parts, p) in enumerate(zip(params, sh.params, strict=True)):
         if any(part.dtype != p.dtype for part in parts):
             raise IncompatiblePlanError(
@@ -397,7 +404,7 @@ def _read_experts(
         )
     me = sh.groups.rank  # an expert domain shards over its whole group: its shard rank
     check_shard_file(open_file(names[me]), me, group.shards, frozen=me == 0)
-    source = _Source(group.shards, names.__getitem__, names[0], me, len(names))
+    source = Source(group.shards, names.__getitem__, names[0], me, len(names))
     reshard = plan_reshard(saved, target.partition)  # the identity: each rank reads its own shard
     loaded = _read(source, target, reshard, sh, open_file, scaler=None, digest=manifest.digest)
     if len(loaded.param_groups) != len(sh.param_groups):

@@ -117,6 +117,9 @@ _GROUP_FIELDS: dict[str, tuple[type, ...]] = {
     "param_groups": (list,),
 }
 _DOMAIN_NAME = re.compile(r"[a-z][a-z0-9_]*")
+#: This reader's format version, and the form of any version's format name.
+_VERSION = int(FORMAT.rsplit("/v", 1)[1])
+_NEWER = re.compile(r"zeroplan\.checkpoint/v(\d+)(\+[a-z]+)?")
 
 
 # --------------------------------------------------------------------------- the typed manifest
@@ -488,6 +491,12 @@ def read_manifest(snapshot: Path) -> Manifest:
     path = snapshot / MANIFEST
     document = read_json(path)
     found = document.get("format") if isinstance(document, dict) else None
+    newer = _NEWER.fullmatch(found) if isinstance(found, str) else None
+    if newer is not None and int(newer.group(1)) > _VERSION:
+        raise CheckpointError(
+            f"{str(snapshot)!r} has checkpoint format {found!r}, written by a newer zeroplan; this version "
+            f"reads {FORMAT!r} and {EXPERTS_FORMAT!r}: upgrade zeroplan to read it"
+        )
     if found not in (FORMAT, EXPERTS_FORMAT):
         raise CheckpointError(
             f"{str(snapshot)!r}: unknown checkpoint format {found!r}; this version of zeroplan reads "

@@ -25,6 +25,7 @@ __all__ = [
     "LOCK",
     "MANIFEST",
     "PARTIAL",
+    "TRAINER_DIR",
     "expert_file",
     "master_tensor",
     "param_tensor",
@@ -46,6 +47,8 @@ PARTIAL = ".partial"
 MANIFEST = "manifest.json"
 #: A snapshot's file of the data domain's frozen parameters, whole.
 FROZEN = "frozen.pt"
+#: The checkpoint root ``ZeroTrainer`` writes inside each of ``Trainer``'s ``checkpoint-N`` folders.
+TRAINER_DIR = "zeroplan"
 
 _SNAPSHOT = re.compile(r"snapshot-(\d+)")
 _PARTIAL_SNAPSHOT = re.compile(r"snapshot-(\d+)\.partial")

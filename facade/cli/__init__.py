@@ -1,10 +1,12 @@
-"""The ``zeroplan`` command line: ``zeroplan plan …`` and ``zeroplan demo …``.
+"""The ``zeroplan`` command line: ``zeroplan plan …``, ``zeroplan demo …``, ``export`` and ``inspect``.
 
-The subcommands are :mod:`zeroplan.facade.cli.plan` and :mod:`zeroplan.facade.cli.demo`;
+The subcommands are :mod:`zeroplan.facade.cli.plan`, :mod:`zeroplan.facade.cli.demo` and
+:mod:`zeroplan.facade.cli.export` (``export`` and ``inspect``);
 ``python -m zeroplan.facade.cli`` runs :func:`main` as the console script does. Nothing here
 imports torch, so ``zeroplan plan`` starts quickly.
 
-Bad arguments print one line, ``zeroplan: error: …``, and exit with code 2.
+Bad arguments, and bad or partial checkpoints, print one line, ``zeroplan: error: …``, and
+exit with code 2.
 ``zeroplan plan --recommend`` exits with code 1 when no configuration fits
 (see [Note: fit options] in :mod:`zeroplan.facade.cli.fit`).
 """
@@ -16,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from zeroplan.core import ConfigError
+from zeroplan.core import CheckpointError, ConfigError
 
 __all__ = ["main"]
 
@@ -30,12 +32,13 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser with every subcommand registered."""
-    from zeroplan.facade.cli import demo, plan
+    from zeroplan.facade.cli import demo, export, plan
 
     parser = _Parser(prog="zeroplan", description="Plan and run ZeRO-sharded optimizers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan.register(sub)
     demo.register(sub)
+    export.register(sub)
     return parser
 
 
@@ -45,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         message = " ".join(str(exc).split())  # always exactly one line
         print(f"zeroplan: error: {message}", file=sys.stderr)
         return 2
