@@ -68,6 +68,7 @@ class ShardedParameter(DeferredParameter):
     """
 
     @staticmethod
+    @torch.compiler.disable  # [Note: hooks under torch.compile] in ``params.module_hooks``
     def on_use(param: torch.Tensor, name: str | None) -> None:
         """Gather the block inside the attached forward or a backward; raise elsewhere."""
         sharded = OWNERS.get(param)

@@ -125,6 +125,7 @@ class GatheringParameter(DeferredParameter):
     """
 
     @staticmethod
+    @torch.compiler.disable  # [Note: hooks under torch.compile] in ``params.module_hooks``
     def on_use(param: torch.Tensor, name: str | None) -> None:
         """Wait for the block (the operation reads values)."""
         del name

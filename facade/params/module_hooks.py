@@ -6,6 +6,20 @@ prefetch) or pinned (used outside their modules), and the saved-tensor hooks in 
 forward is open. It moves blocks only through ``BlockTable``; whether a block may be freed now
 (``gathered_params`` holds them) and what a new pass resets beyond the forward are its residency's
 (``may_free``, ``begin_pass``).
+
+[Note: hooks under torch.compile]
+A model compiled whole (``torch.compile(model)``) or per block still runs
+zeroplan's module hooks and its parameters' first-use waits (``on_use`` of the
+``DeferredParameter`` classes), but never inside a graph: they are wrapped in
+``torch.compiler.disable``, so dynamo calls them as they are, between graphs.
+Traced, they would put the blocks' state (a Python enum per block) in the
+guards, and each step's new state would recompile them, up to dynamo's
+recompile limit, many times slower than eager (a tiny model compiled whole at
+stage 3: over 600 s for six steps, 3 s with the hooks run eagerly). What
+compiling costs instead is a graph break at each hook: per module with
+parameters at stage 3, and at stages 1-2 at the first use of a parameter whose
+gather overlaps the forward (``tests/facade/test_compile.py`` counts them, and
+checks that nothing is compiled again after the second step).
 """
 
 from __future__ import annotations
@@ -19,6 +33,11 @@ import torch
 from zeroplan.facade.params.blocks import BlockKey, BlockTable
 
 __all__ = ["ForwardHooks", "in_backward"]
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, run as it is under ``torch.compile`` ([Note: hooks under torch.compile])."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def in_backward() -> bool:
@@ -61,7 +80,10 @@ class ForwardHooks:
     def attach(self, model: torch.nn.Module) -> None:
         """Hook ``model``'s modules; replaces an earlier attachment."""
         self.detach()
-        self._handles.append(model.register_forward_pre_hook(self._begin, prepend=True))
+        # [Note: hooks under torch.compile]: dynamo runs zeroplan's hooks as they are, never traced.
+        begin, end = _eager(self._begin), _eager(self._end)
+        enter, exit_ = _eager(self._enter), _eager(self._exit)
+        self._handles.append(model.register_forward_pre_hook(begin, prepend=True))
         for module in model.modules():
             keys = sorted(
                 {k for p in module.parameters(recurse=False) if (k := self._blocks.key_of(p)) is not None}
@@ -71,9 +93,9 @@ class ForwardHooks:
             self._modules[id(module)] = keys
             for key in keys:
                 self._users.setdefault(key, set()).add(id(module))
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._exit, always_call=True))
-        self._handles.append(model.register_forward_hook(self._end, always_call=True))
+            self._handles.append(module.register_forward_pre_hook(enter))
+            self._handles.append(module.register_forward_hook(exit_, always_call=True))
+        self._handles.append(model.register_forward_hook(end, always_call=True))
 
     def detach(self) -> None:
         """Remove the hooks of :meth:`attach`."""
