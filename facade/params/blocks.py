@@ -22,7 +22,10 @@ from zeroplan.facade.params.buffers import BlockBuffers, block_positions
 from zeroplan.facade.params.gather import DeferredParameter
 from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_block_gather
+from zeroplan.facade.runtime.dynamo import import_dynamo
 from zeroplan.facade.runtime.groups import ProcessGroups
+
+import_dynamo()  # before torch.compiler.disable: [Note: importing torch._dynamo here]
 
 __all__ = ["BlockEntry", "BlockKey", "BlockState", "BlockTable", "GathersOnUse", "ShardedParameter", "OWNERS"]
 

@@ -71,8 +71,11 @@ from zeroplan.core import ZeroPlan
 from zeroplan.facade.params.buffers import FlatBuffers
 from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_space_gather
+from zeroplan.facade.runtime.dynamo import import_dynamo
 from zeroplan.facade.runtime.groups import ProcessGroups
 from zeroplan.facade.runtime.wire_codec import published_pieces
+
+import_dynamo()  # before torch.compiler.disable: [Note: importing torch._dynamo here]
 
 __all__ = ["DeferredParameter", "GatheringParameter", "ParamGather", "storage_address"]
 

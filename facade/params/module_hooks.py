@@ -31,6 +31,9 @@ from typing import Any
 import torch
 
 from zeroplan.facade.params.blocks import BlockKey, BlockTable
+from zeroplan.facade.runtime.dynamo import import_dynamo
+
+import_dynamo()  # before torch.compiler.disable: [Note: importing torch._dynamo here]
 
 __all__ = ["ForwardHooks", "in_backward"]
 

@@ -6,27 +6,13 @@ has every rank agree (the data-parallel domain over the world, each expert domai
 then one verdict over the world), so a bad argument on any rank raises on every rank before anything
 is modified; :func:`joint_step` then makes the domains and what couples them ([Note: joint step]).
 
-[Note: importing torch._dynamo here]
-torch imports ``torch._dynamo`` the first time any ``torch.optim`` optimizer
-is built, and one of the modules it loads keeps the frame that called it in a
-reference cycle (``torch.fx.wrap`` holds ``inspect.currentframe()`` in a local).
-That frame's ``f_back`` chain reaches whatever stack was running: when that is
-``ZeroOptimizer.__init__`` (or a user's function that first touched
-``zeroplan.facade.ZeroOptimizer``), everything those frames hold, the first
-``ZeroOptimizer`` and its process groups included, outlives its last
-reference until the cycle collector runs, often not before the interpreter
-finalizes. A gloo group freed then lets its worker thread take the GIL during
-finalization, and the process aborts ("terminate called without an active
-exception") after its work is done. So this module (imported by ``optimizer``) imports it once, then
-collects that garbage cycle at once (:func:`_import_dynamo_now`).
+``torch._dynamo`` is imported first thing, and its garbage collected: see [Note: importing
+torch._dynamo here] in ``runtime.dynamo``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
-import importlib
-import sys
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -46,22 +32,11 @@ from zeroplan.facade.runtime.domain import (
     check_partition,
     split_domains,
 )
+from zeroplan.facade.runtime.dynamo import import_dynamo
 from zeroplan.facade.runtime.joint import JointStep
 from zeroplan.facade.runtime.registry import Configured, configure, grad_wire, param_wire
 
-
-def _import_dynamo_now() -> None:
-    """Import ``torch._dynamo``, then free the frames it keeps in a cycle.
-
-    See [Note: importing torch._dynamo here].
-    """
-    if "torch._dynamo" in sys.modules:
-        return
-    importlib.import_module("torch._dynamo")
-    gc.collect()
-
-
-_import_dynamo_now()
+import_dynamo()
 
 
 __all__ = ["Agreed", "Request", "agree", "check_transport", "joint_step"]

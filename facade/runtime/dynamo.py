@@ -1,0 +1,34 @@
+"""Importing ``torch._dynamo`` without keeping the caller's stack alive.
+
+[Note: importing torch._dynamo here]
+torch imports ``torch._dynamo`` the first time any ``torch.optim`` optimizer
+is built (and ``torch.compiler.disable``, which zeroplan's hooks use, imports it
+too), and one of the modules it loads keeps the frame that called it in a
+reference cycle (``torch.fx.wrap`` holds ``inspect.currentframe()`` in a local).
+That frame's ``f_back`` chain reaches whatever stack was running: when that is
+``ZeroOptimizer.__init__`` (or a user's function that first touched
+``zeroplan.facade.ZeroOptimizer``), everything those frames hold, the first
+``ZeroOptimizer`` and its process groups included, outlives its last
+reference until the cycle collector runs, often not before the interpreter
+finalizes. A gloo group freed then lets its worker thread take the GIL during
+finalization, and the process aborts ("terminate called without an active
+exception") after its work is done. So every zeroplan module that needs
+``torch._dynamo`` calls :func:`import_dynamo` first: it imports it once, then
+collects that garbage cycle at once.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import sys
+
+__all__ = ["import_dynamo"]
+
+
+def import_dynamo() -> None:
+    """Import ``torch._dynamo`` if nothing has, then free the frames it keeps in a cycle."""
+    if "torch._dynamo" in sys.modules:
+        return
+    importlib.import_module("torch._dynamo")
+    gc.collect()
