@@ -671,23 +671,8 @@ def _exchange_replicas(
 ) -> None:
     """A logged, blocking ``all_to_all_single`` over the replica group: replica ``q`` gets part
     ``q`` of ``send`` (``sizes``), this rank every replica's copy of its part in ``received``."""
-    r = groups.topology.replica_size
-    log.record(
-        "replica",
-        Collective.ALL_TO_ALL,
-        list(sizes),
-        groups.replica_rank,
-        send.element_size(),
-        link=groups.replica_link,
-    )
-    exchange = partial(
-        dist.all_to_all_single,
-        output_split_sizes=[received.numel() // r] * r,
-        input_split_sizes=list(sizes),
-        group=groups.replica,
-        async_op=True,
-    )
-    _start(exchange, _as_bytes_if_fp8(received), _as_bytes_if_fp8(send)).finish(home_waits=False)
+    at = (groups.replica, groups.topology.replica_size, groups.replica_rank, groups.replica_link)
+    _start_all_to_all("replica", *at, send, received, sizes, log).finish(home_waits=False)
 
 
 def _start_piece_exchange(
@@ -696,13 +681,29 @@ def _start_piece_exchange(
     """One logged ``all_to_all_single`` over the shard group: each shard rank gets its piece of
     ``send`` (``sizes``, in rank order), this rank every peer's copy of its own in ``received``'s
     equal slots (empty when it has none)."""
-    n, s = groups.topology.shard_size, groups.shard_rank
-    log.record("shard", Collective.ALL_TO_ALL, list(sizes), s, send.element_size(), link=groups.shard_link)
+    at = (groups.shard, groups.topology.shard_size, groups.shard_rank, groups.shard_link)
+    return _start_all_to_all("shard", *at, send, received, sizes, log)
+
+
+def _start_all_to_all(
+    name: str,
+    group: dist.ProcessGroup | None,
+    size: int,
+    position: int,
+    link: Link,
+    send: torch.Tensor,
+    received: torch.Tensor,
+    sizes: Sequence[int],
+    log: CommLog,
+) -> Pending:
+    """A logged ``all_to_all_single`` over ``group`` (``size`` ranks, this one at ``position``):
+    rank ``q`` gets part ``q`` of ``send`` (``sizes``), this rank ``received``'s equal slots."""
+    log.record(name, Collective.ALL_TO_ALL, list(sizes), position, send.element_size(), link=link)
     exchange = partial(
         dist.all_to_all_single,
-        output_split_sizes=[received.numel() // n] * n,
+        output_split_sizes=[received.numel() // size] * size,
         input_split_sizes=list(sizes),
-        group=groups.shard,
+        group=group,
         async_op=True,
     )
     return _start(exchange, _as_bytes_if_fp8(received), _as_bytes_if_fp8(send))

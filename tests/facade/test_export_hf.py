@@ -11,27 +11,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hf_launch import launch_hf_runs
 
 from zeroplan.facade.cli import main
 
-HERE = Path(__file__).resolve().parent
 HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate", "safetensors"))
 pytestmark = pytest.mark.skipif(not HAS_HF, reason="needs transformers and accelerate (pip install '.[hf]')")
 
 RUNS = ("zero_clip", "zero3_clip")  # stage 2 and stage 3, checkpoints at steps 3 and 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +31,7 @@ def trained(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
     import torch
 
     out = tmp_path_factory.mktemp("hf_export")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(_free_port()), str(HERE / "hf_runs.py"), str(out), *RUNS,
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    launch_hf_runs(out, RUNS)
     return out, {name: torch.load(out / f"{name}.rank0.pt", weights_only=False) for name in RUNS}
 
 

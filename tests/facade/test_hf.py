@@ -19,16 +19,12 @@ writes the best checkpoint's weights back into the shards.
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hf_launch import launch_hf_runs
 
-HERE = Path(__file__).resolve().parent
 TOL = 1e-6
 HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate"))
 pytestmark = pytest.mark.skipif(not HAS_HF, reason="needs transformers and accelerate (pip install '.[hf]')")
@@ -40,31 +36,13 @@ RUNS = (
 )  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[dict[str, Any]]]:
     """Every run of ``hf_runs.py``, per rank (one torchrun launch)."""
     import torch
 
     out = tmp_path_factory.mktemp("hf")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-    }
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(_free_port()), str(HERE / "hf_runs.py"), str(out), *RUNS,
-    ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    launch_hf_runs(out, RUNS)
     loaded = {
         name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)] for name in RUNS
     }
