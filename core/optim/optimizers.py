@@ -21,13 +21,65 @@ from typing import Any
 
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.optim.implementations import Implementation, resolve_implementation
-from zeroplan.core.optim.step_tables import UNKNOWN_TEMPORARIES, step_temporaries
+from zeroplan.core.optim.step_tables import LOW_BIT_TEMPORARIES, UNKNOWN_TEMPORARIES, step_temporaries
 from zeroplan.core.optim.temporaries import StepTemporaries
 
-__all__ = ["OptimizerSpec", "describe_optimizer", "known_optimizers"]
+__all__ = ["LowBitState", "OptimizerSpec", "describe_optimizer", "known_optimizers"]
 
 #: Bytes of a scalar state tensor (torch keeps ``step`` as a float32 scalar).
 SCALAR_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LowBitState:
+    """How torchao's low-bit Adam optimizers keep one moment of one tensor.
+
+    [Note: low-bit optimizer state]
+    torchao's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8`` (and their ``Adam``
+    twins, torchao 0.18) keep each moment of a tensor with at least
+    ``min_numel`` elements, a multiple of ``block_size``, as codes of
+    ``code_bits`` bits, one fp32 scale per block of ``block_size`` elements and
+    a per-tensor fp32 code table of ``lookup`` entries (256 for 8 bits, 16 for 4,
+    none for fp8). Smaller tensors keep plain moments of the tensor's dtype.
+    Whether a tensor is quantized, and where its blocks start, depends on the
+    whole tensor, so zeroplan plans these optimizers over whole parameters
+    (``elementwise=False``): each rank steps the same tensors, block for block,
+    as torchao does unsharded, and the state equals it bit for bit. Splitting a
+    parameter at block boundaries would balance memory better for a few large
+    tensors; it is not done.
+
+    Example:
+        >>> LowBitState(code_bits=8, block_size=256, lookup=256).moment_bytes(64 * 256, 4)
+        17664
+        >>> LowBitState(code_bits=8, block_size=256, lookup=256).moment_bytes(100, 4)   # plain
+        400
+    """
+
+    code_bits: int
+    block_size: int
+    lookup: int
+    min_numel: int = 4096
+
+    def __post_init__(self) -> None:
+        check_config(
+            self.code_bits in (4, 8), f"LowBitState.code_bits must be 4 or 8, got {self.code_bits!r}"
+        )
+        for name in ("block_size", "lookup", "min_numel"):
+            value = getattr(self, name)
+            check_config(
+                type(value) is int and value >= (1 if name == "block_size" else 0),
+                f"LowBitState.{name} must be an int >= {1 if name == 'block_size' else 0}, got {value!r}",
+            )
+
+    def quantizes(self, numel: int) -> bool:
+        """Whether a tensor of ``numel`` elements keeps quantized moments (torchao's rule)."""
+        return numel >= self.min_numel and numel % self.block_size == 0
+
+    def moment_bytes(self, numel: int, itemsize: int) -> int:
+        """Bytes of one moment of a tensor of ``numel`` elements whose dtype has ``itemsize`` bytes."""
+        if not self.quantizes(numel):
+            return numel * itemsize
+        return numel * self.code_bits // 8 + 4 * (numel // self.block_size) + 4 * self.lookup
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +99,8 @@ class OptimizerSpec:
         temporaries: what that step allocates beyond the state; a spec built
             without it gets :data:`~zeroplan.core.optim.step_tables.UNKNOWN_TEMPORARIES`,
             more than any torch optimizer allocates.
+        low_bit: how each per-element moment is quantized (torchao's low-bit
+            optimizers, see [Note: low-bit optimizer state]); ``None``: plain moments.
 
     Example:
         >>> spec = describe_optimizer("AdamW")
@@ -66,6 +120,7 @@ class OptimizerSpec:
     known: bool = True
     implementation: Implementation = Implementation.FOR_LOOP
     temporaries: StepTemporaries = UNKNOWN_TEMPORARIES
+    low_bit: LowBitState | None = None
 
     def __post_init__(self) -> None:
         check_config(
@@ -76,10 +131,22 @@ class OptimizerSpec:
             isinstance(self.temporaries, StepTemporaries),
             f"OptimizerSpec.temporaries must be a StepTemporaries, got {self.temporaries!r}",
         )
+        check_config(
+            self.low_bit is None or isinstance(self.low_bit, LowBitState),
+            f"OptimizerSpec.low_bit must be a LowBitState or None, got {self.low_bit!r}",
+        )
+        check_config(
+            self.low_bit is None or not (self.elementwise or self.factored),
+            "OptimizerSpec: low-bit state is planned over whole parameters (elementwise=False, "
+            "factored=False)",
+        )
 
     def state_bytes(self, shape: tuple[int, ...], itemsize: int) -> int:
         """Bytes of state for one stepped tensor of ``shape`` (state dtype ``itemsize``)."""
         numel = math.prod(shape)
+        if self.low_bit is not None:
+            moments = self.per_element * self.low_bit.moment_bytes(numel, itemsize)
+            return moments + self.scalars * SCALAR_BYTES
         full = self.per_element * numel
         if self.factored:
             if len(shape) >= 2:
@@ -157,6 +224,18 @@ _TABLE = {
     "Adafactor": _fixed(False, 0, 1, True),
     "Muon": _fixed(False, 1, 0),
 }
+
+#: torchao's low-bit Adam optimizers (torchao 0.18): code bits, default block size, code table entries.
+_LOW_BIT = {
+    "torchao.AdamW8bit": (8, 256, 256),
+    "torchao.Adam8bit": (8, 256, 256),
+    "torchao.AdamW4bit": (4, 128, 16),
+    "torchao.Adam4bit": (4, 128, 16),
+    "torchao.AdamWFp8": (8, 256, 0),
+    "torchao.AdamFp8": (8, 256, 0),
+}
+for _name in _LOW_BIT:
+    _TABLE[_name] = _adam
 
 _ALIASES = {name.lower(): name for name in _TABLE}
 
@@ -261,6 +340,8 @@ def describe_optimizer(
             implementation=_guess_implementation(str(name), merged, device),
         )
     elementwise, per_element, scalars, factored = _TABLE[canonical](**merged)
+    if canonical in _LOW_BIT:
+        return _low_bit(canonical, merged, per_element, scalars)
     implementation = resolve_implementation(canonical, merged, device=device)
     return OptimizerSpec(
         name=canonical,
@@ -270,4 +351,20 @@ def describe_optimizer(
         factored=factored,
         implementation=implementation,
         temporaries=_temporaries(canonical, implementation, merged),
+    )
+
+
+def _low_bit(name: str, hyper: Mapping[str, Any], moments: int, scalars: int) -> OptimizerSpec:
+    """The spec of torchao's low-bit optimizer ``name`` (see [Note: low-bit optimizer state])."""
+    bits, block, lookup = _LOW_BIT[name]
+    block = hyper.get("block_size", block)
+    check_config(type(block) is int and block >= 1, f"{name}: block_size must be an int >= 1, got {block!r}")
+    return OptimizerSpec(
+        name=name,
+        elementwise=False,
+        per_element=moments,
+        scalars=scalars,
+        implementation=Implementation.FOR_LOOP,  # one compiled step per tensor
+        temporaries=LOW_BIT_TEMPORARIES,
+        low_bit=LowBitState(code_bits=bits, block_size=block, lookup=lookup),
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 from zeroplan.core.optim.implementations import Implementation
 from zeroplan.core.optim.temporaries import Cost, Feature, Kind, Moment, Role, StepTemporaries, Term, Unit
 
-__all__ = ["UNKNOWN_TEMPORARIES", "step_temporaries"]
+__all__ = ["LOW_BIT_TEMPORARIES", "UNKNOWN_TEMPORARIES", "step_temporaries"]
 
 
 def _each(items: int = 0, bytes: int = 0, feature: Feature = Feature.NUMEL, kind: Kind = Kind.ANY) -> Term:
@@ -47,6 +47,12 @@ UNKNOWN_TEMPORARIES = StepTemporaries(
     unit=Unit.GROUP,
     moments=(_m(_each(3), _each(0, 8, Feature.ONE), _largest(6, 1), fixed=Cost(0, 8)),),
 )
+
+#: torchao's low-bit Adam (0.18), one tensor at a time: six fp32 copies of the tensor and 8 bytes of
+#: scalars, measured by MemTracker with the step run eagerly (``TORCHDYNAMO_DISABLE=1``). torchao
+#: compiles the step, and MemTracker cannot run inside compiled code (a dispatch mode); inductor's
+#: fused kernels keep at most the eager step's intermediates, so this bounds the compiled step.
+LOW_BIT_TEMPORARIES = StepTemporaries(unit=Unit.TENSOR, moments=(_m(_each(6), fixed=Cost(0, 8)),))
 
 
 def _for_loop(

@@ -139,6 +139,21 @@ def build_inner(
 
 
 def sync_hyperparameters(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
-    """Copy every setting but ``params`` from ``source`` groups to ``target`` groups (LR schedulers)."""
+    """Copy every setting but ``params`` from ``source`` groups to ``target`` groups (LR schedulers).
+
+    A setting one side holds as a tensor and the other as a number (torchao's
+    low-bit optimizers turn ``lr`` into a tensor and refuse a number in its
+    place) is written into the tensor in place, as torch's LR schedulers do; a
+    tensor never replaces the user's number, which stays what the user set.
+    """
     for src, dst in zip(source, target, strict=True):
-        dst.update(hyperparameters(src))
+        for key, value in hyperparameters(src).items():
+            held = dst.get(key)
+            if held is value:
+                continue
+            if torch.is_tensor(held) and not torch.is_tensor(value) and isinstance(value, (int, float)):
+                held.fill_(value)
+            elif torch.is_tensor(value) and not torch.is_tensor(held) and isinstance(held, (int, float)):
+                continue  # the inner optimizer's own tensor of the user's number
+            else:
+                dst[key] = value

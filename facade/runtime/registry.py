@@ -132,11 +132,21 @@ class PlanSettings:
         """The inner optimizer's class name (what checkpoints and state dicts record)."""
         return self.optimizer_class.__name__
 
+    @property
+    def planned_name(self) -> str:
+        """The name the planner describes the inner optimizer by.
+
+        torchao's classes are qualified (``torchao.AdamW8bit``): bitsandbytes has
+        an ``AdamW8bit`` too, whose state is laid out differently.
+        """
+        package = self.optimizer_class.__module__.partition(".")[0]
+        return f"torchao.{self.optimizer_name}" if package == "torchao" else self.optimizer_name
+
     def plan(self, registry: ParamRegistry, groups: Sequence[dict[str, Any]]) -> ZeroPlan:
         """The plan of ``registry`` with the hyper-parameters of ``groups`` (pure: changes nothing)."""
         device = registry.device.type  # the inner optimizer steps buffers on the parameters' device
         optimizers = tuple(
-            describe_optimizer(self.optimizer_name, g, strict=False, device=device) for g in groups
+            describe_optimizer(self.planned_name, g, strict=False, device=device) for g in groups
         )
         options = self.plan_options()
         return plan(registry.specs(), self.topology, stage=self.stage, optimizer=optimizers, **options)

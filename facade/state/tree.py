@@ -15,6 +15,10 @@ All three use the same *leaves*, keyed by a path string:
 * ``parked/<param>/…`` — state of a parameter frozen after training (see
   [Note: parked state]), in the parameter's own coordinates.
 
+A leaf held in a tensor subclass (torchao's quantized moments) is split into
+plain tensors ``<path>@<attr>`` and a description ``<path>@subclass`` (see
+[Note: subclass state]).
+
 :func:`encode_state` and :func:`decode_state` convert between ``ShardState``
 and leaves (:func:`encode_parked` and :func:`decode_parked` for parked
 state); :func:`describe_state` gives the leaves' descriptions (a
@@ -34,6 +38,7 @@ import torch
 
 from zeroplan.core import Space, Span, ZeroPlan
 from zeroplan.facade.runtime.dtypes import dtype_name
+from zeroplan.facade.state.subclasses import join_subclasses, split_subclasses
 
 if TYPE_CHECKING:  # inner imports buffers, which imports this module
     from zeroplan.facade.runtime.inner import Inner
@@ -126,7 +131,7 @@ def encode_state(state: ShardState, spaces: Sequence[Space]) -> dict[str, Any]:
     for param, entry in state.whole.items():
         for key, value in entry.items():
             leaves[f"whole/{param}/{key}"] = value
-    return leaves
+    return split_subclasses(leaves)
 
 
 def decode_state(leaves: Mapping[str, Any], spaces: Sequence[Space]) -> ShardState:
@@ -137,7 +142,7 @@ def decode_state(leaves: Mapping[str, Any], spaces: Sequence[Space]) -> ShardSta
     """
     index = {space.dtype: space.index for space in spaces}
     state = ShardState(flat={}, scalars={}, whole={})
-    for path, leaf in leaves.items():
+    for path, leaf in join_subclasses(leaves).items():
         kind, first, rest = [*path.split("/", 2), "", ""][:3]
         if kind == "flat" and rest:
             if first in index:
@@ -165,7 +170,7 @@ def encode_parked(parked: Mapping[int, ParkedParam]) -> dict[str, Any]:
                 leaves[f"parked/{param}/piece/{span.start}/{key}"] = values
         for key, value in (part.whole or {}).items():
             leaves[f"parked/{param}/whole/{key}"] = value
-    return leaves
+    return split_subclasses(leaves)
 
 
 def decode_parked(leaves: Mapping[str, Any]) -> dict[int, ParkedParam]:
@@ -175,7 +180,7 @@ def decode_parked(leaves: Mapping[str, Any]) -> dict[int, ParkedParam]:
         ValueError: a ``parked/`` path of no known form.
     """
     parked: dict[int, ParkedParam] = {}
-    for path, leaf in leaves.items():
+    for path, leaf in join_subclasses(leaves).items():
         if not path.startswith("parked/"):
             continue
         _, param, kind, *rest = [*path.split("/", 4), ""]

@@ -94,9 +94,13 @@ def _accepts(cls: type[torch.optim.Optimizer], key: str) -> bool:
     return key in inspect.signature(cls).parameters
 
 
+#: The ``torch.optim`` optimizers the planner knows (torchao's are measured in their own test).
+TORCH_OPTIMIZERS = [name for name in known_optimizers() if not name.startswith("torchao.")]
+
+
 def _cases() -> list[Any]:
     cases = []
-    for name in known_optimizers():
+    for name in TORCH_OPTIMIZERS:
         cls = getattr(torch.optim, name)
         for impl, flags in FLAGS.items():
             if not _accepts(cls, "foreach"):  # Muon: only the for-loop, asked for without a flag
@@ -185,7 +189,7 @@ def test_resolution_tables_match_torch():
     extra = torch._C._get_privateuse1_backend_name()
     assert set(_get_fused_kernels_supported_devices()) - {extra} == FUSED_DEVICES
     assert set(_get_foreach_kernels_supported_devices()) - {extra} == FOREACH_DEVICES
-    classes = {name: getattr(torch.optim, name) for name in known_optimizers()}
+    classes = {name: getattr(torch.optim, name) for name in TORCH_OPTIMIZERS}
     assert {n for n, c in classes.items() if _accepts(c, "fused")} == {"Adam", "AdamW", "SGD", "Adagrad"}
     assert {n for n, c in classes.items() if not _accepts(c, "foreach")} == {"Muon"}
 
@@ -228,3 +232,16 @@ def test_the_facade_plans_with_the_parameters_device():
     zp = settings.plan(ParamRegistry.of(inputs), groups)
     assert [o.implementation for o in zp.optimizers] == [Implementation.FOR_LOOP]  # CPU, not CUDA's foreach
     assert zp.optimizers[0] == describe_optimizer("AdamW", groups[0], device="cpu")
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_torchao_low_bit_temporaries_equal_the_model_run_eagerly(name):
+    """torchao compiles its step, inside which MemTracker (a dispatch mode) cannot run; eagerly
+    (``set_stance("force_eager")``) the step allocates exactly the model, which bounds the fused,
+    compiled step (see ``LOW_BIT_TEMPORARIES``). Quantized and plain moments both."""
+    optim = pytest.importorskip("torchao.optim")
+    shapes = [(64, 256), (100,), (128, 64), (33, 7)]
+    spec = describe_optimizer(f"torchao.{name}", device="cpu")
+    with torch.compiler.set_stance("force_eager"):
+        measured = step_temporaries(getattr(optim, name), {"lr": 1e-2}, shapes)
+    assert measured == spec.step_temporary_bytes_of_shapes(shapes, 4), measured
