@@ -14,6 +14,7 @@ STARTS_INTERPRETERS = (
     "tests/test_examples.py",
     "tests/facade/test_hf.py",
     "tests/facade/test_export_hf.py",
+    "tests/facade/test_hf_compile.py",
     "tests/facade/test_export.py::test_the_console_script_prints_one_line_for_a_missing_checkpoint",
     "tests/facade/test_faults.py",
     "tests/facade/test_exit.py",

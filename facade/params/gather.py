@@ -62,6 +62,7 @@ import contextlib
 import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -71,7 +72,7 @@ from zeroplan.core import ZeroPlan
 from zeroplan.facade.params.buffers import FlatBuffers
 from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_space_gather
-from zeroplan.facade.runtime.dynamo import import_dynamo
+from zeroplan.facade.runtime.dynamo import compiled_blocks, import_dynamo
 from zeroplan.facade.runtime.groups import ProcessGroups
 from zeroplan.facade.runtime.wire_codec import published_pieces
 
@@ -145,6 +146,14 @@ def _arrive(param: torch.Tensor) -> None:
         param.__class__ = torch.nn.Parameter
 
 
+def _arrive_all(params: Sequence[torch.Tensor], module: torch.nn.Module, args: Any) -> None:
+    """A compiled block's pre-hook: its parameters still gathering arrive before its graph runs."""
+    del module, args
+    for param in params:
+        if type(param) is GatheringParameter:
+            _arrive(param)
+
+
 #: Each gathering parameter's ParamGather, held weakly (the optimizer may be dropped mid-gather).
 _OWNERS: Owners[weakref.ref[ParamGather]] = Owners()
 
@@ -202,6 +211,7 @@ class ParamGather:
                 for key in keys:
                     self._members.setdefault(key, []).append(params[index])
         self._pending: dict[tuple[int, int], list[Pending]] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._self = weakref.ref(self)
         # Per space, its parameters: their version counters move with every in-place write through
         # them (model.load_state_dict, p.copy_, p.clamp_), never with this optimizer's own writes,
@@ -285,14 +295,25 @@ class ParamGather:
         """Nothing to do: replicated parameters rest whole, in place."""
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Nothing to hook: the first use of a parameter waits for its own gather."""
+        """Hook ``model``'s compiled blocks: each waits for its parameters' gathers before its graph
+        runs (see [Note: hooks under torch.compile]); elsewhere a parameter's first use waits."""
+        self._detach()
+        for block in compiled_blocks(model)[0]:
+            members = [p for p in block.parameters() if id(p) in self._blocks_of]
+            self._hooks.append(block.register_forward_pre_hook(partial(_arrive_all, members)))
+
+    def _detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def prepare_replan(self) -> None:
         """The parameters already hold their whole values once the gathers finished."""
         self.finish_param_sync()
 
     def retire(self) -> None:
-        """Nothing is held beyond the gathers, which re-planning finished."""
+        """Nothing is held beyond the gathers, which re-planning finished; the hooks go."""
+        self._detach()
 
     @contextlib.contextmanager
     def gathered(self, *, writeback: bool) -> Iterator[None]:

@@ -20,6 +20,18 @@ compiling costs instead is a graph break at each hook: per module with
 parameters at stage 3, and at stages 1-2 at the first use of a parameter whose
 gather overlaps the forward (``tests/facade/test_compile.py`` counts them, and
 checks that nothing is compiled again after the second step).
+
+Blocks compiled on their own, then attached (``torch.compile`` each block,
+then ``opt.attach(model)``, torchtitan's order with FSDP2), break nothing:
+``attach`` hooks each compiled block as one module, outside its graph, for
+every parameter inside it (``compiled_blocks``): at stage 3 its pre-hook
+gathers them all, at stages 1-2 it waits for their gathers, so the graph only
+ever sees whole, plain parameters. A model compiled whole keeps its breaks on
+purpose: they split its graph where gathered blocks are first read, and the
+backward of each piece hands its gradients to the reduction hooks before the
+next piece runs, which is what keeps reductions overlapped with backward (as
+``DDPOptimizer`` splits DDP's graph at bucket boundaries). One graph would
+reduce nothing until the whole backward ended.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from typing import Any
 import torch
 
 from zeroplan.facade.params.blocks import BlockKey, BlockTable
-from zeroplan.facade.runtime.dynamo import import_dynamo
+from zeroplan.facade.runtime.dynamo import compiled_blocks, import_dynamo
 
 import_dynamo()  # before torch.compiler.disable: [Note: importing torch._dynamo here]
 
@@ -87,9 +99,13 @@ class ForwardHooks:
         begin, end = _eager(self._begin), _eager(self._end)
         enter, exit_ = _eager(self._enter), _eager(self._exit)
         self._handles.append(model.register_forward_pre_hook(begin, prepend=True))
+        blocks, inside = compiled_blocks(model)
         for module in model.modules():
+            if id(module) in inside:
+                continue  # a compiled block's hooks gather everything it holds, outside its graph
+            recurse = any(module is b for b in blocks)
             keys = sorted(
-                {k for p in module.parameters(recurse=False) if (k := self._blocks.key_of(p)) is not None}
+                {k for p in module.parameters(recurse=recurse) if (k := self._blocks.key_of(p)) is not None}
             )
             if not keys:
                 continue

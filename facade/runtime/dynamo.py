@@ -22,8 +22,12 @@ from __future__ import annotations
 import gc
 import importlib
 import sys
+from typing import TYPE_CHECKING
 
-__all__ = ["import_dynamo"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["compiled_blocks", "import_dynamo"]
 
 
 def import_dynamo() -> None:
@@ -32,3 +36,18 @@ def import_dynamo() -> None:
         return
     importlib.import_module("torch._dynamo")
     gc.collect()
+
+
+def compiled_blocks(model: torch.nn.Module) -> tuple[list[torch.nn.Module], set[int]]:
+    """The modules of ``model`` compiled on their own (``torch.compile(block)``), the root excepted,
+    and the ids of every module inside them (see [Note: hooks under torch.compile])."""
+    import_dynamo()
+    compiled = importlib.import_module("torch._dynamo.eval_frame").OptimizedModule
+    blocks: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if module is model or id(module) in inside or not isinstance(module, compiled):
+            continue
+        blocks.append(module)
+        inside.update(id(m) for m in module.modules() if m is not module)
+    return blocks, inside

@@ -248,6 +248,10 @@ def runs(out: Path) -> dict[str, Callable[[], dict[str, Any]]]:
             **save,
             **evaluate,
         ),
+        # torch_compile=True: the model compiled whole by Accelerate, DDP's and ZeroTrainer's alike.
+        "ddp_compile": lambda: trainer_run(out / "ddp_compile", zero=None, torch_compile=True),
+        "zero_compile": lambda: trainer_run(out / "zero_compile", zero={"stage": 2}, torch_compile=True),
+        "zero3_compile": lambda: trainer_run(out / "zero3_compile", zero={"stage": 3}, torch_compile=True),
         "accelerate_ddp": lambda: accelerate_run(zero=False, accumulate=2, clip=None),
         "accelerate_zero": lambda: accelerate_run(zero=True, accumulate=2, clip=None),
         "accelerate_ddp_clip": lambda: accelerate_run(zero=False, accumulate=2, clip=0.5),

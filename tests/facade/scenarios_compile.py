@@ -36,8 +36,12 @@ def compiled(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         stage=cfg["stage"],
         overlap_param_gather=cfg.get("overlap", True),
     )
-    opt.attach(model)  # stage 3: module hooks, run between the compiled graphs
-    run = _compiled(model, cfg["mode"])
+    if cfg["mode"] == "block" and not cfg.get("attach_first"):  # torchtitan's order: compile, attach
+        run = _compiled(model, "block")
+        opt.attach(model)
+    else:
+        opt.attach(model)  # module hooks (stage 3) run between the compiled graphs
+        run = _compiled(model, cfg["mode"])
     frames, losses = [], []
     for step in range(STEPS):
         loss = loss_of(run, *batch(step, rank))
@@ -75,3 +79,75 @@ def _train_ddp(ddp: torch.nn.Module, model: torch.nn.Module) -> None:
         loss_of(ddp, *batch(step, torch.distributed.get_rank())).backward()
         adamw.step()
         adamw.zero_grad()
+
+
+#: The reductions of gradients, as ``collectives="min_bytes"`` issues them (one call per bucket).
+_REDUCTIONS = ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
+
+
+def _compute_nodes(loss: torch.Tensor) -> list[Any]:
+    """Every node of ``loss``'s autograd graph that computes (not the leaves' ``AccumulateGrad``)."""
+    seen: dict[int, Any] = {}
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return [n for n in seen.values() if type(n).__name__ != "AccumulateGrad"]
+
+
+def overlap(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Which gradient reductions start while backward still has graphs to run, compiled or not.
+
+    Every computing node of the fourth step's autograd graph (each compiled region's backward is one
+    node) records when it starts, and ``torch.distributed``'s reductions, wrapped outside zeroplan,
+    record when they are called: a reduction called before some node starts overlaps that node."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model(width=64)
+    opt = make_optimizer(
+        model,
+        hyper=HYPER,
+        stage=cfg["stage"],
+        collectives="min_bytes",
+        bucket_bytes=16_384,
+        layout=cfg.get("layout", "auto"),
+        overlap_param_gather=cfg.get("gather_overlap", True),
+    )
+    run = model if cfg["mode"] == "eager" else _compiled(model, cfg["mode"])
+    opt.attach(model)
+    for step in range(3):
+        opt.backward(loss_of(run, *batch(step, rank)))
+        opt.step()
+        opt.zero_grad()
+    events: list[str] = []
+    loss = loss_of(run, *batch(3, rank))
+    for node in _compute_nodes(loss):
+        node.register_prehook(lambda *_: events.append("compute"))
+    real = {name: getattr(torch.distributed, name) for name in _REDUCTIONS}
+
+    def recording(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            events.append("reduce")
+            return real[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name in _REDUCTIONS:
+            setattr(torch.distributed, name, recording(name))
+        opt.backward(loss)
+    finally:
+        for name, function in real.items():
+            setattr(torch.distributed, name, function)
+    opt.step()
+    last_compute = max(i for i, e in enumerate(events) if e == "compute")
+    return {
+        "reductions": events.count("reduce"),
+        "overlapped": events[:last_compute].count("reduce"),
+        "graphs": events.count("compute"),
+        "buckets": len(opt.plan.buckets.buckets),
+        "breaks": sum(counters["graph_break"].values()),
+    }
