@@ -22,10 +22,8 @@ from zeroplan.facade.params.buffers import BlockBuffers, block_positions
 from zeroplan.facade.params.gather import DeferredParameter
 from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_block_gather
-from zeroplan.facade.runtime.dynamo import import_dynamo
+from zeroplan.facade.runtime.dynamo import between_graphs
 from zeroplan.facade.runtime.groups import ProcessGroups
-
-import_dynamo()  # before torch.compiler.disable: [Note: importing torch._dynamo here]
 
 __all__ = ["BlockEntry", "BlockKey", "BlockState", "BlockTable", "GathersOnUse", "ShardedParameter", "OWNERS"]
 
@@ -71,7 +69,7 @@ class ShardedParameter(DeferredParameter):
     """
 
     @staticmethod
-    @torch.compiler.disable  # [Note: hooks under torch.compile] in ``params.module_hooks``
+    @between_graphs  # [Note: hooks under torch.compile] in ``params.module_hooks``
     def on_use(param: torch.Tensor, name: str | None) -> None:
         """Gather the block inside the attached forward or a backward; raise elsewhere."""
         sharded = OWNERS.get(param)

@@ -72,11 +72,9 @@ from zeroplan.core import ZeroPlan
 from zeroplan.facade.params.buffers import FlatBuffers
 from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_space_gather
-from zeroplan.facade.runtime.dynamo import compiled_blocks, import_dynamo
+from zeroplan.facade.runtime.dynamo import between_graphs, compiled_blocks
 from zeroplan.facade.runtime.groups import ProcessGroups
 from zeroplan.facade.runtime.wire_codec import published_pieces
-
-import_dynamo()  # before torch.compiler.disable: [Note: importing torch._dynamo here]
 
 __all__ = ["DeferredParameter", "GatheringParameter", "ParamGather", "storage_address"]
 
@@ -129,7 +127,7 @@ class GatheringParameter(DeferredParameter):
     """
 
     @staticmethod
-    @torch.compiler.disable  # [Note: hooks under torch.compile] in ``params.module_hooks``
+    @between_graphs  # [Note: hooks under torch.compile] in ``params.module_hooks``
     def on_use(param: torch.Tensor, name: str | None) -> None:
         """Wait for the block (the operation reads values)."""
         del name

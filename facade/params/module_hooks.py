@@ -31,7 +31,9 @@ purpose: they split its graph where gathered blocks are first read, and the
 backward of each piece hands its gradients to the reduction hooks before the
 next piece runs, which is what keeps reductions overlapped with backward (as
 ``DDPOptimizer`` splits DDP's graph at bucket boundaries). One graph would
-reduce nothing until the whole backward ended.
+reduce nothing until the whole backward ended. Each skipped hook carries its
+reason (``dynamo.BETWEEN_GRAPHS``), so ``fullgraph=True`` on a whole model
+fails with what to do instead.
 """
 
 from __future__ import annotations
@@ -43,16 +45,9 @@ from typing import Any
 import torch
 
 from zeroplan.facade.params.blocks import BlockKey, BlockTable
-from zeroplan.facade.runtime.dynamo import compiled_blocks, import_dynamo
-
-import_dynamo()  # before torch.compiler.disable: [Note: importing torch._dynamo here]
+from zeroplan.facade.runtime.dynamo import between_graphs, compiled_blocks
 
 __all__ = ["ForwardHooks", "in_backward"]
-
-
-def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """``hook``, run as it is under ``torch.compile`` ([Note: hooks under torch.compile])."""
-    return torch.compiler.disable(hook, recursive=True)
 
 
 def in_backward() -> bool:
@@ -96,8 +91,8 @@ class ForwardHooks:
         """Hook ``model``'s modules; replaces an earlier attachment."""
         self.detach()
         # [Note: hooks under torch.compile]: dynamo runs zeroplan's hooks as they are, never traced.
-        begin, end = _eager(self._begin), _eager(self._end)
-        enter, exit_ = _eager(self._enter), _eager(self._exit)
+        begin, end = between_graphs(self._begin), between_graphs(self._end)
+        enter, exit_ = between_graphs(self._enter), between_graphs(self._exit)
         self._handles.append(model.register_forward_pre_hook(begin, prepend=True))
         blocks, inside = compiled_blocks(model)
         for module in model.modules():

@@ -22,12 +22,23 @@ from __future__ import annotations
 import gc
 import importlib
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["compiled_blocks", "import_dynamo"]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+#: Why dynamo skips zeroplan's hooks: it says so in every graph break, and in the error of
+#: ``fullgraph=True`` (see [Note: hooks under torch.compile]).
+BETWEEN_GRAPHS = (
+    "zeroplan runs this between compiled graphs: it starts or waits for a collective on parameters. "
+    "fullgraph=True cannot hold it: compile each block, then call opt.attach(model) "
+    "(zeroplan docs/compile.md)"
+)
+
+__all__ = ["BETWEEN_GRAPHS", "between_graphs", "compiled_blocks", "import_dynamo"]
 
 
 def import_dynamo() -> None:
@@ -51,3 +62,9 @@ def compiled_blocks(model: torch.nn.Module) -> tuple[list[torch.nn.Module], set[
         blocks.append(module)
         inside.update(id(m) for m in module.modules() if m is not module)
     return blocks, inside
+
+
+def between_graphs(fn: _F) -> _F:
+    """``fn``, run as it is under ``torch.compile`` ([Note: hooks under torch.compile]), with the reason."""
+    import_dynamo()
+    return importlib.import_module("torch").compiler.disable(fn, recursive=True, reason=BETWEEN_GRAPHS)

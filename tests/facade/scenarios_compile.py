@@ -151,3 +151,33 @@ def overlap(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         "buckets": len(opt.plan.buckets.buckets),
         "breaks": sum(counters["graph_break"].values()),
     }
+
+
+def fullgraph(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``fullgraph=True``: compiled whole, the first step that meets a zeroplan hook fails with the
+    reason zeroplan gives dynamo; blocks compiled with it, then attached, train."""
+    torch._dynamo.reset()
+    model = make_model()
+    opt = make_optimizer(model, hyper=HYPER, stage=cfg["stage"])
+    opt.attach(model)
+    whole = torch.compile(model, fullgraph=True)
+    error = ""
+    try:
+        for step in range(3):
+            opt.backward(loss_of(whole, *batch(step, rank)))
+            opt.step()
+            opt.zero_grad()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        opt.wait_for_params()
+    torch._dynamo.reset()
+    model = make_model()
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, fullgraph=True)
+    opt = make_optimizer(model, hyper=HYPER, stage=cfg["stage"])
+    opt.attach(model)
+    for step in range(3):
+        opt.backward(loss_of(model, *batch(step, rank)))
+        opt.step()
+        opt.zero_grad()
+    return {"error": error}

@@ -61,3 +61,10 @@ def test_one_graph_would_reduce_only_after_backward(pools):
     ):
         assert r["breaks"] == 0 and r["reductions"] == r["buckets"], r
         assert r["overlapped"] == 0, r
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_fullgraph_says_why_and_what_to_do_and_works_per_block(pools, stage):
+    for r in pools(2).run(scenarios_compile.fullgraph, {"stage": stage}, timeout=300):
+        assert "zeroplan runs this between compiled graphs" in r["error"], r["error"][:2000]
+        assert "compile each block, then call opt.attach(model)" in r["error"]

@@ -1,0 +1,236 @@
+"""One process, one GPU, NCCL: ``torch.compile`` (inductor, Triton) and torchao's low-bit AdamW.
+
+    python tests/cuda/modern_world1.py PORT compile     # prints one JSON line
+    python tests/cuda/modern_world1.py PORT lowbit
+    python tests/cuda/modern_world1.py PORT compile-large   # the 163M GPT: step times only
+
+``compile``: the demo GPT in bf16, its blocks compiled then attached, at stages 2 and 3, against the
+same compiled model stepped by ``AdamW(fused=True)`` on fp32 masters (what ``ZeroOptimizer`` does at
+world 1); frames compiled after step 2, graph breaks, and step time eager against compiled (median
+of 20 steps after warm-up, CUDA-synchronised). ``lowbit``: ``AdamW8bit`` inside ``ZeroOptimizer``
+at stages 2 and 3 against torchao unsharded on fp32 masters (bits), and the state ``MemTracker``
+counts against the plan.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zeroplan.facade import ZeroOptimizer
+from zeroplan.facade.cli.demo.model import GPTConfig, build_model
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _batch(step: int, config: GPTConfig, device: torch.device, rows: int = 16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, config.vocab, (rows, config.context + 1), generator=g).to(device)
+
+
+def _compile_blocks(model: torch.nn.Module) -> None:
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block)
+
+
+class _Reference:
+    """fp32 masters of ``model``'s parameters stepped by ``cls``; the model takes their rounding."""
+
+    def __init__(self, model: torch.nn.Module, cls: type, **hyper: Any) -> None:
+        self.model = model
+        self.masters = [p.detach().float().clone() for p in model.parameters()]
+        self.opt = cls(self.masters, **hyper)
+
+    def step(self, tokens: torch.Tensor) -> float:
+        loss = _loss(self.model, tokens)
+        loss.backward()
+        for master, p in zip(self.masters, self.model.parameters(), strict=True):
+            master.grad, p.grad = p.grad.float(), None
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for master, p in zip(self.masters, self.model.parameters(), strict=True):
+                p.copy_(master)
+        return float(loss)
+
+
+def _timed(step: Any, tokens: torch.Tensor, n: int = 20) -> float:
+    for _ in range(3):
+        step(tokens)
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(tokens)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+#: ``compile``'s model, and ``compile-large``'s (the GPU benchmark's 163M GPT, a batch of 8 x 1024).
+SIZES = {
+    "compile": (GPTConfig(vocab=8192, width=512, layers=8, heads=8, context=256, qkv_bias=True), 16),
+    "compile-large": (GPTConfig(vocab=50304, width=768, layers=12, heads=12, context=1024, qkv_bias=True), 8),
+}
+
+
+def compile_case(device: torch.device, size: str = "compile") -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
+    config, rows = SIZES[size]
+    hyper = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
+    out: dict[str, Any] = {}
+    for stage in (2, 3):
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            model = build_model(config, seed=0, dtype=torch.bfloat16, device=device)
+            reference = _Reference(
+                build_model(config, seed=0, dtype=torch.bfloat16, device=device), torch.optim.AdamW, **hyper
+            )
+            if compiled:
+                _compile_blocks(model)
+                _compile_blocks(reference.model)
+            opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **hyper)
+            opt.attach(model)
+
+            def step(tokens: torch.Tensor, opt: ZeroOptimizer = opt, model: torch.nn.Module = model) -> float:
+                loss = _loss(model, tokens)
+                opt.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                return float(loss)
+
+            frames, losses, ref_losses = [], [], []
+            for s in range(4):
+                tokens = _batch(s, config, device, rows)
+                losses.append(step(tokens))
+                ref_losses.append(reference.step(tokens))
+                frames.append(counters["frames"]["total"])
+            with opt.gathered_params():
+                differing = sum(
+                    not torch.equal(a, b)
+                    for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
+                )
+            name = f"stage{stage}-{'block' if compiled else 'eager'}"
+            out[name] = {
+                "differing": differing,
+                "losses_equal": losses == ref_losses,
+                "frames": frames,
+                "breaks": sum(counters["graph_break"].values()),
+                "step_ms": _timed(step, _batch(9, config, device, rows)),
+                "reference_step_ms": _timed(reference.step, _batch(9, config, device, rows)),
+            }
+    return out
+
+
+def cudagraph_case(device: torch.device) -> dict[str, Any]:
+    """Blocks compiled with ``mode="reduce-overhead"`` (CUDA graphs), attached, at stages 2 and 3."""
+    from torch._dynamo.utils import counters
+
+    config, rows = SIZES["compile"]
+    hyper = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
+    out: dict[str, Any] = {}
+    for stage in (2, 3):
+        torch._dynamo.reset()
+        counters.clear()
+        model = build_model(config, seed=0, dtype=torch.bfloat16, device=device)
+        reference = _Reference(
+            build_model(config, seed=0, dtype=torch.bfloat16, device=device), torch.optim.AdamW, **hyper
+        )
+        for m in (model, reference.model):
+            for i, block in enumerate(m.blocks):
+                m.blocks[i] = torch.compile(block, mode="reduce-overhead")
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **hyper)
+        opt.attach(model)
+        error = None
+        try:
+            for s in range(5):
+                tokens = _batch(s, config, device, rows)
+                opt.backward(_loss(model, tokens))
+                opt.step()
+                opt.zero_grad()
+                reference.step(tokens)
+            with opt.gathered_params():
+                differing = sum(
+                    not torch.equal(a, b)
+                    for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
+                )
+        except Exception as exc:
+            error, differing = f"{type(exc).__name__}: {str(exc)[:300]}", -1
+        out[f"stage{stage}"] = {
+            "error": error,
+            "differing": differing,
+            "inductor": {k: v for k, v in counters["inductor"].items() if "cudagraph" in k},
+            "frames": counters["frames"]["total"],
+        }
+    return out
+
+
+def lowbit_case(device: torch.device) -> dict[str, Any]:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torchao.optim import AdamW8bit
+
+    config = GPTConfig(vocab=512, width=256, layers=2, heads=4, context=64, qkv_bias=True)
+    out: dict[str, Any] = {}
+    for stage in (2, 3):
+        model = build_model(config, seed=0, dtype=torch.bfloat16, device=device)
+        reference = _Reference(
+            build_model(config, seed=0, dtype=torch.bfloat16, device=device), AdamW8bit, lr=1e-3
+        )
+        opt = ZeroOptimizer(model.parameters(), AdamW8bit, stage=stage, lr=1e-3)
+        opt.attach(model)
+        for s in range(3):
+            tokens = _batch(s, config, device)
+            opt.backward(_loss(model, tokens))
+            opt.step()
+            opt.zero_grad()
+            reference.step(tokens)
+        with opt.gathered_params():
+            differing = sum(
+                not torch.equal(a, b)
+                for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
+            )
+        tracker = MemTracker()
+        tracker.track_external(opt.inner_optimizer)
+        with tracker:
+            pass
+        measured = tracker.get_tracker_snapshot("current")[device]["Total"]
+        out[f"stage{stage}"] = {
+            "differing": differing,
+            "measured_state": measured,
+            "planned_state": opt.memory_report().ranks[0].optimizer_state_bytes,
+            "quantized": sum(
+                type(v).__module__.startswith("torchao.")
+                for st in opt.inner_optimizer.state.values()
+                for v in st.values()
+            ),
+        }
+    return out
+
+
+def main(port: int, case: str) -> dict[str, Any]:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}", device_id=device
+    )
+    try:
+        if case == "cudagraphs":
+            return cudagraph_case(device)
+        return compile_case(device, case) if case in SIZES else lowbit_case(device)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(int(sys.argv[1]), sys.argv[2])))
