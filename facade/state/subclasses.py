@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from zeroplan.core import CheckpointError
 from zeroplan.facade.runtime.dtypes import dtype_name, torch_dtype
 
-__all__ = ["SUBCLASS", "join_subclasses", "split_subclasses"]
+__all__ = ["SUBCLASS", "copy_tensor", "join_subclasses", "split_subclasses"]
 
 #: The suffix of the plain value that describes a subclass leaf.
 SUBCLASS = "@subclass"
@@ -71,6 +71,16 @@ def _split(path: str, value: torch.Tensor, out: dict[str, Any]) -> None:
             _split(f"{path}@{attr}", inner, out)
         else:
             out[f"{path}@{attr}"] = inner
+
+
+def copy_tensor(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """A detached copy of ``tensor`` (onto ``device`` if given); a subclass part by part, as
+    torchao's implement no ``clone``."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return tensor.detach().clone() if device is None else tensor.detach().to(device, copy=True)
+    attrs, context = tensor.__tensor_flatten__()
+    inner = {attr: copy_tensor(getattr(tensor, attr), device) for attr in attrs}
+    return type(tensor).__tensor_unflatten__(inner, context, tensor.size(), tensor.stride())
 
 
 def split_subclasses(leaves: Mapping[str, Any]) -> dict[str, Any]:

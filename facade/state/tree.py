@@ -38,7 +38,7 @@ import torch
 
 from zeroplan.core import Space, Span, ZeroPlan
 from zeroplan.facade.runtime.dtypes import dtype_name
-from zeroplan.facade.state.subclasses import join_subclasses, split_subclasses
+from zeroplan.facade.state.subclasses import copy_tensor, join_subclasses, split_subclasses
 
 if TYPE_CHECKING:  # inner imports buffers, which imports this module
     from zeroplan.facade.runtime.inner import Inner
@@ -71,9 +71,7 @@ def tree_clone(tree: Any, device: torch.device | None = None) -> Any:
     """``tree`` with every tensor cloned (onto ``device`` if given); other leaves are shared."""
 
     def clone(leaf: Any) -> Any:
-        if not torch.is_tensor(leaf):
-            return leaf
-        return leaf.detach().clone() if device is None else leaf.detach().to(device, copy=True)
+        return copy_tensor(leaf, device) if torch.is_tensor(leaf) else leaf
 
     return optree.tree_map(clone, tree, none_is_leaf=True)
 

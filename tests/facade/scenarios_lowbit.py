@@ -168,3 +168,33 @@ def refused_split(rank: int, world: int) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "accepted"
+
+
+def refreezes(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Freeze the attention matrices for a step and unfreeze them (``refresh_trainable`` both times),
+    next to torchao unsharded, whose optimizer skips a parameter without a gradient."""
+    cls = low_bit_class(cfg["optimizer"])
+    model = make_model(width=WIDTH)
+    opt = _optimizer(model, cfg)
+    reference = Reference(make_model(width=WIDTH), cls, **HYPER)
+    frozen = [n for n, _ in model.named_parameters() if "qkv.weight" in n]
+    for step in range(4):
+        if step in (1, 2):
+            for name, p in (*model.named_parameters(), *reference.model.named_parameters()):
+                if name in frozen:
+                    p.requires_grad_(step == 2)
+            for m, (name, _) in zip(reference.master, model.named_parameters(), strict=True):
+                if name in frozen:
+                    m.requires_grad_(step == 2)
+            opt.refresh_trainable()
+        opt.backward(loss_of(model, *batch(step, rank)))
+        reduced = opt.averaged_gradients()
+        opt.step()
+        opt.zero_grad()
+        reference.step(world, step, grad_fn=lambda *_, reduced=reduced: reduced)
+    with opt.gathered_params():
+        differ = sum(
+            not torch.equal(a, b)
+            for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
+        )
+    return {"differ": differ, "quantized": _quantized(opt.inner_optimizer)}

@@ -55,3 +55,10 @@ def test_a_split_of_parameters_is_refused_on_every_rank(pools):
     for message in pools(2).run(scenarios_lowbit.refused_split, timeout=300):
         assert message.startswith("ConfigError: torchao.AdamW8bit is not elementwise"), message
         assert "'lpt_whole'" in message
+
+
+def test_freezing_and_unfreezing_keeps_the_quantized_state(pools):
+    results = pools(2).run(scenarios_lowbit.refreezes, {"optimizer": "AdamW8bit", "stage": 2}, timeout=300)
+    for r in results:
+        assert r["differ"] == 0, r
+    assert sum(r["quantized"] for r in results) >= 2
