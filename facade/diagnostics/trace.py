@@ -1,0 +1,198 @@
+"""Trace one micro-batch's activations under fake tensors: :func:`trace_activations`.
+
+See [Note: traced activations] in ``zeroplan.core.sizing.trace``: the model is
+built and run under torch's ``FakeTensorMode`` (shapes and dtypes, no data, no
+memory), torch's ``MemTracker`` counts what each tensor would hold, and a
+``ModTracker`` of torch's marks every module's entry and exit in forward and
+backward. The same function with ``fake=False`` runs for real: the tests
+compare the two point by point.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+from torch.distributed._tools.mod_tracker import ModTracker
+
+from zeroplan.core import ZeroplanError
+from zeroplan.core.sizing.trace import ActivationTrace, TracePhase, TracePoint
+
+__all__ = ["TraceError", "trace_activations"]
+
+#: What MemTracker counts that is not an activation or a temporary of autograd.
+_NOT_ACTIVATIONS = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT)
+
+
+class TraceError(ZeroplanError):
+    """A model cannot be traced under fake tensors; the message names the module and the operation."""
+
+
+def _fake_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def _untraceable() -> tuple[type[Exception], ...]:
+    """What fake tensors raise for an operation they cannot run (anything else is the model's own)."""
+    from torch._subclasses import fake_tensor
+
+    names = (
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
+        "UnsupportedOperatorException",
+        "UnsupportedFakeTensorException",
+        "UnsupportedMutationAliasingException",
+    )
+    return tuple(getattr(fake_tensor, n) for n in names if hasattr(fake_tensor, n))
+
+
+def _activation_bytes(snapshot: dict[Any, int]) -> int:
+    return snapshot.get("Total", 0) - sum(snapshot.get(kind, 0) for kind in _NOT_ACTIVATIONS)
+
+
+class _Recorder:
+    """The points of the trace, as torch's module hooks and gradient hooks fire."""
+
+    def __init__(self, tracker: MemTracker, device: torch.device) -> None:
+        self.tracker = tracker
+        self.device = device
+        self.points: list[TracePoint] = []
+        self.stack: list[str] = []
+        self.phase = TracePhase.FORWARD
+        self.failed_in: str | None = None
+
+    def bytes_now(self) -> int:
+        return _activation_bytes(self.tracker.get_tracker_snapshot("current").get(self.device, {}))
+
+    def mark(self, module: str, event: str) -> None:
+        self.points.append(TracePoint(self.phase, module, event, self.bytes_now()))
+
+    def fqn(self, tracker: ModTracker, module: torch.nn.Module | None) -> str:
+        return _relative(tracker.get_known_fqn(module)) if module is not None else ""
+
+
+def trace_activations(
+    build: Callable[[], torch.nn.Module],
+    loss_of: Callable[[torch.nn.Module], torch.Tensor],
+    *,
+    fake: bool = True,
+    device: torch.device | str = "cpu",
+) -> ActivationTrace:
+    """The activation timeline of ``loss_of(build())`` and its backward (see [Note: traced activations]).
+
+    Args:
+        build: makes the model (called under fake tensors: build it the usual way, weights included,
+            on ``device``; nothing is allocated).
+        loss_of: runs the forward on a micro-batch it makes (on ``device``) and returns the loss;
+            autocast, activation checkpointing and the attention kernel are whatever it and the model
+            use.
+        fake: ``False`` runs for real (to check a trace against the same meter on real tensors).
+        device: where the model and batch live; the meter's figures of that device are read.
+
+    Raises:
+        TraceError: an operation that fake tensors cannot run (a data-dependent shape, a custom
+            kernel without a fake implementation), naming the module and the operation.
+    """
+    device = torch.device(device)
+    with _fake_mode() if fake else _Null():
+        model = build()
+        tracker = MemTracker()
+        tracker.track_external(model)
+        recorder = _Recorder(tracker, device)
+        marks = ModTracker()
+        handles = []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(_dropping(recorder, name)))
+        marks.register_user_hooks(
+            lambda m, i: _enter(recorder, marks, m),
+            lambda m, i, o: _exit(recorder, marks, m),
+            lambda m, g: _enter(recorder, marks, m),
+            lambda m, g: _exit(recorder, marks, m),
+        )
+        try:
+            with tracker, marks:
+                try:
+                    loss = loss_of(model)
+                    recorder.phase = TracePhase.BACKWARD
+                    loss.backward()
+                except _untraceable() as exc:
+                    raise _trace_error(exc, recorder) from exc
+        finally:
+            for handle in handles:
+                handle.remove()
+        return _finish(tracker, recorder, device)
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _relative(fqn: str | None) -> str:
+    """``ModTracker``'s name (the root's class name first) as ``named_modules`` gives it."""
+    return (fqn or "").partition(".")[2]
+
+
+def _dropping(recorder: _Recorder, name: str) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        param.grad = None  # as stage 2 drops it once staged: the plan counts gradients
+        recorder.points.append(TracePoint(recorder.phase, name, "grad", recorder.bytes_now()))
+
+    return hook
+
+
+def _enter(recorder: _Recorder, marks: ModTracker, module: torch.nn.Module | None) -> None:
+    name = recorder.fqn(marks, module)
+    recorder.stack.append(name)
+    recorder.mark(name, "enter")
+
+
+def _exit(recorder: _Recorder, marks: ModTracker, module: torch.nn.Module | None) -> None:
+    name = recorder.fqn(marks, module)
+    if sys.exc_info()[1] is not None and recorder.failed_in is None:
+        recorder.failed_in = name  # the innermost module an exception leaves (hooks run while it unwinds)
+    if recorder.stack and recorder.stack[-1] == name:
+        recorder.stack.pop()
+    recorder.mark(name, "exit")
+
+
+def _trace_error(exc: Exception, recorder: _Recorder) -> TraceError:
+    module = recorder.failed_in if recorder.failed_in is not None else (recorder.stack or ["(the loss)"])[-1]
+    op = getattr(exc, "func", None)
+    what = f"operation {op}" if op is not None else "an operation"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return TraceError(
+        f"cannot trace {recorder.phase} under fake tensors: module {module!r} runs {what} that fake "
+        f"tensors cannot run ({type(exc).__name__}: {first[:200]}); give it a fake implementation "
+        "(torch.library.register_fake), or plan activations by formula (--activations formula)"
+    )
+
+
+def _finish(tracker: MemTracker, recorder: _Recorder, device: torch.device) -> ActivationTrace:
+    peak = _activation_bytes(tracker.get_tracker_snapshot("peak").get(device, {}))
+    peak = max(peak, *(p.bytes for p in recorder.points))
+    total = tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0)
+    phase, module = TracePhase.FORWARD, ""
+    depth = -1
+    for stats in tracker.memory_tracking.values():
+        for state, where in (
+            (_ModState.PEAK_FW, TracePhase.FORWARD),
+            (_ModState.PEAK_BW, TracePhase.BACKWARD),
+        ):
+            snaps = stats.snapshots.get(state, [])
+            if any(s.get(device, {}).get("Total") == total for s in snaps):
+                fqn = stats.mod_fqn
+                if fqn.count(".") > depth:
+                    phase, module, depth = where, _relative(fqn), fqn.count(".")
+    return ActivationTrace(
+        points=tuple(recorder.points), peak_bytes=peak, peak_phase=phase, peak_module=module
+    )
