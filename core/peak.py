@@ -67,6 +67,8 @@ from zeroplan.core.schedule import ActionKind, staging_schedule
 
 __all__ = [
     "BackwardPeak",
+    "GradsAlive",
+    "grads_alive",
     "PeakPhase",
     "StepPeak",
     "backward_peak",
@@ -114,28 +116,57 @@ class StepPeak(NamedTuple):
         return max(self.backward, self.step)
 
 
-def _most_grads_alive(zp: ZeroPlan, overlap: bool, arrivals: Sequence[int] | None) -> int:
-    """The most bytes of autograd gradients alive at once: the facade's schedule, replayed.
+class GradsAlive(NamedTuple):
+    """Autograd's gradients alive around one arrival (bytes; see :func:`grads_alive`).
+
+    Attributes:
+        param: the parameter whose gradient arrived.
+        at_arrival: alive as it arrives (its own gradient included).
+        after: alive once the hook has staged what it could (until the next arrival).
+    """
+
+    param: int
+    at_arrival: int
+    after: int
+
+
+def grads_alive(
+    zp: ZeroPlan, *, overlap: bool = True, arrivals: Sequence[int] | None = None
+) -> tuple[GradsAlive, ...]:
+    """Per arrival, the bytes of autograd gradients alive: the facade's schedule, replayed.
 
     Drives :func:`~zeroplan.core.schedule.staging_schedule` with gradients
     arriving in ``arrivals`` order (default: decreasing parameter order): a
     gradient is alive from its arrival until the schedule releases it (stage 1's
     hook moves it into the gradient buffer at once). Rank-independent.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(256,)] * 2), Topology(world_size=2), alignment=8, bucket_bytes=1024)
+        >>> [(g.param, g.at_arrival, g.after) for g in grads_alive(zp)]   # staged at once, in order
+        [(1, 1024, 0), (0, 1024, 0)]
     """
     nbytes = [s.numel * DTYPE_ITEMSIZE[s.dtype] for s in zp.specs]
     moved_at_once = zp.stage is Stage.OPTIMIZER
     schedule = staging_schedule(zp, overlap=overlap)
     next(schedule)
     order = sorted(zp.trainable_indices, reverse=True) if arrivals is None else _checked(zp, arrivals)
-    grads = most = 0
+    grads = 0
+    out = []
     for index in order:
         grads += nbytes[index]
-        most = max(most, grads)
+        at_arrival = grads
         if moved_at_once:
             grads -= nbytes[index]
         actions = schedule.send(index)
         grads -= sum(nbytes[a.param] for a in actions if a.kind is ActionKind.RELEASE)
-    return most
+        out.append(GradsAlive(index, at_arrival, grads))
+    return tuple(out)
+
+
+def _most_grads_alive(zp: ZeroPlan, overlap: bool, arrivals: Sequence[int] | None) -> int:
+    """The most bytes of autograd gradients alive at once (:func:`grads_alive`'s largest)."""
+    return max((g.at_arrival for g in grads_alive(zp, overlap=overlap, arrivals=arrivals)), default=0)
 
 
 def _checked(zp: ZeroPlan, arrivals: Sequence[int]) -> Sequence[int]:

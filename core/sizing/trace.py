@@ -29,11 +29,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from zeroplan.core.errors import check_config
+from zeroplan.core.memory import memory_report
+from zeroplan.core.peak import gathered_bytes, grads_alive
+from zeroplan.core.planner import Stage, ZeroPlan
 
-__all__ = ["ActivationTrace", "TracePhase", "TracePoint"]
+__all__ = ["ActivationTrace", "TracePhase", "TracePoint", "TracedPeak", "traced_step_peak"]
 
 
 class TracePhase(str, Enum):
@@ -79,6 +82,8 @@ class ActivationTrace:
         points: every module boundary and gradient arrival, in time order.
         peak_bytes: the most activation and temporary bytes alive at once (the meter's peak, which
             can fall inside a module, between two points).
+        forward_peak_bytes: the most during the forward and the loss.
+        params: the trainable parameters' names, in the model's order.
         peak_phase: the pass where it happens.
         peak_module: the innermost module running then (``""``: the root or the loss).
     """
@@ -87,6 +92,8 @@ class ActivationTrace:
     peak_bytes: int
     peak_phase: TracePhase
     peak_module: str
+    forward_peak_bytes: int = 0
+    params: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_config(bool(self.points), "ActivationTrace needs at least one point")
@@ -94,6 +101,16 @@ class ActivationTrace:
             self.peak_bytes >= max(p.bytes for p in self.points),
             f"ActivationTrace.peak_bytes {self.peak_bytes} is below a point of the trace",
         )
+        check_config(
+            0 <= self.forward_peak_bytes <= self.peak_bytes,
+            f"ActivationTrace.forward_peak_bytes {self.forward_peak_bytes} is not within the peak",
+        )
+
+    def arrivals(self) -> tuple[int, ...]:
+        """The gradients' arrival order, as indices into :attr:`params` (a plan's parameter indices
+        when the plan was made from the same parameters in the same order)."""
+        index = {name: i for i, name in enumerate(self.params)}
+        return tuple(index[p.module] for p in self.points if p.event == "grad" and p.module in index)
 
     def phase_peak(self, phase: TracePhase) -> int:
         """The most bytes at the points of ``phase`` (0 if none)."""
@@ -105,5 +122,87 @@ class ActivationTrace:
             "peak_bytes": self.peak_bytes,
             "peak_phase": str(self.peak_phase),
             "peak_module": self.peak_module,
+            "forward_peak_bytes": self.forward_peak_bytes,
+            "params": list(self.params),
             "points": [[str(p.phase), p.module, p.event, p.bytes] for p in self.points],
         }
+
+
+class TracedPeak(NamedTuple):
+    """One rank's whole step, planned with traced activations (see :func:`traced_step_peak`).
+
+    Attributes:
+        rank: the world rank.
+        peak_bytes: the most bytes alive at once over the step.
+        phase: ``"forward"``, ``"backward"`` or ``"step"``.
+        persistent: what the rank holds between steps (the plan's ``total_bytes``).
+        activations: activation bytes alive at the peak.
+        gradients: autograd gradients not staged yet at the peak.
+        exact: ``False`` where the figure is an upper bound (stage 3's gathered blocks added to the
+            activations' peak; gradients waiting across a module's backward).
+    """
+
+    rank: int
+    peak_bytes: int
+    phase: str
+    persistent: int
+    activations: int
+    gradients: int
+    exact: bool
+
+
+def traced_step_peak(
+    zp: ZeroPlan, trace: ActivationTrace, *, overlap: bool = True, reshard_after_forward: bool = True
+) -> tuple[TracedPeak, ...]:
+    """Per world rank, the peak of one training step: the plan's buffers, the traced activations and
+    the gradients autograd holds as they arrive in the traced order, added at each moment.
+
+    [Note: one timeline]
+    A step's memory is the plan's persistent buffers plus, over time: in the
+    forward, the activations; in the backward, the activations left and the
+    gradients the staging schedule has not taken yet ([Note: the step's peak]),
+    replayed in the order the trace saw them arrive; in ``step()``, its
+    transients, once the activations are gone. The peak is the largest of these
+    sums, not the sum of their largest. Between two gradient arrivals the trace
+    knows the activations' largest value, not when it happened, so gradients
+    waiting across that stretch (out of bucket order) are added to it whole:
+    an upper bound, exact when gradients are staged as they arrive (the default
+    order). Stage 3's gathered blocks are added to the activations' peak (an
+    upper bound).
+
+    Args:
+        zp: the plan (its parameters in the traced model's order).
+        trace: :func:`~zeroplan.facade.diagnostics.trace.trace_activations`'s result for one
+            micro-batch of one rank.
+        overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce``.
+        reshard_after_forward: its stage-3 setting.
+    """
+    check_config(
+        len(trace.params) == len(zp.trainable_indices),
+        f"the trace has {len(trace.params)} trainable parameters, the plan {len(zp.trainable_indices)}: "
+        "trace the model the plan was made for",
+    )
+    trainable = sorted(zp.trainable_indices)
+    arrivals = [trainable[i] for i in trace.arrivals()]
+    alive = grads_alive(zp, overlap=overlap, arrivals=arrivals) if zp.stage is not Stage.DDP else ()
+    at_grad = [p.bytes for p in trace.points if p.event == "grad"]
+    waiting = max((g.after for g in alive), default=0)
+    arrival = max(
+        ((a + g.at_arrival, a, g.at_arrival) for a, g in zip(at_grad, alive, strict=False)), default=(0, 0, 0)
+    )
+    report = memory_report(
+        zp, overlap=overlap, arrivals=arrivals, reshard_after_forward=reshard_after_forward
+    )
+    gathered = gathered_bytes(zp, reshard_after_forward) if zp.stage is Stage.PARAMETERS else 0
+    out = []
+    for r in report.ranks:
+        candidates = [
+            (r.total_bytes + trace.forward_peak_bytes + gathered, "forward", trace.forward_peak_bytes, 0),
+            (r.total_bytes + trace.peak_bytes + waiting + gathered, "backward", trace.peak_bytes, waiting),
+            (r.total_bytes + arrival[0] + gathered, "backward", arrival[1], arrival[2]),
+            (r.total_bytes + r.step_transient_bytes, "step", 0, 0),
+        ]
+        peak, phase, activations, gradients = max(candidates, key=lambda c: c[0])
+        exact = gathered == 0 and waiting == 0
+        out.append(TracedPeak(r.rank, peak, phase, r.total_bytes, activations, gradients, exact))
+    return tuple(out)

@@ -65,6 +65,7 @@ class _Recorder:
         self.stack: list[str] = []
         self.phase = TracePhase.FORWARD
         self.failed_in: str | None = None
+        self.forward_peak = 0
 
     def bytes_now(self) -> int:
         return _activation_bytes(self.tracker.get_tracker_snapshot("current").get(self.device, {}))
@@ -119,6 +120,9 @@ def trace_activations(
             with tracker, marks:
                 try:
                     loss = loss_of(model)
+                    recorder.forward_peak = _activation_bytes(
+                        tracker.get_tracker_snapshot("peak").get(device, {})
+                    )
                     recorder.phase = TracePhase.BACKWARD
                     loss.backward()
                 except _untraceable() as exc:
@@ -126,7 +130,8 @@ def trace_activations(
         finally:
             for handle in handles:
                 handle.remove()
-        return _finish(tracker, recorder, device)
+        names = tuple(n for n, p in model.named_parameters() if p.requires_grad)
+        return _finish(tracker, recorder, device, names)
 
 
 class _Null:
@@ -177,9 +182,12 @@ def _trace_error(exc: Exception, recorder: _Recorder) -> TraceError:
     )
 
 
-def _finish(tracker: MemTracker, recorder: _Recorder, device: torch.device) -> ActivationTrace:
+def _finish(
+    tracker: MemTracker, recorder: _Recorder, device: torch.device, names: tuple[str, ...]
+) -> ActivationTrace:
     peak = _activation_bytes(tracker.get_tracker_snapshot("peak").get(device, {}))
     peak = max(peak, *(p.bytes for p in recorder.points))
+    forward = max(recorder.forward_peak, *(p.bytes for p in recorder.points if p.phase is TracePhase.FORWARD))
     total = tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0)
     phase, module = TracePhase.FORWARD, ""
     depth = -1
@@ -194,5 +202,10 @@ def _finish(tracker: MemTracker, recorder: _Recorder, device: torch.device) -> A
                 if fqn.count(".") > depth:
                     phase, module, depth = where, _relative(fqn), fqn.count(".")
     return ActivationTrace(
-        points=tuple(recorder.points), peak_bytes=peak, peak_phase=phase, peak_module=module
+        points=tuple(recorder.points),
+        peak_bytes=peak,
+        peak_phase=phase,
+        peak_module=module,
+        forward_peak_bytes=min(forward, peak),
+        params=names,
     )

@@ -159,3 +159,31 @@ def test_a_data_dependent_shape_is_refused_naming_the_module_and_operation():
     assert "--activations formula" in message
     real = trace_activations(DataDependent, lambda m: m(torch.randn(4, 8)).sum(), fake=False)
     assert real.peak_bytes > 0  # the same model runs for real
+
+
+WHOLE_STEP = [
+    {"stage": 2},
+    {"stage": 1},
+    {"stage": 2, "dtype": "bf16", "batch": 2},
+    {"stage": 2, "batch": 1},
+    {"stage": 1, "recompute": True, "batch": 3},
+    {"stage": 3},
+]
+
+
+@pytest.mark.parametrize("cfg", WHOLE_STEP, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_the_whole_step_traced_equals_the_meter_on_a_real_step(pools, cfg):
+    """[Note: one timeline]: the plan's buffers, the traced activations and the gradients as they
+    arrive, added at each moment, equal torch's MemTracker over a real third step on every rank, to
+    the byte at stages 1-2; at stage 3 the gathered blocks are added to the activations' peak, an
+    upper bound (measured 1.4% over; with activation checkpointing it measured 3.5% under: the
+    recomputed forward gathers beyond the plan's blocks, not modelled yet). The plan alone misses the
+    activations."""
+    import scenarios_trace
+
+    for r in pools(2).run(scenarios_trace.whole_step, cfg, timeout=300):
+        if cfg["stage"] < 3:
+            assert r["exact"] and r["traced"] == r["measured"], r
+        else:
+            assert not r["exact"] and r["measured"] <= r["traced"] <= 1.02 * r["measured"], r
+        assert r["plan_only"] < r["measured"], r  # the plan alone misses the activations
