@@ -84,6 +84,9 @@ class ActivationTrace:
             can fall inside a module, between two points).
         forward_peak_bytes: the most during the forward and the loss.
         params: the trainable parameters' names, in the model's order.
+        plan_fingerprint: the plan whose staging schedule kept the gradients during the trace
+            (their bytes are then in every point and the peaks); ``""``: each was dropped as it
+            arrived.
         peak_phase: the pass where it happens.
         peak_module: the innermost module running then (``""``: the root or the loss).
     """
@@ -94,6 +97,7 @@ class ActivationTrace:
     peak_module: str
     forward_peak_bytes: int = 0
     params: tuple[str, ...] = ()
+    plan_fingerprint: str = ""
 
     def __post_init__(self) -> None:
         check_config(bool(self.points), "ActivationTrace needs at least one point")
@@ -124,6 +128,7 @@ class ActivationTrace:
             "peak_module": self.peak_module,
             "forward_peak_bytes": self.forward_peak_bytes,
             "params": list(self.params),
+            "plan_fingerprint": self.plan_fingerprint,
             "points": [[str(p.phase), p.module, p.event, p.bytes] for p in self.points],
         }
 
@@ -168,7 +173,9 @@ def traced_step_peak(
     waiting across that stretch (out of bucket order) are added to it whole:
     an upper bound, exact when gradients are staged as they arrive (the default
     order). Stage 3's gathered blocks are added to the activations' peak (an
-    upper bound).
+    upper bound). Traced with the plan (``trace_activations(..., plan=zp)``),
+    the trace keeps each gradient until the plan's schedule releases it, so its
+    points and peaks already hold them, and the backward is exact in any order.
 
     Args:
         zp: the plan (its parameters in the traced model's order).
@@ -182,11 +189,17 @@ def traced_step_peak(
         f"the trace has {len(trace.params)} trainable parameters, the plan {len(zp.trainable_indices)}: "
         "trace the model the plan was made for",
     )
+    check_config(
+        trace.plan_fingerprint in ("", zp.fingerprint()),
+        "the trace kept its gradients by another plan's schedule: trace with this plan, or without one",
+    )
     trainable = sorted(zp.trainable_indices)
     arrivals = [trainable[i] for i in trace.arrivals()]
     alive = grads_alive(zp, overlap=overlap, arrivals=arrivals) if zp.stage is not Stage.DDP else ()
     at_grad = [p.bytes for p in trace.points if p.event == "grad"]
     waiting = max((g.after for g in alive), default=0)
+    if trace.plan_fingerprint:  # the trace held the gradients itself, as the schedule kept them
+        alive, waiting = (), 0
     arrival = max(
         ((a + g.at_arrival, a, g.at_arrival) for a, g in zip(at_grad, alive, strict=False)), default=(0, 0, 0)
     )

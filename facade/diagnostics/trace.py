@@ -18,7 +18,8 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 from torch.distributed._tools.mod_tracker import ModTracker
 
-from zeroplan.core import ZeroplanError
+from zeroplan.core import ConfigError, Stage, ZeroPlan, ZeroplanError
+from zeroplan.core.schedule import ActionKind, staging_schedule
 from zeroplan.core.sizing.trace import ActivationTrace, TracePhase, TracePoint
 
 __all__ = ["TraceError", "trace_activations"]
@@ -51,16 +52,19 @@ def _untraceable() -> tuple[type[Exception], ...]:
     return tuple(getattr(fake_tensor, n) for n in names if hasattr(fake_tensor, n))
 
 
-def _activation_bytes(snapshot: dict[Any, int]) -> int:
-    return snapshot.get("Total", 0) - sum(snapshot.get(kind, 0) for kind in _NOT_ACTIVATIONS)
+def _activation_bytes(snapshot: dict[Any, int], gradients: bool = False) -> int:
+    """Activations and autograd temporaries (and the gradients autograd holds, with ``gradients``)."""
+    kinds = [k for k in _NOT_ACTIVATIONS if not (gradients and k is _MemRefType.GRAD)]
+    return snapshot.get("Total", 0) - sum(snapshot.get(kind, 0) for kind in kinds)
 
 
 class _Recorder:
     """The points of the trace, as torch's module hooks and gradient hooks fire."""
 
-    def __init__(self, tracker: MemTracker, device: torch.device) -> None:
+    def __init__(self, tracker: MemTracker, device: torch.device, gradients: bool) -> None:
         self.tracker = tracker
         self.device = device
+        self.gradients = gradients
         self.points: list[TracePoint] = []
         self.stack: list[str] = []
         self.phase = TracePhase.FORWARD
@@ -68,7 +72,10 @@ class _Recorder:
         self.forward_peak = 0
 
     def bytes_now(self) -> int:
-        return _activation_bytes(self.tracker.get_tracker_snapshot("current").get(self.device, {}))
+        return self.read("current")
+
+    def read(self, kind: str) -> int:
+        return _activation_bytes(self.tracker.get_tracker_snapshot(kind).get(self.device, {}), self.gradients)
 
     def mark(self, module: str, event: str) -> None:
         self.points.append(TracePoint(self.phase, module, event, self.bytes_now()))
@@ -83,6 +90,8 @@ def trace_activations(
     *,
     fake: bool = True,
     device: torch.device | str = "cpu",
+    plan: ZeroPlan | None = None,
+    overlap: bool = True,
 ) -> ActivationTrace:
     """The activation timeline of ``loss_of(build())`` and its backward (see [Note: traced activations]).
 
@@ -94,6 +103,11 @@ def trace_activations(
             use.
         fake: ``False`` runs for real (to check a trace against the same meter on real tensors).
         device: where the model and batch live; the meter's figures of that device are read.
+        plan: the plan of the model's parameters (in the model's order): each gradient is then kept
+            until that plan's staging schedule releases it, and counted, so that the trace holds the
+            backward's gradients as ``ZeroOptimizer`` would ([Note: one timeline]); without it every
+            gradient is dropped as it arrives.
+        overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce`` (with ``plan``).
 
     Raises:
         TraceError: an operation that fake tensors cannot run (a data-dependent shape, a custom
@@ -104,12 +118,14 @@ def trace_activations(
         model = build()
         tracker = MemTracker()
         tracker.track_external(model)
-        recorder = _Recorder(tracker, device)
+        recorder = _Recorder(tracker, device, gradients=plan is not None)
         marks = ModTracker()
-        handles = []
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(_dropping(recorder, name)))
+        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        staging = _Staging(recorder, [p for _, p in trainable], plan, overlap)
+        handles = [
+            p.register_post_accumulate_grad_hook(staging.hook(i, name))
+            for i, (name, p) in enumerate(trainable)
+        ]
         marks.register_user_hooks(
             lambda m, i: _enter(recorder, marks, m),
             lambda m, i, o: _exit(recorder, marks, m),
@@ -120,9 +136,7 @@ def trace_activations(
             with tracker, marks:
                 try:
                     loss = loss_of(model)
-                    recorder.forward_peak = _activation_bytes(
-                        tracker.get_tracker_snapshot("peak").get(device, {})
-                    )
+                    recorder.forward_peak = recorder.read("peak")
                     recorder.phase = TracePhase.BACKWARD
                     loss.backward()
                 except _untraceable() as exc:
@@ -130,8 +144,8 @@ def trace_activations(
         finally:
             for handle in handles:
                 handle.remove()
-        names = tuple(n for n, p in model.named_parameters() if p.requires_grad)
-        return _finish(tracker, recorder, device, names)
+        names = tuple(name for name, _ in trainable)
+        return _finish(tracker, recorder, names, "" if plan is None else plan.fingerprint())
 
 
 class _Null:
@@ -147,12 +161,44 @@ def _relative(fqn: str | None) -> str:
     return (fqn or "").partition(".")[2]
 
 
-def _dropping(recorder: _Recorder, name: str) -> Callable[[torch.Tensor], None]:
-    def hook(param: torch.Tensor) -> None:
-        param.grad = None  # as stage 2 drops it once staged: the plan counts gradients
-        recorder.points.append(TracePoint(recorder.phase, name, "grad", recorder.bytes_now()))
+class _Staging:
+    """What becomes of each gradient as it arrives: dropped at once (no plan: the plan counts
+    gradients itself; stage 1 moves each into its gradient buffer at once), or kept until ``plan``'s
+    staging schedule releases it."""
 
-    return hook
+    def __init__(
+        self, recorder: _Recorder, params: list[torch.Tensor], plan: ZeroPlan | None, overlap: bool
+    ) -> None:
+        self.recorder = recorder
+        self.params = params
+        self.schedule = None
+        self.index: list[int] = []
+        self.position: dict[int, int] = {}
+        if plan is not None:
+            self.index = sorted(plan.trainable_indices)
+            if len(self.index) != len(params):
+                raise ConfigError(
+                    f"the plan has {len(self.index)} trainable parameters, the model {len(params)}: "
+                    "trace the model the plan was made for"
+                )
+        if plan is not None and plan.stage is not Stage.OPTIMIZER:
+            self.schedule = staging_schedule(plan, overlap=overlap)
+            next(self.schedule)
+            self.position = {spec: i for i, spec in enumerate(self.index)}
+
+    def hook(self, i: int, name: str) -> Callable[[torch.Tensor], None]:
+        def arrived(param: torch.Tensor) -> None:
+            if self.schedule is None:
+                param.grad = None
+            else:
+                for action in self.schedule.send(self.index[i]):
+                    if action.kind is ActionKind.RELEASE:
+                        self.params[self.position[action.param]].grad = None
+            self.recorder.points.append(
+                TracePoint(self.recorder.phase, name, "grad", self.recorder.bytes_now())
+            )
+
+        return arrived
 
 
 def _enter(recorder: _Recorder, marks: ModTracker, module: torch.nn.Module | None) -> None:
@@ -183,9 +229,10 @@ def _trace_error(exc: Exception, recorder: _Recorder) -> TraceError:
 
 
 def _finish(
-    tracker: MemTracker, recorder: _Recorder, device: torch.device, names: tuple[str, ...]
+    tracker: MemTracker, recorder: _Recorder, names: tuple[str, ...], fingerprint: str
 ) -> ActivationTrace:
-    peak = _activation_bytes(tracker.get_tracker_snapshot("peak").get(device, {}))
+    device = recorder.device
+    peak = recorder.read("peak")
     peak = max(peak, *(p.bytes for p in recorder.points))
     forward = max(recorder.forward_peak, *(p.bytes for p in recorder.points if p.phase is TracePhase.FORWARD))
     total = tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0)
@@ -208,4 +255,5 @@ def _finish(
         peak_module=module,
         forward_peak_bytes=min(forward, peak),
         params=names,
+        plan_fingerprint=fingerprint,
     )

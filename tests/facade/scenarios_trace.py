@@ -3,6 +3,7 @@ timeline]): the activations are traced under fake tensors in the worker, the ste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,29 +52,80 @@ def whole_step(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.get("dtype", "fp32")]
     batch = cfg.get("batch", 4)
     recompute = cfg.get("recompute", False)
-    trace = trace_activations(lambda: _build(dtype, recompute), lambda m: _loss_of(m, rank, batch))
+    return _measure_and_trace(
+        rank,
+        lambda: _build(dtype, recompute),
+        lambda m: _loss_of(m, rank, batch),
+        cfg["stage"],
+    )
+
+
+def _measure_and_trace(
+    rank: int,
+    build: Callable[[], torch.nn.Module],
+    loss_of: Callable[[torch.nn.Module], torch.Tensor],
+    stage: int,
+) -> dict[str, Any]:
+    """MemTracker over three real steps (the third's peak), and the plan with the activations traced
+    twice: alone (gradients added by the plan) and with the plan's schedule keeping the gradients."""
     tracker = MemTracker()
     with tracker:
-        model = _build(dtype, recompute)
-        opt = ZeroOptimizer(
-            model.parameters(), torch.optim.AdamW, stage=cfg["stage"], bucket_bytes=65_536, lr=1e-3
-        )
+        model = build()
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, bucket_bytes=65_536, lr=1e-3)
         opt.attach(model)
+    alone = traced_step_peak(opt.plan, trace_activations(build, loss_of))[rank]
+    with_plan = traced_step_peak(opt.plan, trace_activations(build, loss_of, plan=opt.plan))[rank]
 
     def step() -> None:
-        loss = _loss_of(model, rank, batch)
+        loss = loss_of(model)
         opt.backward(loss)
         del loss
         opt.step()
         opt.zero_grad()
 
     measured = step_peaks(tracker, step, 3)
-    traced = traced_step_peak(opt.plan, trace)[rank]
     return {
         "measured": measured[-1],
-        "traced": traced.peak_bytes,
-        "phase": traced.phase,
-        "exact": traced.exact,
-        "activations": trace.peak_bytes,
+        "traced": with_plan.peak_bytes,
+        "phase": with_plan.phase,
+        "exact": with_plan.exact,
+        "alone": alone.peak_bytes,
+        "alone_exact": alone.exact,
         "plan_only": memory_report(opt.plan).ranks[rank].peak_bytes,
     }
+
+
+def _hf_config(arch: str) -> Any:
+    import transformers
+
+    if arch == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=256)
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=128, intermediate_size=344, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+        )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def hf_whole_step(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``whole_step`` for a Hugging Face model built from a small config."""
+    import transformers
+
+    config = _hf_config(cfg["arch"])
+    seq, batch = cfg.get("seq", 128), cfg.get("batch", 2)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        if cfg.get("recompute"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.train()
+
+    def loss_of(model: torch.nn.Module) -> torch.Tensor:
+        g = torch.Generator().manual_seed(rank)
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+        return model(input_ids=ids, labels=ids).loss
+
+    return _measure_and_trace(rank, build, loss_of, cfg["stage"])
