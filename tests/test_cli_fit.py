@@ -198,6 +198,55 @@ def test_hf_config_activations(tmp_path):
     assert document["activations"]["layers"] == 2 and document["fit"]["fits"] is True
 
 
+LLAMA_SMALL = {
+    "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 344,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256,
+}  # fmt: skip
+
+
+@needs_transformers
+def test_trace_gives_the_whole_step_and_the_verdict(tmp_path):
+    """``--trace``: the activations traced under fake tensors ([Note: traced activations]) and the
+    whole step per rank ([Note: one timeline]), equal to ``traced_step_peak`` of the same plan."""
+    from zeroplan.core import Topology, plan
+    from zeroplan.core.sizing.trace import traced_step_peak
+    from zeroplan.facade.cli.model_sources import specs_from_hf_config, trace_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_SMALL))
+    args = ("--hf-config", str(tmp_path), "--world", "2", "--dtype", "fp32", "--seq-len", "128")
+    args += ("--micro-batch", "2", "--trace")
+    document = json.loads(zeroplan(*args, "--device-memory", "1GiB", "--json").stdout)
+    trace = trace_hf_config(tmp_path, "fp32", seq_len=128, micro_batch=2, recompute=False)
+    assert document["activations"]["source"] == "trace"
+    assert document["activations"]["total_bytes"] == trace.peak_bytes > 0
+    zp = plan(specs_from_hf_config(tmp_path, "fp32"), Topology(world_size=2), stage=2)
+    expected = traced_step_peak(zp, trace)
+    assert [r["peak_bytes"] for r in document["traced_step"]] == [p.peak_bytes for p in expected]
+    small = zeroplan(*args, "--device-memory", "8MiB")
+    assert small.returncode == 0, small.stderr
+    assert "whole step, traced:" in flat(small.stdout) and "does not fit by" in flat(small.stdout)
+    recomputed = json.loads(zeroplan(*args, "--recompute", "full", "--json").stdout)
+    assert recomputed["activations"]["total_bytes"] < trace.peak_bytes
+
+
+TRACE_BAD = [
+    (["--trace", "--seq-len", "128"], "--trace needs --hf-config PATH and --seq-len N"),
+    (["--trace", "--seq-len", "128", "--recompute", "selective"], "--trace needs --hf-config"),
+]
+
+
+@pytest.mark.parametrize(("args", "needle"), TRACE_BAD, ids=[" ".join(a) for a, _ in TRACE_BAD])
+def test_trace_refuses_what_it_cannot_trace(args, needle):
+    assert_one_line_error(zeroplan(*args), needle)
+
+
+@needs_transformers
+def test_trace_refuses_selective_recomputation(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_SMALL))
+    out = zeroplan("--hf-config", str(tmp_path), "--seq-len", "64", "--trace", "--recompute", "selective")
+    assert_one_line_error(out, "selective recomputation is the formula's assumption")
+
+
 # ----------------------------------------------------------------- sizes and bad input
 def test_sizes():
     assert (

@@ -145,6 +145,8 @@ class TracedPeak(NamedTuple):
         gradients: autograd gradients not staged yet at the peak.
         exact: ``False`` where the figure is an upper bound (stage 3's gathered blocks added to the
             activations' peak; gradients waiting across a module's backward).
+        traced_gradients: the trace held the gradients itself (traced with the plan): they are in
+            ``activations``, and ``gradients`` is 0.
     """
 
     rank: int
@@ -154,6 +156,7 @@ class TracedPeak(NamedTuple):
     activations: int
     gradients: int
     exact: bool
+    traced_gradients: bool = False
 
 
 def traced_step_peak(
@@ -217,5 +220,6 @@ def traced_step_peak(
         ]
         peak, phase, activations, gradients = max(candidates, key=lambda c: c[0])
         exact = gathered == 0 and waiting == 0
-        out.append(TracedPeak(r.rank, peak, phase, r.total_bytes, activations, gradients, exact))
+        held = bool(trace.plan_fingerprint)
+        out.append(TracedPeak(r.rank, peak, phase, r.total_bytes, activations, gradients, exact, held))
     return tuple(out)

@@ -107,6 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the cheapest stage and shard size that fit --device-memory (exit status 1: none)",
     )
+    group.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace the --hf-config model's activations under fake tensors (forward and backward of one "
+        "micro-batch, nothing allocated) instead of the formula: the whole step's peak per rank",
+    )
 
 
 class FitSettings(NamedTuple):
@@ -117,12 +123,16 @@ class FitSettings(NamedTuple):
         activation_bytes: activations per rank, or ``None``: unknown.
         activations: the formula's breakdown, when ``--seq-len`` gave them.
         recommend: whether to run the recommender.
+        trace: the traced activations (``--trace``), an ``ActivationTrace``.
+        trace_seconds: how long tracing took.
     """
 
     device_bytes: int | None
     activation_bytes: int | None
     activations: ActivationMemory | None
     recommend: bool
+    trace: Any = None
+    trace_seconds: float = 0.0
 
     @property
     def active(self) -> bool:
@@ -156,6 +166,8 @@ def fit_settings(args: argparse.Namespace) -> FitSettings:
         )
     if formula and args.seq_len is None:
         raise ConfigError(f"{formula[0]} needs --seq-len N: the activations depend on both")
+    if args.trace:
+        return _traced(args)
     activations = None
     if args.seq_len is not None:
         if args.shapes:
@@ -176,8 +188,46 @@ def fit_settings(args: argparse.Namespace) -> FitSettings:
     return FitSettings(args.device_memory, activation_bytes, activations, args.recommend)
 
 
+def _traced(args: argparse.Namespace) -> FitSettings:
+    """``--trace``: the activations of the ``--hf-config`` model, traced (see [Note: traced activations])."""
+    if not args.hf_config or args.seq_len is None:
+        raise ConfigError(
+            "--trace needs --hf-config PATH and --seq-len N: it runs that model on a micro-batch of "
+            "--micro-batch N sequences under fake tensors"
+        )
+    if args.activation_bytes is not None:
+        raise ConfigError("--trace measures the activations: drop --activation-bytes")
+    if args.recompute == Recompute.SELECTIVE.value:
+        raise ConfigError(
+            "--trace runs the model's own code: --recompute full (gradient_checkpointing_enable) or none; "
+            "selective recomputation is the formula's assumption (drop --trace for it)"
+        )
+    import time
+
+    from zeroplan.facade.cli.model_sources import trace_hf_config
+
+    started = time.perf_counter()
+    trace = trace_hf_config(
+        args.hf_config,
+        args.dtype,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch or 1,
+        recompute=args.recompute == Recompute.FULL.value,
+    )
+    return FitSettings(
+        args.device_memory, trace.peak_bytes, None, args.recommend, trace, time.perf_counter() - started
+    )
+
+
 def activations_line(settings: FitSettings) -> str:
     """One line saying what the activations are and where they come from."""
+    t = settings.trace
+    if t is not None:
+        where = f"in {t.peak_module!r}" if t.peak_module else "outside the model's modules"
+        return (
+            f"activations: {gib(t.peak_bytes)} per rank at the most, traced under fake tensors in "
+            f"{settings.trace_seconds:.1f} s ({t.peak_phase}, {where})"
+        )
     a = settings.activations
     if a is None:
         return f"activations: {gib(settings.activation_bytes or 0)} per rank (--activation-bytes)"
@@ -235,7 +285,11 @@ def update_document(
     """Add the fit fields to the ``--json`` document (see the field list in docs/planner.md)."""
     if not settings.active:
         return
-    if settings.activations is not None:
+    if settings.trace is not None:
+        trace = settings.trace.as_dict()
+        del trace["points"]
+        document["activations"] = {"source": "trace", "total_bytes": settings.trace.peak_bytes, **trace}
+    elif settings.activations is not None:
         document["activations"] = {"source": "korthikanti2022", **settings.activations.as_dict()}
     else:
         document["activations"] = {"source": "--activation-bytes", "total_bytes": settings.activation_bytes}

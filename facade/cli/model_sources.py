@@ -6,6 +6,7 @@ I/O lives here (the facade), never in ``zeroplan.core``.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,21 @@ from zeroplan.core import (
     ConfigError,
     ParamSpec,
     TransformerDims,
+    ZeroPlan,
     canonical_dtype,
     dims_from_config,
     preset_specs,
     specs_from_module,
 )
+from zeroplan.core.sizing.trace import ActivationTrace
 
-__all__ = ["dims_from_hf_config", "specs_from_hf_config", "specs_from_json", "specs_from_preset"]
+__all__ = [
+    "dims_from_hf_config",
+    "specs_from_hf_config",
+    "specs_from_json",
+    "specs_from_preset",
+    "trace_hf_config",
+]
 
 
 def specs_from_preset(name: str, dtype: str) -> tuple[ParamSpec, ...]:
@@ -107,13 +116,11 @@ def dims_from_hf_config(path: str | Path) -> TransformerDims:
         raise ConfigError(f"{str(file)!r}: {exc}; add it, or pass --activation-bytes") from None
 
 
-def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
-    """Specs of a Hugging Face model built from ``config.json`` on the meta device.
-
-    No weights are downloaded or allocated. Needs ``transformers``.
+def _hf_model_factory(path: str | Path, dtype: str) -> Callable[[], Any]:
+    """A function building the ``config.json`` model in ``dtype``, checked once on the meta device.
 
     Raises:
-        ConfigError: ``transformers`` is missing or the config cannot be read.
+        ConfigError: ``transformers`` is missing or the config cannot be read or built.
     """
     file, values = _read_hf_config(path)
     model_type = values.pop("model_type")
@@ -126,16 +133,73 @@ def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
         raise ConfigError(
             "--hf-config needs the 'transformers' package: pip install 'zeroplan[hf]'"
         ) from None
+
+    def build() -> Any:
+        return AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, wanted))
+
     try:
         config = AutoConfig.for_model(model_type, **values)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            build()
     except Exception as exc:  # transformers raises many types for a bad config; report, don't trace
         detail = " ".join(str(exc).split()) or type(exc).__name__
         detail = detail if len(detail) <= 300 else detail[:300] + " …"
         raise ConfigError(f"cannot build a causal LM from {str(file)!r}: {detail}") from None
-    specs = specs_from_module(model)
+    return build
+
+
+def trace_hf_config(
+    path: str | Path,
+    dtype: str,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    recompute: bool,
+    plan: ZeroPlan | None = None,
+) -> ActivationTrace:
+    """The activations of the ``config.json`` model on ``micro_batch`` sequences of ``seq_len`` tokens,
+    traced under fake tensors (see [Note: traced activations]); its loss is the model's own
+    (``labels=input_ids``), with gradient checkpointing when ``recompute``; with ``plan``, its
+    gradients kept as that plan's schedule keeps them.
+
+    Raises:
+        ConfigError: transformers missing, or a config that cannot be built.
+        TraceError: the model cannot run under fake tensors.
+    """
+    import torch
+
+    from zeroplan.facade.diagnostics.trace import trace_activations
+
+    make = _hf_model_factory(path, dtype)
+
+    def build() -> torch.nn.Module:
+        model = make()
+        if recompute:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.train()
+
+    def loss_of(model: torch.nn.Module) -> torch.Tensor:
+        ids = torch.zeros((micro_batch, seq_len), dtype=torch.long)
+        return model(input_ids=ids, labels=ids).loss
+
+    return trace_activations(build, loss_of, plan=plan)
+
+
+def specs_from_hf_config(path: str | Path, dtype: str) -> tuple[ParamSpec, ...]:
+    """Specs of a Hugging Face model built from ``config.json`` on the meta device.
+
+    No weights are downloaded or allocated. Needs ``transformers``.
+
+    Raises:
+        ConfigError: ``transformers`` is missing or the config cannot be read.
+    """
+    import torch
+
+    build = _hf_model_factory(path, dtype)
+    with torch.device("meta"):
+        model = build()
+    wanted = canonical_dtype(dtype)
     return tuple(
         ParamSpec(index=s.index, name=s.name, shape=s.shape, dtype=wanted, trainable=s.trainable)
-        for s in specs
+        for s in specs_from_module(model)
     )

@@ -39,6 +39,7 @@ from zeroplan.core import (
     ParamSpec,
     RankReport,
     Recommendation,
+    Stage,
     Topology,
     ZeroPlan,
     accumulation_bytes,
@@ -52,9 +53,16 @@ from zeroplan.core import (
     preset_names,
     strategy_names,
 )
+from zeroplan.core.sizing.fit import gib
+from zeroplan.core.sizing.trace import TracedPeak, traced_step_peak
 from zeroplan.core.wire import WireCodec
 from zeroplan.facade.cli import fit as fitting
-from zeroplan.facade.cli.model_sources import specs_from_hf_config, specs_from_json, specs_from_preset
+from zeroplan.facade.cli.model_sources import (
+    specs_from_hf_config,
+    specs_from_json,
+    specs_from_preset,
+    trace_hf_config,
+)
 
 __all__ = ["register", "run"]
 
@@ -211,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
             planning_seconds=round(elapsed, 4),
         )
         fitting.update_document(document, settings, fit, advice)
+        if settings.trace is not None:
+            document["traced_step"] = [p._asdict() for p in _traced_step(args, zp, settings)]
         json.dump(document, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return status
@@ -238,7 +248,48 @@ def run(args: argparse.Namespace) -> int:
         )
     if settings.active or advice is not None:
         _print_fit(settings, fit, advice)
+    if settings.trace is not None:
+        print(_traced_line(_traced_step(args, zp, settings), settings.device_bytes))
     return status
+
+
+def _traced_step(
+    args: argparse.Namespace, zp: ZeroPlan, settings: fitting.FitSettings
+) -> tuple[TracedPeak, ...]:
+    """Each rank's whole step with the traced activations; traced again with the plan's schedule when
+    gradients wait out of bucket order, which makes the backward exact ([Note: one timeline])."""
+    peaks = traced_step_peak(zp, settings.trace)
+    if all(p.exact for p in peaks) or zp.stage not in (Stage.OPTIMIZER, Stage.GRADIENTS):
+        return peaks
+    trace = trace_hf_config(
+        args.hf_config,
+        args.dtype,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch or 1,
+        recompute=args.recompute == "full",
+        plan=zp,
+    )
+    return traced_step_peak(zp, trace)
+
+
+def _traced_line(peaks: tuple[TracedPeak, ...], device_bytes: int | None) -> str:
+    """The whole step's peak with traced activations ([Note: one timeline]), on the busiest rank."""
+    worst = max(peaks, key=lambda p: p.peak_bytes)
+    kind = "" if worst.exact else " (an upper bound)"
+    parts = (
+        f"{gib(worst.activations)} activations and gradients"
+        if worst.traced_gradients
+        else f"{gib(worst.activations)} activations + {gib(worst.gradients)} gradients not staged"
+    )
+    line = (
+        f"whole step, traced: {gib(worst.peak_bytes)} at the most (rank {worst.rank}, in {worst.phase}: "
+        f"{gib(worst.persistent)} persistent + {parts}){kind}"
+    )
+    if device_bytes is not None:
+        margin = device_bytes - worst.peak_bytes
+        verdict = f"fits with {gib(margin)} to spare" if margin >= 0 else f"does not fit by {gib(-margin)}"
+        line += f"; in {gib(device_bytes)}: {verdict}"
+    return line
 
 
 #: Options of [Note: fit options] that ``--expert-parallel`` does not support: they plan one domain.
