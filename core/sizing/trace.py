@@ -36,7 +36,15 @@ from zeroplan.core.memory import memory_report
 from zeroplan.core.peak import gathered_bytes, grads_alive
 from zeroplan.core.planner import Stage, ZeroPlan
 
-__all__ = ["ActivationTrace", "TracePhase", "TracePoint", "TracedPeak", "traced_step_peak"]
+__all__ = [
+    "ActivationTrace",
+    "TimelinePoint",
+    "TracePhase",
+    "TracePoint",
+    "TracedPeak",
+    "step_timeline",
+    "traced_step_peak",
+]
 
 
 class TracePhase(str, Enum):
@@ -222,4 +230,46 @@ def traced_step_peak(
         exact = gathered == 0 and waiting == 0
         held = bool(trace.plan_fingerprint)
         out.append(TracedPeak(r.rank, peak, phase, r.total_bytes, activations, gradients, exact, held))
+    return tuple(out)
+
+
+class TimelinePoint(NamedTuple):
+    """One moment of a rank's step: what the plan holds and what the micro-batch adds (bytes)."""
+
+    phase: str
+    label: str
+    persistent: int
+    activations: int
+    gradients: int
+
+    @property
+    def total(self) -> int:
+        """Everything alive then."""
+        return self.persistent + self.activations + self.gradients
+
+
+def step_timeline(zp: ZeroPlan, trace: ActivationTrace, rank: int = 0) -> tuple[TimelinePoint, ...]:
+    """World rank ``rank``'s step at every point of ``trace``, then ``step()``: the plan's persistent
+    buffers, the traced activations, and the gradients not staged yet after each arrival ([Note: one
+    timeline]; held in ``activations`` when the trace was made with the plan). For plotting: the
+    meter's peak can fall between two points (:func:`traced_step_peak` has it);
+    ``notebooks/planner_tour.ipynb`` plots one."""
+    peaks = {p.rank: p for p in traced_step_peak(zp, trace)}
+    check_config(rank in peaks, f"rank {rank} is not a rank of the plan (world {len(peaks)})")
+    report = next(r for r in memory_report(zp).ranks if r.rank == rank)
+    persistent = report.total_bytes
+    alive: dict[int, int] = {}
+    if not trace.plan_fingerprint and zp.stage is not Stage.DDP:
+        trainable = sorted(zp.trainable_indices)
+        arrivals = [trainable[i] for i in trace.arrivals()]
+        after = [g.after for g in grads_alive(zp, arrivals=arrivals)]
+        grad_points = [i for i, p in enumerate(trace.points) if p.event == "grad"]
+        alive = dict(zip(grad_points, after, strict=False))
+    out = []
+    waiting = 0
+    for i, point in enumerate(trace.points):
+        waiting = alive.get(i, waiting)
+        label = f"{point.event} {point.module or '(model)'}"
+        out.append(TimelinePoint(str(point.phase), label, persistent, point.bytes, waiting))
+    out.append(TimelinePoint("step", "step()", persistent, report.step_transient_bytes, 0))
     return tuple(out)
