@@ -114,6 +114,8 @@ def trace_activations(
             kernel without a fake implementation), naming the module and the operation.
     """
     device = torch.device(device)
+    if device.type != "cpu" and device.index is None:  # the meter names devices with their index
+        device = torch.device(device.type, torch.accelerator.current_device_index())
     with _fake_mode() if fake else _Null():
         model = build()
         tracker = MemTracker()

@@ -1,0 +1,42 @@
+"""The whole step with traced activations on one GPU (issue 30, item 4); skipped without a GPU."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from results import keep
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),
+    reason="needs a CUDA GPU and NCCL",
+)
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_the_traced_step_is_within_three_percent_of_max_memory_allocated():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, str(HERE / "trace_world1.py"), str(port)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    keep("trace-world1", results)
+    # Measured on an H100 (2026-11-26): stages 1-2 0.07% to 0.75% over the plan (the caching allocator's
+    # rounding); stage 3 3.2% and 5.3% under it, the gathered blocks added to the activations' peak.
+    for r in results:
+        if r["stage"] < 3:
+            assert r["exact"] and abs(r["ratio"] - 1) <= 0.03, r
+        else:
+            assert 0.9 <= r["ratio"] <= 1.0, r  # an upper bound at stage 3
