@@ -232,12 +232,35 @@ def test_trace_gives_the_whole_step_and_the_verdict(tmp_path):
 TRACE_BAD = [
     (["--trace", "--seq-len", "128"], "--trace needs --hf-config PATH and --seq-len N"),
     (["--trace", "--seq-len", "128", "--recompute", "selective"], "--trace needs --hf-config"),
+    (["--activations", "trace", "--seq-len", "128"], "--trace needs --hf-config PATH and --seq-len N"),
+    (["--activations", "trace"], "--activations trace needs --seq-len N"),
+    (["--trace", "--activations", "formula", "--seq-len", "8"], "--trace is --activations trace"),
 ]
 
 
 @pytest.mark.parametrize(("args", "needle"), TRACE_BAD, ids=[" ".join(a) for a, _ in TRACE_BAD])
 def test_trace_refuses_what_it_cannot_trace(args, needle):
     assert_one_line_error(zeroplan(*args), needle)
+
+
+@needs_transformers
+def test_a_model_that_cannot_be_traced_is_one_line_and_no_fallback(tmp_path, monkeypatch):
+    """A trace that fails says which module and operation, and never falls back to the formula
+    silently; ``--activations formula`` (the default) is labelled an estimate."""
+    from zeroplan.facade.cli import model_sources
+    from zeroplan.facade.diagnostics.trace import TraceError
+
+    def untraceable(*args, **kwargs):
+        raise TraceError(
+            "cannot trace forward under fake tensors: module 'router' runs operation aten.nonzero"
+        )
+
+    monkeypatch.setattr(model_sources, "trace_hf_config", untraceable)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_SMALL))
+    args = ("--hf-config", str(tmp_path), "--seq-len", "64")
+    assert_one_line_error(zeroplan(*args, "--trace"), "module 'router' runs operation aten.nonzero")
+    formula = zeroplan(*args, "--activations", "formula")
+    assert formula.returncode == 0 and "an estimate by formula" in flat(formula.stdout)
 
 
 @needs_transformers

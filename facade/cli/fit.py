@@ -108,6 +108,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the cheapest stage and shard size that fit --device-memory (exit status 1: none)",
     )
     group.add_argument(
+        "--activations",
+        choices=["formula", "trace"],
+        help="how --seq-len's activations are planned: formula (the default, an estimate) or trace (--trace)",
+    )
+    group.add_argument(
         "--trace",
         action="store_true",
         help="trace the --hf-config model's activations under fake tensors (forward and backward of one "
@@ -166,7 +171,11 @@ def fit_settings(args: argparse.Namespace) -> FitSettings:
         )
     if formula and args.seq_len is None:
         raise ConfigError(f"{formula[0]} needs --seq-len N: the activations depend on both")
-    if args.trace:
+    if args.trace and args.activations == "formula":
+        raise ConfigError("--trace is --activations trace: pass one of --trace and --activations formula")
+    if args.activations is not None and args.seq_len is None:
+        raise ConfigError(f"--activations {args.activations} needs --seq-len N")
+    if args.trace or args.activations == "trace":
         return _traced(args)
     activations = None
     if args.seq_len is not None:
@@ -233,7 +242,8 @@ def activations_line(settings: FitSettings) -> str:
         return f"activations: {gib(settings.activation_bytes or 0)} per rank (--activation-bytes)"
     return (
         f"activations: {gib(a.total_bytes)} per rank (micro-batch {a.micro_batch} x {a.seq_len:,} tokens, "
-        f"recompute {a.recompute.value}; Korthikanti et al. 2022)"
+        f"recompute {a.recompute.value}; Korthikanti et al. 2022), an estimate by formula; --trace "
+        "measures a --hf-config model's"
     )
 
 

@@ -18,7 +18,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 from torch.distributed._tools.mod_tracker import ModTracker
 
-from zeroplan.core import ConfigError, Stage, ZeroPlan, ZeroplanError
+from zeroplan.core import ConfigError, Stage, ZeroPlan
 from zeroplan.core.schedule import ActionKind, staging_schedule
 from zeroplan.core.sizing.trace import ActivationTrace, TracePhase, TracePoint
 
@@ -28,7 +28,7 @@ __all__ = ["TraceError", "trace_activations"]
 _NOT_ACTIVATIONS = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT)
 
 
-class TraceError(ZeroplanError):
+class TraceError(ConfigError):
     """A model cannot be traced under fake tensors; the message names the module and the operation."""
 
 
