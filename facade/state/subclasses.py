@@ -10,12 +10,12 @@ tensors become the leaves ``path@<attr>`` and its class, flatten context, shape
 and stride the plain value ``path@subclass``. Joining rebuilds the object with
 ``__tensor_unflatten__``. A checkpoint names a class by module and qualified name;
 only classes registered with ``torch.serialization.add_safe_globals`` are built
-from it (torchao registers its own), as ``torch.load(weights_only=True)`` would.
+from it (torchao registers its own), as ``torch.load(weights_only=True)`` would,
+and no module is imported on a checkpoint's word.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,23 +95,16 @@ def split_subclasses(leaves: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _class(name: Any, path: str) -> type:
-    """The registered subclass ``module:qualname``, imported (its module registers it)."""
-    module, _, qualname = str(name).partition(":")
-    try:
-        found: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError) as exc:
-        raise CheckpointError(
-            f"state {path!r} is a {name}, which cannot be imported here ({exc}); install the package "
-            "whose optimizer saved it"
-        ) from None
-    if found not in torch.serialization.get_safe_globals():
-        raise CheckpointError(
-            f"state {path!r} is a {name}, which is not registered with "
-            "torch.serialization.add_safe_globals; register it to load its state"
-        )
-    return found
+    """The subclass ``module:qualname`` among those registered with ``add_safe_globals``; nothing is
+    imported on a checkpoint's word (the optimizer being loaded into has imported its own)."""
+    for entry in torch.serialization.get_safe_globals():
+        cls = entry[0] if isinstance(entry, tuple) else entry
+        if isinstance(cls, type) and f"{cls.__module__}:{cls.__qualname__}" == str(name):
+            return cls
+    raise CheckpointError(
+        f"state {path!r} is a {name}, which is not registered with torch.serialization.add_safe_globals: "
+        "import the package whose optimizer saved it (torchao registers its own), or register the class"
+    )
 
 
 def _join(path: str, leaves: dict[str, Any]) -> torch.Tensor:

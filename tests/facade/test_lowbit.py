@@ -62,3 +62,31 @@ def test_freezing_and_unfreezing_keeps_the_quantized_state(pools):
     for r in results:
         assert r["differ"] == 0, r
     assert sum(r["quantized"] for r in results) >= 2
+
+
+def test_subclass_state_splits_into_plain_tensors_and_back_only_for_registered_classes():
+    """[Note: subclass state]: a quantized moment becomes plain tensors and a description, and comes
+    back equal; a class the checkpoint names but nobody registered is refused, nothing imported."""
+    import torch
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from zeroplan.core import CheckpointError
+    from zeroplan.facade.state.subclasses import SUBCLASS, copy_tensor, join_subclasses, split_subclasses
+
+    state = OptimState8bit.zeros((64, 64), True, 256)
+    state.codes.copy_(torch.randint(0, 255, (64, 64), dtype=torch.uint8))
+    state.scale.copy_(torch.rand(16))
+    leaves = split_subclasses({"whole/3/exp_avg": state, "whole/3/step": torch.tensor(2.0)})
+    assert all(type(v) is torch.Tensor for k, v in leaves.items() if not k.endswith(SUBCLASS))
+    assert {"whole/3/exp_avg@codes", "whole/3/exp_avg@scale", "whole/3/exp_avg@qmap"} <= leaves.keys()
+    back = join_subclasses(leaves)["whole/3/exp_avg"]
+    assert type(back) is OptimState8bit and torch.equal(back.dequantize(), state.dequantize())
+    assert torch.equal(copy_tensor(state).dequantize(), state.dequantize())
+    forged = dict(leaves)
+    forged["whole/3/exp_avg" + SUBCLASS] = {**leaves["whole/3/exp_avg" + SUBCLASS], "class": "os:system"}
+    with pytest.raises(CheckpointError, match=r"not registered with torch\.serialization\.add_safe_globals"):
+        join_subclasses(forged)
+    del forged["whole/3/exp_avg@scale"]
+    forged["whole/3/exp_avg" + SUBCLASS] = leaves["whole/3/exp_avg" + SUBCLASS]
+    with pytest.raises(CheckpointError, match="lacks its part 'scale'"):
+        join_subclasses(forged)
