@@ -63,6 +63,12 @@ class _Reference:
         return float(loss)
 
 
+def _differing(opt: ZeroOptimizer, model: torch.nn.Module, other: torch.nn.Module) -> int:
+    """How many of ``model``'s parameters (gathered) differ in any bit from ``other``'s."""
+    with opt.gathered_params():
+        return sum(not torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True))
+
+
 def _timed(step: Any, tokens: torch.Tensor, n: int = 20) -> float:
     for _ in range(3):
         step(tokens)
@@ -116,11 +122,7 @@ def compile_case(device: torch.device, size: str = "compile") -> dict[str, Any]:
                 losses.append(step(tokens))
                 ref_losses.append(reference.step(tokens))
                 frames.append(counters["frames"]["total"])
-            with opt.gathered_params():
-                differing = sum(
-                    not torch.equal(a, b)
-                    for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
-                )
+            differing = _differing(opt, model, reference.model)
             name = f"stage{stage}-{'block' if compiled else 'eager'}"
             out[name] = {
                 "differing": differing,
@@ -160,11 +162,7 @@ def cudagraph_case(device: torch.device) -> dict[str, Any]:
                 opt.step()
                 opt.zero_grad()
                 reference.step(tokens)
-            with opt.gathered_params():
-                differing = sum(
-                    not torch.equal(a, b)
-                    for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
-                )
+            differing = _differing(opt, model, reference.model)
         except Exception as exc:
             error, differing = f"{type(exc).__name__}: {str(exc)[:300]}", -1
         out[f"stage{stage}"] = {
@@ -195,11 +193,7 @@ def lowbit_case(device: torch.device) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
             reference.step(tokens)
-        with opt.gathered_params():
-            differing = sum(
-                not torch.equal(a, b)
-                for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
-            )
+        differing = _differing(opt, model, reference.model)
         tracker = MemTracker()
         tracker.track_external(opt.inner_optimizer)
         with tracker:

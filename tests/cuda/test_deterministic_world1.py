@@ -6,33 +6,14 @@ size and overlap setting ends in the same bits ([Note: deterministic mode]).
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from results import run_script
 
 torch = pytest.importorskip("torch")
-HERE = Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(on: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, str(HERE / "deterministic_world1.py"), str(_free_port()), on],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_script("deterministic_world1.py", on, timeout=300)
 
 
 @pytest.mark.skipif(

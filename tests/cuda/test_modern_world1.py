@@ -3,14 +3,8 @@ The figures each run measures go to ``$ZEROPLAN_CUDA_OUT`` (``results.py``)."""
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from results import keep
+from results import keep, run_script
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(
@@ -18,21 +12,9 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA GPU and NCCL",
 )
 
-HERE = Path(__file__).resolve().parent
-
 
 def _run(case: str) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = subprocess.run(
-        [sys.executable, str(HERE / "modern_world1.py"), str(port), case],
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_script("modern_world1.py", case, timeout=400)
     keep(f"modern-{case}", result)
     return result
 

@@ -5,13 +5,12 @@ Each runs in a fresh process (killed with its children if it outlives its timeou
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from results import keep
+from results import keep, run_script
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(
@@ -37,23 +36,8 @@ HOST_READS_PER_STEP = 1  # the overflow-and-norm verdict ([Note: one host read])
 NORM_RTOL = 1e-5  # the clip norm is summed shard by shard, the reference's over whole tensors
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(name: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, str(HERE / "nccl_matrix.py"), str(_free_port()), name],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_script("nccl_matrix.py", name, timeout=240)
     keep(f"matrix-{name}", result)
     return result
 

@@ -65,6 +65,23 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
 
 
+def _step_both(
+    model: torch.nn.Module, opt: ZeroOptimizer, reference: Reference, rank: int, world: int, step: int
+) -> None:
+    """One step of ``opt`` and of ``reference`` on the gradients ``opt`` reduced (the same ones)."""
+    opt.backward(loss_of(model, *batch(step, rank)))
+    reduced = opt.averaged_gradients()
+    opt.step()
+    opt.zero_grad()
+    reference.step(world, step, grad_fn=lambda *_: reduced)
+
+
+def _differing(opt: ZeroOptimizer, model: torch.nn.Module, other: torch.nn.Module) -> int:
+    """How many of ``model``'s parameters (gathered) differ in any bit from ``other``'s."""
+    with opt.gathered_params():
+        return sum(not torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True))
+
+
 def trains(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """Three steps against torchao's optimizer unsharded on fp32 masters, given the same gradients
     (the reduced ones: how a bf16 backward's sum rounds is the equivalence tests' business)."""
@@ -75,18 +92,8 @@ def trains(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     reference = Reference(make_model(dtype=dtype, width=WIDTH), cls, **HYPER)
     differ = []
     for step in range(3):
-        opt.backward(loss_of(model, *batch(step, rank)))
-        reduced = opt.averaged_gradients()
-        opt.step()
-        opt.zero_grad()
-        reference.step(world, step, grad_fn=lambda *_, reduced=reduced: reduced)
-        with opt.gathered_params():
-            differ.append(
-                sum(
-                    not torch.equal(a, b)
-                    for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
-                )
-            )
+        _step_both(model, opt, reference, rank, world, step)
+        differ.append(_differing(opt, model, reference.model))
     return {
         "differ": differ,
         "strategy": opt.plan.partition.strategy,
@@ -119,16 +126,8 @@ def resume(rank: int, world: int, cfg: dict[str, Any], root: str, saved_world: i
     for step in range(2):
         reference.step(saved_world, step)
     for step in range(2, 4):
-        opt.backward(loss_of(model, *batch(step, rank)))
-        reduced = opt.averaged_gradients()
-        opt.step()
-        opt.zero_grad()
-        reference.step(world, step, grad_fn=lambda *_, reduced=reduced: reduced)
-    with opt.gathered_params():
-        differ = sum(
-            not torch.equal(a, b)
-            for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
-        )
+        _step_both(model, opt, reference, rank, world, step)
+    differ = _differing(opt, model, reference.model)
     return {"loaded_same": loaded_same, "differ": differ, "quantized": _quantized(opt.inner_optimizer)}
 
 
@@ -144,10 +143,8 @@ def state_dicts(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     twin.load_state_dict(opt.state_dict())
     _train(model, opt, rank, range(2, 3))
     _train(twin_model, twin, rank, range(2, 3))
-    with opt.gathered_params(), twin.gathered_params():
-        differ = sum(
-            not torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters(), strict=True)
-        )
+    with twin.gathered_params():
+        differ = _differing(opt, model, twin_model)
     consolidated = opt.consolidated_state_dict(to_rank=None)  # on every rank
     inner = opt.inner_optimizer
     dequantized = checked = 0
@@ -187,14 +184,5 @@ def refreezes(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 if name in frozen:
                     m.requires_grad_(step == 2)
             opt.refresh_trainable()
-        opt.backward(loss_of(model, *batch(step, rank)))
-        reduced = opt.averaged_gradients()
-        opt.step()
-        opt.zero_grad()
-        reference.step(world, step, grad_fn=lambda *_, reduced=reduced: reduced)
-    with opt.gathered_params():
-        differ = sum(
-            not torch.equal(a, b)
-            for a, b in zip(model.parameters(), reference.model.parameters(), strict=True)
-        )
-    return {"differ": differ, "quantized": _quantized(opt.inner_optimizer)}
+        _step_both(model, opt, reference, rank, world, step)
+    return {"differ": _differing(opt, model, reference.model), "quantized": _quantized(opt.inner_optimizer)}
