@@ -229,6 +229,42 @@ def test_trace_gives_the_whole_step_and_the_verdict(tmp_path):
     assert recomputed["activations"]["total_bytes"] < trace.peak_bytes
 
 
+@needs_transformers
+def test_trace_at_stage_3_holds_the_gathered_blocks(tmp_path):
+    """At stage 3 ``--trace`` traces again with the plan: its hooks hold the gathered blocks where a
+    step holds them ([Note: stage 3 traced]), and the step is exact, below the bound traced alone."""
+    from zeroplan.core import Topology, plan
+    from zeroplan.core.sizing.trace import traced_step_peak
+    from zeroplan.facade.cli.model_sources import specs_from_hf_config, trace_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_SMALL))
+    args = (
+        "--hf-config",
+        str(tmp_path),
+        "--world",
+        "2",
+        "--dtype",
+        "fp32",
+        "--seq-len",
+        "128",
+        "--stage",
+        "3",
+    )
+    document = json.loads(zeroplan(*args, "--trace", "--json").stdout)
+    zp = plan(specs_from_hf_config(tmp_path, "fp32"), Topology(world_size=2), stage=3)
+    held = traced_step_peak(
+        zp, trace_hf_config(tmp_path, "fp32", seq_len=128, micro_batch=1, recompute=False, plan=zp)
+    )
+    alone = traced_step_peak(
+        zp, trace_hf_config(tmp_path, "fp32", seq_len=128, micro_batch=1, recompute=False)
+    )
+    assert [r["peak_bytes"] for r in document["traced_step"]] == [p.peak_bytes for p in held]
+    assert all(r["exact"] and r["traced_blocks"] for r in document["traced_step"])
+    assert all(not a.exact and a.peak_bytes > h.peak_bytes for a, h in zip(alone, held, strict=True))
+    out = zeroplan(*args, "--trace")
+    assert "activations, gradients and gathered blocks" in flat(out.stdout), out.stdout
+
+
 TRACE_BAD = [
     (["--trace", "--seq-len", "128"], "--trace needs --hf-config PATH and --seq-len N"),
     (["--trace", "--seq-len", "128", "--recompute", "selective"], "--trace needs --hf-config"),

@@ -66,13 +66,16 @@ class TracePoint:
         module: the module's qualified name (``""``: the root; a parameter's name for ``"grad"``).
         event: ``"enter"`` or ``"exit"`` of the module, or ``"grad"`` (that parameter's gradient
             arrived and was dropped).
-        bytes: activations and autograd temporaries alive then.
+        bytes: activations and autograd temporaries alive then (traced with a plan: and the
+            gradients its schedule keeps, and at stage 3 its gathered blocks).
+        gathered: stage 3's gathered blocks among ``bytes`` (traced with a stage-3 plan).
     """
 
     phase: TracePhase
     module: str
     event: str
     bytes: int
+    gathered: int = 0
 
     def __post_init__(self) -> None:
         check_config(
@@ -80,6 +83,10 @@ class TracePoint:
         )
         check_config(self.event in ("enter", "exit", "grad"), f"TracePoint.event: bad {self.event!r}")
         check_config(type(self.bytes) is int and self.bytes >= 0, f"TracePoint.bytes: bad {self.bytes!r}")
+        check_config(
+            type(self.gathered) is int and 0 <= self.gathered <= self.bytes,
+            f"TracePoint.gathered must be within its bytes ({self.bytes}), got {self.gathered!r}",
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +104,8 @@ class ActivationTrace:
             arrived.
         peak_phase: the pass where it happens.
         peak_module: the innermost module running then (``""``: the root or the loss).
+        reshard_after_forward: traced with a stage-3 plan, the setting its gathered blocks were held
+            by (they are then in every point and the peaks); ``None``: no blocks were held.
     """
 
     points: tuple[TracePoint, ...]
@@ -106,9 +115,14 @@ class ActivationTrace:
     forward_peak_bytes: int = 0
     params: tuple[str, ...] = ()
     plan_fingerprint: str = ""
+    reshard_after_forward: bool | None = None
 
     def __post_init__(self) -> None:
         check_config(bool(self.points), "ActivationTrace needs at least one point")
+        check_config(
+            self.reshard_after_forward is None or bool(self.plan_fingerprint),
+            "ActivationTrace.reshard_after_forward is set only for a trace made with a stage-3 plan",
+        )
         check_config(
             self.peak_bytes >= max(p.bytes for p in self.points),
             f"ActivationTrace.peak_bytes {self.peak_bytes} is below a point of the trace",
@@ -137,7 +151,8 @@ class ActivationTrace:
             "forward_peak_bytes": self.forward_peak_bytes,
             "params": list(self.params),
             "plan_fingerprint": self.plan_fingerprint,
-            "points": [[str(p.phase), p.module, p.event, p.bytes] for p in self.points],
+            "reshard_after_forward": self.reshard_after_forward,
+            "points": [[str(p.phase), p.module, p.event, p.bytes, p.gathered] for p in self.points],
         }
 
 
@@ -152,9 +167,11 @@ class TracedPeak(NamedTuple):
         activations: activation bytes alive at the peak.
         gradients: autograd gradients not staged yet at the peak.
         exact: ``False`` where the figure is an upper bound (stage 3's gathered blocks added to the
-            activations' peak; gradients waiting across a module's backward).
+            activations' peak when the trace did not hold them; gradients waiting across a module's
+            backward).
         traced_gradients: the trace held the gradients itself (traced with the plan): they are in
             ``activations``, and ``gradients`` is 0.
+        traced_blocks: the trace held stage 3's gathered blocks itself: they are in ``activations``.
     """
 
     rank: int
@@ -165,6 +182,7 @@ class TracedPeak(NamedTuple):
     gradients: int
     exact: bool
     traced_gradients: bool = False
+    traced_blocks: bool = False
 
 
 def traced_step_peak(
@@ -183,10 +201,13 @@ def traced_step_peak(
     knows the activations' largest value, not when it happened, so gradients
     waiting across that stretch (out of bucket order) are added to it whole:
     an upper bound, exact when gradients are staged as they arrive (the default
-    order). Stage 3's gathered blocks are added to the activations' peak (an
-    upper bound). Traced with the plan (``trace_activations(..., plan=zp)``),
-    the trace keeps each gradient until the plan's schedule releases it, so its
-    points and peaks already hold them, and the backward is exact in any order.
+    order). Traced with the plan (``trace_activations(..., plan=zp)``), the
+    trace keeps each gradient until the plan's schedule releases it, so its
+    points and peaks already hold them, and the backward is exact in any order;
+    at stage 3 it also holds the gathered blocks where the facade's hooks hold
+    them ([Note: stage 3 traced] in the facade), and the step is exact.
+    Traced without, stage 3's most gathered blocks are added to the
+    activations' peak: an upper bound.
 
     Args:
         zp: the plan (its parameters in the traced model's order).
@@ -204,6 +225,11 @@ def traced_step_peak(
         trace.plan_fingerprint in ("", zp.fingerprint()),
         "the trace kept its gradients by another plan's schedule: trace with this plan, or without one",
     )
+    check_config(
+        trace.reshard_after_forward in (None, reshard_after_forward),
+        f"the trace held stage 3's blocks with reshard_after_forward={trace.reshard_after_forward}: "
+        "trace with the setting the step will use",
+    )
     trainable = sorted(zp.trainable_indices)
     arrivals = [trainable[i] for i in trace.arrivals()]
     alive = grads_alive(zp, overlap=overlap, arrivals=arrivals) if zp.stage is not Stage.DDP else ()
@@ -217,7 +243,9 @@ def traced_step_peak(
     report = memory_report(
         zp, overlap=overlap, arrivals=arrivals, reshard_after_forward=reshard_after_forward
     )
-    gathered = gathered_bytes(zp, reshard_after_forward) if zp.stage is Stage.PARAMETERS else 0
+    gathered = 0
+    if zp.stage is Stage.PARAMETERS and trace.reshard_after_forward is None:
+        gathered = gathered_bytes(zp, reshard_after_forward)
     out = []
     for r in report.ranks:
         candidates = [
@@ -228,8 +256,10 @@ def traced_step_peak(
         ]
         peak, phase, activations, gradients = max(candidates, key=lambda c: c[0])
         exact = gathered == 0 and waiting == 0
-        held = bool(trace.plan_fingerprint)
-        out.append(TracedPeak(r.rank, peak, phase, r.total_bytes, activations, gradients, exact, held))
+        held, blocks = bool(trace.plan_fingerprint), trace.reshard_after_forward is not None
+        out.append(
+            TracedPeak(r.rank, peak, phase, r.total_bytes, activations, gradients, exact, held, blocks)
+        )
     return tuple(out)
 
 
@@ -241,20 +271,23 @@ class TimelinePoint(NamedTuple):
     persistent: int
     activations: int
     gradients: int
+    gathered: int = 0
 
     @property
     def total(self) -> int:
         """Everything alive then."""
-        return self.persistent + self.activations + self.gradients
+        return self.persistent + self.activations + self.gradients + self.gathered
 
 
 def step_timeline(zp: ZeroPlan, trace: ActivationTrace, rank: int = 0) -> tuple[TimelinePoint, ...]:
     """World rank ``rank``'s step at every point of ``trace``, then ``step()``: the plan's persistent
-    buffers, the traced activations, and the gradients not staged yet after each arrival ([Note: one
-    timeline]; held in ``activations`` when the trace was made with the plan). For plotting: the
+    buffers, the traced activations, the gradients not staged yet after each arrival ([Note: one
+    timeline]; held in ``activations`` when the trace was made with the plan) and stage 3's gathered
+    blocks (``gathered``, when the trace held them). For plotting: the
     meter's peak can fall between two points (:func:`traced_step_peak` has it);
     ``notebooks/planner_tour.ipynb`` plots one."""
-    peaks = {p.rank: p for p in traced_step_peak(zp, trace)}
+    resharded = True if trace.reshard_after_forward is None else trace.reshard_after_forward
+    peaks = {p.rank: p for p in traced_step_peak(zp, trace, reshard_after_forward=resharded)}
     check_config(rank in peaks, f"rank {rank} is not a rank of the plan (world {len(peaks)})")
     report = next(r for r in memory_report(zp).ranks if r.rank == rank)
     persistent = report.total_bytes
@@ -270,6 +303,10 @@ def step_timeline(zp: ZeroPlan, trace: ActivationTrace, rank: int = 0) -> tuple[
     for i, point in enumerate(trace.points):
         waiting = alive.get(i, waiting)
         label = f"{point.event} {point.module or '(model)'}"
-        out.append(TimelinePoint(str(point.phase), label, persistent, point.bytes, waiting))
+        out.append(
+            TimelinePoint(
+                str(point.phase), label, persistent, point.bytes - point.gathered, waiting, point.gathered
+            )
+        )
     out.append(TimelinePoint("step", "step()", persistent, report.step_transient_bytes, 0))
     return tuple(out)

@@ -256,10 +256,11 @@ def run(args: argparse.Namespace) -> int:
 def _traced_step(
     args: argparse.Namespace, zp: ZeroPlan, settings: fitting.FitSettings
 ) -> tuple[TracedPeak, ...]:
-    """Each rank's whole step with the traced activations; traced again with the plan's schedule when
-    gradients wait out of bucket order, which makes the backward exact ([Note: one timeline])."""
+    """Each rank's whole step with the traced activations; traced again with the plan when gradients
+    wait out of bucket order or at stage 3 (its schedule keeps the gradients, its hooks the gathered
+    blocks), which makes the step exact ([Note: one timeline], [Note: stage 3 traced])."""
     peaks = traced_step_peak(zp, settings.trace)
-    if all(p.exact for p in peaks) or zp.stage not in (Stage.OPTIMIZER, Stage.GRADIENTS):
+    if all(p.exact for p in peaks) or zp.stage is Stage.DDP:
         return peaks
     trace = trace_hf_config(
         args.hf_config,
@@ -276,11 +277,14 @@ def _traced_line(peaks: tuple[TracedPeak, ...], device_bytes: int | None) -> str
     """The whole step's peak with traced activations ([Note: one timeline]), on the busiest rank."""
     worst = max(peaks, key=lambda p: p.peak_bytes)
     kind = "" if worst.exact else " (an upper bound)"
-    parts = (
-        f"{gib(worst.activations)} activations and gradients"
-        if worst.traced_gradients
-        else f"{gib(worst.activations)} activations + {gib(worst.gradients)} gradients not staged"
-    )
+    parts = f"{gib(worst.activations)} activations + {gib(worst.gradients)} gradients not staged"
+    if worst.traced_gradients:
+        held = (
+            "activations, gradients and gathered blocks"
+            if worst.traced_blocks
+            else "activations and gradients"
+        )
+        parts = f"{gib(worst.activations)} {held}"
     line = (
         f"whole step, traced: {gib(worst.peak_bytes)} at the most (rank {worst.rank}, in {worst.phase}: "
         f"{gib(worst.persistent)} persistent + {parts}){kind}"

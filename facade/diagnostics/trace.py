@@ -6,13 +6,39 @@ memory), torch's ``MemTracker`` counts what each tensor would hold, and a
 ``ModTracker`` of torch's marks every module's entry and exit in forward and
 backward. The same function with ``fake=False`` runs for real: the tests
 compare the two point by point.
+
+[Note: stage 3 traced]
+At stage 3 a rank also holds, for a while, the blocks it gathered: each
+module's before it runs and the next one's prefetched, in backward again as
+autograd needs their values, until their gradients are in. When those blocks
+arrive and leave is decided by the facade's own hooks (``ForwardHooks`` and
+``ShardedParams``, [Note: stage 3]), not by a copy of their rules: traced with
+a stage-3 plan, the model is attached to a ``ShardedParams`` over
+``TracedBlocks``, which allocates a block where ``BlockTable`` would gather it
+and drops it where it would free it, so the meter sees the blocks at every
+moment of the forward and backward, and activation checkpointing's
+recomputed forwards gather what they gather in a real step. Each point says
+how many of its bytes are blocks (``TracePoint.gathered``). A parameter read
+outside its modules (which a real step gathers on use) is not seen.
+
+[Note: packed rows under fake tensors]
+transformers decides from the position ids' values whether a batch row packs
+several sequences (positions restarting at 0), and then builds an attention
+mask it otherwise leaves to SDPA's ``is_causal``. Fake tensors have no values:
+it takes them for packed, builds the mask, and SDPA given a mask keeps more
+(on the CPU its math path keeps the scores): a tiny Llama with gradient
+checkpointing traced 10% over its real run. The trace tells it what the
+caller says instead (``packed``, default one sequence per row, what
+``zeroplan plan --hf-config`` assumes), and then reads what the real step
+reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
@@ -21,6 +47,8 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from zeroplan.core import ConfigError, Stage, ZeroPlan
 from zeroplan.core.schedule import ActionKind, staging_schedule
 from zeroplan.core.sizing.trace import ActivationTrace, TracePhase, TracePoint
+from zeroplan.facade.params.blocks import TracedBlocks
+from zeroplan.facade.params.sharded import ShardedParams
 
 __all__ = ["TraceError", "trace_activations"]
 
@@ -63,6 +91,7 @@ class _Recorder:
 
     def __init__(self, tracker: MemTracker, device: torch.device, gradients: bool) -> None:
         self.tracker = tracker
+        self.blocks: TracedBlocks | None = None  # stage 3's gathered blocks, traced with the plan
         self.device = device
         self.gradients = gradients
         self.points: list[TracePoint] = []
@@ -78,7 +107,8 @@ class _Recorder:
         return _activation_bytes(self.tracker.get_tracker_snapshot(kind).get(self.device, {}), self.gradients)
 
     def mark(self, module: str, event: str) -> None:
-        self.points.append(TracePoint(self.phase, module, event, self.bytes_now()))
+        gathered = 0 if self.blocks is None else self.blocks.held_bytes()
+        self.points.append(TracePoint(self.phase, module, event, self.bytes_now(), gathered))
 
     def fqn(self, tracker: ModTracker, module: torch.nn.Module | None) -> str:
         return _relative(tracker.get_known_fqn(module)) if module is not None else ""
@@ -92,6 +122,8 @@ def trace_activations(
     device: torch.device | str = "cpu",
     plan: ZeroPlan | None = None,
     overlap: bool = True,
+    reshard_after_forward: bool = True,
+    packed: bool = False,
 ) -> ActivationTrace:
     """The activation timeline of ``loss_of(build())`` and its backward (see [Note: traced activations]).
 
@@ -108,6 +140,10 @@ def trace_activations(
             backward's gradients as ``ZeroOptimizer`` would ([Note: one timeline]); without it every
             gradient is dropped as it arrives.
         overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce`` (with ``plan``).
+        reshard_after_forward: its stage-3 setting (with a stage-3 ``plan``, whose gathered blocks
+            the trace then holds as a step would: [Note: stage 3 traced]).
+        packed: a transformers model's batch rows pack several sequences each ([Note: packed rows
+            under fake tensors]; a real step decides it from the position ids' values).
 
     Raises:
         TraceError: an operation that fake tensors cannot run (a data-dependent shape, a custom
@@ -116,7 +152,9 @@ def trace_activations(
     device = torch.device(device)
     if device.type != "cpu" and device.index is None:  # the meter names devices with their index
         device = torch.device(device.type, torch.accelerator.current_device_index())
-    with _fake_mode() if fake else _Null():
+    with _fake_mode() if fake else _Null(), contextlib.ExitStack() as rows:
+        if fake and not packed:
+            rows.enter_context(one_sequence_per_row())
         model = build()
         tracker = MemTracker()
         tracker.track_external(model)
@@ -128,6 +166,10 @@ def trace_activations(
             p.register_post_accumulate_grad_hook(staging.hook(i, name))
             for i, (name, p) in enumerate(trainable)
         ]
+        residency = None
+        if plan is not None and plan.stage is Stage.PARAMETERS:  # after the staging, as ZeroOptimizer hooks
+            residency = _blocks_of(plan, model, device, reshard_after_forward)
+            recorder.blocks = residency.blocks
         marks.register_user_hooks(
             lambda m, i: _enter(recorder, marks, m),
             lambda m, i, o: _exit(recorder, marks, m),
@@ -146,8 +188,59 @@ def trace_activations(
         finally:
             for handle in handles:
                 handle.remove()
+            if residency is not None:
+                residency.sharded.retire()
         names = tuple(name for name, _ in trainable)
-        return _finish(tracker, recorder, names, "" if plan is None else plan.fingerprint())
+        resharded = None if residency is None else reshard_after_forward
+        return _finish(tracker, recorder, names, "" if plan is None else plan.fingerprint(), resharded)
+
+
+class _TracedResidency(NamedTuple):
+    sharded: ShardedParams
+    blocks: TracedBlocks
+
+
+def _blocks_of(
+    plan: ZeroPlan, model: torch.nn.Module, device: torch.device, reshard_after_forward: bool
+) -> _TracedResidency:
+    """Stage 3's residency over ``model``'s parameters, allocating its blocks ([Note: stage 3 traced])."""
+    params = list(model.parameters())
+    if len(params) != len(plan.specs):
+        raise ConfigError(
+            f"the plan has {len(plan.specs)} parameters, the model {len(params)}: trace the model the "
+            "plan was made for"
+        )
+    blocks = TracedBlocks(plan, params, device)
+    sharded = ShardedParams(
+        zp=plan, params=params, blocks=blocks, buffers=(), shard_rank=0,
+        reshard_after_forward=reshard_after_forward,
+    )  # fmt: skip
+    sharded.attach(model)
+    return _TracedResidency(sharded, blocks)
+
+
+@contextlib.contextmanager
+def one_sequence_per_row() -> Iterator[None]:
+    """Inside, transformers takes each row of a fake batch for one sequence ([Note: packed rows under
+    fake tensors]); real tensors are looked at as usual. Nothing happens without transformers."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        masking_utils = None
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def unpacked(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if isinstance(position_ids, FakeTensor) else find(position_ids)
+
+    masking_utils.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
 
 
 class _Null:
@@ -196,9 +289,7 @@ class _Staging:
                 for action in self.schedule.send(self.index[i]):
                     if action.kind is ActionKind.RELEASE:
                         self.params[self.position[action.param]].grad = None
-            self.recorder.points.append(
-                TracePoint(self.recorder.phase, name, "grad", self.recorder.bytes_now())
-            )
+            self.recorder.mark(name, "grad")
 
         return arrived
 
@@ -231,7 +322,7 @@ def _trace_error(exc: Exception, recorder: _Recorder) -> TraceError:
 
 
 def _finish(
-    tracker: MemTracker, recorder: _Recorder, names: tuple[str, ...], fingerprint: str
+    tracker: MemTracker, recorder: _Recorder, names: tuple[str, ...], fingerprint: str, resharded: bool | None
 ) -> ActivationTrace:
     device = recorder.device
     peak = recorder.read("peak")
@@ -258,4 +349,5 @@ def _finish(
         forward_peak_bytes=min(forward, peak),
         params=names,
         plan_fingerprint=fingerprint,
+        reshard_after_forward=resharded,
     )

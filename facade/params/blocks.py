@@ -9,6 +9,7 @@ saved-tensor hooks of ``params.saved_tensors``.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 from collections.abc import Iterator, Sequence
@@ -22,10 +23,21 @@ from zeroplan.facade.params.buffers import BlockBuffers, block_positions
 from zeroplan.facade.params.gather import DeferredParameter
 from zeroplan.facade.params.owners import Owners
 from zeroplan.facade.runtime.collectives import CommLog, Pending, start_block_gather
+from zeroplan.facade.runtime.dtypes import torch_dtype
 from zeroplan.facade.runtime.dynamo import between_graphs
 from zeroplan.facade.runtime.groups import ProcessGroups
 
-__all__ = ["BlockEntry", "BlockKey", "BlockState", "BlockTable", "GathersOnUse", "ShardedParameter", "OWNERS"]
+__all__ = [
+    "BlockEntry",
+    "BlockKey",
+    "BlockState",
+    "BlockTable",
+    "Blocks",
+    "TracedBlocks",
+    "GathersOnUse",
+    "ShardedParameter",
+    "OWNERS",
+]
 
 BlockKey = tuple[int, int]  # (space index, block index)
 
@@ -100,41 +112,30 @@ class BlockEntry:
         self.saved: dict[int, int] = {}  # tensors autograd saved from the buffer, alive now (SavedView)
 
 
-class BlockTable:
-    """The blocks of one installed stage-3 plan and their state machine (see the module docstring)."""
+class Blocks(abc.ABC):
+    """The blocks of one installed stage-3 plan and their state machine (see the module docstring).
+
+    Moving a block's values is the subclass's: :class:`BlockTable` gathers over the process group,
+    :class:`TracedBlocks` only allocates (a trace under fake tensors, [Note: stage 3 traced]).
+    """
 
     def __init__(
-        self,
-        *,
-        zp: ZeroPlan,
-        params: Sequence[torch.Tensor],
-        buffers: Sequence[BlockBuffers],
-        groups: ProcessGroups,
-        log: CommLog,
+        self, zp: ZeroPlan, params: Sequence[torch.Tensor], entries: dict[BlockKey, BlockEntry]
     ) -> None:
         self._zp = zp
-        self._buffers = buffers
-        self._groups = groups
-        self.log = log
-        self.entries: dict[BlockKey, BlockEntry] = {}
+        self.log = CommLog()
+        self.entries = entries
         self._key_of: dict[int, BlockKey] = {}  # id(param) -> its block
         self._storage: dict[int, BlockKey] = {}  # storage address (StorageImpl) -> block
         managed = set(zp.trainable_indices)
-        for buf in buffers:
-            s = buf.space.index
-            for k, (block, buffer) in enumerate(zip(buf.space.blocks, buf.blocks, strict=True)):
-                entry = BlockEntry((s, k), buffer, block, block.numel * buffer.element_size())
-                self.entries[s, k] = entry
-                self._storage[buffer.untyped_storage()._cdata] = (s, k)
-            for index, (k, local) in block_positions(buf.space).items():
-                entry = self.entries[s, k]
+        for s in sorted({key[0] for key in entries}):
+            for index, (k, local) in block_positions(zp.partition.spaces[s]).items():
+                entry = entries[s, k]
                 self._key_of[id(params[index])] = (s, k)
                 entry.members.append(params[index])
                 entry.indices.append(index)
                 entry.offsets.append(local)
                 entry.trainable += index in managed
-        for entry in self.entries.values():
-            self._set_class(entry, ShardedParameter)  # built sharded (``build_block_buffers``)
 
     # ------------------------------------------------------------------ lookups
     def key_of(self, param: torch.Tensor) -> BlockKey | None:
@@ -151,7 +152,118 @@ class BlockTable:
             yield from entry.members
 
     # ------------------------------------------------------------------ moves
+    @abc.abstractmethod
     def _set_class(self, entry: BlockEntry, cls: type) -> None:
+        """Give the block's parameters class ``cls`` (``nn.Parameter`` while gathered)."""
+
+    @abc.abstractmethod
+    def start_gather(self, key: BlockKey) -> None:
+        """SHARDED -> GATHERING: allocate the block and start filling it."""
+
+    @abc.abstractmethod
+    def free(self, key: BlockKey) -> None:
+        """-> SHARDED: release the block."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Let go of every parameter (another plan's buffers hold their values now); all sharded."""
+
+    @abc.abstractmethod
+    def detached(self) -> int | None:
+        """The first parameter whose values no longer live where the table put them."""
+
+    def ensure(self, key: BlockKey) -> None:
+        """-> GATHERED: the block complete, its parameters plain ``nn.Parameter`` again."""
+        entry = self.entries[key]
+        if entry.state is BlockState.SHARDED:
+            self.start_gather(key)
+        if entry.state is BlockState.GATHERING:
+            for pending in entry.pending:
+                pending.finish()
+            entry.pending = []
+            entry.state = BlockState.GATHERED
+            self._set_class(entry, torch.nn.Parameter)
+
+    def prefetch(self, key: BlockKey, step: int, visited: set[BlockKey]) -> None:
+        """Start the gather of the block ``step`` away from ``key`` in its space, once per ``visited``."""
+        nxt = (key[0], key[1] + step)
+        if nxt in self.entries and nxt not in visited:
+            visited.add(nxt)
+            self.start_gather(nxt)
+
+    def shard_all(self) -> None:
+        """Free every block: each rank holds only its shards."""
+        for key in self.entries:
+            self.free(key)
+
+    def gather_all(self) -> None:
+        """Gather every block (collective)."""
+        for key in self.entries:
+            self.start_gather(key)
+        for key in self.entries:
+            self.ensure(key)
+
+    def finish_gathers(self) -> None:
+        """Complete every gather in flight (blocks stay gathered)."""
+        for key, entry in self.entries.items():
+            if entry.state is BlockState.GATHERING:
+                self.ensure(key)
+
+    def forget(self) -> None:
+        """Drop gathers in flight without waiting (the process group is gone)."""
+        for entry in self.entries.values():
+            entry.pending = []
+
+    @contextlib.contextmanager
+    def logging_to(self, log: CommLog) -> Iterator[None]:
+        """Count the gathers started inside in ``log`` (inspection traffic is not the step's)."""
+        saved, self.log = self.log, log
+        try:
+            yield
+        finally:
+            self.log = saved
+
+    # ------------------------------------------------------------------ what it holds
+    def block_gathered(self, key: BlockKey) -> bool:
+        """Whether block ``key`` is gathered (for tests and tools)."""
+        return self.entries[key].state is BlockState.GATHERED
+
+    def saved_views(self) -> int:
+        """Tensors autograd saved from the blocks, alive now (for tests and tools)."""
+        return sum(sum(e.saved.values()) for e in self.entries.values())
+
+    def held_bytes(self) -> int:
+        """Bytes of block buffers allocated now."""
+        return sum(e.nbytes for e in self.entries.values() if e.state is not BlockState.SHARDED)
+
+
+class BlockTable(Blocks):
+    """The blocks of one installed stage-3 plan, gathered over the process group into their buffers."""
+
+    def __init__(
+        self,
+        *,
+        zp: ZeroPlan,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[BlockBuffers],
+        groups: ProcessGroups,
+        log: CommLog,
+    ) -> None:
+        entries = {}
+        for buf in buffers:
+            s = buf.space.index
+            for k, (block, buffer) in enumerate(zip(buf.space.blocks, buf.blocks, strict=True)):
+                entries[s, k] = BlockEntry((s, k), buffer, block, block.numel * buffer.element_size())
+        super().__init__(zp, params, entries)
+        self._buffers = buffers
+        self._groups = groups
+        self.log = log
+        for entry in entries.values():
+            self._storage[entry.buffer.untyped_storage()._cdata] = entry.key
+            self._set_class(entry, ShardedParameter)  # built sharded (``build_block_buffers``)
+
+    def _set_class(self, entry: BlockEntry, cls: type) -> None:
+        """Swap the members' class: ``ShardedParameter`` while sharded (a read gathers or raises)."""
         for p in entry.members:
             if type(p) in (torch.nn.Parameter, ShardedParameter):
                 p.__class__ = cls
@@ -166,18 +278,6 @@ class BlockTable:
         space = self._zp.partition.spaces[entry.key[0]]
         entry.pending = start_block_gather(entry.buffer, space, entry.block, self._zp, self._groups, self.log)
         entry.state = BlockState.GATHERING
-
-    def ensure(self, key: BlockKey) -> None:
-        """-> GATHERED: the block complete, its parameters plain ``nn.Parameter`` again."""
-        entry = self.entries[key]
-        if entry.state is BlockState.SHARDED:
-            self.start_gather(key)
-        if entry.state is BlockState.GATHERING:
-            for pending in entry.pending:
-                pending.finish()
-            entry.pending = []
-            entry.state = BlockState.GATHERED
-            self._set_class(entry, torch.nn.Parameter)
 
     def free(self, key: BlockKey) -> None:
         """-> SHARDED: release the buffer (waiting for a gather in flight first).
@@ -216,36 +316,6 @@ class BlockTable:
         self._storage[storage._cdata] = entry.key
         storage.resize_(0)
 
-    def prefetch(self, key: BlockKey, step: int, visited: set[BlockKey]) -> None:
-        """Start the gather of the block ``step`` away from ``key`` in its space, once per ``visited``."""
-        nxt = (key[0], key[1] + step)
-        if nxt in self.entries and nxt not in visited:
-            visited.add(nxt)
-            self.start_gather(nxt)
-
-    def shard_all(self) -> None:
-        """Free every block: each rank holds only its shards."""
-        for key in self.entries:
-            self.free(key)
-
-    def gather_all(self) -> None:
-        """Gather every block (collective)."""
-        for key in self.entries:
-            self.start_gather(key)
-        for key in self.entries:
-            self.ensure(key)
-
-    def finish_gathers(self) -> None:
-        """Complete every gather in flight (blocks stay gathered)."""
-        for key, entry in self.entries.items():
-            if entry.state is BlockState.GATHERING:
-                self.ensure(key)
-
-    def forget(self) -> None:
-        """Drop gathers in flight without waiting (the process group is gone)."""
-        for entry in self.entries.values():
-            entry.pending = []
-
     def release(self) -> None:
         """Let go of every parameter (another plan's buffers hold their values now); all sharded."""
         for entry in self.entries.values():
@@ -256,28 +326,6 @@ class BlockTable:
             entry.buffer.untyped_storage().resize_(0)
             entry.state = BlockState.SHARDED
 
-    @contextlib.contextmanager
-    def logging_to(self, log: CommLog) -> Iterator[None]:
-        """Count the gathers started inside in ``log`` (inspection traffic is not the step's)."""
-        saved, self.log = self.log, log
-        try:
-            yield
-        finally:
-            self.log = saved
-
-    # ------------------------------------------------------------------ what it holds
-    def block_gathered(self, key: BlockKey) -> bool:
-        """Whether block ``key`` is gathered (for tests and tools)."""
-        return self.entries[key].state is BlockState.GATHERED
-
-    def saved_views(self) -> int:
-        """Tensors autograd saved from the blocks, alive now (for tests and tools)."""
-        return sum(sum(e.saved.values()) for e in self.entries.values())
-
-    def held_bytes(self) -> int:
-        """Bytes of block buffers allocated now."""
-        return sum(e.nbytes for e in self.entries.values() if e.state is not BlockState.SHARDED)
-
     def detached(self) -> int | None:
         """The first parameter whose ``.data`` no longer views its block's buffer."""
         for entry in self.entries.values():
@@ -285,4 +333,53 @@ class BlockTable:
             for p, index in zip(entry.members, entry.indices, strict=True):
                 if p.untyped_storage()._cdata != home:
                     return index
+        return None
+
+
+class TracedBlocks(Blocks):
+    """Stage 3's blocks in a trace under fake tensors ([Note: stage 3 traced] in ``diagnostics.trace``).
+
+    Gathering allocates the whole block, so torch's ``MemTracker`` counts it where a ``BlockTable``
+    would hold it, and freeing drops it; nothing moves between ranks. The traced model's parameters
+    stay its own (plain, each with its storage): a tensor autograd saves from one is a saved view of
+    its block, as it is of a ``BlockTable``'s buffer.
+    """
+
+    def __init__(self, zp: ZeroPlan, params: Sequence[torch.Tensor], device: torch.device) -> None:
+        entries = {}
+        for space in zp.partition.spaces:
+            empty = torch.empty(0, dtype=torch_dtype(space.dtype), device=device)
+            for k, block in enumerate(space.blocks):
+                entries[space.index, k] = BlockEntry(
+                    (space.index, k), empty, block, block.numel * empty.element_size()
+                )
+        super().__init__(zp, params, entries)
+        for entry in entries.values():
+            for p in entry.members:
+                self._storage[p.untyped_storage()._cdata] = entry.key
+
+    def _set_class(self, entry: BlockEntry, cls: type) -> None:
+        """Nothing: the traced parameters hold their values whatever the block's state."""
+
+    def start_gather(self, key: BlockKey) -> None:
+        """SHARDED -> GATHERING: allocate the whole block."""
+        entry = self.entries[key]
+        if entry.state is BlockState.SHARDED:
+            entry.buffer = entry.buffer.new_empty(entry.block.numel)
+            entry.state = BlockState.GATHERING
+
+    def free(self, key: BlockKey) -> None:
+        """-> SHARDED: drop the block."""
+        entry = self.entries[key]
+        entry.buffer = entry.buffer.new_empty(0)
+        entry.state = BlockState.SHARDED
+
+    def release(self) -> None:
+        """Drop every block and forget the parameters."""
+        for key, entry in self.entries.items():
+            self.free(key)
+            entry.members, entry.indices, entry.offsets = [], [], []
+
+    def detached(self) -> int | None:
+        """None: the traced parameters are never moved."""
         return None

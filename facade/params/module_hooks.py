@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from zeroplan.facade.params.blocks import BlockKey, BlockTable
+from zeroplan.facade.params.blocks import BlockKey, Blocks
 from zeroplan.facade.runtime.dynamo import between_graphs, compiled_blocks
 
 __all__ = ["ForwardHooks", "in_backward"]
@@ -56,11 +56,11 @@ def in_backward() -> bool:
 
 
 class ForwardHooks:
-    """The attached model's forward hooks over one ``BlockTable`` (see the module docstring)."""
+    """The attached model's forward hooks over one ``Blocks`` table (see the module docstring)."""
 
     def __init__(
         self,
-        blocks: BlockTable,
+        blocks: Blocks,
         *,
         reshard_after_forward: bool,
         may_free: Callable[[], bool],

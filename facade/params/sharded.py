@@ -71,12 +71,11 @@ import torch
 
 from zeroplan.core import ZeroPlan
 from zeroplan.facade.params import saved_tensors
-from zeroplan.facade.params.blocks import OWNERS, BlockKey, BlockTable
+from zeroplan.facade.params.blocks import OWNERS, BlockKey, Blocks
 from zeroplan.facade.params.buffers import BlockBuffers
 from zeroplan.facade.params.module_hooks import ForwardHooks, in_backward
 from zeroplan.facade.params.saved_tensors import SavedView
 from zeroplan.facade.runtime.collectives import CommLog
-from zeroplan.facade.runtime.groups import ProcessGroups
 from zeroplan.facade.runtime.wire_codec import published_pieces
 
 __all__ = ["Peers", "ShardedParams"]
@@ -110,17 +109,19 @@ class ShardedParams:
         *,
         zp: ZeroPlan,
         params: Sequence[torch.Tensor],
+        blocks: Blocks,
         buffers: Sequence[BlockBuffers],
-        groups: ProcessGroups,
-        log: CommLog,
+        shard_rank: int,
         reshard_after_forward: bool,
         peers: Peers | None = None,
     ) -> None:
+        """``blocks``: the table of ``buffers``' blocks (``BlockTable``), or a trace's ``TracedBlocks``
+        (no buffers: [Note: stage 3 traced])."""
         self._buffers = buffers
         # Under a parameter wire every gathered piece holds decoded values ([Note: wire formats]).
-        self._published = [published_pieces(zp, buf.space, groups.shard_rank) for buf in buffers]
+        self._published = [published_pieces(zp, buf.space, shard_rank) for buf in buffers]
         self.reshard_after_forward = reshard_after_forward
-        self._blocks = BlockTable(zp=zp, params=params, buffers=buffers, groups=groups, log=log)
+        self._blocks = blocks
         for p in self._blocks.members():
             OWNERS.claim(p, self)
         managed = set(zp.trainable_indices)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import Stage, ZeroPlan
+from zeroplan.facade.params.blocks import BlockTable
 from zeroplan.facade.params.buffers import SpaceBuffers, build_block_buffers, build_flat_buffers
 from zeroplan.facade.params.gather import ParamGather, storage_address
 from zeroplan.facade.params.residency import Residency
@@ -120,9 +121,9 @@ def install(
         residency = ShardedParams(
             zp=zp,
             params=params,
+            blocks=BlockTable(zp=zp, params=params, buffers=blocks, groups=groups, log=log),
             buffers=blocks,
-            groups=groups,
-            log=log,
+            shard_rank=shard_rank,
             reshard_after_forward=reshard_after_forward,
             peers=peers,
         )

@@ -57,6 +57,7 @@ def whole_step(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         lambda: _build(dtype, recompute),
         lambda m: _loss_of(m, rank, batch),
         cfg["stage"],
+        cfg.get("reshard", True),
     )
 
 
@@ -65,16 +66,21 @@ def _measure_and_trace(
     build: Callable[[], torch.nn.Module],
     loss_of: Callable[[torch.nn.Module], torch.Tensor],
     stage: int,
+    reshard: bool = True,
 ) -> dict[str, Any]:
     """MemTracker over three real steps (the third's peak), and the plan with the activations traced
     twice: alone (gradients added by the plan) and with the plan's schedule keeping the gradients."""
     tracker = MemTracker()
     with tracker:
         model = build()
-        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, bucket_bytes=65_536, lr=1e-3)
+        extra = {"reshard_after_forward": reshard} if stage == 3 else {}
+        opt = ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, stage=stage, bucket_bytes=65_536, lr=1e-3, **extra
+        )
         opt.attach(model)
-    alone = traced_step_peak(opt.plan, trace_activations(build, loss_of))[rank]
-    with_plan = traced_step_peak(opt.plan, trace_activations(build, loss_of, plan=opt.plan))[rank]
+    alone = traced_step_peak(opt.plan, trace_activations(build, loss_of), **extra)[rank]
+    traced = trace_activations(build, loss_of, plan=opt.plan, **extra)
+    with_plan = traced_step_peak(opt.plan, traced, **extra)[rank]
 
     def step() -> None:
         loss = loss_of(model)
@@ -91,7 +97,8 @@ def _measure_and_trace(
         "exact": with_plan.exact,
         "alone": alone.peak_bytes,
         "alone_exact": alone.exact,
-        "plan_only": memory_report(opt.plan).ranks[rank].peak_bytes,
+        "plan_only": memory_report(opt.plan, **extra).ranks[rank].peak_bytes,
+        "gathered": max(p.gathered for p in traced.points),
     }
 
 

@@ -1,0 +1,79 @@
+"""The traced timeline's values and the whole step they give ([Note: one timeline]), without torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeroplan.core import ConfigError, Topology, plan, specs_from_shapes
+from zeroplan.core.peak import gathered_bytes
+from zeroplan.core.sizing.trace import (
+    ActivationTrace,
+    TracePhase,
+    TracePoint,
+    step_timeline,
+    traced_step_peak,
+)
+
+F, B = TracePhase.FORWARD, TracePhase.BACKWARD
+
+
+def _plan(stage: int):
+    return plan(
+        specs_from_shapes([(256,)] * 4), Topology(world_size=2), stage=stage, alignment=8, bucket_bytes=1024
+    )
+
+
+def _trace(zp, *, held: bool, reshard: bool | None = None, gathered: int = 0) -> ActivationTrace:
+    names = tuple(f"p{i}" for i in range(4))
+    points = (
+        TracePoint(F, "layer", "enter", 100 + gathered, gathered),
+        TracePoint(F, "layer", "exit", 5000 + gathered, gathered),
+        *(TracePoint(B, names[i], "grad", 4000 - 500 * i, 0) for i in (3, 2, 1, 0)),
+    )
+    return ActivationTrace(
+        points=points, peak_bytes=6000 + gathered, peak_phase=B, peak_module="layer",
+        forward_peak_bytes=5000 + gathered, params=names,
+        plan_fingerprint=zp.fingerprint() if held else "", reshard_after_forward=reshard,
+    )  # fmt: skip
+
+
+def test_a_point_holds_its_blocks_within_its_bytes():
+    with pytest.raises(ConfigError, match="gathered must be within its bytes"):
+        TracePoint(F, "layer", "enter", 10, 11)
+    with pytest.raises(ConfigError, match="event"):
+        TracePoint(F, "layer", "left", 10)
+
+
+def test_blocks_are_held_only_by_a_trace_made_with_a_plan():
+    with pytest.raises(ConfigError, match="only for a trace made with a stage-3 plan"):
+        _trace(_plan(3), held=False, reshard=True)
+
+
+def test_stage_3_traced_alone_adds_the_most_gathered_blocks_an_upper_bound():
+    zp = _plan(3)
+    alone = traced_step_peak(zp, _trace(zp, held=False))
+    assert all(not p.exact and not p.traced_blocks for p in alone)
+    blocks = gathered_bytes(zp)
+    held = traced_step_peak(zp, _trace(zp, held=True, reshard=True, gathered=blocks))
+    assert all(p.exact and p.traced_blocks and p.traced_gradients for p in held)
+    for a, h in zip(alone, held, strict=True):  # the blocks in the trace, not added a second time
+        assert h.peak_bytes == h.persistent + 6000 + blocks <= a.peak_bytes
+
+
+def test_the_blocks_must_be_held_as_the_step_will_hold_them():
+    zp = _plan(3)
+    trace = _trace(zp, held=True, reshard=False, gathered=64)
+    with pytest.raises(ConfigError, match="reshard_after_forward=False"):
+        traced_step_peak(zp, trace)
+    assert traced_step_peak(zp, trace, reshard_after_forward=False)[0].exact
+    with pytest.raises(ConfigError, match="another plan's schedule"):
+        traced_step_peak(_plan(2), _trace(zp, held=True))
+
+
+def test_the_timeline_stacks_the_blocks_apart_from_the_activations():
+    zp = _plan(3)
+    timeline = step_timeline(zp, _trace(zp, held=True, reshard=False, gathered=64))
+    forward = timeline[1]
+    assert (forward.activations, forward.gathered) == (5000, 64)
+    assert forward.total == forward.persistent + 5064
+    assert timeline[-1].phase == "step" and timeline[-1].gathered == 0
