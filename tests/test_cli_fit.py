@@ -115,8 +115,7 @@ def test_json_fields(llama_runs):
     )
     assert advice == json.loads(json.dumps(expected.as_dict()))
     assert len(advice["options"]) == 3 * 7 * 2  # stages x divisors of 64 x (foreach, fused)
-    assert advice["best"]["stage"] == 2 and advice["best"]["planned_only"] is False
-    assert all(o["planned_only"] == (o["stage"] == 3) for o in advice["options"])
+    assert advice["best"]["stage"] == 2
 
 
 # ----------------------------------------------------------------- other sources and options
@@ -263,6 +262,44 @@ def test_trace_at_stage_3_holds_the_gathered_blocks(tmp_path):
     assert all(not a.exact and a.peak_bytes > h.peak_bytes for a, h in zip(alone, held, strict=True))
     out = zeroplan(*args, "--trace")
     assert "activations, gradients and gathered blocks" in flat(out.stdout), out.stdout
+
+
+@needs_transformers
+def test_recommend_with_traced_activations_chooses_the_micro_batch_too(tmp_path):
+    """``--recommend --trace``: each configuration's need is its step's timeline, the micro-batch is
+    the largest of ``--micro-batch`` and its halvings at which one fits, and the choice is traced
+    again with its plan ([Note: the cheapest configuration])."""
+    from zeroplan.core import Topology, plan
+    from zeroplan.core.sizing.recommend import recommend_micro_batch
+    from zeroplan.core.sizing.trace import traced_step_peak
+    from zeroplan.facade.cli.model_sources import specs_from_hf_config, trace_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_SMALL))
+    args = ("--hf-config", str(tmp_path), "--world", "2", "--dtype", "fp32", "--seq-len", "128", "--trace")
+    args += ("--micro-batch", "4", "--device-memory", "15MiB", "--recommend")
+    out = zeroplan(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    advice = json.loads(out.stdout)["recommendation"]
+    specs = specs_from_hf_config(tmp_path, "fp32")
+
+    def trace_of(micro_batch: int):
+        return trace_hf_config(tmp_path, "fp32", seq_len=128, micro_batch=micro_batch, recompute=False)
+
+    expected = recommend_micro_batch(specs, 2, device_bytes=15 * 2**20, micro_batch=4, trace_of=trace_of)
+    assert (advice["micro_batch"], advice["tried_micro_batches"], advice["traced"]) == (2, [4], True)
+    assert advice["best"] == json.loads(json.dumps(expected.best.as_dict()))
+    assert advice["reason"].startswith("micro-batch 2: stage 2 with shard groups of 2")
+    assert "(nothing fits at micro-batch 4)" in advice["reason"]
+    best = plan(specs, Topology(world_size=2), stage=2)
+    exact = traced_step_peak(best, trace_hf_config(tmp_path, "fp32", seq_len=128, micro_batch=2,
+                                                   recompute=False, plan=best))  # fmt: skip
+    assert [r["peak_bytes"] for r in advice["traced_step"]] == [p.peak_bytes for p in exact]
+    assert max(p.peak_bytes for p in exact) <= advice["best"]["need_bytes"] <= 15 * 2**20
+    text = flat(zeroplan(*args).stdout)
+    assert "recommended (micro-batch 2, stage 2 with shard groups of 2" in text, text
+    tight = zeroplan(*args[:-3], "--device-memory", "9MiB", "--recommend", "--json")
+    assert tight.returncode == 1  # nothing fits even at micro-batch 1
+    assert json.loads(tight.stdout)["recommendation"]["tried_micro_batches"] == [4, 2]
 
 
 TRACE_BAD = [

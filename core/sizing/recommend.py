@@ -13,26 +13,45 @@ per step (the busiest rank's ``comm_bytes_per_step``; within
 2 send ``2M(1 - 1/world)`` at every shard size, up to a few bytes of padding),
 then needs the least memory (the busiest rank), then has the lower stage, the
 optimizer as given, and the smaller shard group. Stage 3 sends more than
-stages 1 and 2, so it is chosen only when they do not fit; it is planned, not
-executed by the facade yet, and a recommendation of it says so.
+stages 1 and 2, so it is chosen only when they do not fit.
+
+With traced activations (``trace``: [Note: traced activations]) each
+configuration's need is its step's timeline ([Note: one timeline],
+:func:`~zeroplan.core.sizing.trace.traced_fit`), not the activations' peak added
+to the backward's. The trace is made once, without a plan, for every
+configuration: where gradients arrive out of bucket order, and at stage 3, the
+timeline is then an upper bound; the CLI traces the chosen one again with its
+plan, which is exact. :func:`recommend_micro_batch` also chooses the
+micro-batch: the largest of the one asked for and its halvings at which some
+configuration fits, traced as it goes (a smaller micro-batch keeps the batch
+with gradient accumulation).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from zeroplan.core.errors import ConfigError, check_config, require
 from zeroplan.core.memory import memory_report
 from zeroplan.core.optim.implementations import Implementation
-from zeroplan.core.optim.optimizers import describe_optimizer
-from zeroplan.core.planner import Stage, plan
+from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer
+from zeroplan.core.planner import Stage, ZeroPlan, plan
 from zeroplan.core.sizing.fit import FitReport, fit_report, gib, stage_label
+from zeroplan.core.sizing.trace import ActivationTrace, traced_fit
 from zeroplan.core.specs import ParamSpec
 from zeroplan.core.topology import Topology
 
-__all__ = ["TRAFFIC_TOLERANCE", "Option", "Recommendation", "recommend", "shard_sizes"]
+__all__ = [
+    "TRAFFIC_TOLERANCE",
+    "Option",
+    "Recommendation",
+    "option_plan",
+    "recommend",
+    "recommend_micro_batch",
+    "shard_sizes",
+]
 
 #: Relative difference in bytes per step below which two configurations count as sending the same.
 TRAFFIC_TOLERANCE = 1e-3
@@ -81,7 +100,6 @@ class Option:
             "optimizer": self.optimizer,
             "implementation": self.implementation.value,
             "fused": self.fused,
-            "planned_only": self.fit.stage == Stage.PARAMETERS,
         }
 
 
@@ -162,6 +180,9 @@ class Recommendation:
         device_bytes: the device's memory.
         activation_bytes: activations of one rank's micro-batch.
         options: every configuration assessed.
+        traced: whether each need is a traced step's timeline (else the activations are added).
+        micro_batch: the micro-batch chosen (:func:`recommend_micro_batch`), or ``None``.
+        tried: the micro-batches assessed before it, larger first (nothing fitted at them).
         best: the cheapest that fits, or ``None`` (derived).
         reason: why, in one line (derived).
     """
@@ -169,6 +190,9 @@ class Recommendation:
     device_bytes: int
     activation_bytes: int
     options: tuple[Option, ...]
+    traced: bool = False
+    micro_batch: int | None = None
+    tried: tuple[int, ...] = ()
     best: Option | None = field(init=False)
     reason: str = field(init=False)
 
@@ -181,17 +205,28 @@ class Recommendation:
             ),
             "the options of a recommendation were assessed for other device memory or activations",
         )
+        check_config(
+            self.micro_batch is not None or not self.tried,
+            "a recommendation's tried micro-batches need its own",
+        )
         best = _cheapest(self.options)
         object.__setattr__(self, "best", best)
-        object.__setattr__(
-            self, "reason", _explain(best, self.options, self.device_bytes, self.activation_bytes)
-        )
+        reason = _explain(best, self.options, self.device_bytes, self.activation_bytes)
+        if self.micro_batch is not None:
+            fits = "fits" if best is not None else "fits either"
+            reason = f"micro-batch {self.micro_batch}: {reason}"
+            if self.tried:
+                reason += f" (nothing {fits} at micro-batch {', '.join(map(str, self.tried))})"
+        object.__setattr__(self, "reason", reason)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready mapping (the CLI's ``--json`` ``recommendation``)."""
         return {
             "best": None if self.best is None else self.best.as_dict(),
             "reason": self.reason,
+            "traced": self.traced,
+            "micro_batch": self.micro_batch,
+            "tried_micro_batches": list(self.tried),
             "options": [o.as_dict() for o in self.options],
         }
 
@@ -206,6 +241,7 @@ def recommend(
     settings: Mapping[str, Any] | None = None,
     ranks_per_node: int | None = None,
     stages: Sequence[int] = (1, 2, 3),
+    trace: ActivationTrace | None = None,
     **plan_options: Any,
 ) -> Recommendation:
     """The cheapest configuration of ``specs`` on ``world_size`` ranks that fits each device.
@@ -222,6 +258,8 @@ def recommend(
         settings: its settings (read by :func:`~zeroplan.core.optim.optimizers.describe_optimizer`).
         ranks_per_node: for the topology.
         stages: the stages to assess.
+        trace: traced activations of one micro-batch, made without a plan: each configuration's need
+            is then its step's timeline, and ``activation_bytes`` is the trace's peak.
         **plan_options: more arguments of :func:`~zeroplan.core.planner.plan`
             (``strategy``, ``alignment``, ``bucket_bytes``, ``loss_scaling``, ...).
 
@@ -246,6 +284,12 @@ def recommend(
         all(s in (Stage.OPTIMIZER, Stage.GRADIENTS, Stage.PARAMETERS) for s in stages) and stages,
         f"the recommender assesses stages 1, 2 and 3, got {tuple(stages)!r}",
     )
+    if trace is not None:
+        check_config(
+            not trace.plan_fingerprint,
+            "the recommender needs activations traced without a plan (each configuration is its own plan)",
+        )
+        activation_bytes = trace.peak_bytes
     variants = [(describe_optimizer(optimizer, settings), False)]
     if variants[0][0].implementation is not Implementation.FUSED:
         try:
@@ -255,15 +299,98 @@ def recommend(
     options = []
     for stage in stages:
         for shard in shard_sizes(world_size):
-            topology = Topology(world_size=world_size, shard_size=shard, ranks_per_node=ranks_per_node)
             for spec, fused in variants:
-                zp = plan(specs, topology, stage=stage, optimizer=spec, **plan_options)
-                fit = fit_report(
-                    memory_report(zp), activation_bytes=activation_bytes, device_bytes=device_bytes
-                )
+                zp = _plan_of(specs, world_size, stage, shard, spec, ranks_per_node, plan_options)
+                if trace is None:
+                    fit = fit_report(
+                        memory_report(zp), activation_bytes=activation_bytes, device_bytes=device_bytes
+                    )
+                else:
+                    fit = traced_fit(zp, trace, device_bytes=device_bytes)
                 options.append(
                     Option(fit=fit, optimizer=spec.name, implementation=spec.implementation, fused=fused)
                 )
     return Recommendation(
-        device_bytes=device_bytes, activation_bytes=activation_bytes, options=tuple(options)
+        device_bytes=device_bytes,
+        activation_bytes=activation_bytes,
+        options=tuple(options),
+        traced=trace is not None,
     )
+
+
+def _plan_of(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    stage: int,
+    shard: int,
+    spec: OptimizerSpec,
+    ranks_per_node: int | None,
+    plan_options: Mapping[str, Any],
+) -> ZeroPlan:
+    topology = Topology(world_size=world_size, shard_size=shard, ranks_per_node=ranks_per_node)
+    return plan(specs, topology, stage=stage, optimizer=spec, **plan_options)
+
+
+def option_plan(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    option: Option,
+    *,
+    settings: Mapping[str, Any] | None = None,
+    ranks_per_node: int | None = None,
+    **plan_options: Any,
+) -> ZeroPlan:
+    """The plan of one configuration :func:`recommend` assessed (the same ``specs``, ``world_size``,
+    optimizer ``settings`` and ``plan_options``): to check it further, or to run it."""
+    extra = {"fused": True} if option.fused else {}
+    spec = describe_optimizer(option.optimizer, {**(settings or {}), **extra})
+    return _plan_of(
+        specs, world_size, option.fit.stage, option.fit.shard_size, spec, ranks_per_node, plan_options
+    )
+
+
+def recommend_micro_batch(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    *,
+    device_bytes: int,
+    micro_batch: int,
+    trace_of: Callable[[int], ActivationTrace],
+    **options: Any,
+) -> Recommendation:
+    """:func:`recommend` with traced activations at ``micro_batch``, then at its halvings down to 1
+    until some configuration fits: the largest micro-batch that fits, and the cheapest configuration
+    at it (see [Note: the cheapest configuration]).
+
+    Args:
+        micro_batch: the most sequences per rank wanted.
+        trace_of: traces the activations of a micro-batch of that many sequences, without a plan
+            (called once per micro-batch assessed, largest first).
+        **options: :func:`recommend`'s other arguments.
+
+    Example:
+        >>> from zeroplan.core import specs_from_shapes
+        >>> from zeroplan.core.sizing.trace import ActivationTrace, TracePhase, TracePoint
+        >>> specs = specs_from_shapes([(1024, 1024)] * 4, dtype="bf16")
+        >>> names = tuple(s.name for s in specs)
+        >>> def trace_of(batch):   # a stand-in: 4 MiB of activations per sequence, freed as gradients arrive
+        ...     a = batch * 2**22
+        ...     grads = (TracePoint(TracePhase.BACKWARD, n, "grad", a * i // 4) for i, n in enumerate(names))
+        ...     points = (TracePoint(TracePhase.FORWARD, "", "exit", a), *grads)
+        ...     return ActivationTrace(points=points, peak_bytes=a, peak_phase=TracePhase.FORWARD,
+        ...                            peak_module="", forward_peak_bytes=a, params=names)
+        >>> r = recommend_micro_batch(specs, 2, device_bytes=64 * 2**20, micro_batch=8, trace_of=trace_of)
+        >>> r.micro_batch, r.tried, r.best.label
+        (2, (8, 4), 'stage 1 with shard groups of 2, AdamW(fused=True)')
+    """
+    check_config(
+        type(micro_batch) is int and micro_batch >= 1, f"micro_batch must be an int >= 1, got {micro_batch!r}"
+    )
+    tried: list[int] = []
+    batch = micro_batch
+    while True:
+        advice = recommend(specs, world_size, device_bytes=device_bytes, trace=trace_of(batch), **options)
+        if advice.best is not None or batch == 1:
+            return replace(advice, micro_batch=batch, tried=tuple(tried))
+        tried.append(batch)
+        batch //= 2

@@ -32,9 +32,10 @@ from enum import Enum
 from typing import Any, NamedTuple
 
 from zeroplan.core.errors import check_config
-from zeroplan.core.memory import memory_report
+from zeroplan.core.memory import MemoryReport, memory_report
 from zeroplan.core.peak import gathered_bytes, grads_alive
 from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.sizing.fit import FitReport, RankFit
 
 __all__ = [
     "ActivationTrace",
@@ -43,6 +44,7 @@ __all__ = [
     "TracePoint",
     "TracedPeak",
     "step_timeline",
+    "traced_fit",
     "traced_step_peak",
 ]
 
@@ -172,6 +174,8 @@ class TracedPeak(NamedTuple):
         traced_gradients: the trace held the gradients itself (traced with the plan): they are in
             ``activations``, and ``gradients`` is 0.
         traced_blocks: the trace held stage 3's gathered blocks itself: they are in ``activations``.
+        passes_bytes: the most of the forward and backward (the peak unless it is the step's).
+        step_bytes: ``persistent`` and ``step()``'s transients.
     """
 
     rank: int
@@ -183,6 +187,8 @@ class TracedPeak(NamedTuple):
     exact: bool
     traced_gradients: bool = False
     traced_blocks: bool = False
+    passes_bytes: int = 0
+    step_bytes: int = 0
 
 
 def traced_step_peak(
@@ -216,6 +222,13 @@ def traced_step_peak(
         overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce``.
         reshard_after_forward: its stage-3 setting.
     """
+    return _traced_peaks(zp, trace, overlap, reshard_after_forward)[0]
+
+
+def _traced_peaks(
+    zp: ZeroPlan, trace: ActivationTrace, overlap: bool, reshard_after_forward: bool
+) -> tuple[tuple[TracedPeak, ...], MemoryReport]:
+    """:func:`traced_step_peak`, and the memory report it read."""
     check_config(
         len(trace.params) == len(zp.trainable_indices),
         f"the trace has {len(trace.params)} trainable parameters, the plan {len(zp.trainable_indices)}: "
@@ -257,10 +270,51 @@ def traced_step_peak(
         peak, phase, activations, gradients = max(candidates, key=lambda c: c[0])
         exact = gathered == 0 and waiting == 0
         held, blocks = bool(trace.plan_fingerprint), trace.reshard_after_forward is not None
+        passes = max(c[0] for c in candidates[:3])
         out.append(
-            TracedPeak(r.rank, peak, phase, r.total_bytes, activations, gradients, exact, held, blocks)
+            TracedPeak(
+                r.rank,
+                peak,
+                phase,
+                r.total_bytes,
+                activations,
+                gradients,
+                exact,
+                held,
+                blocks,
+                passes,
+                candidates[3][0],
+            )
         )
-    return tuple(out)
+    return tuple(out), report
+
+
+def traced_fit(
+    zp: ZeroPlan,
+    trace: ActivationTrace,
+    *,
+    device_bytes: int,
+    overlap: bool = True,
+    reshard_after_forward: bool = True,
+) -> FitReport:
+    """Whether each rank of ``zp`` fits ``device_bytes``, its need read off the step's timeline
+    ([Note: one timeline]) rather than the activations' peak added to the backward's ([Note: does
+    it fit]): the fit the recommender uses with traced activations."""
+    check_config(
+        type(device_bytes) is int and device_bytes >= 1,
+        f"device memory must be an int >= 1 (bytes), got {device_bytes!r}",
+    )
+    peaks, report = _traced_peaks(zp, trace, overlap, reshard_after_forward)
+    ranks = tuple(RankFit(rank=p.rank, backward_bytes=p.passes_bytes, step_bytes=p.step_bytes,
+                          device_bytes=device_bytes) for p in peaks)  # fmt: skip
+    return FitReport(
+        stage=int(zp.stage),
+        shard_size=zp.topology.shard_size,
+        device_bytes=device_bytes,
+        activation_bytes=trace.peak_bytes,
+        ranks=ranks,
+        comm_bytes_per_step=max(r.comm_bytes_per_step for r in report.ranks),
+    )
 
 
 class TimelinePoint(NamedTuple):

@@ -18,10 +18,13 @@ Neither is assumed: ``--device-memory`` alone is refused rather than answering
 ``--device-memory`` only reports the activations. ``--recommend`` (needs
 ``--device-memory``) plans every stage and shard size and prints the cheapest
 configuration that fits with its reason; it exits with status 1 when nothing
-fits. Sizes are a number and an optional unit: ``B``, ``K``/``KiB``,
-``M``/``MiB``, ``G``/``GiB``, ``T``/``TiB`` (powers of 1024; a bare letter
-too, as ``dd`` and ``free`` read it) or ``KB``, ``MB``, ``GB``, ``TB`` (powers
-of 1000); case does not matter.
+fits. With ``--trace`` each configuration's need is its step's timeline, the
+micro-batch is chosen too (``--micro-batch`` and its halvings, the largest at
+which something fits, traced as needed), and the chosen configuration is
+traced again with its plan (exact: [Note: stage 3 traced]). Sizes are a
+number and an optional unit: ``B``, ``K``/``KiB``, ``M``/``MiB``, ``G``/``GiB``,
+``T``/``TiB`` (powers of 1024; a bare letter too, as ``dd`` and ``free`` read
+it) or ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000); case does not matter.
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ from zeroplan.core import (
     ParamSpec,
     Recommendation,
     Recompute,
+    ZeroPlan,
     activation_memory,
     fit_report,
     preset_dims,
     recommend,
 )
 from zeroplan.core.sizing.fit import gib
+from zeroplan.core.sizing.recommend import recommend_micro_batch
+from zeroplan.core.sizing.trace import ActivationTrace, traced_fit
 from zeroplan.facade.cli.model_sources import dims_from_hf_config
 
 __all__ = ["FitSettings", "add_arguments", "fit_settings", "parse_size"]
@@ -213,16 +219,8 @@ def _traced(args: argparse.Namespace) -> FitSettings:
         )
     import time
 
-    from zeroplan.facade.cli.model_sources import trace_hf_config
-
     started = time.perf_counter()
-    trace = trace_hf_config(
-        args.hf_config,
-        args.dtype,
-        seq_len=args.seq_len,
-        micro_batch=args.micro_batch or 1,
-        recompute=args.recompute == Recompute.FULL.value,
-    )
+    trace = trace_args(args, args.micro_batch or 1)
     return FitSettings(
         args.device_memory, trace.peak_bytes, None, args.recommend, trace, time.perf_counter() - started
     )
@@ -247,10 +245,15 @@ def activations_line(settings: FitSettings) -> str:
     )
 
 
-def assess(report: MemoryReport, settings: FitSettings) -> FitReport | None:
-    """The planned configuration's fit, when ``--device-memory`` was given."""
+def assess(
+    zp: ZeroPlan, report: MemoryReport, settings: FitSettings, trace: ActivationTrace | None = None
+) -> FitReport | None:
+    """The planned configuration's fit, when ``--device-memory`` was given: with ``trace`` (``--trace``,
+    made with ``zp`` where that is exact) the step's timeline, else the activations added."""
     if settings.device_bytes is None:
         return None
+    if trace is not None:
+        return traced_fit(zp, trace, device_bytes=settings.device_bytes)
     return fit_report(
         report, activation_bytes=settings.activation_bytes or 0, device_bytes=settings.device_bytes
     )
@@ -259,21 +262,59 @@ def assess(report: MemoryReport, settings: FitSettings) -> FitReport | None:
 def recommendation(
     args: argparse.Namespace, specs: tuple[ParamSpec, ...], settings: FitSettings
 ) -> Recommendation | None:
-    """Run the recommender with the plan options of ``args``, when ``--recommend`` was given."""
+    """Run the recommender with the plan options of ``args``, when ``--recommend`` was given (with
+    ``--trace``: over the micro-batch too, see [Note: fit options])."""
     if not settings.recommend or settings.device_bytes is None:
         return None
-    return recommend(
+    if settings.trace is None:
+        return recommend(
+            specs,
+            args.world,
+            device_bytes=settings.device_bytes,
+            activation_bytes=settings.activation_bytes or 0,
+            **recommend_options(args),
+        )
+    asked = args.micro_batch or 1
+
+    def trace_of(micro_batch: int) -> Any:
+        return settings.trace if micro_batch == asked else trace_args(args, micro_batch)
+
+    return recommend_micro_batch(
         specs,
         args.world,
         device_bytes=settings.device_bytes,
-        activation_bytes=settings.activation_bytes or 0,
-        optimizer=args.optimizer,
-        ranks_per_node=args.ranks_per_node,
-        strategy=args.strategy,
-        alignment=args.alignment,
-        bucket_bytes=max(1, int(args.bucket_mb * 2**20)),
-        loss_scaling=args.loss_scaling,
-        layout=args.layout,
+        micro_batch=asked,
+        trace_of=trace_of,
+        **recommend_options(args),
+    )
+
+
+def recommend_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The recommender's arguments from ``args`` besides the device and activations (the optimizer,
+    the topology's nodes, the plan options): also what plans one of its options again."""
+    return {
+        "optimizer": args.optimizer,
+        "ranks_per_node": args.ranks_per_node,
+        "strategy": args.strategy,
+        "alignment": args.alignment,
+        "bucket_bytes": max(1, int(args.bucket_mb * 2**20)),
+        "loss_scaling": args.loss_scaling,
+        "layout": args.layout,
+    }
+
+
+def trace_args(args: argparse.Namespace, micro_batch: int, plan: ZeroPlan | None = None) -> Any:
+    """The ``--hf-config`` model's activations on ``micro_batch`` sequences of ``--seq-len``, traced
+    (with ``plan``: as that plan's step holds gradients and blocks)."""
+    from zeroplan.facade.cli.model_sources import trace_hf_config
+
+    return trace_hf_config(
+        args.hf_config,
+        args.dtype,
+        seq_len=args.seq_len,
+        micro_batch=micro_batch,
+        recompute=args.recompute == Recompute.FULL.value,
+        plan=plan,
     )
 
 

@@ -54,6 +54,7 @@ from zeroplan.core import (
     strategy_names,
 )
 from zeroplan.core.sizing.fit import gib
+from zeroplan.core.sizing.recommend import option_plan
 from zeroplan.core.sizing.trace import TracedPeak, traced_step_peak
 from zeroplan.core.wire import WireCodec
 from zeroplan.facade.cli import fit as fitting
@@ -61,7 +62,6 @@ from zeroplan.facade.cli.model_sources import (
     specs_from_hf_config,
     specs_from_json,
     specs_from_preset,
-    trace_hf_config,
 )
 
 __all__ = ["register", "run"]
@@ -192,8 +192,10 @@ def run(args: argparse.Namespace) -> int:
     zp = plan(specs, topology, **_plan_options(args))
     report = memory_report(zp)
     elapsed = time.perf_counter() - started
-    fit = fitting.assess(report, settings)
+    step_trace = _step_trace(args, zp, settings)
+    fit = fitting.assess(zp, report, settings, step_trace)
     advice = fitting.recommendation(args, specs, settings)
+    checked = _checked_best(args, specs, advice)
     status = 1 if advice is not None and advice.best is None else 0
     per_link = None
     if zp.grad_wire is not None or zp.param_wire is not None:  # the same plan without wires, to compare
@@ -219,8 +221,10 @@ def run(args: argparse.Namespace) -> int:
             planning_seconds=round(elapsed, 4),
         )
         fitting.update_document(document, settings, fit, advice)
-        if settings.trace is not None:
-            document["traced_step"] = [p._asdict() for p in _traced_step(args, zp, settings)]
+        if step_trace is not None:
+            document["traced_step"] = [p._asdict() for p in traced_step_peak(zp, step_trace)]
+        if checked is not None:
+            document["recommendation"]["traced_step"] = [p._asdict() for p in checked]
         json.dump(document, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return status
@@ -248,32 +252,41 @@ def run(args: argparse.Namespace) -> int:
         )
     if settings.active or advice is not None:
         _print_fit(settings, fit, advice)
-    if settings.trace is not None:
-        print(_traced_line(_traced_step(args, zp, settings), settings.device_bytes))
+    if step_trace is not None:
+        print(_traced_line(traced_step_peak(zp, step_trace), settings.device_bytes))
+    if checked is not None and advice is not None and advice.best is not None:
+        head = f"recommended (micro-batch {advice.micro_batch}, {advice.best.label}), traced with its plan"
+        print(_traced_line(checked, settings.device_bytes, head))
     return status
 
 
-def _traced_step(
-    args: argparse.Namespace, zp: ZeroPlan, settings: fitting.FitSettings
-) -> tuple[TracedPeak, ...]:
-    """Each rank's whole step with the traced activations; traced again with the plan when gradients
+def _step_trace(args: argparse.Namespace, zp: ZeroPlan, settings: fitting.FitSettings) -> Any:
+    """The trace to read ``zp``'s step from (``--trace``): traced again with the plan when gradients
     wait out of bucket order or at stage 3 (its schedule keeps the gradients, its hooks the gathered
     blocks), which makes the step exact ([Note: one timeline], [Note: stage 3 traced])."""
-    peaks = traced_step_peak(zp, settings.trace)
-    if all(p.exact for p in peaks) or zp.stage is Stage.DDP:
-        return peaks
-    trace = trace_hf_config(
-        args.hf_config,
-        args.dtype,
-        seq_len=args.seq_len,
-        micro_batch=args.micro_batch or 1,
-        recompute=args.recompute == "full",
-        plan=zp,
-    )
-    return traced_step_peak(zp, trace)
+    if settings.trace is None:
+        return None
+    if all(p.exact for p in traced_step_peak(zp, settings.trace)) or zp.stage is Stage.DDP:
+        return settings.trace
+    return fitting.trace_args(args, args.micro_batch or 1, plan=zp)
 
 
-def _traced_line(peaks: tuple[TracedPeak, ...], device_bytes: int | None) -> str:
+def _checked_best(
+    args: argparse.Namespace, specs: tuple[ParamSpec, ...], advice: Recommendation | None
+) -> tuple[TracedPeak, ...] | None:
+    """With traced activations, the recommended configuration's step traced again with its own plan
+    (exact where the recommender's timeline was an upper bound)."""
+    if advice is None or not advice.traced or advice.best is None or advice.micro_batch is None:
+        return None
+    options = fitting.recommend_options(args)
+    del options["optimizer"]  # the option names its own
+    best = option_plan(specs, args.world, advice.best, **options)
+    return traced_step_peak(best, fitting.trace_args(args, advice.micro_batch, plan=best))
+
+
+def _traced_line(
+    peaks: tuple[TracedPeak, ...], device_bytes: int | None, head: str = "whole step, traced"
+) -> str:
     """The whole step's peak with traced activations ([Note: one timeline]), on the busiest rank."""
     worst = max(peaks, key=lambda p: p.peak_bytes)
     kind = "" if worst.exact else " (an upper bound)"
@@ -286,7 +299,7 @@ def _traced_line(peaks: tuple[TracedPeak, ...], device_bytes: int | None) -> str
         )
         parts = f"{gib(worst.activations)} {held}"
     line = (
-        f"whole step, traced: {gib(worst.peak_bytes)} at the most (rank {worst.rank}, in {worst.phase}: "
+        f"{head}: {gib(worst.peak_bytes)} at the most (rank {worst.rank}, in {worst.phase}: "
         f"{gib(worst.persistent)} persistent + {parts}){kind}"
     )
     if device_bytes is not None:
