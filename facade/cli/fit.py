@@ -361,7 +361,9 @@ def grid(advice: Recommendation) -> Any:
     stages = sorted({o.fit.stage for o in advice.options})
     device = gib(advice.device_bytes)
     unit, scale = ("GiB", 2**30) if advice.device_bytes >= 2**30 else ("MiB", 2**20)
-    table = Table(title=f"need per rank with activations ({unit}) by stage and shard size, device {device}")
+    what = "the traced step" if advice.traced else "activations"
+    batch = f", micro-batch {advice.micro_batch}" if advice.micro_batch is not None else ""
+    table = Table(title=f"need per rank with {what} ({unit}) by stage and shard size, device {device}{batch}")
     table.add_column("shard size", justify="right")
     for stage in stages:
         table.add_column(f"stage {stage}", justify="right")
