@@ -108,6 +108,8 @@ class ActivationTrace:
         peak_module: the innermost module running then (``""``: the root or the loss).
         reshard_after_forward: traced with a stage-3 plan, the setting its gathered blocks were held
             by (they are then in every point and the peaks); ``None``: no blocks were held.
+        buffer_bytes: the model's buffers (a rotary embedding's frequencies, normalization
+            statistics): held throughout, by no plan; not in the points.
     """
 
     points: tuple[TracePoint, ...]
@@ -118,9 +120,14 @@ class ActivationTrace:
     params: tuple[str, ...] = ()
     plan_fingerprint: str = ""
     reshard_after_forward: bool | None = None
+    buffer_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_config(bool(self.points), "ActivationTrace needs at least one point")
+        check_config(
+            type(self.buffer_bytes) is int and self.buffer_bytes >= 0,
+            f"ActivationTrace.buffer_bytes must be an int >= 0, got {self.buffer_bytes!r}",
+        )
         check_config(
             self.reshard_after_forward is None or bool(self.plan_fingerprint),
             "ActivationTrace.reshard_after_forward is set only for a trace made with a stage-3 plan",
@@ -154,6 +161,7 @@ class ActivationTrace:
             "params": list(self.params),
             "plan_fingerprint": self.plan_fingerprint,
             "reshard_after_forward": self.reshard_after_forward,
+            "buffer_bytes": self.buffer_bytes,
             "points": [[str(p.phase), p.module, p.event, p.bytes, p.gathered] for p in self.points],
         }
 
@@ -165,7 +173,8 @@ class TracedPeak(NamedTuple):
         rank: the world rank.
         peak_bytes: the most bytes alive at once over the step.
         phase: ``"forward"``, ``"backward"`` or ``"step"``.
-        persistent: what the rank holds between steps (the plan's ``total_bytes``).
+        persistent: what the rank holds between steps: the plan's ``total_bytes`` and the model's
+            buffers (``ActivationTrace.buffer_bytes``).
         activations: activation bytes alive at the peak.
         gradients: autograd gradients not staged yet at the peak.
         exact: ``False`` where the figure is an upper bound (stage 3's gathered blocks added to the
@@ -198,7 +207,8 @@ def traced_step_peak(
     the gradients autograd holds as they arrive in the traced order, added at each moment.
 
     [Note: one timeline]
-    A step's memory is the plan's persistent buffers plus, over time: in the
+    A step's memory is the plan's persistent buffers and the model's own
+    buffers (which no plan holds: the trace counts them) plus, over time: in the
     forward, the activations; in the backward, the activations left and the
     gradients the staging schedule has not taken yet ([Note: the step's peak]),
     replayed in the order the trace saw them arrive; in ``step()``, its
@@ -261,11 +271,12 @@ def _traced_peaks(
         gathered = gathered_bytes(zp, reshard_after_forward)
     out = []
     for r in report.ranks:
+        persistent = r.total_bytes + trace.buffer_bytes
         candidates = [
-            (r.total_bytes + trace.forward_peak_bytes + gathered, "forward", trace.forward_peak_bytes, 0),
-            (r.total_bytes + trace.peak_bytes + waiting + gathered, "backward", trace.peak_bytes, waiting),
-            (r.total_bytes + arrival[0] + gathered, "backward", arrival[1], arrival[2]),
-            (r.total_bytes + r.step_transient_bytes, "step", 0, 0),
+            (persistent + trace.forward_peak_bytes + gathered, "forward", trace.forward_peak_bytes, 0),
+            (persistent + trace.peak_bytes + waiting + gathered, "backward", trace.peak_bytes, waiting),
+            (persistent + arrival[0] + gathered, "backward", arrival[1], arrival[2]),
+            (persistent + r.step_transient_bytes, "step", 0, 0),
         ]
         peak, phase, activations, gradients = max(candidates, key=lambda c: c[0])
         exact = gathered == 0 and waiting == 0
@@ -276,7 +287,7 @@ def _traced_peaks(
                 r.rank,
                 peak,
                 phase,
-                r.total_bytes,
+                persistent,
                 activations,
                 gradients,
                 exact,
@@ -344,7 +355,7 @@ def step_timeline(zp: ZeroPlan, trace: ActivationTrace, rank: int = 0) -> tuple[
     peaks = {p.rank: p for p in traced_step_peak(zp, trace, reshard_after_forward=resharded)}
     check_config(rank in peaks, f"rank {rank} is not a rank of the plan (world {len(peaks)})")
     report = next(r for r in memory_report(zp).ranks if r.rank == rank)
-    persistent = report.total_bytes
+    persistent = report.total_bytes + trace.buffer_bytes
     alive: dict[int, int] = {}
     if not trace.plan_fingerprint and zp.stage is not Stage.DDP:
         trainable = sorted(zp.trainable_indices)

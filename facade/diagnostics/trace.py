@@ -341,6 +341,7 @@ def _finish(
                 fqn = stats.mod_fqn
                 if fqn.count(".") > depth:
                     phase, module, depth = where, _relative(fqn), fqn.count(".")
+    buffers = tracker.get_tracker_snapshot("current").get(device, {}).get(_MemRefType.BUFFER, 0)
     return ActivationTrace(
         points=tuple(recorder.points),
         peak_bytes=peak,
@@ -350,4 +351,5 @@ def _finish(
         params=names,
         plan_fingerprint=fingerprint,
         reshard_after_forward=resharded,
+        buffer_bytes=buffers,
     )

@@ -77,3 +77,20 @@ def test_the_timeline_stacks_the_blocks_apart_from_the_activations():
     assert (forward.activations, forward.gathered) == (5000, 64)
     assert forward.total == forward.persistent + 5064
     assert timeline[-1].phase == "step" and timeline[-1].gathered == 0
+
+
+def test_the_model_buffers_are_held_throughout():
+    zp = _plan(2)
+    plain = _trace(zp, held=False)
+    buffered = ActivationTrace(**{**{f: getattr(plain, f) for f in plain.__slots__}, "buffer_bytes": 128})
+    for a, b in zip(traced_step_peak(zp, plain), traced_step_peak(zp, buffered), strict=True):
+        assert (b.peak_bytes, b.persistent, b.step_bytes) == (
+            a.peak_bytes + 128,
+            a.persistent + 128,
+            a.step_bytes + 128,
+        )
+    assert all(
+        p.persistent == traced_step_peak(zp, plain)[0].persistent + 128 for p in step_timeline(zp, buffered)
+    )
+    with pytest.raises(ConfigError, match="buffer_bytes"):
+        ActivationTrace(**{**{f: getattr(plain, f) for f in plain.__slots__}, "buffer_bytes": -1})
