@@ -267,8 +267,9 @@ def test_trace_at_stage_3_holds_the_gathered_blocks(tmp_path):
 @needs_transformers
 def test_recommend_with_traced_activations_chooses_the_micro_batch_too(tmp_path):
     """``--recommend --trace``: each configuration's need is its step's timeline, the micro-batch is
-    the largest of ``--micro-batch`` and its halvings at which one fits, and the choice is traced
-    again with its plan ([Note: the cheapest configuration])."""
+    the largest of ``--micro-batch`` and its halvings at which one fits, and the choice is exact
+    (traced again with its plan where the trace without one was not: [Note: the cheapest
+    configuration])."""
     from zeroplan.core import Topology, plan
     from zeroplan.core.sizing.recommend import recommend_micro_batch
     from zeroplan.core.sizing.trace import traced_step_peak
@@ -282,8 +283,10 @@ def test_recommend_with_traced_activations_chooses_the_micro_batch_too(tmp_path)
     advice = json.loads(out.stdout)["recommendation"]
     specs = specs_from_hf_config(tmp_path, "fp32")
 
-    def trace_of(micro_batch: int):
-        return trace_hf_config(tmp_path, "fp32", seq_len=128, micro_batch=micro_batch, recompute=False)
+    def trace_of(micro_batch: int, zp):
+        return trace_hf_config(
+            tmp_path, "fp32", seq_len=128, micro_batch=micro_batch, recompute=False, plan=zp
+        )
 
     expected = recommend_micro_batch(specs, 2, device_bytes=15 * 2**20, micro_batch=4, trace_of=trace_of)
     assert (advice["micro_batch"], advice["tried_micro_batches"], advice["traced"]) == (2, [4], True)
@@ -291,15 +294,35 @@ def test_recommend_with_traced_activations_chooses_the_micro_batch_too(tmp_path)
     assert advice["reason"].startswith("micro-batch 2: stage 2 with shard groups of 2")
     assert "(nothing fits at micro-batch 4)" in advice["reason"]
     best = plan(specs, Topology(world_size=2), stage=2)
-    exact = traced_step_peak(best, trace_hf_config(tmp_path, "fp32", seq_len=128, micro_batch=2,
-                                                   recompute=False, plan=best))  # fmt: skip
-    assert [r["peak_bytes"] for r in advice["traced_step"]] == [p.peak_bytes for p in exact]
-    assert max(p.peak_bytes for p in exact) <= advice["best"]["need_bytes"] <= 15 * 2**20
-    text = flat(zeroplan(*args).stdout)
-    assert "recommended (micro-batch 2, stage 2 with shard groups of 2" in text, text
+    exact = traced_step_peak(best, trace_of(2, best))
+    assert advice["best"]["exact"] and advice["best"]["need_bytes"] == max(p.peak_bytes for p in exact)
     tight = zeroplan(*args[:-3], "--device-memory", "9MiB", "--recommend", "--json")
     assert tight.returncode == 1  # nothing fits even at micro-batch 1
     assert json.loads(tight.stdout)["recommendation"]["tried_micro_batches"] == [4, 2]
+
+
+@needs_transformers
+def test_a_choice_that_fits_only_traced_without_its_plan_is_dropped(tmp_path):
+    """GPT-2 with gradient checkpointing at stage 3: traced without a plan the step is 7% under (the
+    recomputed forward gathers its blocks again), so stage 3 seems to fit; traced with its plan it
+    does not, and the recommender says nothing fits rather than recommend it."""
+    gpt2 = {
+        "model_type": "gpt2",
+        "n_layer": 2,
+        "n_embd": 128,
+        "n_head": 4,
+        "vocab_size": 512,
+        "n_positions": 256,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(gpt2))
+    args = ("--hf-config", str(tmp_path), "--world", "2", "--dtype", "fp32", "--seq-len", "128", "--trace")
+    args += ("--recompute", "full", "--bucket-mb", "0.0625", "--device-memory", "8900000", "--recommend")
+    out = zeroplan(*args, "--json")
+    assert out.returncode == 1, out.stderr
+    advice = json.loads(out.stdout)["recommendation"]
+    assert advice["best"] is None and advice["reason"].startswith("micro-batch 1: nothing fits"), advice
+    stage3 = next(o for o in advice["options"] if (o["stage"], o["shard_size"], o["fused"]) == (3, 2, False))
+    assert stage3["exact"] and stage3["need_bytes"] > 8_900_000  # confirmed: it does not fit
 
 
 TRACE_BAD = [

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 from zeroplan.core.errors import ConfigError, check_config, require
@@ -80,12 +81,16 @@ class Option:
         optimizer: the inner optimizer's name.
         implementation: how torch steps it.
         fused: whether the recommender added ``fused=True`` to the optimizer's settings.
+        exact: its fit is exact: read off a step traced with its own plan, or off one traced
+            without a plan where that is exact (with the formula or given activation bytes: the
+            backward's transient and the activations are added, an upper bound, ``False``).
     """
 
     fit: FitReport
     optimizer: str
     implementation: Implementation
     fused: bool = False
+    exact: bool = False
 
     @property
     def label(self) -> str:
@@ -100,6 +105,7 @@ class Option:
             "optimizer": self.optimizer,
             "implementation": self.implementation.value,
             "fused": self.fused,
+            "exact": self.exact,
         }
 
 
@@ -206,8 +212,17 @@ class Recommendation:
             "the options of a recommendation were assessed for other device memory or activations",
         )
         check_config(
-            self.micro_batch is not None or not self.tried,
-            "a recommendation's tried micro-batches need its own",
+            self.micro_batch is None or (type(self.micro_batch) is int and self.micro_batch >= 1),
+            f"Recommendation.micro_batch must be an int >= 1, got {self.micro_batch!r}",
+        )
+        check_config(
+            not self.tried
+            or (
+                self.micro_batch is not None
+                and all(a > b for a, b in zip(self.tried, (*self.tried[1:], self.micro_batch), strict=True))
+            ),
+            f"Recommendation.tried must be larger micro-batches than {self.micro_batch!r}, largest first, "
+            f"got {self.tried!r}",
         )
         best = _cheapest(self.options)
         object.__setattr__(self, "best", best)
@@ -242,6 +257,7 @@ def recommend(
     ranks_per_node: int | None = None,
     stages: Sequence[int] = (1, 2, 3),
     trace: ActivationTrace | None = None,
+    confirm: Callable[[ZeroPlan], ActivationTrace] | None = None,
     **plan_options: Any,
 ) -> Recommendation:
     """The cheapest configuration of ``specs`` on ``world_size`` ranks that fits each device.
@@ -260,6 +276,9 @@ def recommend(
         stages: the stages to assess.
         trace: traced activations of one micro-batch, made without a plan: each configuration's need
             is then its step's timeline, and ``activation_bytes`` is the trace's peak.
+        confirm: with ``trace``, traces the same micro-batch with a configuration's plan: called
+            for the cheapest that fits while its fit is not exact, until the cheapest is (a fit
+            traced without a plan may be under at stage 3: [Note: the cheapest configuration]).
         **plan_options: more arguments of :func:`~zeroplan.core.planner.plan`
             (``strategy``, ``alignment``, ``bucket_bytes``, ``loss_scaling``, ...).
 
@@ -289,6 +308,10 @@ def recommend(
             not trace.plan_fingerprint,
             "the recommender needs activations traced without a plan (each configuration is its own plan)",
         )
+        check_config(
+            activation_bytes == 0,
+            "pass activation_bytes or a trace, not both: the trace gives the activations",
+        )
         activation_bytes = trace.peak_bytes
     variants = [(describe_optimizer(optimizer, settings), False)]
     if variants[0][0].implementation is not Implementation.FUSED:
@@ -301,21 +324,54 @@ def recommend(
         for shard in shard_sizes(world_size):
             for spec, fused in variants:
                 zp = _plan_of(specs, world_size, stage, shard, spec, ranks_per_node, plan_options)
+                exact = False
                 if trace is None:
                     fit = fit_report(
                         memory_report(zp), activation_bytes=activation_bytes, device_bytes=device_bytes
                     )
                 else:
-                    fit = traced_fit(zp, trace, device_bytes=device_bytes)
+                    fit, exact = traced_fit(zp, trace, device_bytes=device_bytes)
                 options.append(
-                    Option(fit=fit, optimizer=spec.name, implementation=spec.implementation, fused=fused)
+                    Option(
+                        fit=fit,
+                        optimizer=spec.name,
+                        implementation=spec.implementation,
+                        fused=fused,
+                        exact=exact,
+                    )
                 )
+    if trace is not None and confirm is not None:
+        _confirm(options, confirm, specs, world_size, settings, ranks_per_node, plan_options)
     return Recommendation(
         device_bytes=device_bytes,
         activation_bytes=activation_bytes,
         options=tuple(options),
         traced=trace is not None,
     )
+
+
+def _confirm(
+    options: list[Option],
+    confirm: Callable[[ZeroPlan], ActivationTrace],
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    settings: Mapping[str, Any] | None,
+    ranks_per_node: int | None,
+    plan_options: Mapping[str, Any],
+) -> None:
+    """Trace the cheapest fitting option again with its plan while it is not exact, once each, and
+    replace its fit (in place, keeping the activations every other option was read off)."""
+    confirmed: set[int] = set()
+    while (best := _cheapest(options)) is not None and not best.exact:
+        at = options.index(best)
+        if at in confirmed:  # traced with its plan and still a bound (a parameter wire at stage 3)
+            return
+        confirmed.add(at)
+        zp = option_plan(
+            specs, world_size, best, settings=settings, ranks_per_node=ranks_per_node, **plan_options
+        )
+        fit, exact = traced_fit(zp, confirm(zp), device_bytes=best.fit.device_bytes)
+        options[at] = replace(best, fit=replace(fit, activation_bytes=best.fit.activation_bytes), exact=exact)
 
 
 def _plan_of(
@@ -355,7 +411,7 @@ def recommend_micro_batch(
     *,
     device_bytes: int,
     micro_batch: int,
-    trace_of: Callable[[int], ActivationTrace],
+    trace_of: Callable[[int, ZeroPlan | None], ActivationTrace],
     **options: Any,
 ) -> Recommendation:
     """:func:`recommend` with traced activations at ``micro_batch``, then at its halvings down to 1
@@ -365,7 +421,8 @@ def recommend_micro_batch(
     Args:
         micro_batch: the most sequences per rank wanted.
         trace_of: traces the activations of a micro-batch of that many sequences, without a plan
-            (called once per micro-batch assessed, largest first).
+            (``None``: once per micro-batch assessed, largest first) or with one (to confirm the
+            cheapest configuration that fits, as :func:`recommend`'s ``confirm``).
         **options: :func:`recommend`'s other arguments.
 
     Example:
@@ -373,7 +430,7 @@ def recommend_micro_batch(
         >>> from zeroplan.core.sizing.trace import ActivationTrace, TracePhase, TracePoint
         >>> specs = specs_from_shapes([(1024, 1024)] * 4, dtype="bf16")
         >>> names = tuple(s.name for s in specs)
-        >>> def trace_of(batch):   # a stand-in: 4 MiB of activations per sequence, freed as gradients arrive
+        >>> def trace_of(batch, plan):   # a stand-in (the same with a plan): 4 MiB per sequence
         ...     a = batch * 2**22
         ...     grads = (TracePoint(TracePhase.BACKWARD, n, "grad", a * i // 4) for i, n in enumerate(names))
         ...     points = (TracePoint(TracePhase.FORWARD, "", "exit", a), *grads)
@@ -389,7 +446,10 @@ def recommend_micro_batch(
     tried: list[int] = []
     batch = micro_batch
     while True:
-        advice = recommend(specs, world_size, device_bytes=device_bytes, trace=trace_of(batch), **options)
+        advice = recommend(
+            specs, world_size, device_bytes=device_bytes, trace=trace_of(batch, None),
+            confirm=partial(trace_of, batch), **options,
+        )  # fmt: skip
         if advice.best is not None or batch == 1:
             return replace(advice, micro_batch=batch, tried=tuple(tried))
         tried.append(batch)

@@ -12,7 +12,9 @@ torch's fake tensors (nothing is allocated), and counts with torch's
 every module's entry and exit in forward and backward and at every
 parameter's gradient. Each parameter's gradient is dropped as it arrives, as
 stage 2 does once it is staged (the plan counts gradients and staging), so a
-point's ``bytes`` are the activations and autograd temporaries alone. This
+point's ``bytes`` are the activations and autograd temporaries alone; traced
+with a plan, they also hold the gradients its schedule keeps and, at stage 3,
+the blocks its hooks gather ([Note: one timeline]). This
 module holds the result: the points in time order, the peak and where it
 happens. Nothing here knows torch.
 
@@ -42,6 +44,7 @@ __all__ = [
     "TimelinePoint",
     "TracePhase",
     "TracePoint",
+    "TracedFit",
     "TracedPeak",
     "step_timeline",
     "traced_fit",
@@ -129,8 +132,9 @@ class ActivationTrace:
             f"ActivationTrace.buffer_bytes must be an int >= 0, got {self.buffer_bytes!r}",
         )
         check_config(
-            self.reshard_after_forward is None or bool(self.plan_fingerprint),
-            "ActivationTrace.reshard_after_forward is set only for a trace made with a stage-3 plan",
+            self.reshard_after_forward is None
+            or (isinstance(self.reshard_after_forward, bool) and bool(self.plan_fingerprint)),
+            "ActivationTrace.reshard_after_forward is a bool set only for a trace made with a stage-3 plan",
         )
         check_config(
             self.peak_bytes >= max(p.bytes for p in self.points),
@@ -300,6 +304,13 @@ def _traced_peaks(
     return tuple(out), report
 
 
+class TracedFit(NamedTuple):
+    """A plan's fit read off its traced step (:func:`traced_fit`), and whether that is exact."""
+
+    fit: FitReport
+    exact: bool
+
+
 def traced_fit(
     zp: ZeroPlan,
     trace: ActivationTrace,
@@ -307,10 +318,15 @@ def traced_fit(
     device_bytes: int,
     overlap: bool = True,
     reshard_after_forward: bool = True,
-) -> FitReport:
+) -> TracedFit:
     """Whether each rank of ``zp`` fits ``device_bytes``, its need read off the step's timeline
     ([Note: one timeline]) rather than the activations' peak added to the backward's ([Note: does
-    it fit]): the fit the recommender uses with traced activations."""
+    it fit]): the fit the recommender uses with traced activations.
+
+    Each :class:`~zeroplan.core.sizing.fit.RankFit`'s ``backward_bytes`` is the most of the forward
+    and the backward (``TracedPeak.passes_bytes``), and the report's ``activation_bytes`` the trace's
+    peak (with what a trace made with the plan held: gradients, stage 3's blocks). ``exact``: every
+    rank's :class:`TracedPeak` is (else an upper bound, mostly: see :func:`traced_step_peak`)."""
     check_config(
         type(device_bytes) is int and device_bytes >= 1,
         f"device memory must be an int >= 1 (bytes), got {device_bytes!r}",
@@ -318,7 +334,7 @@ def traced_fit(
     peaks, report = _traced_peaks(zp, trace, overlap, reshard_after_forward)
     ranks = tuple(RankFit(rank=p.rank, backward_bytes=p.passes_bytes, step_bytes=p.step_bytes,
                           device_bytes=device_bytes) for p in peaks)  # fmt: skip
-    return FitReport(
+    fit = FitReport(
         stage=int(zp.stage),
         shard_size=zp.topology.shard_size,
         device_bytes=device_bytes,
@@ -326,6 +342,7 @@ def traced_fit(
         ranks=ranks,
         comm_bytes_per_step=max(r.comm_bytes_per_step for r in report.ranks),
     )
+    return TracedFit(fit, all(p.exact for p in peaks))
 
 
 class TimelinePoint(NamedTuple):

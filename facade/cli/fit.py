@@ -20,8 +20,8 @@ Neither is assumed: ``--device-memory`` alone is refused rather than answering
 configuration that fits with its reason; it exits with status 1 when nothing
 fits. With ``--trace`` each configuration's need is its step's timeline, the
 micro-batch is chosen too (``--micro-batch`` and its halvings, the largest at
-which something fits, traced as needed), and the chosen configuration is
-traced again with its plan (exact: [Note: stage 3 traced]). Sizes are a
+which something fits, traced as needed), and the cheapest that fits is traced
+again with its plan until that is exact ([Note: the cheapest configuration]). Sizes are a
 number and an optional unit: ``B``, ``K``/``KiB``, ``M``/``MiB``, ``G``/``GiB``,
 ``T``/``TiB`` (powers of 1024; a bare letter too, as ``dd`` and ``free`` read
 it) or ``KB``, ``MB``, ``GB``, ``TB`` (powers of 1000); case does not matter.
@@ -253,17 +253,21 @@ def assess(
     if settings.device_bytes is None:
         return None
     if trace is not None:
-        return traced_fit(zp, trace, device_bytes=settings.device_bytes)
+        return traced_fit(zp, trace, device_bytes=settings.device_bytes).fit
     return fit_report(
         report, activation_bytes=settings.activation_bytes or 0, device_bytes=settings.device_bytes
     )
 
 
 def recommendation(
-    args: argparse.Namespace, specs: tuple[ParamSpec, ...], settings: FitSettings
+    args: argparse.Namespace,
+    specs: tuple[ParamSpec, ...],
+    settings: FitSettings,
+    known: ActivationTrace | None = None,
 ) -> Recommendation | None:
     """Run the recommender with the plan options of ``args``, when ``--recommend`` was given (with
-    ``--trace``: over the micro-batch too, see [Note: fit options])."""
+    ``--trace``: over the micro-batch too, see [Note: fit options]). ``known``: a trace of
+    ``--micro-batch`` already made with some plan, used again if that plan is to be confirmed."""
     if not settings.recommend or settings.device_bytes is None:
         return None
     if settings.trace is None:
@@ -276,8 +280,12 @@ def recommendation(
         )
     asked = args.micro_batch or 1
 
-    def trace_of(micro_batch: int) -> Any:
-        return settings.trace if micro_batch == asked else trace_args(args, micro_batch)
+    def trace_of(micro_batch: int, plan: ZeroPlan | None) -> ActivationTrace:
+        if micro_batch == asked and plan is None:
+            return settings.trace
+        if micro_batch == asked and known is not None and known.plan_fingerprint == plan.fingerprint():
+            return known
+        return trace_args(args, micro_batch, plan)
 
     return recommend_micro_batch(
         specs,
@@ -303,7 +311,7 @@ def recommend_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def trace_args(args: argparse.Namespace, micro_batch: int, plan: ZeroPlan | None = None) -> Any:
+def trace_args(args: argparse.Namespace, micro_batch: int, plan: ZeroPlan | None = None) -> ActivationTrace:
     """The ``--hf-config`` model's activations on ``micro_batch`` sequences of ``--seq-len``, traced
     (with ``plan``: as that plan's step holds gradients and blocks)."""
     from zeroplan.facade.cli.model_sources import trace_hf_config
@@ -321,7 +329,9 @@ def trace_args(args: argparse.Namespace, micro_batch: int, plan: ZeroPlan | None
 def hint(settings: FitSettings) -> str:
     """What would help when nothing fits."""
     a = settings.activations
-    if a is None:
+    if settings.trace is not None:
+        smaller = "a smaller --seq-len, or --recompute full"
+    elif a is None:
         smaller = "fewer --activation-bytes"
     elif a.recompute is Recompute.FULL:
         smaller = "a smaller --micro-batch or --seq-len"

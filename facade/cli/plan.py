@@ -54,8 +54,7 @@ from zeroplan.core import (
     strategy_names,
 )
 from zeroplan.core.sizing.fit import gib
-from zeroplan.core.sizing.recommend import option_plan
-from zeroplan.core.sizing.trace import TracedPeak, traced_step_peak
+from zeroplan.core.sizing.trace import ActivationTrace, TracedPeak, traced_step_peak
 from zeroplan.core.wire import WireCodec
 from zeroplan.facade.cli import fit as fitting
 from zeroplan.facade.cli.model_sources import (
@@ -194,8 +193,7 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
     step_trace = _step_trace(args, zp, settings)
     fit = fitting.assess(zp, report, settings, step_trace)
-    advice = fitting.recommendation(args, specs, settings)
-    checked = _checked_best(args, specs, advice)
+    advice = fitting.recommendation(args, specs, settings, step_trace)
     status = 1 if advice is not None and advice.best is None else 0
     per_link = None
     if zp.grad_wire is not None or zp.param_wire is not None:  # the same plan without wires, to compare
@@ -223,8 +221,6 @@ def run(args: argparse.Namespace) -> int:
         fitting.update_document(document, settings, fit, advice)
         if step_trace is not None:
             document["traced_step"] = [p._asdict() for p in traced_step_peak(zp, step_trace)]
-        if checked is not None:
-            document["recommendation"]["traced_step"] = [p._asdict() for p in checked]
         json.dump(document, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return status
@@ -254,13 +250,12 @@ def run(args: argparse.Namespace) -> int:
         _print_fit(settings, fit, advice)
     if step_trace is not None:
         print(_traced_line(traced_step_peak(zp, step_trace), settings.device_bytes))
-    if checked is not None and advice is not None and advice.best is not None:
-        head = f"recommended (micro-batch {advice.micro_batch}, {advice.best.label}), traced with its plan"
-        print(_traced_line(checked, settings.device_bytes, head))
     return status
 
 
-def _step_trace(args: argparse.Namespace, zp: ZeroPlan, settings: fitting.FitSettings) -> Any:
+def _step_trace(
+    args: argparse.Namespace, zp: ZeroPlan, settings: fitting.FitSettings
+) -> ActivationTrace | None:
     """The trace to read ``zp``'s step from (``--trace``): traced again with the plan when gradients
     wait out of bucket order or at stage 3 (its schedule keeps the gradients, its hooks the gathered
     blocks), which makes the step exact ([Note: one timeline], [Note: stage 3 traced])."""
@@ -271,22 +266,7 @@ def _step_trace(args: argparse.Namespace, zp: ZeroPlan, settings: fitting.FitSet
     return fitting.trace_args(args, args.micro_batch or 1, plan=zp)
 
 
-def _checked_best(
-    args: argparse.Namespace, specs: tuple[ParamSpec, ...], advice: Recommendation | None
-) -> tuple[TracedPeak, ...] | None:
-    """With traced activations, the recommended configuration's step traced again with its own plan
-    (exact where the recommender's timeline was an upper bound)."""
-    if advice is None or not advice.traced or advice.best is None or advice.micro_batch is None:
-        return None
-    options = fitting.recommend_options(args)
-    del options["optimizer"]  # the option names its own
-    best = option_plan(specs, args.world, advice.best, **options)
-    return traced_step_peak(best, fitting.trace_args(args, advice.micro_batch, plan=best))
-
-
-def _traced_line(
-    peaks: tuple[TracedPeak, ...], device_bytes: int | None, head: str = "whole step, traced"
-) -> str:
+def _traced_line(peaks: tuple[TracedPeak, ...], device_bytes: int | None) -> str:
     """The whole step's peak with traced activations ([Note: one timeline]), on the busiest rank."""
     worst = max(peaks, key=lambda p: p.peak_bytes)
     kind = "" if worst.exact else " (an upper bound)"
@@ -299,7 +279,7 @@ def _traced_line(
         )
         parts = f"{gib(worst.activations)} {held}"
     line = (
-        f"{head}: {gib(worst.peak_bytes)} at the most (rank {worst.rank}, in {worst.phase}: "
+        f"whole step, traced: {gib(worst.peak_bytes)} at the most (rank {worst.rank}, in {worst.phase}: "
         f"{gib(worst.persistent)} persistent + {parts}){kind}"
     )
     if device_bytes is not None:

@@ -19,7 +19,10 @@ and drops it where it would free it, so the meter sees the blocks at every
 moment of the forward and backward, and activation checkpointing's
 recomputed forwards gather what they gather in a real step. Each point says
 how many of its bytes are blocks (``TracePoint.gathered``). A parameter read
-outside its modules (which a real step gathers on use) is not seen.
+outside its modules (which a real step gathers on use) is not seen, and
+under a parameter wire the trace holds no blocks (the encoded rooms and
+scratch are not replayed): the plan then adds its most gathered blocks, an
+upper bound.
 
 [Note: packed rows under fake tensors]
 transformers decides from the position ids' values whether a batch row packs
@@ -30,7 +33,8 @@ it takes them for packed, builds the mask, and SDPA given a mask keeps more
 checkpointing traced 10% over its real run. The trace tells it what the
 caller says instead (``packed``, default one sequence per row, what
 ``zeroplan plan --hf-config`` assumes), and then reads what the real step
-reads.
+reads (transformers imported before the trace, as building its models
+needs).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from zeroplan.core.sizing.trace import ActivationTrace, TracePhase, TracePoint
 from zeroplan.facade.params.blocks import TracedBlocks
 from zeroplan.facade.params.sharded import ShardedParams
 
-__all__ = ["TraceError", "trace_activations"]
+__all__ = ["TraceError", "one_sequence_per_row", "trace_activations"]
 
 #: What MemTracker counts that is not an activation or a temporary of autograd.
 _NOT_ACTIVATIONS = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT)
@@ -156,20 +160,16 @@ def trace_activations(
         if fake and not packed:
             rows.enter_context(one_sequence_per_row())
         model = build()
+        if plan is not None:
+            _check_matches(plan, model)
         tracker = MemTracker()
         tracker.track_external(model)
         recorder = _Recorder(tracker, device, gradients=plan is not None)
         marks = ModTracker()
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         staging = _Staging(recorder, [p for _, p in trainable], plan, overlap)
-        handles = [
-            p.register_post_accumulate_grad_hook(staging.hook(i, name))
-            for i, (name, p) in enumerate(trainable)
-        ]
+        handles = []
         residency = None
-        if plan is not None and plan.stage is Stage.PARAMETERS:  # after the staging, as ZeroOptimizer hooks
-            residency = _blocks_of(plan, model, device, reshard_after_forward)
-            recorder.blocks = residency.blocks
         marks.register_user_hooks(
             lambda m, i: _enter(recorder, marks, m),
             lambda m, i, o: _exit(recorder, marks, m),
@@ -177,6 +177,11 @@ def trace_activations(
             lambda m, g: _exit(recorder, marks, m),
         )
         try:
+            for i, (name, p) in enumerate(trainable):
+                handles.append(p.register_post_accumulate_grad_hook(staging.hook(i, name)))
+            if _holds_blocks(plan):  # after the staging's hooks, as ZeroOptimizer registers them
+                residency = _blocks_of(plan, model, device, reshard_after_forward)
+                recorder.blocks = residency.blocks
             with tracker, marks:
                 try:
                     loss = loss_of(model)
@@ -196,8 +201,33 @@ def trace_activations(
 
 
 class _TracedResidency(NamedTuple):
+    """Stage 3's residency in a trace: the facade's hooks, and the table that allocates the blocks."""
+
     sharded: ShardedParams
     blocks: TracedBlocks
+
+
+def _check_matches(plan: ZeroPlan, model: torch.nn.Module) -> None:
+    """Refuse a plan made for other parameters (its specs in ``model.parameters()``' order)."""
+    params = list(model.parameters())
+    if len(params) != len(plan.specs):
+        raise ConfigError(
+            f"the plan has {len(plan.specs)} parameters, the model {len(params)}: trace the model the "
+            "plan was made for"
+        )
+    for spec, (name, p) in zip(plan.specs, model.named_parameters(), strict=True):
+        if tuple(p.shape) != tuple(spec.shape) or p.requires_grad != spec.trainable:
+            raise ConfigError(
+                f"the plan's parameter {spec.index} ({spec.name!r}, shape {tuple(spec.shape)}, trainable "
+                f"{spec.trainable}) is not the model's {name!r} (shape {tuple(p.shape)}, trainable "
+                f"{p.requires_grad}): plan the model's parameters in model.parameters() order"
+            )
+
+
+def _holds_blocks(plan: ZeroPlan | None) -> bool:
+    """Whether the trace holds ``plan``'s gathered blocks: stage 3 without a parameter wire (whose
+    rooms and scratch it does not replay: the plan adds those blocks whole, an upper bound)."""
+    return plan is not None and plan.stage is Stage.PARAMETERS and plan.param_wire is None
 
 
 def _blocks_of(
@@ -205,11 +235,6 @@ def _blocks_of(
 ) -> _TracedResidency:
     """Stage 3's residency over ``model``'s parameters, allocating its blocks ([Note: stage 3 traced])."""
     params = list(model.parameters())
-    if len(params) != len(plan.specs):
-        raise ConfigError(
-            f"the plan has {len(plan.specs)} parameters, the model {len(params)}: trace the model the "
-            "plan was made for"
-        )
     blocks = TracedBlocks(plan, params, device)
     sharded = ShardedParams(
         zp=plan, params=params, blocks=blocks, buffers=(), shard_rank=0,
@@ -223,10 +248,12 @@ def _blocks_of(
 def one_sequence_per_row() -> Iterator[None]:
     """Inside, transformers takes each row of a fake batch for one sequence ([Note: packed rows under
     fake tensors]); real tensors are looked at as usual. Nothing happens without transformers."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        masking_utils = None
+    masking_utils = None
+    if "transformers" in sys.modules:  # a model of transformers needs it imported to be built
+        try:
+            from transformers import masking_utils
+        except ImportError:
+            masking_utils = None
     find = getattr(masking_utils, "find_packed_sequence_indices", None)
     if find is None:
         yield
@@ -270,12 +297,7 @@ class _Staging:
         self.index: list[int] = []
         self.position: dict[int, int] = {}
         if plan is not None:
-            self.index = sorted(plan.trainable_indices)
-            if len(self.index) != len(params):
-                raise ConfigError(
-                    f"the plan has {len(self.index)} trainable parameters, the model {len(params)}: "
-                    "trace the model the plan was made for"
-                )
+            self.index = sorted(plan.trainable_indices)  # the model's, in order (``_check_matches``)
         if plan is not None and plan.stage is not Stage.OPTIMIZER:
             self.schedule = staging_schedule(plan, overlap=overlap)
             next(self.schedule)

@@ -4,7 +4,8 @@
 it allocates a block's buffer and starts its gather, completes it, frees it (or moves its parameters
 to new storage when someone else still views it), and says what it holds. *When* a block moves is
 decided elsewhere: by the module hooks and the gradient hooks of ``ShardedParams``, and by the
-saved-tensor hooks of ``params.saved_tensors``.
+saved-tensor hooks of ``params.saved_tensors``. :class:`TracedBlocks` is the same state machine
+for a trace under fake tensors: it only allocates and drops ([Note: stage 3 traced]).
 """
 
 from __future__ import annotations

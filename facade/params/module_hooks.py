@@ -3,7 +3,8 @@
 :class:`ForwardHooks` registers hooks on the attached model ([Note: stage 3] in ``params.sharded``)
 and keeps the forward pass's state: which modules ran and run, which blocks were visited (for the
 prefetch) or pinned (used outside their modules), and the saved-tensor hooks in force while the
-forward is open. It moves blocks only through ``BlockTable``; whether a block may be freed now
+forward is open. It moves blocks only through its ``Blocks`` table (``BlockTable``; a trace's
+``TracedBlocks``); whether a block may be freed now
 (``gathered_params`` holds them) and what a new pass resets beyond the forward are its residency's
 (``may_free``, ``begin_pass``).
 

@@ -217,3 +217,61 @@ def test_the_whole_step_of_hugging_face_models_traced_equals_the_meter(pools, cf
 
     for r in pools(2).run(scenarios_trace.hf_whole_step, cfg, timeout=300):
         _check_whole_step(cfg, r)
+
+
+def _stage3_plan(model: torch.nn.Module, **options):
+    from zeroplan.core import Topology, plan, specs_from_module
+
+    return plan(specs_from_module(model), Topology(world_size=2), stage=3, bucket_bytes=65_536, **options)
+
+
+def test_a_plan_of_other_parameters_is_refused_and_nothing_is_left_hooked():
+    """The plan's parameters must be the model's, in ``model.parameters()`` order (shape and
+    trainability compared, not only the count); a refused or failed trace leaves no claim on the
+    parameters ([Note: stage 3 traced])."""
+    from zeroplan.core import ConfigError
+    from zeroplan.facade.params.blocks import OWNERS
+
+    class Swapped(torch.nn.Module):
+        def __init__(self, first: int, second: int) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, first), torch.nn.Linear(first, second)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    zp = _stage3_plan(Swapped(16, 8))
+    held = len(OWNERS)
+    with pytest.raises(ConfigError, match="is not the model's"):
+        trace_activations(lambda: Swapped(8, 16), lambda m: m(torch.randn(2, 8)).sum(), plan=zp)
+    with pytest.raises(RuntimeError, match="boom"):
+
+        def fails(model: torch.nn.Module) -> torch.Tensor:
+            raise RuntimeError("boom")
+
+        trace_activations(lambda: Swapped(16, 8), fails, plan=zp)
+    assert len(OWNERS) == held
+    trace = trace_activations(lambda: Swapped(16, 8), lambda m: m(torch.randn(2, 8)).sum(), plan=zp)
+    assert trace.reshard_after_forward is True and max(p.gathered for p in trace.points) > 0
+    assert len(OWNERS) == held
+
+
+def test_under_a_parameter_wire_the_trace_holds_no_blocks_and_the_plan_bounds_them():
+    """The encoded gathers' rooms and scratch are not replayed: the trace keeps the gradients as the
+    plan's schedule does, holds no block, and the step adds the most gathered blocks (not exact)."""
+    from zeroplan.core.sizing.trace import traced_step_peak
+    from zeroplan.core.wire import WireCodec
+
+    def build() -> torch.nn.Module:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return DemoGPT(CONFIG)
+        finally:
+            torch.set_default_dtype(default)
+
+    zp = _stage3_plan(build(), param_wire=WireCodec("int8"))
+    trace = trace_activations(build, lambda m: _gpt_loss(m, batch=1), plan=zp)
+    assert trace.plan_fingerprint == zp.fingerprint() and trace.reshard_after_forward is None
+    assert all(p.gathered == 0 for p in trace.points)
+    assert not any(p.exact for p in traced_step_peak(zp, trace))
