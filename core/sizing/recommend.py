@@ -20,8 +20,12 @@ configuration's need is its step's timeline ([Note: one timeline],
 :func:`~zeroplan.core.sizing.trace.traced_fit`), not the activations' peak added
 to the backward's. The trace is made once, without a plan, for every
 configuration: where gradients arrive out of bucket order, and at stage 3, the
-timeline is then an upper bound; the CLI traces the chosen one again with its
-plan, which is exact. :func:`recommend_micro_batch` also chooses the
+timeline is then an estimate (over, or at stage 3 with activation
+checkpointing possibly under), so ``confirm`` traces the cheapest that fits
+again with its own plan, which is exact, and replaces its fit, until the
+cheapest is exact (one that no longer fits makes way for the next;
+configurations whose estimate does not fit are not traced again, which is
+conservative). :func:`recommend_micro_batch` also chooses the
 micro-batch: the largest of the one asked for and its halvings at which some
 configuration fits, traced as it goes (a smaller micro-batch keeps the batch
 with gradient accumulation).
@@ -83,7 +87,7 @@ class Option:
         fused: whether the recommender added ``fused=True`` to the optimizer's settings.
         exact: its fit is exact: read off a step traced with its own plan, or off one traced
             without a plan where that is exact (with the formula or given activation bytes: the
-            backward's transient and the activations are added, an upper bound, ``False``).
+            backward's transient and the activations are added, an estimate, ``False``).
     """
 
     fit: FitReport
@@ -303,6 +307,7 @@ def recommend(
         all(s in (Stage.OPTIMIZER, Stage.GRADIENTS, Stage.PARAMETERS) for s in stages) and stages,
         f"the recommender assesses stages 1, 2 and 3, got {tuple(stages)!r}",
     )
+    check_config(confirm is None or trace is not None, "confirm needs a trace: it confirms traced fits")
     if trace is not None:
         check_config(
             not trace.plan_fingerprint,
@@ -362,15 +367,23 @@ def _confirm(
     """Trace the cheapest fitting option again with its plan while it is not exact, once each, and
     replace its fit (in place, keeping the activations every other option was read off)."""
     confirmed: set[int] = set()
+    traces: dict[str, ActivationTrace] = {}  # by plan fingerprint: fused twins share their trace
     while (best := _cheapest(options)) is not None and not best.exact:
         at = options.index(best)
-        if at in confirmed:  # traced with its plan and still a bound (a parameter wire at stage 3)
+        if at in confirmed:  # traced with its plan and still not exact
             return
         confirmed.add(at)
         zp = option_plan(
             specs, world_size, best, settings=settings, ranks_per_node=ranks_per_node, **plan_options
         )
-        fit, exact = traced_fit(zp, confirm(zp), device_bytes=best.fit.device_bytes)
+        fingerprint = zp.fingerprint()
+        if fingerprint not in traces:
+            traces[fingerprint] = confirm(zp)
+            check_config(
+                traces[fingerprint].plan_fingerprint == fingerprint,
+                "confirm(plan) must trace with that plan (trace_activations(..., plan=plan))",
+            )
+        fit, exact = traced_fit(zp, traces[fingerprint], device_bytes=best.fit.device_bytes)
         options[at] = replace(best, fit=replace(fit, activation_bytes=best.fit.activation_bytes), exact=exact)
 
 
@@ -430,12 +443,14 @@ def recommend_micro_batch(
         >>> from zeroplan.core.sizing.trace import ActivationTrace, TracePhase, TracePoint
         >>> specs = specs_from_shapes([(1024, 1024)] * 4, dtype="bf16")
         >>> names = tuple(s.name for s in specs)
-        >>> def trace_of(batch, plan):   # a stand-in (the same with a plan): 4 MiB per sequence
+        >>> def trace_of(batch, plan):   # a stand-in: 4 MiB per sequence, freed as gradients arrive
         ...     a = batch * 2**22
         ...     grads = (TracePoint(TracePhase.BACKWARD, n, "grad", a * i // 4) for i, n in enumerate(names))
         ...     points = (TracePoint(TracePhase.FORWARD, "", "exit", a), *grads)
+        ...     held = "" if plan is None else plan.fingerprint()   # "traced with the plan" (the same here)
         ...     return ActivationTrace(points=points, peak_bytes=a, peak_phase=TracePhase.FORWARD,
-        ...                            peak_module="", forward_peak_bytes=a, params=names)
+        ...                            peak_module="", forward_peak_bytes=a, params=names,
+        ...                            plan_fingerprint=held)
         >>> r = recommend_micro_batch(specs, 2, device_bytes=64 * 2**20, micro_batch=8, trace_of=trace_of)
         >>> r.micro_batch, r.tried, r.best.label
         (2, (8, 4), 'stage 1 with shard groups of 2, AdamW(fused=True)')

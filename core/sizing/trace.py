@@ -181,9 +181,9 @@ class TracedPeak(NamedTuple):
             buffers (``ActivationTrace.buffer_bytes``).
         activations: activation bytes alive at the peak.
         gradients: autograd gradients not staged yet at the peak.
-        exact: ``False`` where the figure is an upper bound (stage 3's gathered blocks added to the
-            activations' peak when the trace did not hold them; gradients waiting across a module's
-            backward).
+        exact: ``False`` where the figure is an estimate: stage 3's gathered blocks added to the
+            activations' peak when the trace did not hold them (over, or under where recomputed
+            forwards gather again), gradients waiting across a module's backward (over).
         traced_gradients: the trace held the gradients itself (traced with the plan): they are in
             ``activations``, and ``gradients`` is 0.
         traced_blocks: the trace held stage 3's gathered blocks itself: they are in ``activations``.
@@ -227,7 +227,9 @@ def traced_step_peak(
     at stage 3 it also holds the gathered blocks where the facade's hooks hold
     them ([Note: stage 3 traced] in the facade), and the step is exact.
     Traced without, stage 3's most gathered blocks are added to the
-    activations' peak: an upper bound.
+    activations' peak: over, except where activation checkpointing's
+    recomputed forwards gather blocks again, which it can miss (GPT-2: 7%
+    under), so only a trace made with the plan is exact there.
 
     Args:
         zp: the plan (its parameters in the traced model's order).
@@ -326,7 +328,7 @@ def traced_fit(
     Each :class:`~zeroplan.core.sizing.fit.RankFit`'s ``backward_bytes`` is the most of the forward
     and the backward (``TracedPeak.passes_bytes``), and the report's ``activation_bytes`` the trace's
     peak (with what a trace made with the plan held: gradients, stage 3's blocks). ``exact``: every
-    rank's :class:`TracedPeak` is (else an upper bound, mostly: see :func:`traced_step_peak`)."""
+    rank's :class:`TracedPeak` is (else an estimate: see :func:`traced_step_peak`)."""
     check_config(
         type(device_bytes) is int and device_bytes >= 1,
         f"device memory must be an int >= 1 (bytes), got {device_bytes!r}",

@@ -19,10 +19,9 @@ and drops it where it would free it, so the meter sees the blocks at every
 moment of the forward and backward, and activation checkpointing's
 recomputed forwards gather what they gather in a real step. Each point says
 how many of its bytes are blocks (``TracePoint.gathered``). A parameter read
-outside its modules (which a real step gathers on use) is not seen, and
-under a parameter wire the trace holds no blocks (the encoded rooms and
-scratch are not replayed): the plan then adds its most gathered blocks, an
-upper bound.
+outside its modules (which a real step gathers on use) is not seen. Under a
+parameter wire each gather also holds its encoded room and scratch, as
+``start_block_gather`` does, for shard rank 0 (whose own piece it encodes).
 
 [Note: packed rows under fake tensors]
 transformers decides from the position ids' values whether a batch row packs
@@ -216,18 +215,18 @@ def _check_matches(plan: ZeroPlan, model: torch.nn.Module) -> None:
             "plan was made for"
         )
     for spec, (name, p) in zip(plan.specs, model.named_parameters(), strict=True):
-        if tuple(p.shape) != tuple(spec.shape) or p.requires_grad != spec.trainable:
+        mine = (tuple(p.shape), p.requires_grad)  # not the dtype: the CLI plans a config in one
+        if mine != (tuple(spec.shape), spec.trainable):
             raise ConfigError(
-                f"the plan's parameter {spec.index} ({spec.name!r}, shape {tuple(spec.shape)}, trainable "
-                f"{spec.trainable}) is not the model's {name!r} (shape {tuple(p.shape)}, trainable "
-                f"{p.requires_grad}): plan the model's parameters in model.parameters() order"
+                f"the plan's parameter {spec.index} ({spec.name!r}: shape, trainable "
+                f"{(tuple(spec.shape), spec.trainable)}) is not the model's {name!r} ({mine}): "
+                "plan the model's parameters, in model.parameters() order"
             )
 
 
 def _holds_blocks(plan: ZeroPlan | None) -> bool:
-    """Whether the trace holds ``plan``'s gathered blocks: stage 3 without a parameter wire (whose
-    rooms and scratch it does not replay: the plan adds those blocks whole, an upper bound)."""
-    return plan is not None and plan.stage is Stage.PARAMETERS and plan.param_wire is None
+    """Whether the trace holds ``plan``'s gathered blocks (stage 3)."""
+    return plan is not None and plan.stage is Stage.PARAMETERS
 
 
 def _blocks_of(
@@ -240,7 +239,11 @@ def _blocks_of(
         zp=plan, params=params, blocks=blocks, buffers=(), shard_rank=0,
         reshard_after_forward=reshard_after_forward,
     )  # fmt: skip
-    sharded.attach(model)
+    try:
+        sharded.attach(model)
+    except BaseException:
+        sharded.retire()  # its claims on the parameters and its gradient hooks
+        raise
     return _TracedResidency(sharded, blocks)
 
 

@@ -15,6 +15,7 @@ import contextlib
 import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -341,9 +342,12 @@ class TracedBlocks(Blocks):
     """Stage 3's blocks in a trace under fake tensors ([Note: stage 3 traced] in ``diagnostics.trace``).
 
     Gathering allocates the whole block, so torch's ``MemTracker`` counts it where a ``BlockTable``
-    would hold it, and freeing drops it; nothing moves between ranks. The traced model's parameters
-    stay its own (plain, each with its storage): a tensor autograd saves from one is a saved view of
-    its block, as it is of a ``BlockTable``'s buffer.
+    would hold it, and freeing drops it; nothing moves between ranks. Under a parameter wire a
+    gather also holds its encoded room from its start until it completes, with the fp32 scratch
+    shard rank 0 encodes its piece through and the one every piece is decoded through
+    (``collectives.start_block_gather``'s, the sizes the plan's ``GatherRoom`` gives). The traced
+    model's parameters stay its own (plain, each with its storage): a tensor autograd saves from one
+    is a saved view of its block, as it is of a ``BlockTable``'s buffer.
     """
 
     def __init__(self, zp: ZeroPlan, params: Sequence[torch.Tensor], device: torch.device) -> None:
@@ -358,6 +362,9 @@ class TracedBlocks(Blocks):
         for entry in entries.values():
             for p in entry.members:
                 self._storage[p.untyped_storage()._cdata] = entry.key
+        self._rooms = {
+            key: zp.gather_room(zp.partition.spaces[key[0]], entry.block) for key, entry in entries.items()
+        }
 
     def _set_class(self, entry: BlockEntry, cls: type) -> None:
         """Nothing: the traced parameters hold their values whatever the block's state."""
@@ -365,13 +372,24 @@ class TracedBlocks(Blocks):
     def start_gather(self, key: BlockKey) -> None:
         """SHARDED -> GATHERING: allocate the whole block."""
         entry = self.entries[key]
-        if entry.state is BlockState.SHARDED:
-            entry.buffer = entry.buffer.new_empty(entry.block.numel)
-            entry.state = BlockState.GATHERING
+        if entry.state is not BlockState.SHARDED:
+            return
+        entry.buffer = entry.buffer.new_empty(entry.block.numel)
+        entry.state = BlockState.GATHERING
+        room = self._rooms[key]
+        if room is not None:
+            raw = entry.buffer.new_empty(room.nbytes, dtype=torch.uint8)
+            if entry.block.pieces[0]:  # rank 0 encodes its piece through a scratch, let go at once
+                entry.buffer.new_empty(room.scratch_numel, dtype=torch.float32)
+            decode = partial(_decode, raw, room.scratch_numel)
+            entry.pending = [Pending(None, after=decode)]
 
     def free(self, key: BlockKey) -> None:
-        """-> SHARDED: drop the block."""
+        """-> SHARDED: drop the block (a gather in flight completes first, as a ``BlockTable``'s)."""
         entry = self.entries[key]
+        for pending in entry.pending:
+            pending.finish()
+        entry.pending = []
         entry.buffer = entry.buffer.new_empty(0)
         entry.state = BlockState.SHARDED
 
@@ -384,3 +402,10 @@ class TracedBlocks(Blocks):
     def detached(self) -> int | None:
         """None: the traced parameters are never moved."""
         return None
+
+
+def _decode(raw: torch.Tensor, scratch_numel: int) -> None:
+    """A traced encoded gather completing: the scratch its pieces are decoded through is allocated
+    while ``raw`` (the room) is still held; both go when this returns (the caller drops ``raw``)."""
+    scratch = raw.new_empty(scratch_numel, dtype=torch.float32)
+    del scratch

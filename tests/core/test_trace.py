@@ -94,3 +94,50 @@ def test_the_model_buffers_are_held_throughout():
     )
     with pytest.raises(ConfigError, match="buffer_bytes"):
         ActivationTrace(**{**{f: getattr(plain, f) for f in plain.__slots__}, "buffer_bytes": -1})
+
+
+def _stand_in(specs, per_sequence: int, *, plan=None, extra: int = 0) -> ActivationTrace:
+    """A trace of one sequence: ``per_sequence`` bytes freed as gradients arrive, ``extra`` more when
+    traced with a stage-3 plan (what a recomputed forward gathers again)."""
+    names = tuple(s.name for s in specs)
+    a = per_sequence + (extra if plan is not None and plan.stage == 3 else 0)
+    grads = (TracePoint(B, n, "grad", a * i // len(names)) for i, n in enumerate(names))
+    return ActivationTrace(
+        points=(TracePoint(F, "", "exit", a), *grads), peak_bytes=a, peak_phase=F, peak_module="",
+        forward_peak_bytes=a, params=names, plan_fingerprint="" if plan is None else plan.fingerprint(),
+        reshard_after_forward=True if plan is not None and plan.stage == 3 else None,
+    )  # fmt: skip
+
+
+def test_the_recommender_confirms_its_choice_with_its_plan_and_drops_it_if_it_grows():
+    from zeroplan.core.sizing.recommend import recommend
+
+    specs = specs_from_shapes([(1024, 1024)] * 4, dtype="bf16")
+    trace = _stand_in(specs, 2**23)
+    calls = []
+
+    def confirm(zp, extra=0):
+        calls.append(zp.fingerprint())
+        return _stand_in(specs, 2**23, plan=zp, extra=extra)
+
+    only3 = {"stages": (3,), "device_bytes": 70 * 2**20}
+    fits = recommend(specs, 2, trace=trace, confirm=confirm, **only3)
+    assert fits.best is not None and fits.best.exact and fits.best.fit.stage == 3
+    assert len(calls) == len(set(calls))  # the fused twin shares its plan's trace
+    grows = recommend(specs, 2, trace=trace, confirm=lambda zp: confirm(zp, extra=2**24), **only3)
+    assert grows.best is None  # every stage-3 option, traced with its plan, no longer fits
+    assert all(o.exact for o in grows.options if o.fit.shard_size == 2)
+    assert "nothing fits" in grows.reason
+
+
+def test_a_confirmation_must_be_traced_with_the_plan_and_needs_a_trace():
+    from zeroplan.core.sizing.recommend import recommend
+
+    specs = specs_from_shapes([(1024, 1024)] * 4, dtype="bf16")
+    trace = _stand_in(specs, 2**23)
+    with pytest.raises(ConfigError, match="must trace with that plan"):
+        recommend(specs, 2, device_bytes=70 * 2**20, stages=(3,), trace=trace, confirm=lambda zp: trace)
+    with pytest.raises(ConfigError, match="confirm needs a trace"):
+        recommend(specs, 2, device_bytes=40 * 2**20, confirm=lambda zp: trace)
+    with pytest.raises(ConfigError, match="not both"):
+        recommend(specs, 2, device_bytes=40 * 2**20, trace=trace, activation_bytes=1)

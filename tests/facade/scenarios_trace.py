@@ -58,6 +58,7 @@ def whole_step(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         lambda m: _loss_of(m, rank, batch),
         cfg["stage"],
         cfg.get("reshard", True),
+        cfg.get("wire"),
     )
 
 
@@ -67,6 +68,7 @@ def _measure_and_trace(
     loss_of: Callable[[torch.nn.Module], torch.Tensor],
     stage: int,
     reshard: bool = True,
+    wire: str | None = None,
 ) -> dict[str, Any]:
     """MemTracker over three real steps (the third's peak), and the plan with the activations traced
     twice: alone (gradients added by the plan) and with the plan's schedule keeping the gradients."""
@@ -74,8 +76,9 @@ def _measure_and_trace(
     with tracker:
         model = build()
         extra = {"reshard_after_forward": reshard} if stage == 3 else {}
+        wired = {"gather_dtype": wire} if wire else {}
         opt = ZeroOptimizer(
-            model.parameters(), torch.optim.AdamW, stage=stage, bucket_bytes=65_536, lr=1e-3, **extra
+            model.parameters(), torch.optim.AdamW, stage=stage, bucket_bytes=65_536, lr=1e-3, **extra, **wired
         )
         opt.attach(model)
     alone = traced_step_peak(opt.plan, trace_activations(build, loss_of), **extra)[rank]

@@ -168,6 +168,8 @@ WHOLE_STEP = [
     {"stage": 3, "recompute": True, "batch": 3},
     {"stage": 3, "dtype": "bf16", "batch": 1},
     {"stage": 3, "reshard": False, "batch": 2},
+    {"stage": 3, "wire": "int8", "batch": 2},
+    {"stage": 3, "wire": "bf16", "recompute": True, "batch": 2},
 ]
 
 
@@ -256,9 +258,10 @@ def test_a_plan_of_other_parameters_is_refused_and_nothing_is_left_hooked():
     assert len(OWNERS) == held
 
 
-def test_under_a_parameter_wire_the_trace_holds_no_blocks_and_the_plan_bounds_them():
-    """The encoded gathers' rooms and scratch are not replayed: the trace keeps the gradients as the
-    plan's schedule does, holds no block, and the step adds the most gathered blocks (not exact)."""
+def test_under_a_parameter_wire_each_gather_holds_its_room_too():
+    """A stage-3 gather under a parameter wire holds its encoded room and scratch until it completes
+    (``TracedBlocks``); the whole step is still exact (checked against the meter in
+    ``test_the_whole_step_traced_equals_the_meter_on_a_real_step``, with and without checkpointing)."""
     from zeroplan.core.sizing.trace import traced_step_peak
     from zeroplan.core.wire import WireCodec
 
@@ -270,8 +273,12 @@ def test_under_a_parameter_wire_the_trace_holds_no_blocks_and_the_plan_bounds_th
         finally:
             torch.set_default_dtype(default)
 
-    zp = _stage3_plan(build(), param_wire=WireCodec("int8"))
-    trace = trace_activations(build, lambda m: _gpt_loss(m, batch=1), plan=zp)
-    assert trace.plan_fingerprint == zp.fingerprint() and trace.reshard_after_forward is None
-    assert all(p.gathered == 0 for p in trace.points)
-    assert not any(p.exact for p in traced_step_peak(zp, trace))
+    plain, wired = _stage3_plan(build()), _stage3_plan(build(), param_wire=WireCodec("int8"))
+    traces = [trace_activations(build, lambda m: _gpt_loss(m, batch=1), plan=zp) for zp in (plain, wired)]
+    assert [max(p.gathered for p in t.points) for t in traces] == [
+        max(p.gathered for p in traces[0].points)
+    ] * 2
+    plain_points, wired_points = ([p.bytes for p in t.points] for t in traces)
+    assert all(w >= p for w, p in zip(wired_points, plain_points, strict=True))
+    assert sum(wired_points) > sum(plain_points)  # the rooms of prefetched blocks, on top of the same blocks
+    assert all(p.exact for p in traced_step_peak(wired, traces[1]))
