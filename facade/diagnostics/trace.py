@@ -18,7 +18,9 @@ a stage-3 plan, the model is attached to a ``ShardedParams`` over
 and drops it where it would free it, so the meter sees the blocks at every
 moment of the forward and backward, and activation checkpointing's
 recomputed forwards gather what they gather in a real step. Each point says
-how many of its bytes are blocks (``TracePoint.gathered``). A parameter read
+how many of its bytes are blocks (``TracePoint.gathered``; a module's
+``enter`` point is read before its blocks are gathered, torch running the
+meter's global hooks first, while the peaks see them). A parameter read
 outside its modules (which a real step gathers on use) is not seen. Under a
 parameter wire each gather also holds its encoded room and scratch, as
 ``start_block_gather`` does, for shard rank 0 (whose own piece it encodes).
