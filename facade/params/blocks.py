@@ -251,7 +251,7 @@ class BlockTable(Blocks):
         groups: ProcessGroups,
         log: CommLog,
     ) -> None:
-        entries = {}
+        entries: dict[BlockKey, BlockEntry] = {}
         for buf in buffers:
             s = buf.space.index
             for k, (block, buffer) in enumerate(zip(buf.space.blocks, buf.blocks, strict=True)):
@@ -351,7 +351,7 @@ class TracedBlocks(Blocks):
     """
 
     def __init__(self, zp: ZeroPlan, params: Sequence[torch.Tensor], device: torch.device) -> None:
-        entries = {}
+        entries: dict[BlockKey, BlockEntry] = {}
         for space in zp.partition.spaces:
             empty = torch.empty(0, dtype=torch_dtype(space.dtype), device=device)
             for k, block in enumerate(space.blocks):
