@@ -169,7 +169,7 @@ def trace_activations(
         marks = ModTracker()
         trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         staging = _Staging(recorder, [p for _, p in trainable], plan, overlap)
-        handles = []
+        handles: list[torch.utils.hooks.RemovableHandle] = []
         residency = None
         marks.register_user_hooks(
             lambda m, i: _enter(recorder, marks, m),
