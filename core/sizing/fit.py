@@ -33,7 +33,7 @@ from zeroplan.core.errors import check_config, require
 from zeroplan.core.memory import MemoryReport
 from zeroplan.core.peak import PeakPhase
 
-__all__ = ["FitReport", "RankFit", "fit_report", "gib", "stage_label"]
+__all__ = ["FitReport", "RankFit", "check_device_bytes", "fit_report", "gib", "stage_label"]
 
 
 def gib(nbytes: int) -> str:
@@ -172,6 +172,14 @@ class FitReport:
         }
 
 
+def check_device_bytes(device_bytes: int) -> None:
+    """Refuse device memory that is not an int >= 1 (bytes) (``ConfigError``)."""
+    check_config(
+        type(device_bytes) is int and device_bytes >= 1,
+        f"device memory must be an int >= 1 (bytes), got {device_bytes!r}",
+    )
+
+
 def fit_report(report: MemoryReport, *, activation_bytes: int, device_bytes: int) -> FitReport:
     """Whether each rank of ``report`` fits ``device_bytes`` with ``activation_bytes`` of activations.
 
@@ -192,10 +200,7 @@ def fit_report(report: MemoryReport, *, activation_bytes: int, device_bytes: int
         type(activation_bytes) is int and activation_bytes >= 0,
         f"activation bytes must be an int >= 0, got {activation_bytes!r}",
     )
-    check_config(
-        type(device_bytes) is int and device_bytes >= 1,
-        f"device memory must be an int >= 1 (bytes), got {device_bytes!r}",
-    )
+    check_device_bytes(device_bytes)
     ranks = []
     for r in report.ranks:
         persistent = r.total_bytes

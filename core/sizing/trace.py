@@ -37,7 +37,7 @@ from zeroplan.core.errors import check_config
 from zeroplan.core.memory import MemoryReport, memory_report
 from zeroplan.core.peak import gathered_bytes, grads_alive
 from zeroplan.core.planner import Stage, ZeroPlan
-from zeroplan.core.sizing.fit import FitReport, RankFit
+from zeroplan.core.sizing.fit import FitReport, RankFit, check_device_bytes
 
 __all__ = [
     "ActivationTrace",
@@ -329,10 +329,7 @@ def traced_fit(
     and the backward (``TracedPeak.passes_bytes``), and the report's ``activation_bytes`` the trace's
     peak (with what a trace made with the plan held: gradients, stage 3's blocks). ``exact``: every
     rank's :class:`TracedPeak` is (else an estimate: see :func:`traced_step_peak`)."""
-    check_config(
-        type(device_bytes) is int and device_bytes >= 1,
-        f"device memory must be an int >= 1 (bytes), got {device_bytes!r}",
-    )
+    check_device_bytes(device_bytes)
     peaks, report = _traced_peaks(zp, trace, overlap, reshard_after_forward)
     ranks = tuple(RankFit(rank=p.rank, backward_bytes=p.passes_bytes, step_bytes=p.step_bytes,
                           device_bytes=device_bytes) for p in peaks)  # fmt: skip

@@ -105,33 +105,44 @@ def _measure_and_trace(
     }
 
 
-def _hf_config(arch: str) -> Any:
+def hf_config(
+    arch: str, *, width: int = 128, mlp: int = 344, vocab: int = 512, positions: int = 256, attn: str = "sdpa"
+) -> Any:
+    """A two-layer GPT-2 (``arch="gpt2"``; ``mlp`` unused) or Llama config, with 4 heads (Llama: 2 of
+    keys and values) and the attention kernel ``attn``."""
     import transformers
 
     if arch == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=256)
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=width, n_head=4, vocab_size=vocab, n_positions=positions
+        )
     else:
         config = transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=128, intermediate_size=344, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
+            num_hidden_layers=2, hidden_size=width, intermediate_size=mlp, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=positions,
         )  # fmt: skip
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     return config
+
+
+def hf_model(config: Any, recompute: bool = False) -> torch.nn.Module:
+    """The causal LM of ``config`` in training mode, with gradient checkpointing when ``recompute``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    if recompute:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
 
 
 def hf_whole_step(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """``whole_step`` for a Hugging Face model built from a small config."""
-    import transformers
-
-    config = _hf_config(cfg["arch"])
+    config = hf_config(cfg["arch"])
     seq, batch = cfg.get("seq", 128), cfg.get("batch", 2)
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        if cfg.get("recompute"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model.train()
+        return hf_model(config, cfg.get("recompute", False))
 
     def loss_of(model: torch.nn.Module) -> torch.Tensor:
         g = torch.Generator().manual_seed(rank)

@@ -77,22 +77,13 @@ def test_recomputation_autocast_and_batch_move_the_peak_as_they_should():
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("variant", ["sdpa", "eager", "recompute"])
 def test_hugging_face_models_from_a_config(arch, variant):
-    import transformers
+    from scenarios_trace import hf_config, hf_model
 
-    if arch == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128)
-    else:
-        config = transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=64, intermediate_size=176, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
-        )  # fmt: skip
-    config._attn_implementation = "eager" if variant == "eager" else "sdpa"
+    attn = "eager" if variant == "eager" else "sdpa"
+    config = hf_config(arch, width=64, mlp=176, vocab=256, positions=128, attn=attn)
 
     def build() -> torch.nn.Module:
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        if variant == "recompute":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model.train()
+        return hf_model(config, variant == "recompute")
 
     def loss_of(model: torch.nn.Module) -> torch.Tensor:
         ids = torch.randint(0, 256, (2, 96))
@@ -109,20 +100,13 @@ def test_hugging_face_models_from_a_config(arch, variant):
 
 def test_eager_attention_keeps_more_than_sdpa_and_recomputation_less():
     pytest.importorskip("transformers")
-    import transformers
+    from scenarios_trace import hf_config, hf_model
 
     def trace(attn: str, recompute: bool = False) -> int:
-        config = transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=64, intermediate_size=176, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,
-        )  # fmt: skip
-        config._attn_implementation = attn
+        config = hf_config("llama", width=64, mlp=176, vocab=256, positions=256, attn=attn)
 
         def build() -> torch.nn.Module:
-            model = transformers.AutoModelForCausalLM.from_config(config)
-            if recompute:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            return model.train()
+            return hf_model(config, recompute)
 
         def loss_of(model: torch.nn.Module) -> torch.Tensor:
             ids = torch.randint(0, 256, (2, 256))
