@@ -10,31 +10,43 @@ out, in order. The facade's gradient hook executes them on tensors
 (``facade/runtime/grad_sync.py``); :func:`zeroplan.core.peak.backward_peak` executes
 them on byte counts. One schedule, so the planned peak is the executed one.
 
-* An arriving gradient is queued on each of its buckets. Queued gradients of
-  the ``max_inflight_buckets`` buckets next to launch are staged (copied into
-  the bucket's staging buffer, ``OPEN`` ed on its first gradient); at stage 2
-  (and 3) a gradient is ``RELEASE`` d once all its buckets are staged.
+* An arriving gradient only counts down its buckets: the hook does no tensor
+  work for it (see [Note: gradient path] in ``grad_sync``).
+* The next bucket to launch, once all its gradients arrived, is ``OPEN`` ed
+  (its staging buffer taken from the arena), ``STAGE`` d whole (every
+  gradient part it holds copied in one batched copy) and ``LAUNCH`` ed,
+  strictly in plan order (every rank issues the same collectives in the same
+  order); a bucket complete before its predecessors waits for them. At stage 2
+  (and 3) each gradient whose last bucket that was is ``RELEASE`` d.
 * Opening bucket ``b`` first ``RETIRE`` s the oldest reduction in flight while
   ``b`` and it would be ``max_inflight_buckets`` or more buckets apart, so at
   most that many consecutive buckets are ever alive.
-* A bucket whose gradients are all staged is ``LAUNCH`` ed, strictly in plan
-  order (every rank issues the same collectives in the same order).
-* Without overlap, arrivals are only queued. ``None`` (finish) queues every
+* Without overlap, arrivals are only counted. ``None`` (finish) counts every
   trainable parameter that got no gradient (it is staged as zeros, or as what
   ``no_sync`` accumulated), stages and launches everything, and retires every
   reduction in flight.
+
+Which actions a bucket's completion brings is fixed by the plan
+(:class:`ScheduleTables`, built once per plan): a step builds no object per
+parameter, and an arrival that completes no bucket answers a shared empty
+tuple. A gradient now lives until its bucket is complete, where it was staged
+as it arrived: at most one bucket of gradients more in backward (the planner
+replays the same schedule, so the planned peak says so), for one copy per
+bucket instead of one per parameter.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
+from zeroplan.core.errors import require
 from zeroplan.core.planner import Stage, ZeroPlan
 
-__all__ = ["Action", "ActionKind", "staging_schedule"]
+__all__ = ["Action", "ActionKind", "ScheduleTables", "schedule_tables", "staging_schedule"]
 
 
 class ActionKind(enum.Enum):
@@ -45,7 +57,7 @@ class ActionKind(enum.Enum):
     OPEN = "open"
     """Take the staging buffer of ``bucket`` from the arena ([Note: staging arena] in ``arena``)."""
     STAGE = "stage"
-    """Copy ``param``'s gradient parts of ``bucket`` into its staging buffer."""
+    """Copy every gradient part of ``bucket`` into its staging buffer (all have arrived)."""
     RELEASE = "release"
     """Free ``param``'s ``.grad``: all its buckets are staged (stages 2 and 3)."""
     LAUNCH = "launch"
@@ -60,82 +72,132 @@ class Action(NamedTuple):
     param: int = -1
 
 
-def staging_schedule(zp: ZeroPlan, *, overlap: bool = True) -> Generator[list[Action], int | None, None]:
+_RETIRE = Action(ActionKind.RETIRE)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleTables:
+    """What the schedule reads of a plan, computed once (see [Note: staging schedule]).
+
+    Attributes:
+        buckets_of: per parameter, the buckets that hold its gradient.
+        sizes: per bucket, how many parameters it waits for.
+        completion: per bucket, the actions its turn brings: open, stage,
+            the releases of the gradients it is the last bucket of, launch.
+        lone: per parameter, the actions its arrival brings by itself: the
+            release of a gradient no bucket holds (no elements), else none.
+        trainable: the trainable parameters, in order.
+    """
+
+    buckets_of: tuple[tuple[int, ...], ...]
+    sizes: tuple[int, ...]
+    completion: tuple[tuple[Action, ...], ...]
+    lone: tuple[tuple[Action, ...], ...]
+    trainable: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        require(len(self.completion) == len(self.sizes), "one completion per bucket")
+        require(len(self.lone) == len(self.buckets_of), "one entry per parameter")
+
+
+def schedule_tables(zp: ZeroPlan) -> ScheduleTables:
+    """The tables :func:`staging_schedule` runs on, for plan ``zp`` (build once, reuse every step).
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(256,)] * 2), Topology(world_size=1), alignment=8, bucket_bytes=1024)
+        >>> schedule_tables(zp).sizes
+        (1, 1)
+    """
+    buckets = zp.buckets.buckets
+    release = zp.stage is not Stage.OPTIMIZER  # stage 1 keeps .grad as a view of its buffer
+    nparams = len(zp.specs)
+    buckets_of = tuple(zp.buckets.buckets_of(i) for i in range(nparams))
+    released_at: list[list[int]] = [[] for _ in buckets]
+    for param, of in enumerate(buckets_of):
+        if release and of:
+            released_at[max(of)].append(param)  # buckets are staged in order: its last one frees it
+    completion = tuple(
+        (
+            Action(ActionKind.OPEN, bucket=b.index),
+            Action(ActionKind.STAGE, bucket=b.index),
+            *(Action(ActionKind.RELEASE, param=p) for p in released_at[b.index]),
+            Action(ActionKind.LAUNCH, bucket=b.index),
+        )
+        for b in buckets
+    )
+    lone = tuple(
+        (Action(ActionKind.RELEASE, param=p),) if release and not of else ()
+        for p, of in enumerate(buckets_of)
+    )
+    return ScheduleTables(
+        buckets_of=buckets_of,
+        sizes=tuple(len(b.params) for b in buckets),
+        completion=completion,
+        lone=lone,
+        trainable=tuple(sorted(zp.trainable_indices)),
+    )
+
+
+def staging_schedule(
+    zp: ZeroPlan, *, overlap: bool = True, tables: ScheduleTables | None = None
+) -> Generator[Sequence[Action], int | None, None]:
     """The schedule of one step's reduction (see [Note: staging schedule]); prime it with ``next()``.
 
     Args:
         zp: the plan.
         overlap: stage and launch while gradients arrive (``overlap_grad_reduce``);
             otherwise everything happens at finish.
+        tables: ``schedule_tables(zp)``, when the caller keeps them from step to step.
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
         >>> zp = plan(specs_from_shapes([(256,)] * 2), Topology(world_size=1), alignment=8, bucket_bytes=1024)
         >>> schedule = staging_schedule(zp)
         >>> next(schedule)
-        []
+        ()
         >>> [(a.kind.value, a.bucket, a.param) for a in schedule.send(1)]   # the last parameter arrives first
-        [('open', 0, -1), ('stage', 0, 1), ('release', -1, 1), ('launch', 0, -1)]
+        [('open', 0, -1), ('stage', 0, -1), ('release', -1, 1), ('launch', 0, -1)]
         >>> [a.kind.value for a in schedule.send(0)]
         ['open', 'stage', 'release', 'launch']
         >>> [a.kind.value for a in schedule.send(None)]   # finish: complete both reductions
         ['retire', 'retire']
     """
-    buckets = zp.buckets.buckets
+    t = schedule_tables(zp) if tables is None else tables
+    nbuckets = len(t.sizes)
     k = zp.max_inflight_buckets
-    release = zp.stage is not Stage.OPTIMIZER  # stage 1 keeps .grad as a view of its buffer
-    unstaged = [len(zp.buckets.buckets_of(s.index)) for s in zp.specs]
-    ready = [False] * len(zp.specs)
-    queued: list[deque[int]] = [deque() for _ in buckets]
-    staged = [0] * len(buckets)
-    opened: set[int] = set()
+    missing = list(t.sizes)
+    ready = [False] * len(t.buckets_of)
     inflight: deque[int] = deque()
     nxt = 0
-    actions: list[Action] = []
 
-    def arrive(param: int) -> None:
-        ready[param] = True
-        if release and unstaged[param] == 0:  # in no bucket (no elements)
-            actions.append(Action(ActionKind.RELEASE, param=param))
-        for b in zp.buckets.buckets_of(param):
-            queued[b].append(param)
-
-    def pump() -> None:
+    def pump(actions: list[Action]) -> None:
         nonlocal nxt
-        while True:
-            for b in range(nxt, min(nxt + k, len(buckets))):
-                while queued[b]:
-                    param = queued[b].popleft()
-                    if b not in opened:
-                        while inflight and b - inflight[0] >= k:
-                            inflight.popleft()
-                            actions.append(Action(ActionKind.RETIRE))
-                        opened.add(b)
-                        actions.append(Action(ActionKind.OPEN, bucket=b))
-                    actions.append(Action(ActionKind.STAGE, bucket=b, param=param))
-                    staged[b] += 1
-                    unstaged[param] -= 1
-                    if release and unstaged[param] == 0:
-                        actions.append(Action(ActionKind.RELEASE, param=param))
-            if nxt < len(buckets) and staged[nxt] == len(buckets[nxt].params):
-                opened.discard(nxt)
-                inflight.append(nxt)
-                actions.append(Action(ActionKind.LAUNCH, bucket=nxt))
-                nxt += 1
-                continue
-            return
+        while nxt < nbuckets and missing[nxt] == 0:
+            while inflight and nxt - inflight[0] >= k:
+                inflight.popleft()
+                actions.append(_RETIRE)
+            actions.extend(t.completion[nxt])
+            inflight.append(nxt)
+            nxt += 1
 
-    message = yield []
+    message = yield ()
     while message is not None:
-        actions = []
-        arrive(message)
-        if overlap:
-            pump()
-        message = yield actions
-    actions = []
-    for index in sorted(zp.trainable_indices):
+        ready[message] = True
+        for b in t.buckets_of[message]:
+            missing[b] -= 1
+        lone = t.lone[message]
+        if overlap and nxt < nbuckets and missing[nxt] == 0:
+            actions = list(lone)
+            pump(actions)
+            message = yield actions
+        else:
+            message = yield lone
+    for index in t.trainable:
         if not ready[index]:
-            arrive(index)
-    pump()
-    actions.extend(Action(ActionKind.RETIRE) for _ in inflight)
-    yield actions
+            for b in t.buckets_of[index]:
+                missing[b] -= 1
+    finish: list[Action] = [a for index in t.trainable if not ready[index] for a in t.lone[index]]
+    pump(finish)
+    finish.extend(_RETIRE for _ in inflight)
+    yield finish

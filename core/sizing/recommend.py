@@ -296,8 +296,8 @@ def recommend(
         >>> r.best.label
         'stage 2 with shard groups of 4, AdamW(fused=True)'
         >>> print(r.reason.replace("; ", ";\\n"))
-        stage 2 with shard groups of 4, AdamW(fused=True): fits with 137.5 MiB to spare (needs 862.5 MiB ...
-        fused=True saves 96.0 MiB over foreach;
+        stage 2 with shard groups of 4, AdamW(fused=True): fits with 105.5 MiB to spare (needs 894.5 MiB ...
+        fused=True saves 64.0 MiB over foreach;
         stage 1 does not fit (needs 1.05 GiB at the least, with shard groups of 4);
         stage 3 fits but sends 576.0 MiB per step (shard groups of 4)
         >>> recommend(specs, 4, device_bytes=2**29, activation_bytes=2**26).reason

@@ -63,14 +63,13 @@ import torch
 from zeroplan.core import (
     Bucket,
     Collective,
-    GradCopy,
     Stage,
     StepOrderError,
     ZeroPlan,
     staging_arena,
     staging_layout,
 )
-from zeroplan.core.schedule import Action, ActionKind, staging_schedule
+from zeroplan.core.schedule import Action, ActionKind, schedule_tables, staging_schedule
 from zeroplan.facade.params.buffers import SpaceBuffers, param_views
 from zeroplan.facade.runtime.accumulation import BackwardPasses, MicroBatchSums
 from zeroplan.facade.runtime.collectives import (
@@ -95,6 +94,16 @@ def _call_weakly(method: weakref.WeakMethod, index: int, param: torch.Tensor) ->
     bound = method()
     if bound is not None:
         bound(index, param)
+
+
+class _BucketCopies(NamedTuple):
+    """A bucket's gradient parts: per part, its parameter, the slice of the flattened gradient it
+    takes (``None``: the whole gradient) and its target in the staging buffer; the padding's views."""
+
+    params: tuple[int, ...]
+    spans: tuple[slice | None, ...]
+    targets: tuple[torch.Tensor, ...]
+    padding: list[torch.Tensor]
 
 
 class _InFlight(NamedTuple):
@@ -135,12 +144,9 @@ class GradSync:
         arena = staging_arena(zp, groups.shard_rank)  # [Note: staging arena] in zeroplan.core.arena
         self._offsets = arena.offsets
         self._arena = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
-        self._copies: list[dict[int, list[GradCopy]]] = []
-        for bucket in self._buckets:
-            by_param: dict[int, list[GradCopy]] = {}
-            for copy in bucket.copies:
-                by_param.setdefault(copy.param, []).append(copy)
-            self._copies.append(by_param)
+        self._tables = schedule_tables(zp)  # [Note: staging schedule]: built once, read every step
+        self._stagings = [self._staging_view(b) for b in range(len(self._buckets))]
+        self._copies = [self._bucket_copies(b) for b in range(len(self._buckets))]
         self._grad_views: dict[int, torch.Tensor] = {}
         if zp.stage is Stage.OPTIMIZER:
             for buf in buffers:
@@ -183,7 +189,7 @@ class GradSync:
         self._passes.reset()
         self.uneven_micro_batches = None
         self._arrivals: list[int] = []
-        self._schedule = staging_schedule(self._zp, overlap=self._overlap)  # [Note: staging schedule]
+        self._schedule = staging_schedule(self._zp, overlap=self._overlap, tables=self._tables)
         next(self._schedule)
         self._next = 0
         self._written: list[int] | None = None  # stage 1: expected buffer versions, once all launched
@@ -208,8 +214,11 @@ class GradSync:
 
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
-        if param.grad is not None and param.grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
-            param.grad = param.grad.to_dense()  # buckets are dense; the update is the same
+        """Note the arrival of parameter ``index``'s gradient; a bucket it completes is staged and
+        launched ([Note: gradient path])."""
+        grad = param.grad
+        if grad is not None and grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
+            param.grad = grad.to_dense()  # buckets are dense; the update is the same
         if self._sums is not None:  # [Note: deterministic mode]: the tree, not autograd, adds
             reduce_now = self._admit(self._names[index])
             self._sums.add(index, param.grad, self._passes.current())
@@ -217,7 +226,8 @@ class GradSync:
             if not reduce_now:
                 return
             self._take_root(index, self._passes.count)
-        self._into_view(index)
+        elif self._grad_views:
+            self._into_view(index)
         if self._sums is None and not self._admit(self._names[index]):
             return  # no_sync(): accumulate locally
         if self._ready[index]:
@@ -228,7 +238,9 @@ class GradSync:
             )
         self._ready[index] = True
         self._arrivals.append(index)
-        self._carry_out(self._schedule.send(index))
+        actions = self._schedule.send(index)
+        if actions:  # most arrivals complete no bucket: nothing to do
+            self._carry_out(actions)
 
     def _take_root(self, index: int, micro_batches: int) -> None:
         """``.grad`` of parameter ``index`` becomes its micro-batch tree's sum (deterministic mode).
@@ -255,7 +267,7 @@ class GradSync:
             param.grad = view
 
     # ------------------------------------------------------------- staging
-    def _carry_out(self, actions: list[Action]) -> None:
+    def _carry_out(self, actions: Sequence[Action]) -> None:
         """Carry out the schedule's actions on tensors ([Note: staging schedule])."""
         for action in actions:
             if action.kind is ActionKind.RETIRE:  # rule 1 of [Note: streams]
@@ -265,21 +277,43 @@ class GradSync:
             elif action.kind is ActionKind.OPEN:
                 # Its room may have been a retired bucket's: the side stream must be done with it.
                 wait_for_mark(self._arena.device, self._retired)
-                self._open[action.bucket] = self._staging(action.bucket)
+                self._open[action.bucket] = self._open_staging(action.bucket)
             elif action.kind is ActionKind.STAGE:
-                self._stage(action.bucket, action.param)
+                self._stage(action.bucket)
             elif action.kind is ActionKind.RELEASE:
                 self._params[action.param].grad = None
             else:
                 self._start_reduce(action.bucket)
 
-    def _staging(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s staging buffer, cut from the arena, its padding zeroed (it is reduced as zeros)."""
+    def _staging_view(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s staging buffer: its room in the arena, the same every step."""
         dtype = self._buffers[self._buckets[b].space].dtype
-        staging = self._arena[self._offsets[b] :].view(dtype)[: self._layouts[b].numel]
-        for span in self._padding[b]:
-            staging[span.as_slice()].zero_()
-        return staging
+        return self._arena[self._offsets[b] :].view(dtype)[: self._layouts[b].numel]
+
+    def _bucket_copies(self, b: int) -> _BucketCopies:
+        """Where bucket ``b``'s gradient parts go in its staging buffer (views, built once).
+
+        A part that is a whole parameter gets a target shaped as the parameter, so
+        staging it takes the gradient as it is, with no view built per step.
+        """
+        staging = self._stagings[b]
+        params, spans, targets = [], [], []
+        for copy in self._buckets[b].copies:
+            spec = self._zp.specs[copy.param]
+            target = staging[copy.staging_offset : copy.staging_offset + copy.param_span.numel]
+            whole = copy.param_span.start == 0 and copy.param_span.numel == spec.numel
+            params.append(copy.param)
+            spans.append(None if whole else copy.param_span.as_slice())
+            targets.append(target.view(spec.shape) if whole else target)
+        padding = [staging[span.as_slice()] for span in self._padding[b]]
+        return _BucketCopies(tuple(params), tuple(spans), tuple(targets), padding)
+
+    def _open_staging(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s staging buffer with its padding zeroed (it is reduced as zeros)."""
+        padding = self._copies[b].padding
+        if padding:
+            torch._foreach_zero_(padding)
+        return self._stagings[b]
 
     @property
     def arena(self) -> torch.Tensor:
@@ -291,19 +325,27 @@ class GradSync:
         """Bytes of the staging arena (persistent)."""
         return self._arena.numel()
 
-    def _stage(self, b: int, index: int) -> None:
-        """Copy parameter ``index``'s parts of bucket ``b`` into its (open) staging buffer."""
-        staging = self._open[b]
-        grad = self._params[index].grad
-        copies = self._copies[b][index]
-        targets = [staging[c.staging_offset : c.staging_offset + c.param_span.numel] for c in copies]
-        if grad is None:
-            torch._foreach_zero_(targets)
-        elif len(copies) == 1:
-            targets[0].copy_(grad.reshape(-1)[copies[0].param_span.as_slice()])
-        else:  # a parameter cut into several ranks' pieces: one launch on a GPU, not one per piece
-            flat = grad.reshape(-1)
-            torch._foreach_copy_(targets, [flat[c.param_span.as_slice()] for c in copies])
+    def _stage(self, b: int) -> None:
+        """Copy every gradient part of bucket ``b`` into its (open) staging buffer: one batched copy.
+
+        A parameter with no gradient (none arrived this step) contributes zeros.
+        """
+        entry = self._copies[b]
+        params = self._params
+        sources: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
+        zeros: list[torch.Tensor] = []
+        for index, span, target in zip(entry.params, entry.spans, entry.targets, strict=True):
+            grad = params[index].grad
+            if grad is None:
+                zeros.append(target)
+            else:
+                sources.append(grad if span is None else grad.reshape(-1)[span])
+                targets.append(target)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        if zeros:
+            torch._foreach_zero_(zeros)
 
     # ------------------------------------------------------------- launching
     def _start_reduce(self, b: int) -> None:

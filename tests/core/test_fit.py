@@ -135,7 +135,7 @@ def test_stage_3_sends_more_and_is_chosen_only_when_the_others_do_not_fit():
 def test_fused_is_recommended_only_where_it_lowers_the_peak():
     # Without activations the step's temporaries set the peak of the foreach AdamW: fused=True lowers it.
     lowered = recommend(SPECS, 4, device_bytes=2**31)
-    assert lowered.best.fused and "fused=True saves 96.0 MiB over foreach" in lowered.reason
+    assert lowered.best.fused and "fused=True saves 64.0 MiB over foreach" in lowered.reason
     # With activations the backward is the peak: fused=True changes nothing, and is not recommended.
     same = recommend(SPECS, 4, device_bytes=2**31, activation_bytes=128 * MiB)
     assert not same.best.fused and same.best.implementation.value == "foreach"

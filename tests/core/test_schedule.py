@@ -1,19 +1,19 @@
-"""The staging schedule: every gradient staged once into each of its buckets, buckets launched once and
-in order, at most ``max_inflight_buckets`` consecutive buckets alive, every ``.grad`` released once."""
+"""The staging schedule: every bucket staged whole and launched once, in order, once all its gradients
+arrived, at most ``max_inflight_buckets`` consecutive buckets alive, every ``.grad`` released once."""
 
 from __future__ import annotations
 
 import pytest
 
 from zeroplan.core import Topology, plan, specs_from_shapes
-from zeroplan.core.schedule import ActionKind, staging_schedule
+from zeroplan.core.schedule import ActionKind, schedule_tables, staging_schedule
 
 SHAPES = [(17, 257), (3,), (1000, 7), (31,), (257, 17), (64,)]
 
 
 def _run(zp, order, *, overlap):
     schedule = staging_schedule(zp, overlap=overlap)
-    assert next(schedule) == []
+    assert not next(schedule)
     actions = [a for index in order for a in schedule.send(index)]
     return actions + schedule.send(None)
 
@@ -35,11 +35,15 @@ def test_every_gradient_is_staged_once_and_buckets_launch_in_order(stage, overla
     arrivals = {"reverse": trainable[::-1], "forward": trainable, "half": trainable[::2]}[order]
     actions = _run(zp, arrivals, overlap=overlap)
     buckets = zp.buckets.buckets
-    staged = [(a.param, a.bucket) for a in actions if a.kind is ActionKind.STAGE]
-    assert sorted(staged) == sorted((p, b.index) for b in buckets for p in b.params)
+    staged = [a.bucket for a in actions if a.kind is ActionKind.STAGE]
+    assert staged == list(range(len(buckets)))  # each bucket staged whole, once, in order
     assert [a.bucket for a in actions if a.kind is ActionKind.LAUNCH] == list(range(len(buckets)))
     released = [a.param for a in actions if a.kind is ActionKind.RELEASE]
     assert sorted(released) == (trainable if stage == 2 else [])
+    for position, a in enumerate(actions):  # a gradient is freed only once all its buckets hold it
+        if a.kind is ActionKind.RELEASE:
+            done = {x.bucket for x in actions[:position] if x.kind is ActionKind.STAGE}
+            assert set(zp.buckets.buckets_of(a.param)) <= done
     alive: list[int] = []  # opened or in flight, oldest first
     for a in actions:
         if a.kind is ActionKind.OPEN:
@@ -56,5 +60,23 @@ def test_without_overlap_nothing_happens_before_finish():
     zp = plan(specs_from_shapes(SHAPES), Topology(world_size=2), alignment=8, bucket_bytes=4096)
     schedule = staging_schedule(zp, overlap=False)
     next(schedule)
-    assert all(schedule.send(i) == [] for i in sorted(zp.trainable_indices, reverse=True))
+    assert all(not schedule.send(i) for i in sorted(zp.trainable_indices, reverse=True))
     assert schedule.send(None)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_step_builds_no_action_per_parameter(stage):
+    """Every action comes from the plan's tables (built once); an arrival that completes no bucket
+    answers the one shared empty tuple, and only a bucket's completion builds a list."""
+    zp = plan(
+        specs_from_shapes(SHAPES * 20), Topology(world_size=2), stage=stage, alignment=8, bucket_bytes=65536
+    )
+    tables = schedule_tables(zp)
+    known = {id(a) for actions in tables.completion + tables.lone for a in actions}
+    schedule = staging_schedule(zp, tables=tables)
+    next(schedule)
+    answers = [schedule.send(i) for i in sorted(zp.trainable_indices, reverse=True)] + [schedule.send(None)]
+    lists = [a for a in answers if isinstance(a, list)]
+    assert len(lists) <= len(zp.buckets.buckets) + 1 < len(zp.specs) // 4  # the finish, and one per bucket
+    assert all(a == () for a in answers if not isinstance(a, list))
+    assert all(id(a) in known or a.kind is ActionKind.RETIRE for answer in answers for a in answer)

@@ -120,7 +120,7 @@ def test_the_recommender_confirms_its_choice_with_its_plan_and_drops_it_if_it_gr
         calls.append(zp.fingerprint())
         return _stand_in(specs, 2**23, plan=zp, extra=extra)
 
-    only3 = {"stages": (3,), "device_bytes": 70 * 2**20}
+    only3 = {"stages": (3,), "device_bytes": 72 * 2**20}
     fits = recommend(specs, 2, trace=trace, confirm=confirm, **only3)
     assert fits.best is not None and fits.best.exact and fits.best.fit.stage == 3
     assert len(calls) == len(set(calls))  # the fused twin shares its plan's trace
@@ -136,7 +136,7 @@ def test_a_confirmation_must_be_traced_with_the_plan_and_needs_a_trace():
     specs = specs_from_shapes([(1024, 1024)] * 4, dtype="bf16")
     trace = _stand_in(specs, 2**23)
     with pytest.raises(ConfigError, match="must trace with that plan"):
-        recommend(specs, 2, device_bytes=70 * 2**20, stages=(3,), trace=trace, confirm=lambda zp: trace)
+        recommend(specs, 2, device_bytes=72 * 2**20, stages=(3,), trace=trace, confirm=lambda zp: trace)
     with pytest.raises(ConfigError, match="confirm needs a trace"):
         recommend(specs, 2, device_bytes=40 * 2**20, confirm=lambda zp: trace)
     with pytest.raises(ConfigError, match="not both"):
