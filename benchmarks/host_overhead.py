@@ -165,6 +165,9 @@ def run(world: int, config: str, args: argparse.Namespace) -> dict[str, Any]:
         join=False,
         start_method="spawn",
     )
+    while queue.empty():  # a worker that died before reporting must not hang the benchmark
+        if procs.join(timeout=0.2):
+            raise RuntimeError(f"{config} at world {world}: the workers ended without a result")
     result = queue.get()
     while not procs.join():
         pass

@@ -137,8 +137,8 @@ def grads_alive(
 
     Drives :func:`~zeroplan.core.schedule.staging_schedule` with gradients
     arriving in ``arrivals`` order (default: decreasing parameter order): a
-    gradient is alive from its arrival until the schedule releases it (stage 1's
-    hook moves it into the gradient buffer at once). Rank-independent.
+    gradient is alive from its arrival until the schedule releases it (frees
+    it, or at stage 1 moves it into the gradient buffer). Rank-independent.
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
@@ -147,7 +147,6 @@ def grads_alive(
         [(1, 1024, 0), (0, 1024, 0)]
     """
     nbytes = [s.numel * DTYPE_ITEMSIZE[s.dtype] for s in zp.specs]
-    moved_at_once = zp.stage is Stage.OPTIMIZER
     schedule = staging_schedule(zp, overlap=overlap)
     next(schedule)
     order = sorted(zp.trainable_indices, reverse=True) if arrivals is None else _checked(zp, arrivals)
@@ -156,8 +155,6 @@ def grads_alive(
     for index in order:
         grads += nbytes[index]
         at_arrival = grads
-        if moved_at_once:
-            grads -= nbytes[index]
         actions = schedule.send(index)
         grads -= sum(nbytes[a.param] for a in actions if a.kind is ActionKind.RELEASE)
         out.append(GradsAlive(index, at_arrival, grads))

@@ -16,12 +16,16 @@ them on byte counts. One schedule, so the planned peak is the executed one.
   (its staging buffer taken from the arena), ``STAGE`` d whole (every
   gradient part it holds copied in one batched copy) and ``LAUNCH`` ed,
   strictly in plan order (every rank issues the same collectives in the same
-  order); a bucket complete before its predecessors waits for them. At stage 2
-  (and 3) each gradient whose last bucket that was is ``RELEASE`` d.
+  order); a bucket complete before its predecessors waits for them. Each
+  gradient whose last bucket that was is ``RELEASE`` d, freed, at stages 2 and
+  3; at stage 1 each whose first bucket it was is moved into its view of the
+  full gradient buffer (before the launch, which reduces into that buffer).
 * Opening bucket ``b`` first ``RETIRE`` s the oldest reduction in flight while
   ``b`` and it would be ``max_inflight_buckets`` or more buckets apart, so at
   most that many consecutive buckets are ever alive.
-* Without overlap, arrivals are only counted. ``None`` (finish) counts every
+* Without overlap, arrivals are only counted (at stage 1 each gradient is
+  still moved into the gradient buffer as it arrives, so only one is alive
+  at a time). ``None`` (finish) counts every
   trainable parameter that got no gradient (it is staged as zeros, or as what
   ``no_sync`` accumulated), stages and launches everything, and retires every
   reduction in flight.
@@ -59,7 +63,9 @@ class ActionKind(enum.Enum):
     STAGE = "stage"
     """Copy every gradient part of ``bucket`` into its staging buffer (all have arrived)."""
     RELEASE = "release"
-    """Free ``param``'s ``.grad``: all its buckets are staged (stages 2 and 3)."""
+    """All of ``param``'s buckets are staged: free its ``.grad`` (stages 2 and 3); or its first is:
+    move it into its view of the gradient buffer (stage 1, whose ``.grad`` is that view between steps;
+    the later buckets stage from there)."""
     LAUNCH = "launch"
     """Start the reduction of ``bucket`` (all its gradients are staged)."""
 
@@ -83,10 +89,14 @@ class ScheduleTables:
         buckets_of: per parameter, the buckets that hold its gradient.
         sizes: per bucket, how many parameters it waits for.
         completion: per bucket, the actions its turn brings: open, stage,
-            the releases of the gradients it is the last bucket of, launch.
+            the releases of the gradients it is the last bucket of (stage 1: the first), launch.
         lone: per parameter, the actions its arrival brings by itself: the
             release of a gradient no bucket holds (no elements), else none.
         trainable: the trainable parameters, in order.
+        at_once: stage 1 without overlap moves each gradient into the gradient buffer as it
+            arrives (nothing is staged before the end of backward): ``released`` (per parameter,
+            its release) answers each arrival and ``kept`` (per bucket, ``completion`` without
+            releases) each bucket's turn.
     """
 
     buckets_of: tuple[tuple[int, ...], ...]
@@ -94,13 +104,16 @@ class ScheduleTables:
     completion: tuple[tuple[Action, ...], ...]
     lone: tuple[tuple[Action, ...], ...]
     trainable: tuple[int, ...]
+    at_once: bool
+    kept: tuple[tuple[Action, ...], ...] = ()
+    released: tuple[tuple[Action, ...], ...] = ()
 
     def __post_init__(self) -> None:
         require(len(self.completion) == len(self.sizes), "one completion per bucket")
         require(len(self.lone) == len(self.buckets_of), "one entry per parameter")
 
 
-def schedule_tables(zp: ZeroPlan) -> ScheduleTables:
+def schedule_tables(zp: ZeroPlan, *, overlap: bool = True) -> ScheduleTables:
     """The tables :func:`staging_schedule` runs on, for plan ``zp`` (build once, reuse every step).
 
     Example:
@@ -110,13 +123,13 @@ def schedule_tables(zp: ZeroPlan) -> ScheduleTables:
         (1, 1)
     """
     buckets = zp.buckets.buckets
-    release = zp.stage is not Stage.OPTIMIZER  # stage 1 keeps .grad as a view of its buffer
     nparams = len(zp.specs)
     buckets_of = tuple(zp.buckets.buckets_of(i) for i in range(nparams))
     released_at: list[list[int]] = [[] for _ in buckets]
     for param, of in enumerate(buckets_of):
-        if release and of:
-            released_at[max(of)].append(param)  # buckets are staged in order: its last one frees it
+        if of:  # buckets are staged in order: stage 2 frees a gradient at its last, stage 1 moves it at its
+            # first (before that bucket's reduction writes into the buffer it moves into)
+            released_at[min(of) if zp.stage is Stage.OPTIMIZER else max(of)].append(param)
     completion = tuple(
         (
             Action(ActionKind.OPEN, bucket=b.index),
@@ -126,16 +139,19 @@ def schedule_tables(zp: ZeroPlan) -> ScheduleTables:
         )
         for b in buckets
     )
-    lone = tuple(
-        (Action(ActionKind.RELEASE, param=p),) if release and not of else ()
-        for p, of in enumerate(buckets_of)
-    )
+    lone = tuple((Action(ActionKind.RELEASE, param=p),) if not of else () for p, of in enumerate(buckets_of))
+    at_once = zp.stage is Stage.OPTIMIZER and not overlap
     return ScheduleTables(
         buckets_of=buckets_of,
         sizes=tuple(len(b.params) for b in buckets),
         completion=completion,
         lone=lone,
         trainable=tuple(sorted(zp.trainable_indices)),
+        at_once=at_once,
+        kept=tuple(tuple(a for a in c if a.kind is not ActionKind.RELEASE) for c in completion)
+        if at_once
+        else (),
+        released=tuple((Action(ActionKind.RELEASE, param=p),) for p in range(nparams)) if at_once else (),
     )
 
 
@@ -148,7 +164,7 @@ def staging_schedule(
         zp: the plan.
         overlap: stage and launch while gradients arrive (``overlap_grad_reduce``);
             otherwise everything happens at finish.
-        tables: ``schedule_tables(zp)``, when the caller keeps them from step to step.
+        tables: ``schedule_tables(zp, overlap=overlap)``, when the caller keeps them from step to step.
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
@@ -163,7 +179,9 @@ def staging_schedule(
         >>> [a.kind.value for a in schedule.send(None)]   # finish: complete both reductions
         ['retire', 'retire']
     """
-    t = schedule_tables(zp) if tables is None else tables
+    t = schedule_tables(zp, overlap=overlap) if tables is None else tables
+    require(t.at_once == (zp.stage is Stage.OPTIMIZER and not overlap), "tables built for another overlap")
+    completion = t.kept if t.at_once else t.completion
     nbuckets = len(t.sizes)
     k = zp.max_inflight_buckets
     missing = list(t.sizes)
@@ -177,7 +195,7 @@ def staging_schedule(
             while inflight and nxt - inflight[0] >= k:
                 inflight.popleft()
                 actions.append(_RETIRE)
-            actions.extend(t.completion[nxt])
+            actions.extend(completion[nxt])
             inflight.append(nxt)
             nxt += 1
 
@@ -186,7 +204,7 @@ def staging_schedule(
         ready[message] = True
         for b in t.buckets_of[message]:
             missing[b] -= 1
-        lone = t.lone[message]
+        lone = t.released[message] if t.at_once else t.lone[message]
         if overlap and nxt < nbuckets and missing[nxt] == 0:
             actions = list(lone)
             pump(actions)
@@ -197,7 +215,8 @@ def staging_schedule(
         if not ready[index]:
             for b in t.buckets_of[index]:
                 missing[b] -= 1
-    finish: list[Action] = [a for index in t.trainable if not ready[index] for a in t.lone[index]]
+    lone = t.released if t.at_once else t.lone
+    finish: list[Action] = [a for index in t.trainable if not ready[index] for a in lone[index]]
     pump(finish)
     finish.extend(_RETIRE for _ in inflight)
     yield finish

@@ -290,8 +290,8 @@ def _relative(fqn: str | None) -> str:
 
 class _Staging:
     """What becomes of each gradient as it arrives: dropped at once (no plan: the plan counts
-    gradients itself; stage 1 moves each into its gradient buffer at once), or kept until ``plan``'s
-    staging schedule releases it."""
+    gradients itself), or kept until ``plan``'s staging schedule releases it (frees it, or at stage 1
+    moves it into the gradient buffer the plan counts)."""
 
     def __init__(
         self, recorder: _Recorder, params: list[torch.Tensor], plan: ZeroPlan | None, overlap: bool
@@ -303,7 +303,7 @@ class _Staging:
         self.position: dict[int, int] = {}
         if plan is not None:
             self.index = sorted(plan.trainable_indices)  # the model's, in order (``_check_matches``)
-        if plan is not None and plan.stage is not Stage.OPTIMIZER:
+        if plan is not None and plan.stage is not Stage.DDP:
             self.schedule = staging_schedule(plan, overlap=overlap)
             next(self.schedule)
             self.position = {spec: i for i, spec in enumerate(self.index)}

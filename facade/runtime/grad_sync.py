@@ -6,16 +6,32 @@ gradient (see [Note: step lifecycle]: it refuses one that arrives after the
 reduction, and inside ``no_sync()`` it says to keep it local), then sends the
 parameter to the step's staging schedule and carries out what it answers
 ([Note: staging schedule] in ``zeroplan.core.schedule``, the same coroutine the
-planner replays to plan the peak, [Note: the step's peak]): open a bucket's
-staging buffer (cut from the persistent arena, [Note: staging arena]), copy
-gradients into it, free a ``.grad``, launch a bucket (its
-reduce-scatter, or reduce, over the shard group starts asynchronously), or
-complete the oldest reduction, which then starts its all-reduce over the
-replica group (MiCS). Buckets launch strictly in the plan's order (the order
-of collectives must match on every rank). Under the GLOO policy a bucket of
-equal pieces is reduce-scattered by a point-to-point exchange into room after
-its gradients (``StagingLayout.received``), and one of uneven pieces is
-all-reduced over the whole data-parallel group (see [Note: collective policy]).
+planner replays to plan the peak, [Note: the step's peak]): nothing, for most
+arrivals; when the next bucket's gradients have all arrived, open its staging
+buffer (its room in the persistent arena, [Note: staging arena]), copy the
+gradients in, free them (stage 2) or move them into the gradient buffer
+(stage 1), and launch its reduction (its reduce-scatter, or reduce, over the
+shard group starts asynchronously); or complete the oldest reduction, which
+then starts its all-reduce over the replica group (MiCS). Buckets launch
+strictly in the plan's order (the order of collectives must match on every
+rank). Under the GLOO policy a bucket of equal pieces is reduce-scattered by
+a point-to-point exchange into room after its gradients
+(``StagingLayout.received``), and one of uneven pieces is all-reduced over
+the whole data-parallel group (see [Note: collective policy]).
+
+[Note: gradient path]
+Host work is per bucket, not per parameter (a GPU step is bound by it when
+kernels are short). Per parameter, the hook only reads ``.grad``, asks the
+lifecycle to admit it, marks it ready and sends its index to the schedule,
+which counts down its buckets and, for an arrival that completes nothing,
+answers one shared empty tuple. Per bucket, once: one ``torch._foreach_copy_``
+of its gradient parts into staging views built at construction (a part that is
+a whole parameter is copied from ``.grad`` as it is, with no view built per
+step), at stage 1 one more into the gradient buffer, the releases, the launch.
+The actions come from tables built once per plan (``ScheduleTables``), so a
+step builds Python objects per bucket, not per parameter. The price is that a
+gradient lives until its bucket is complete (the planner replays the same
+schedule, so the planned peak includes it).
 
 Stage 2 frees each ``.grad`` once all its buckets are staged, so a gradient
 outlives its arrival only while its bucket is beyond the window. bf16/fp16
@@ -30,8 +46,10 @@ accumulation address); dividing first would round every rank's gradient
 once more and push small fp16 gradients into subnormals the loss scale is
 there to avoid; and a sum that overflows fp16 is caught by the loss scaler's
 overflow check like any other overflow (bf16's range does not overflow). Stage 1 keeps every
-``.grad`` as a view of the full gradient buffer (a gradient autograd allocated
-after ``zero_grad(set_to_none=True)`` is moved into it by the hook) and
+``.grad`` as a view of the full gradient buffer between steps (a gradient
+autograd allocated after ``zero_grad(set_to_none=True)`` is moved into it when
+its buckets are staged, or at once inside ``no_sync()``, where the next
+backward adds into it) and
 reduces each bucket into the rank's own region of that buffer, in place: after
 the reduction, ``.grad`` of the elements this rank owns holds the averaged
 gradient, the others the local one.
@@ -144,7 +162,9 @@ class GradSync:
         arena = staging_arena(zp, groups.shard_rank)  # [Note: staging arena] in zeroplan.core.arena
         self._offsets = arena.offsets
         self._arena = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
-        self._tables = schedule_tables(zp)  # [Note: staging schedule]: built once, read every step
+        self._tables = schedule_tables(
+            zp, overlap=overlap
+        )  # [Note: staging schedule]: built once, read every step
         self._stagings = [self._staging_view(b) for b in range(len(self._buckets))]
         self._copies = [self._bucket_copies(b) for b in range(len(self._buckets))]
         self._grad_views: dict[int, torch.Tensor] = {}
@@ -210,7 +230,8 @@ class GradSync:
         self._handles = []
 
     def __del__(self) -> None:
-        self.remove_hooks()
+        if hasattr(self, "_handles"):  # not when construction failed before hooking
+            self.remove_hooks()
 
     # ------------------------------------------------------------------ hooks
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
@@ -226,10 +247,10 @@ class GradSync:
             if not reduce_now:
                 return
             self._take_root(index, self._passes.count)
-        elif self._grad_views:
-            self._into_view(index)
-        if self._sums is None and not self._admit(self._names[index]):
-            return  # no_sync(): accumulate locally
+        elif not self._admit(self._names[index]):  # no_sync(): accumulate locally
+            if self._grad_views:  # stage 1: in the gradient buffer, where the next backward adds
+                self._into_view(index)
+            return
         if self._ready[index]:
             raise StepOrderError(
                 f"parameter {self._names[index]!r} received a second gradient after its reduction "
@@ -266,9 +287,29 @@ class GradSync:
             view.copy_(param.grad)
             param.grad = view
 
+    def _into_views(self, indices: list[int]) -> None:
+        """Stage 1: the gradients of parameters ``indices`` move into their views of the full
+        gradient buffer, by one batched copy, and ``.grad`` becomes the view."""
+        views: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        moved: list[int] = []
+        for index in indices:
+            view, grad = self._grad_views.get(index), self._params[index].grad
+            if view is None or grad is None or grad.data_ptr() == view.data_ptr():
+                continue
+            if view.numel():  # an empty copy would still bump the buffer's version ([written_back])
+                views.append(view)
+                grads.append(grad)
+            moved.append(index)
+        if views:
+            torch._foreach_copy_(views, grads)
+        for index in moved:
+            self._params[index].grad = self._grad_views[index]
+
     # ------------------------------------------------------------- staging
     def _carry_out(self, actions: Sequence[Action]) -> None:
         """Carry out the schedule's actions on tensors ([Note: staging schedule])."""
+        moving: list[int] = []  # stage 1's released gradients, moved into the buffer before a launch
         for action in actions:
             if action.kind is ActionKind.RETIRE:  # rule 1 of [Note: streams]
                 with on_side_stream(self._arena.device):
@@ -281,9 +322,17 @@ class GradSync:
             elif action.kind is ActionKind.STAGE:
                 self._stage(action.bucket)
             elif action.kind is ActionKind.RELEASE:
-                self._params[action.param].grad = None
+                if self._grad_views:
+                    moving.append(action.param)
+                else:
+                    self._params[action.param].grad = None
             else:
+                if moving:  # at stage 1 the reduction writes into the buffer: move them in first
+                    self._into_views(moving)
+                    moving = []
                 self._start_reduce(action.bucket)
+        if moving:
+            self._into_views(moving)
 
     def _staging_view(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s staging buffer: its room in the arena, the same every step."""
