@@ -166,7 +166,7 @@ def run(world: int, config: str, args: argparse.Namespace) -> dict[str, Any]:
         start_method="spawn",
     )
     while queue.empty():  # a worker that died before reporting must not hang the benchmark
-        if procs.join(timeout=0.2):
+        if procs.join(timeout=0.2) and queue.empty():
             raise RuntimeError(f"{config} at world {world}: the workers ended without a result")
     result = queue.get()
     while not procs.join():
