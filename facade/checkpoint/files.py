@@ -11,8 +11,9 @@ manifest's file sizes catch truncation before any read). The manifest is JSON
 tensor views it: a ``TensorFile`` keeps it mapped while it is open. Every page
 a read touches is then mapped into the process and counts in its resident set
 until the mapping goes, so a reader that walks a whole checkpoint (``zeroplan
-export``, ``inspect``) ends up holding every page it read: exporting 403 MB of
-weights peaked at 718 MB resident against a 312 MB import baseline.
+export``, ``inspect``) would end up holding every page it read: exporting 403
+MB of weights peaked at 718 MB resident against a 312 MB import (452 MB with
+the pages released; docs/benchmarks.md, "Export's resident memory").
 ``TensorFile.release()`` gives back the pages of the tensors read since the
 last release (``madvise(MADV_DONTNEED)`` over the pages lying wholly inside
 each one's storage). The pages are clean (nothing writes into what a read
@@ -20,7 +21,8 @@ returns), so a later access maps them again from the file, usually from the
 page cache, and sees the same bytes: views already returned and blocks already
 verified stay valid. Elsewhere than Linux, whose semantics this relies on,
 ``release`` does nothing and the pages stay until the file is closed. ``load``
-does not release: a rank reads only its own pieces, and installs them at once.
+does not release: what it reads it holds until installed, and its files are
+closed, their mappings gone, when it returns.
 """
 
 from __future__ import annotations
