@@ -88,7 +88,7 @@ _MADVISE = _find_madvise()
 
 
 def _drop_pages(storage: torch.UntypedStorage) -> None:
-    """Unmap the pages lying wholly inside ``storage``, a file mapping's clean pages ([Note: mapped pages]).
+    """Drop from the resident set the pages wholly inside ``storage``, a file mapping ([Note: mapped pages]).
 
     Advice only: if the kernel refuses, the pages stay mapped.
     """
