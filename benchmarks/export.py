@@ -1,12 +1,15 @@
-"""``zeroplan export``: time and peak tensor memory, offline, for the demo model and a 34M GPT.
+"""``zeroplan export``: time, peak tensor memory and peak resident memory, offline.
 
-``world`` gloo processes train one step of AdamW (bf16 parameters, fp32 masters, stage 2) and
-save a checkpoint; this process then exports it repeatedly (median wall time, page cache warm)
-and once under torch's ``MemTracker``. The peak reported is what the export holds beyond the
-memory-mapped checkpoint files, which ``MemTracker`` counts whole once touched (file pages the
-kernel may drop, not memory the export allocates), next to the largest tensor and the model.
+``world`` gloo processes train one step of AdamW (bf16 parameters, fp32 masters, stage 2) on the
+demo model or a 34M GPT and save a checkpoint, or save ``wide`` untrained: three fp32
+``Linear(1024, 32768)`` layers (403 MB of weights, the largest tensor 134 MB) under SGD, which
+keeps no state. This process then exports it repeatedly (median wall time, page cache warm) and
+once under torch's ``MemTracker``. The tensor peak reported is what the export holds beyond the
+memory-mapped checkpoint files, which ``MemTracker`` counts whole once touched. The resident peak
+is that of a fresh interpreter running ``zeroplan export``, against one that only imports: the
+mapped pages the export touches count there (see [Note: mapped pages]).
 
-    python benchmarks/export.py --world 2 --repeats 5 [--model demo|34m]
+    python benchmarks/export.py --world 2 --repeats 5 [--model demo|34m|wide]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,8 +40,28 @@ from zeroplan.facade.cli.demo.model import GPTConfig, build_model
 from zeroplan.facade.diagnostics.meter import tracked_bytes
 from zeroplan.facade.runtime.dtypes import torch_dtype
 
+#: Runs its arguments as a command and prints the command's peak resident bytes (ru_maxrss is in KiB
+#: on Linux). A child's ru_maxrss is at least its parent's peak (the kernel counts the memory it was
+#: started from, the parent's, when it execs): the command starts from this small interpreter, not
+#: from the large one measuring, whose peak would hide the import baseline.
+_PEAK_OF = """
+import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+#: Imports the CLI, then runs ``zeroplan export`` with its arguments if it has any.
+_EXPORT = """
+import sys
+import zeroplan.facade.checkpoint.export
+from zeroplan.facade.cli import main
+sys.exit(main(["export", *sys.argv[1:]]) if sys.argv[1:] else 0)
+"""
+
 
 def _model(name: str) -> torch.nn.Module:
+    if name == "wide":
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(1024, 32768) for _ in range(3)])
     if name == "demo":
         return build_model(GPTConfig(), dtype=torch.bfloat16)
     torch.manual_seed(0)
@@ -49,6 +73,11 @@ def _worker(rank: int, world: int, port: int, root: str, name: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     model = _model(name)
+    if name == "wide":  # saved untrained, the weights only
+        opt = ZeroOptimizer(model.named_parameters(), torch.optim.SGD, lr=1e-3, stage=2)
+        checkpoint.save(opt, root)
+        dist.destroy_process_group()
+        return
     opt = ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-3, stage=2)
     config = GPTConfig() if name == "demo" else GPT_34M
     tokens, targets = make_batch(config, 4, rank)
@@ -68,11 +97,22 @@ def _mapped_bytes(root: Path) -> int:
     return total
 
 
+def _peak_resident(*argv: str) -> int:
+    """Peak resident bytes of a fresh interpreter that imports the CLI and runs ``export *argv``."""
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_OF, sys.executable, "-c", _EXPORT, *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(done.stdout.split()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--model", choices=("demo", "34m"), default="demo")
+    parser.add_argument("--model", choices=("demo", "34m", "wide"), default="demo")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="zeroplan-export-"))
     try:
@@ -101,6 +141,12 @@ def main() -> None:
         print(
             f"{args.model}: export {result.nbytes / 2**20:.2f} MiB in {median:.1f} ms "
             f"(median of {args.repeats}, world {args.world} checkpoint)"
+        )
+        baseline = _peak_resident()
+        peak = _peak_resident(str(root), str(work / "resident"))
+        print(
+            f"{args.model}: peak resident {peak / 1e6:.1f} MB exporting, {baseline / 1e6:.1f} MB importing: "
+            f"{(peak - baseline) / 1e6:.1f} MB above the import, largest tensor {result.largest / 1e6:.1f} MB"
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

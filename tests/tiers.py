@@ -16,6 +16,7 @@ STARTS_INTERPRETERS = (
     "tests/facade/test_export_hf.py",
     "tests/facade/test_hf_compile.py",
     "tests/facade/test_export.py::test_the_console_script_prints_one_line_for_a_missing_checkpoint",
+    "tests/facade/test_export.py::test_export_keeps_about_one_tensor_resident_above_the_import",
     "tests/facade/test_faults.py",
     "tests/facade/test_exit.py",
     "tests/facade/test_checkpoint_failures.py::test_a_save_killed_midway_leaves_the_previous_checkpoint",

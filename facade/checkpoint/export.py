@@ -11,10 +11,14 @@ each parameter lies: its fragments, in order, in the shard files
 parameters lie whole in ``frozen.pt``, expert parameters in their group's
 expert files. Export walks the parameters in saved order and writes each as
 it reads it, part by part, from the memory-mapped files, whose blocks are
-checksum-verified as they are read (see [Note: streamed weight files]), so
-it holds at most one tensor beside constant buffers, whatever the world,
-stage, layout, shard groups or expert groups of the saving job. Inspect
-verifies every block of every file.
+checksum-verified as they are read (see [Note: streamed weight files]), and
+gives the pages it read back to the kernel once the tensor is written (see
+[Note: mapped pages]): the pages of a mapped file stay resident until then,
+and the export would otherwise end holding every page of the checkpoint. So
+it holds at most one tensor beside constant buffers, allocated or mapped,
+whatever the world, stage, layout, shard groups or expert groups of the
+saving job. Inspect verifies every block of every file, releasing each
+tensor's pages once verified.
 
 Names are those the checkpoint recorded (``named_parameters()`` names given to
 ``ZeroOptimizer``, else ``group<g>.param<i>``). A parameter is recorded once:
@@ -178,6 +182,7 @@ class Snapshot:
                     numel *= n
                 part = file.read(name, 0, numel)
                 verified += part.numel() * part.element_size()
+                file.release()  # [Note: mapped pages]
         return verified
 
     def params(self) -> list[SavedParam]:
@@ -215,6 +220,11 @@ class Snapshot:
     def parts(self, param: SavedParam, *, master: bool) -> Iterator[torch.Tensor]:
         """The values of ``param``, flat, in consecutive parts, each verified as it is read."""
         yield from saved_param(param.source, param.spec.index, self.open, master=master)
+
+    def release(self) -> None:
+        """Give the pages read so far from every open file back to the kernel ([Note: mapped pages])."""
+        for file in self._files.values():
+            file.release()
 
     def step(self) -> int | None:
         """The inner optimizer's largest ``step`` (scalar state), ``None`` if it keeps none."""
@@ -328,6 +338,11 @@ def export(
         OutTensor(name=p.name, shape=p.spec.shape, dtype=torch.float32 if fp32 else torch_dtype(p.spec.dtype))
         for p in params.values()
     ]
+
+    def parts_of(t: OutTensor) -> Iterator[torch.Tensor]:
+        yield from snapshot.parts(params[t.name], master=fp32)
+        snapshot.release()  # t is written (or copied): its pages go back ([Note: mapped pages])
+
     created = not target.exists()
     staging = target / STAGING
     try:
@@ -335,7 +350,7 @@ def export(
         groups = plan_files(tensors, max_shard_bytes)
         named = [(fmt.shard_name(i + 1, len(groups)), group) for i, group in enumerate(groups)]
         for name, group in named:
-            write_file(staging / name, group, lambda t: snapshot.parts(params[t.name], master=fp32), fmt)
+            write_file(staging / name, group, parts_of, fmt)
         if len(named) > 1:
             write_index(staging / fmt.index, named)
         if snapshot.trainer_folder is not None:

@@ -5,13 +5,35 @@ Files are ``torch.save`` archives of ``{"tensors": {name: tensor}, "crc": {name:
 a reader touches only the blocks it needs, and verifies exactly those (the
 manifest's file sizes catch truncation before any read). The manifest is JSON
 (tuples, tensors and non-string keys encoded explicitly).
+
+[Note: mapped pages]
+``torch.load(mmap=True)`` maps the whole file, privately, for as long as any
+tensor views it: a ``TensorFile`` keeps it mapped while it is open. Every page
+a read touches is then mapped into the process and counts in its resident set
+until the mapping goes, so a reader that walks a whole checkpoint (``zeroplan
+export``, ``inspect``) would end up holding every page it read: exporting 403
+MB of weights peaked at 718 MB resident against a 312 MB import (452 MB with
+the pages released; docs/benchmarks.md, "Export's resident memory").
+``TensorFile.release()`` gives back the pages of the tensors read since the
+last release (``madvise(MADV_DONTNEED)`` over the pages lying wholly inside
+each one's storage). The pages are clean (nothing writes into what a read
+returns), so a later access maps them again from the file, usually from the
+page cache, and sees the same bytes: views already returned and blocks already
+verified stay valid. Elsewhere than Linux, whose semantics this relies on,
+``release`` does nothing and the pages stay until the file is closed. ``load``
+does not release: what it reads it holds until installed, and its files are
+closed, their mappings gone, when it returns.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
+import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +69,34 @@ def _crcs(tensor: torch.Tensor) -> list[int]:
     flat = tensor.detach().reshape(-1)
     step = _block_elements(tensor)
     return [zlib.crc32(_bytes(flat[i : i + step])) for i in range(0, max(flat.numel(), 1), step)]
+
+
+def _find_madvise() -> Callable[[int, int, int], int] | None:
+    """The C library's ``madvise`` on Linux, else ``None`` (see [Note: mapped pages])."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+_MADVISE = _find_madvise()
+
+
+def _drop_pages(storage: torch.UntypedStorage) -> None:
+    """Drop from the resident set the pages wholly inside ``storage``, a file mapping ([Note: mapped pages]).
+
+    Advice only: if the kernel refuses, the pages stay mapped.
+    """
+    start, stop = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    first = start + (-start) % mmap.PAGESIZE
+    last = stop - stop % mmap.PAGESIZE
+    if _MADVISE is not None and last > first:
+        _MADVISE(first, last - first, mmap.MADV_DONTNEED)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -96,7 +146,10 @@ def _contents(path: Path, loaded: Any) -> tuple[dict[str, torch.Tensor], dict[st
 
 
 class TensorFile:
-    """A checkpoint file opened lazily (memory-mapped) whose reads are checksum-verified."""
+    """A checkpoint file opened lazily (memory-mapped) whose reads are checksum-verified.
+
+    The pages a read touches stay resident until :meth:`release` (see [Note: mapped pages]).
+    """
 
     def __init__(self, path: Path, size: int | None = None) -> None:
         self.path = path
@@ -115,6 +168,7 @@ class TensorFile:
             ) from None
         self._tensors, self._crc = _contents(path, loaded)
         self._verified: set[tuple[str, int]] = set()
+        self._touched: set[str] = set()  # tensors read since the last release
 
     def names(self) -> list[str]:
         """Names of the tensors in the file."""
@@ -145,6 +199,7 @@ class TensorFile:
         read and one of them verifies (all ranks agree before committing).
         """
         flat = self._get(name).reshape(-1)
+        self._touched.add(name)
         if not 0 <= start <= stop <= flat.numel():
             raise CheckpointError(
                 f"{str(self.path)!r}: tensor {name!r} has {flat.numel()} elements, "
@@ -166,6 +221,16 @@ class TensorFile:
                 )
             self._verified.add((name, block))
         return flat[start:stop]
+
+    def release(self) -> None:
+        """Give the pages read since the last release back to the kernel ([Note: mapped pages]).
+
+        What reads returned stays valid and equal: its pages are read again from the file when
+        next touched. Callers must not have written into it.
+        """
+        for name in sorted(self._touched):
+            _drop_pages(self._tensors[name].untyped_storage())
+        self._touched.clear()
 
 
 def encode(value: Any) -> Any:

@@ -78,3 +78,25 @@ def large_and_small(rank: int, world: int, root: str) -> None:
     opt.step()
     opt.zero_grad()
     checkpoint.save(opt, root)
+
+
+#: ``large_fp32``'s layers: four 1024-in, 16384-out linear layers, a 64 MiB weight each (256 MiB in all).
+LARGE_LAYERS, LARGE_IN, LARGE_OUT = 4, 1024, 16384
+
+
+def large_fp32(rank: int, world: int, root: str) -> None:
+    """Four 64 MiB fp32 weights and their biases (256 MiB), saved untrained at stage 2 with SGD.
+
+    SGD without momentum keeps no state, so the checkpoint is the weights: a few hundred MiB that
+    ``test_export_keeps_about_one_tensor_resident_above_the_import`` exports in a fresh interpreter.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(LARGE_IN, LARGE_OUT) for _ in range(LARGE_LAYERS)])
+    opt = make_optimizer(
+        list(model.named_parameters()),
+        optimizer="sgd",
+        hyper={"lr": 1e-3},
+        bucket_bytes=DEFAULT_BUCKET_BYTES,
+        alignment=DEFAULT_ALIGNMENT,
+    )
+    checkpoint.save(opt, root)

@@ -294,3 +294,54 @@ def test_export_holds_at_most_about_the_largest_tensor(pools, tmp_path):
     assert peaks["torch, 5 MB files"] <= largest + (1 << 20), peaks  # one file's tensors: one here
     assert peaks["torch, one file"] >= whole, peaks  # the measure sees a whole model held
     assert _equal(_read(tmp_path / "a"), _read(tmp_path / "c"))
+
+
+#: Runs its arguments as a command and prints the command's peak resident bytes (ru_maxrss is in KiB
+#: on Linux). A child's ru_maxrss is at least its parent's peak (the kernel counts the memory it was
+#: started from, the parent's, when it execs): the command starts from this small interpreter, not
+#: from the large one measuring, whose peak would hide the import baseline.
+_PEAK_OF = """
+import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+#: Imports the CLI, then runs ``zeroplan export`` with its arguments if it has any.
+_EXPORT = """
+import sys
+import zeroplan.facade.checkpoint.export
+from zeroplan.facade.cli import main
+sys.exit(main(["export", *sys.argv[1:]]) if sys.argv[1:] else 0)
+"""
+
+
+def _peak_resident(*argv: str) -> int:
+    """Peak resident bytes of a fresh interpreter that imports the CLI and runs ``export *argv``.
+
+    ``RUSAGE_CHILDREN`` of the small interpreter that starts it (see ``_PEAK_OF``): its only child.
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_OF, sys.executable, "-c", _EXPORT, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return int(done.stdout.split()[-1])
+
+
+@needs_safetensors
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapped pages are released on Linux")
+def test_export_keeps_about_one_tensor_resident_above_the_import(pools, tmp_path):
+    """[Note: mapped pages]: 256 MiB of weights exported hold one 64 MiB tensor's pages at a time.
+
+    Before the pages were released, the peak rose by every page read: the whole 256 MiB.
+    """
+    root = tmp_path / "ckpt"
+    pools(2).run(scenarios_export.large_fp32, str(root))
+    largest = scenarios_export.LARGE_IN * scenarios_export.LARGE_OUT * 4
+    whole = scenarios_export.LARGE_LAYERS * (largest + scenarios_export.LARGE_OUT * 4)
+    baseline = _peak_resident()
+    exported = _peak_resident(str(root), str(tmp_path / "out"))
+    margin = 32 << 20  # manifest, checksums, allocator: measured 10 MiB above the tensor here
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size > whole
+    assert exported - baseline <= largest + margin, (exported - baseline, largest, whole)
