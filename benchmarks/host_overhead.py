@@ -33,6 +33,7 @@ Usage::
     python benchmarks/host_overhead.py                    # worlds 1 and 2, 5 rounds: about 4 min
     python benchmarks/host_overhead.py --rounds 3 --only zero2,ddp,adamw --worlds 2
     python benchmarks/host_overhead.py --json host.json
+    python benchmarks/host_overhead.py --before /tmp/old   # also zeroplan from /tmp/old/zeroplan, interleaved
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def build(config: str, layers: int, world: int) -> tuple[torch.nn.Module, Any, A
         return model, torch.optim.AdamW(model.parameters(), **HYPER), None
     from zeroplan.facade import ZeroOptimizer
 
-    stage = int(config.removeprefix("zero"))
+    stage = int(config.removeprefix("zero").removesuffix("@before"))
     zero = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, **HYPER)
     if stage == 3:
         zero.attach(model)
@@ -105,6 +106,8 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    if config.endswith("@before"):  # --before: zeroplan from another source tree
+        sys.path.insert(0, args.before)
     try:
         model, opt, zero = build(config, args.layers, world)
         params = sum(1 for _ in model.parameters())
@@ -207,6 +210,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=300)
     parser.add_argument("--only", default=",".join(CONFIGS), help="comma-separated configurations")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--before",
+        help="a folder holding another zeroplan (zeroplan/core, zeroplan/facade): each zero configuration "
+        "also runs from it, as NAME@before, in the same rounds",
+    )
     args = parser.parse_args()
     args.only = [c for c in args.only.split(",") if c]
     if "adamw" not in args.only:
@@ -214,6 +222,8 @@ def main() -> None:
     unknown = set(args.only) - set(CONFIGS)
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}; choose from {', '.join(CONFIGS)}")
+    if args.before:
+        args.only += [f"{c}@before" for c in args.only if c.startswith("zero")]
     results = {}
     for world in (int(w) for w in args.worlds.split(",")):
         rows = measure(world, args)
@@ -221,7 +231,7 @@ def main() -> None:
         ddp = rows.get("ddp")
         print(f"\nworld {world}: {args.layers} x Linear(16, 16), {rows['adamw']['params']} parameters")
         head = ("config", "step ms", "µs/param above adamw", "(min..max)", "vs ddp", "ops/param")
-        print(f"{head[0]:8} {head[1]:>8} {head[2]:>21} {head[3]:>14} {head[4]:>7} {head[5]:>9}")
+        print(f"{head[0]:12} {head[1]:>8} {head[2]:>21} {head[3]:>14} {head[4]:>7} {head[5]:>9}")
         for c, row in rows.items():
             ratio = (
                 f"{row['us_per_param_above_adamw'] / ddp['us_per_param_above_adamw']:.2f}"
@@ -229,7 +239,7 @@ def main() -> None:
                 else ""
             )
             print(
-                f"{c:8} {row['median_ms']:8.1f} {row['us_per_param_above_adamw']:21.1f} "
+                f"{c:12} {row['median_ms']:8.1f} {row['us_per_param_above_adamw']:21.1f} "
                 f"{row['min']:6.1f}..{row['max']:<6.1f} {ratio:>7} {row['ops_per_param']:9.1f}"
             )
     if args.json:

@@ -330,11 +330,12 @@ class BlockTable(Blocks):
 
     def detached(self) -> int | None:
         """The first parameter whose ``.data`` no longer views its block's buffer."""
-        for entry in self.entries.values():
-            home = entry.buffer.untyped_storage()._cdata
-            for p, index in zip(entry.members, entry.indices, strict=True):
-                if p.untyped_storage()._cdata != home:
-                    return index
+        with torch._C.DisableTorchFunctionSubclass():  # a sharded parameter's storage, unhooked
+            for entry in self.entries.values():
+                home = entry.buffer.untyped_storage()._cdata
+                for p, index in zip(entry.members, entry.indices, strict=True):
+                    if p.untyped_storage()._cdata != home:
+                        return index
         return None
 
 

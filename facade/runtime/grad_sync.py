@@ -486,7 +486,8 @@ class GradSync:
         buffer's version counter). The parameter named is the buffer's first.
         """
         if not self._grad_views:
-            return next((i for i in self._trainable if self._params[i].grad is not None), None)
+            with torch._C.DisableTorchFunctionSubclass():  # stage 3: a sharded parameter's .grad, unhooked
+                return next((i for i in self._trainable if self._params[i].grad is not None), None)
         if self._written is None or self._written == self._grad_versions():
             return None
         changed = next(
@@ -510,12 +511,13 @@ class GradSync:
                     buf.grads.zero_()
             for index, view in self._grad_views.items():
                 self._params[index].grad = view
-        for index, param in enumerate(self._params):
-            if (keep_views and index in self._grad_views) or param.grad is None:
-                continue
-            if set_to_none:
-                param.grad = None
-            else:
-                param.grad.detach_()
-                param.grad.requires_grad_(False)
-                param.grad.zero_()
+        with torch._C.DisableTorchFunctionSubclass():  # stage 3: sharded parameters' .grad, unhooked
+            for index, param in enumerate(self._params):
+                if (keep_views and index in self._grad_views) or param.grad is None:
+                    continue
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_()
+                    param.grad.requires_grad_(False)
+                    param.grad.zero_()
