@@ -235,11 +235,17 @@ class ParamGather:
         bumps it) are compared with their masters.
         """
         self.finish_param_sync()
-        spaces = zip(self._buffers, self._published, self._settled, self._versions(), strict=True)
+        versions = self._versions()
+        spaces = zip(self._buffers, self._published, self._settled, versions, strict=True)
+        written = False
         for buf, published, settled, now in spaces:
             if now != settled:
                 buf.keep_param_writes(published)
-        self._settle()
+                written = True
+        if written:
+            self._settle()
+        else:  # nothing written since the last look: the versions just read are the settled ones
+            self._settled = versions
 
     def start_param_sync(self, log: CommLog) -> None:
         """Publish this rank's updated shards and start every block's gather; finished unless overlapping."""
