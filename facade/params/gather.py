@@ -154,6 +154,8 @@ def _arrive_all(params: Sequence[torch.Tensor], module: torch.nn.Module, args: A
 
 #: Each gathering parameter's ParamGather, held weakly (the optimizer may be dropped mid-gather).
 _OWNERS: Owners[weakref.ref[ParamGather]] = Owners()
+#: The classes a parameter in flight may be swapped from (any other is the user's own: not deferred).
+_SWAPPABLE = frozenset({torch.nn.Parameter, GatheringParameter})
 
 #: ParamGathers with gathers in flight, held strongly (the optimizer may be gone already), so that
 #: those gathers are retired before the interpreter exits.
@@ -221,7 +223,15 @@ class ParamGather:
         self._published = [published_pieces(zp, buf.space, groups.shard_rank) for buf in buffers]
 
     def _versions(self) -> list[int]:
-        return [sum(p._version for p in members) for members in self._space_params]
+        """Per space, the sum of its parameters' version counters (a loop, not a generator per item)."""
+        out = []
+        with torch._C.DisableTorchFunctionSubclass():  # a parameter still gathering: its counter, unhooked
+            for members in self._space_params:
+                total = 0
+                for p in members:
+                    total += p._version
+                out.append(total)
+        return out
 
     def _settle(self) -> None:
         """Note the parameters' versions once this optimizer's writes into them are done."""
@@ -264,11 +274,12 @@ class ParamGather:
         _IN_FLIGHT.add(self)
         for key in list(self._pending):
             members = self._members.get(key, [])
-            if any(type(p) not in (torch.nn.Parameter, GatheringParameter) for p in members):
+            if not {type(p) for p in members} <= _SWAPPABLE:  # one frame per block, not one per parameter
                 self._finish_block(key)  # a parameter class of the user's own: not swapped, so not deferred
                 continue
             for p in members:
-                _OWNERS.claim(p, self._self)
+                if _OWNERS.get(p) is not self._self:  # claimed once, not every step
+                    _OWNERS.claim(p, self._self)
                 p.__class__ = GatheringParameter
 
     def _finish_block(self, key: tuple[int, int]) -> None:
@@ -277,11 +288,14 @@ class ParamGather:
         if not self._pending:
             _IN_FLIGHT.discard(self)
             self._settle()
+        pending = self._pending
         for param in self._members.get(key, ()):
-            if type(param) is GatheringParameter and not any(
-                k in self._pending for k in self._blocks_of[id(param)]
-            ):
-                param.__class__ = torch.nn.Parameter
+            if type(param) is not GatheringParameter:
+                continue
+            keys = self._blocks_of[id(param)]
+            if len(keys) > 1 and any(k in pending for k in keys):  # cut by a block boundary
+                continue
+            param.__class__ = torch.nn.Parameter
 
     def finish_param_sync(self) -> None:
         """Finish every gather in flight, in the order they started."""

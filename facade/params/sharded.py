@@ -289,7 +289,8 @@ class ShardedParams:
             self._visited_backward.add(key)
             self._blocks.start_gather(key)
         count = self._arrived[key] = self._arrived.get(key, 0) + 1
-        self._blocks.prefetch(key, -1, self._visited_backward)
+        if count == 1:  # once per block and backward: the next block down (a no-op if visited)
+            self._blocks.prefetch(key, -1, self._visited_backward)
         if count >= self._blocks.entries[key].trainable and self._hold == 0:
             self._blocks.free(key)
 
