@@ -34,7 +34,7 @@ gradient lives until its bucket is complete (the planner replays the same
 schedule, so the planned peak includes it).
 
 Stage 2 frees each ``.grad`` once all its buckets are staged, so a gradient
-outlives its arrival only while its bucket is beyond the window. bf16/fp16
+outlives its arrival until its last bucket is complete and its turn came. bf16/fp16
 gradients are reduced in their dtype into room at the end of the staging
 buffer (``StagingLayout.reduced``), summed over replicas there, and cast into
 the fp32 gradient shard, so the step needs no fp32 copy. The sum is divided
