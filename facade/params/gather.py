@@ -76,12 +76,7 @@ from zeroplan.facade.runtime.dynamo import between_graphs, compiled_blocks
 from zeroplan.facade.runtime.groups import ProcessGroups
 from zeroplan.facade.runtime.wire_codec import published_pieces
 
-__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather", "storage_address"]
-
-
-def storage_address(param: torch.Tensor) -> tuple[int, int]:
-    """Which storage, and where in it, ``param``'s values live (its storage may be freed: stage 3)."""
-    return param.untyped_storage()._cdata, param.storage_offset()
+__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather"]
 
 
 class DeferredParameter(torch.nn.Parameter):
@@ -345,13 +340,17 @@ class ParamGather:
                 else:  # the master keeps its bits wherever nothing was written
                     buf.keep_param_writes(published)
 
-    def detached(
-        self, params: Sequence[torch.Tensor], links: Sequence[tuple[int, tuple[int, int]]]
-    ) -> int | None:
-        """The first trainable parameter whose ``.data`` no longer views its place in the flat buffer."""
-        for index, address in links:
-            if storage_address(params[index]) != address:
-                return index
+    def detached(self, params: Sequence[torch.Tensor], links: Sequence[tuple[int, int]]) -> int | None:
+        """The first trainable parameter whose ``.data`` no longer views its place in the flat buffer.
+
+        ``links`` holds each one's data pointer as installed: the flat buffers stay allocated, so no
+        other storage can start there, and equal pointers mean the same place in the same buffer
+        (compared without building a storage object per parameter and step).
+        """
+        with torch._C.DisableTorchFunctionSubclass():  # a parameter still gathering, unhooked
+            for index, pointer in links:
+                if params[index].data_ptr() != pointer:
+                    return index
         return None
 
     def forget(self) -> None:

@@ -58,7 +58,5 @@ class Residency(Protocol):
     def gathered(self, *, writeback: bool) -> contextlib.AbstractContextManager[None]:
         """Whole parameter values inside; with ``writeback``, what was written inside is kept."""
 
-    def detached(
-        self, params: Sequence[torch.Tensor], links: Sequence[tuple[int, tuple[int, int]]]
-    ) -> int | None:
+    def detached(self, params: Sequence[torch.Tensor], links: Sequence[tuple[int, int]]) -> int | None:
         """The first trainable parameter whose values no longer live where this residency put them."""

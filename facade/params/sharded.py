@@ -166,7 +166,7 @@ class ShardedParams:
         return self.all_gathered(writeback=writeback)
 
     def detached(
-        self, params: Sequence[torch.Tensor] = (), links: Sequence[tuple[int, tuple[int, int]]] = ()
+        self, params: Sequence[torch.Tensor] = (), links: Sequence[tuple[int, int]] = ()
     ) -> int | None:
         """The first parameter whose ``.data`` no longer views its block's buffer (``Installed.detached``)."""
         return self._blocks.detached()

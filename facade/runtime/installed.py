@@ -19,7 +19,7 @@ import torch.distributed as dist
 from zeroplan.core import Stage, ZeroPlan
 from zeroplan.facade.params.blocks import BlockTable
 from zeroplan.facade.params.buffers import SpaceBuffers, build_block_buffers, build_flat_buffers
-from zeroplan.facade.params.gather import ParamGather, storage_address
+from zeroplan.facade.params.gather import ParamGather
 from zeroplan.facade.params.residency import Residency
 from zeroplan.facade.params.sharded import Peers, ShardedParams
 from zeroplan.facade.runtime.collectives import CommLog, broadcast
@@ -42,8 +42,8 @@ class Installed(NamedTuple):
         sync: the bucketed gradient reduction, hooked to the parameters.
         residency: where the parameters' values live ([Note: residency]): replicated and
             gathered after each step (stages 1-2), or sharded (stage 3).
-        links: per trainable parameter, its index and the storage and offset of
-            its view of the flat buffer (see :meth:`detached`).
+        links: per trainable parameter, its index and the data pointer of its
+            view of the flat buffer (see :meth:`detached`).
         device: the device of the parameters, where every buffer and every control
             tensor of this plan lives (also when no parameter is trainable: a frozen
             domain's step agreement still runs on NCCL, which takes no CPU tensor).
@@ -55,7 +55,7 @@ class Installed(NamedTuple):
     inner: Inner
     sync: GradSync
     residency: Residency
-    links: tuple[tuple[int, tuple[int, int]], ...]
+    links: tuple[tuple[int, int], ...]
     device: torch.device
 
     def detached(self, params: Sequence[torch.Tensor]) -> int | None:
@@ -115,7 +115,7 @@ def install(
         log=log,
         device=device,
     )
-    links = tuple((index, storage_address(params[index])) for index in sorted(zp.trainable_indices))
+    links = tuple((index, params[index].data_ptr()) for index in sorted(zp.trainable_indices))
     residency: Residency
     if zp.stage is Stage.PARAMETERS:
         residency = ShardedParams(
