@@ -36,6 +36,15 @@ caller says instead (``packed``, default one sequence per row, what
 ``zeroplan plan --hf-config`` assumes), and then reads what the real step
 reads (transformers imported before the trace, as building its models
 needs).
+
+The same holds for a padding mask (``attention_mask``, 2-D): with SDPA,
+transformers skips the mask when all its values are ones (``is_causal``
+then), which it cannot see in a fake mask, so it built the 4-D mask and the
+trace was 3-8% over a real step whose batch passes ``torch.ones`` (GPT-NeoX,
+OPT, Llama). The trace takes a fake padding mask for all ones
+(:func:`unpadded_rows`: the two decisions that read its values see no mask,
+which they treat as all ones) unless told ``padded=True``, and then equals
+the meter on a real step to the byte (``tests/facade/test_trace.py``).
 """
 
 from __future__ import annotations
@@ -187,6 +196,13 @@ def trace_activations(
             the trace then holds as a step would: [Note: stage 3 traced]).
         packed: a transformers model's batch rows pack several sequences each ([Note: packed rows
             under fake tensors]; a real step decides it from the position ids' values).
+        padded: a transformers model's batch pads some rows (its ``attention_mask`` holds zeros);
+            by default a fake padding mask is taken for all ones, the usual batch ([Note: packed rows
+            under fake tensors]; a real step decides it from the mask's values).
+        replicate: trace the model's repeated blocks once ([Note: repeated blocks traced once] in
+            ``zeroplan.core.sizing.repeat``): ``None`` (the default) when it has at least
+            ``AUTO_REPLICATE_BLOCKS`` of them, ``True`` from 6, ``False`` never (the whole model:
+            what the tests compare with). Never with a stage-2 or stage-3 plan, nor for real.
 
     Raises:
         TraceError: an operation that fake tensors cannot run (a data-dependent shape, a custom
