@@ -37,11 +37,20 @@ is) and :func:`replicate_trace` builds the timeline of ``N`` blocks from them:
   in the order they first ran (the forward's before the backward's); the
   facade checks that reading against its own on the trace of 5 blocks.
 
-Only a trace whose gradients are dropped as they arrive is replicated (no plan,
-or stage 1): a stage-2 or stage-3 plan keeps gradients and gathers blocks by
-buckets that cut across the model's blocks at byte offsets, which repeat with
-another period or none ([Note: one timeline], [Note: stage 3 traced]), so those
-traces run whole. The tests compare the replicated trace with the whole one.
+A trace without a plan or with a stage-1 one is replicated as it is. A stage-2
+plan keeps each gradient until its schedule releases it, by buckets that cut
+across the model's blocks at byte offsets (they repeat with another period,
+or none): the short traces count each gradient until it arrives and drop it
+then, as stage 1 does, and the replicated marks are then given the gradients
+the full plan's schedule holds (:func:`~zeroplan.core.peak.grads_alive` over
+the replicated arrival order). Between two points that does not change (a
+gradient stays, or goes, at its own hook, which is a point), so each stretch's
+most and each point gain what is held then, and the peaks are read as before.
+The meter counts a gradient's storage, its spec's bytes on the CPU (the facade
+replicates a stage-2 trace only there, the dtypes matching the specs). A
+stage-3 plan gathers blocks at module hooks by its own rules ([Note: stage 3
+traced]): those traces run whole. The tests compare the replicated trace with
+the whole one.
 
 Example:
     >>> from zeroplan.core.sizing.trace import TracePhase
@@ -63,6 +72,8 @@ from difflib import SequenceMatcher
 from typing import NamedTuple
 
 from zeroplan.core.errors import check_config
+from zeroplan.core.peak import grads_alive
+from zeroplan.core.planner import Stage, ZeroPlan
 from zeroplan.core.sizing.trace import ActivationTrace, TracePhase, TracePoint
 
 __all__ = ["SHORT_BLOCKS", "ShortTrace", "TraceMark", "replicate_trace", "trace_of_marks"]
@@ -322,13 +333,38 @@ def _expand(three: ShortTrace, four: ShortTrace, sites: list[_Site], n: int) -> 
     return out
 
 
+def _held(
+    marks: Sequence[TraceMark], zp: ZeroPlan, *, prefix: str, params: tuple[str, ...], overlap: bool
+) -> list[TraceMark]:
+    """The marks of a trace whose gradients were dropped as they arrived, with them held instead until
+    ``zp``'s schedule releases them. Between two points what is held does not change (a gradient is
+    kept, or released, at its hook, at a point): each stretch's most and each point gain what is held
+    then ([Note: repeated blocks traced once])."""
+    trainable = sorted(zp.trainable_indices)
+    check_config(len(trainable) == len(params), "replicate_trace: the plan is not the model's")
+    index = {name: trainable[i] for i, name in enumerate(params)}
+    arrivals = [index[full_name(prefix, m.block, m.name)] for m in marks if m.event == "grad"]
+    after = iter(g.after for g in grads_alive(zp, overlap=overlap, arrivals=arrivals))
+    out, held = [], 0
+    for m in marks:
+        before = held
+        if m.event == "grad":
+            held = next(after)
+        out.append(
+            TraceMark(m.phase, m.event, m.block, m.name, m.bytes + held, m.gathered, m.stretch_total + before,
+                      m.stretch_bytes + before, m.stretch_module)
+        )  # fmt: skip
+    return out
+
+
 def replicate_trace(
     shorts: Sequence[ShortTrace],
     *,
     blocks: int,
     prefix: str,
     params: tuple[str, ...],
-    plan_fingerprint: str = "",
+    plan: ZeroPlan | None = None,
+    overlap: bool = True,
 ) -> ActivationTrace | None:
     """The trace of the model with ``blocks`` repeated blocks, from its traces cut to 3, 4 and 5
     ([Note: repeated blocks traced once]); ``None`` when they are not affine in the block count.
@@ -339,8 +375,15 @@ def replicate_trace(
         prefix: the blocks' ``ModuleList`` name (``model.layers``).
         params: the model's trainable parameters, in its order (the gradients' points must name
             each once).
-        plan_fingerprint: the plan the trace is made for (stage 1: gradients dropped as they arrive).
+        plan: the plan the trace is made for, of stage 1 or 2, the short traces having counted each
+            gradient until it arrived (stage 1 drops it then); at stage 2 each is then held until
+            the plan's staging schedule releases it (:func:`~zeroplan.core.peak.grads_alive`, with
+            ``overlap``), its gradients' bytes those of its specs.
     """
+    check_config(
+        plan is None or plan.stage in (Stage.OPTIMIZER, Stage.GRADIENTS),
+        "replicate_trace: a stage-3 (or DDP) plan's trace is not replicated; trace the model whole",
+    )
     check_config(
         tuple(s.blocks for s in shorts) == SHORT_BLOCKS,
         f"replicate_trace needs short traces of {SHORT_BLOCKS} blocks, got {tuple(s.blocks for s in shorts)}",
@@ -366,10 +409,12 @@ def replicate_trace(
     names = [full_name(prefix, m.block, m.name) for m in marks if m.event == "grad"]
     if sorted(names) != sorted(params) or len(set(params)) != len(params):
         return None
+    if plan is not None and plan.stage is Stage.GRADIENTS:
+        marks = _held(marks, plan, prefix=prefix, params=params, overlap=overlap)
     return trace_of_marks(
         marks,
         prefix=prefix,
         params=params,
-        plan_fingerprint=plan_fingerprint,
+        plan_fingerprint="" if plan is None else plan.fingerprint(),
         buffer_bytes=three.buffer_bytes + (blocks - three.blocks) * step,
     )

@@ -59,7 +59,7 @@ import torch
 from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
 from torch.distributed._tools.mod_tracker import ModTracker
 
-from zeroplan.core import ConfigError, Stage, ZeroPlan
+from zeroplan.core import ConfigError, Stage, ZeroPlan, canonical_dtype
 from zeroplan.core.schedule import ActionKind, staging_schedule
 from zeroplan.core.sizing.repeat import (
     SHORT_BLOCKS,
@@ -202,7 +202,8 @@ def trace_activations(
         replicate: trace the model's repeated blocks once ([Note: repeated blocks traced once] in
             ``zeroplan.core.sizing.repeat``): ``None`` (the default) when it has at least
             ``AUTO_REPLICATE_BLOCKS`` of them, ``True`` from 6, ``False`` never (the whole model:
-            what the tests compare with). Never with a stage-2 or stage-3 plan, nor for real.
+            what the tests compare with). Not with a stage-3 plan (nor a stage-2 one off the CPU), nor
+            for real.
 
     Raises:
         TraceError: an operation that fake tensors cannot run (a data-dependent shape, a custom
@@ -219,11 +220,11 @@ def trace_activations(
         model = build()
         if plan is not None:
             _check_matches(plan, model)
-        if fake and replicate is not False and not _keeps_gradients(plan):
+        if fake and replicate is not False and _replicable(plan, model, device):
             least = SHORT_BLOCKS[-1] + 1 if replicate else AUTO_REPLICATE_BLOCKS
             repeated = repeated_blocks(model, least=least)
             if repeated is not None:
-                trace = _replicated(model, loss_of, device, plan, repeated)
+                trace = _replicated(model, loss_of, device, plan, overlap, repeated)
                 if trace is not None:
                     return trace
                 model = build()  # afresh: the short traces ran it
@@ -234,9 +235,18 @@ def trace_activations(
 AUTO_REPLICATE_BLOCKS = 16
 
 
-def _keeps_gradients(plan: ZeroPlan | None) -> bool:
-    """Whether ``plan``'s schedule keeps gradients (stages 2-3): such a trace is not replicated."""
-    return plan is not None and plan.stage not in (Stage.DDP, Stage.OPTIMIZER)
+def _replicable(plan: ZeroPlan | None, model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether a trace with ``plan`` can be replicated ([Note: repeated blocks traced once]): without
+    a plan or at stage 1; at stage 2 on the CPU, each gradient of its spec's dtype (the meter then
+    counts the spec's bytes); never at stage 3 (its blocks are gathered by its own hooks)."""
+    if plan is None or plan.stage is Stage.OPTIMIZER:
+        return True
+    if plan.stage is not Stage.GRADIENTS or device.type != "cpu":
+        return False
+    return all(
+        canonical_dtype(str(p.dtype).removeprefix("torch.")) == spec.dtype
+        for spec, p in zip(plan.specs, model.parameters(), strict=True)
+    )
 
 
 class _Run(NamedTuple):
@@ -305,6 +315,7 @@ def _replicated(
     loss_of: Callable[[torch.nn.Module], torch.Tensor],
     device: torch.device,
     plan: ZeroPlan | None,
+    overlap: bool,
     repeated: RepeatedBlocks,
 ) -> ActivationTrace | None:
     """The trace of ``model``, from its traces cut to 3, 4 and 5 repeated blocks ([Note: repeated
@@ -328,9 +339,8 @@ def _replicated(
     )
     if read != last:
         return None  # the marks do not read as the meter does ([Note: the trace's meter])
-    fingerprint = "" if plan is None else plan.fingerprint()
     return replicate_trace(
-        shorts, blocks=repeated.count, prefix=repeated.prefix, params=names, plan_fingerprint=fingerprint
+        shorts, blocks=repeated.count, prefix=repeated.prefix, params=names, plan=plan, overlap=overlap
     )
 
 

@@ -320,16 +320,18 @@ def _deep_case(case: str):
     return (lambda: hf_model(config, variant == "recompute")), hf_loss, seen
 
 
-def _stage_1_plan(build):
+def _plan_of(build, stage: int):
+    """A plan of the model at world 2, in 8 KiB buckets (many, cutting across the blocks)."""
     from zeroplan.core import Topology, plan, specs_from_module
 
     with torch.device("meta"):
         model = build()
-    return plan(specs_from_module(model), Topology(world_size=2), stage=1)
+    return plan(specs_from_module(model), Topology(world_size=2), stage=stage, bucket_bytes=8192)
 
 
-REPEATED = ["gpt-plain", "gpt-checkpointed", "gpt-autocast", "gpt-stage1"] + (
-    [f"{a}-{v}" for a in ("gpt2", "llama") for v in ("sdpa", "eager", "recompute", "stage1")]
+REPEATED = ["gpt-plain", "gpt-checkpointed", "gpt-autocast", "gpt-stage1", "gpt-stage2"] + (
+    [f"{a}-{v}" for a in ("gpt2", "llama") for v in ("sdpa", "eager", "recompute", "stage1", "stage2")]
+    + ["llama-recompute2"]
     if HAS_HF
     else []
 )
@@ -339,9 +341,12 @@ REPEATED = ["gpt-plain", "gpt-checkpointed", "gpt-autocast", "gpt-stage1"] + (
 def test_repeated_blocks_traced_once_equal_the_whole_trace(case):
     """Traced cut to 3, 4 and 5 of its 7 blocks and replicated, the trace equals the whole one byte
     for byte (every point, the peaks, the peak's module): the demo GPT (checkpointed, bf16 autocast),
-    GPT-2 and Llama (SDPA, eager, gradient checkpointing), without a plan and with a stage-1 plan."""
-    build, loss_of, seen = _deep_case(case)
-    plan = _stage_1_plan(build) if case.endswith("stage1") else None
+    GPT-2 and Llama (SDPA, eager, gradient checkpointing), without a plan, with a stage-1 plan and
+    with a stage-2 plan whose buckets cut across the blocks (its schedule holding the gradients;
+    Llama's arrive out of bucket order), with gradient checkpointing too."""
+    build, loss_of, seen = _deep_case(case.replace("recompute2", "recompute"))
+    stage = 2 if case.endswith("2") else 1 if case.endswith("stage1") else None
+    plan = None if stage is None else _plan_of(build, stage)
     whole = trace_activations(build, loss_of, plan=plan, replicate=False)
     assert seen == [7]
     seen.clear()
@@ -380,14 +385,11 @@ def test_a_timeline_not_affine_in_the_blocks_is_traced_whole():
     assert seen == [3, 4, 5, 7]  # the trace of 5 was not the one predicted from 3 and 4
 
 
-def test_a_plan_that_keeps_gradients_is_traced_whole_and_few_blocks_too():
-    """A stage-2 plan keeps gradients by buckets that cut across the blocks: traced whole. By
-    default a model of fewer than 16 blocks is traced whole too."""
-    from zeroplan.core import Topology, plan, specs_from_module
-
+def test_a_stage_3_plan_is_traced_whole_and_few_blocks_too():
+    """A stage-3 plan gathers blocks at module hooks by its own rules: traced whole. By default a model
+    of fewer than 16 blocks is traced whole too."""
     build, loss_of, seen = _deep_case("gpt-plain")
-    zp = plan(specs_from_module(build()), Topology(world_size=2), stage=2, bucket_bytes=65_536)
-    trace_activations(build, loss_of, plan=zp, replicate=True)
+    trace_activations(build, loss_of, plan=_plan_of(build, 3), replicate=True)
     trace_activations(build, loss_of)
     assert seen == [7, 7]
 
