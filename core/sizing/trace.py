@@ -16,7 +16,9 @@ point's ``bytes`` are the activations and autograd temporaries alone; traced
 with a plan, they also hold the gradients its schedule keeps and, at stage 3,
 the blocks its hooks gather ([Note: one timeline]). This
 module holds the result: the points in time order, the peak and where it
-happens. Nothing here knows torch.
+happens. Nothing here knows torch. A model whose blocks repeat is traced
+with 3, 4 and 5 of them and its timeline replicated ([Note: repeated blocks
+traced once] in ``zeroplan.core.sizing.repeat``).
 
 Example:
     >>> points = (TracePoint(TracePhase.FORWARD, "layer", "exit", 100),

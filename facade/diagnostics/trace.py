@@ -25,37 +25,40 @@ outside its modules (which a real step gathers on use) is not seen. Under a
 parameter wire each gather also holds its encoded room and scratch, as
 ``start_block_gather`` does, for shard rank 0 (whose own piece it encodes).
 
-[Note: packed rows under fake tensors]
-transformers decides from the position ids' values whether a batch row packs
-several sequences (positions restarting at 0), and then builds an attention
-mask it otherwise leaves to SDPA's ``is_causal``. Fake tensors have no values:
-it takes them for packed, builds the mask, and SDPA given a mask keeps more
-(on the CPU its math path keeps the scores): a tiny Llama with gradient
-checkpointing traced 10% over its real run. The trace tells it what the
-caller says instead (``packed``, default one sequence per row, what
-``zeroplan plan --hf-config`` assumes), and then reads what the real step
-reads (transformers imported before the trace, as building its models
-needs).
+What a fake batch of transformers is taken for: [Note: packed rows under fake tensors] in
+``zeroplan.facade.diagnostics.fake_rows``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+from torch.distributed._tools.mem_tracker import _MemRefType, _ModState
 from torch.distributed._tools.mod_tracker import ModTracker
 
-from zeroplan.core import ConfigError, Stage, ZeroPlan
+from zeroplan.core import ConfigError, Stage, ZeroPlan, canonical_dtype
 from zeroplan.core.schedule import ActionKind, staging_schedule
+from zeroplan.core.sizing.repeat import (
+    SHORT_BLOCKS,
+    ShortTrace,
+    TraceMark,
+    depth,
+    replicate_trace,
+    trace_of_marks,
+)
 from zeroplan.core.sizing.trace import ActivationTrace, TracePhase, TracePoint
+from zeroplan.facade.diagnostics.fake_rows import one_sequence_per_row, unpadded_rows
+from zeroplan.facade.diagnostics.repeated import RepeatedBlocks, repeated_blocks, split_name
+from zeroplan.facade.diagnostics.trace_meter import StretchTracker
 from zeroplan.facade.params.blocks import TracedBlocks
 from zeroplan.facade.params.sharded import ShardedParams
 
-__all__ = ["TraceError", "one_sequence_per_row", "trace_activations"]
+__all__ = ["TraceError", "one_sequence_per_row", "trace_activations", "unpadded_rows"]
 
 #: What MemTracker counts that is not an activation or a temporary of autograd.
 _NOT_ACTIVATIONS = (_MemRefType.PARAM, _MemRefType.BUFFER, _MemRefType.GRAD, _MemRefType.OPT)
@@ -92,14 +95,18 @@ def _activation_bytes(snapshot: dict[Any, int], gradients: bool = False) -> int:
 
 
 class _Recorder:
-    """The points of the trace, as torch's module hooks and gradient hooks fire."""
+    """The points of the trace, as torch's module hooks and gradient hooks fire, and the marks of
+    the stretches between them ([Note: repeated blocks traced once])."""
 
-    def __init__(self, tracker: MemTracker, device: torch.device, gradients: bool) -> None:
+    def __init__(self, tracker: StretchTracker, device: torch.device, gradients: bool, prefix: str) -> None:
         self.tracker = tracker
         self.blocks: TracedBlocks | None = None  # stage 3's gathered blocks, traced with the plan
         self.device = device
         self.gradients = gradients
+        self.prefix = prefix  # the repeated blocks' ModuleList ("": the marks name no block)
         self.points: list[TracePoint] = []
+        self.marks: list[TraceMark] = []
+        self.seen: dict[str, int] = {}  # modules, in the order they first ran (the meter's)
         self.stack: list[str] = []
         self.phase = TracePhase.FORWARD
         self.failed_in: str | None = None
@@ -113,7 +120,28 @@ class _Recorder:
 
     def mark(self, module: str, event: str) -> None:
         gathered = 0 if self.blocks is None else self.blocks.held_bytes()
-        self.points.append(TracePoint(self.phase, module, event, self.bytes_now(), gathered))
+        point = TracePoint(self.phase, module, event, self.bytes_now(), gathered)
+        self.points.append(point)
+        if event == "enter":
+            self.seen.setdefault(module, len(self.seen))
+        self.cut(module, event, point.bytes, gathered)
+
+    def cut(self, module: str = "", event: str = "cut", nbytes: int = 0, gathered: int = 0) -> None:
+        """Close the meter's stretch at a point (or at the end of a pass: ``event`` "cut")."""
+        stretch = self.tracker.cut()
+        block, name = split_name(self.prefix, module)
+        named = None  # the module the meter's reading would name, had the pass peaked here
+        best = None
+        for fqn, where in stretch.modules:
+            relative = _relative(fqn)
+            rank = (-depth(relative), self.seen.get(relative, len(self.seen)), where == "backward")
+            if best is None or rank < best:
+                best, named = rank, (*split_name(self.prefix, relative), TracePhase(where))
+        self.marks.append(
+            TraceMark(
+                self.phase, event, block, name, nbytes, gathered, stretch.total, stretch.activations, named
+            )
+        )
 
     def fqn(self, tracker: ModTracker, module: torch.nn.Module | None) -> str:
         return _relative(tracker.get_known_fqn(module)) if module is not None else ""
@@ -129,6 +157,8 @@ def trace_activations(
     overlap: bool = True,
     reshard_after_forward: bool = True,
     packed: bool = False,
+    padded: bool = False,
+    replicate: bool | None = None,
 ) -> ActivationTrace:
     """The activation timeline of ``loss_of(build())`` and its backward (see [Note: traced activations]).
 
@@ -149,6 +179,14 @@ def trace_activations(
             the trace then holds as a step would: [Note: stage 3 traced]).
         packed: a transformers model's batch rows pack several sequences each ([Note: packed rows
             under fake tensors]; a real step decides it from the position ids' values).
+        padded: a transformers model's batch pads some rows (its ``attention_mask`` holds zeros);
+            by default a fake padding mask is taken for all ones, the usual batch ([Note: packed rows
+            under fake tensors]; a real step decides it from the mask's values).
+        replicate: trace the model's repeated blocks once ([Note: repeated blocks traced once] in
+            ``zeroplan.core.sizing.repeat``): ``None`` (the default) when it has at least
+            ``AUTO_REPLICATE_BLOCKS`` of them, ``True`` from 6, ``False`` never (the whole model:
+            what the tests compare with). Not with a stage-3 plan (nor a stage-2 one off the CPU), nor
+            for real.
 
     Raises:
         TraceError: an operation that fake tensors cannot run (a data-dependent shape, a custom
@@ -160,45 +198,133 @@ def trace_activations(
     with _fake_mode() if fake else _Null(), contextlib.ExitStack() as rows:
         if fake and not packed:
             rows.enter_context(one_sequence_per_row())
+        if fake and not padded:
+            rows.enter_context(unpadded_rows())
         model = build()
         if plan is not None:
             _check_matches(plan, model)
-        tracker = MemTracker()
-        tracker.track_external(model)
-        recorder = _Recorder(tracker, device, gradients=plan is not None)
-        marks = ModTracker()
-        trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        staging = _Staging(recorder, [p for _, p in trainable], plan, overlap)
-        handles: list[torch.utils.hooks.RemovableHandle] = []
-        residency = None
-        marks.register_user_hooks(
-            lambda m, i: _enter(recorder, marks, m),
-            lambda m, i, o: _exit(recorder, marks, m),
-            lambda m, g: _enter(recorder, marks, m),
-            lambda m, g: _exit(recorder, marks, m),
-        )
-        try:
-            for i, (name, p) in enumerate(trainable):
-                handles.append(p.register_post_accumulate_grad_hook(staging.hook(i, name)))
-            if _holds_blocks(plan):  # after the staging's hooks, as ZeroOptimizer registers them
-                residency = _blocks_of(plan, model, device, reshard_after_forward)
-                recorder.blocks = residency.blocks
-            with tracker, marks:
-                try:
-                    loss = loss_of(model)
-                    recorder.forward_peak = recorder.read("peak")
-                    recorder.phase = TracePhase.BACKWARD
-                    loss.backward()
-                except _untraceable() as exc:
-                    raise _trace_error(exc, recorder) from exc
-        finally:
-            for handle in handles:
-                handle.remove()
-            if residency is not None:
-                residency.sharded.retire()
-        names = tuple(name for name, _ in trainable)
-        resharded = None if residency is None else reshard_after_forward
-        return _finish(tracker, recorder, names, "" if plan is None else plan.fingerprint(), resharded)
+        if fake and replicate is not False and _replicable(plan, model, device):
+            least = SHORT_BLOCKS[-1] + 1 if replicate else AUTO_REPLICATE_BLOCKS
+            repeated = repeated_blocks(model, least=least)
+            if repeated is not None:
+                trace = _replicated(model, loss_of, device, plan, overlap, repeated)
+                if trace is not None:
+                    return trace
+                model = build()  # afresh: the short traces ran it
+        return _traced(model, loss_of, device, plan, overlap, reshard_after_forward).trace
+
+
+#: Repeated blocks from which ``trace_activations`` traces 3, 4 and 5 of them by default (fewer: all).
+AUTO_REPLICATE_BLOCKS = 16
+
+
+def _replicable(plan: ZeroPlan | None, model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether a trace with ``plan`` can be replicated ([Note: repeated blocks traced once]): without
+    a plan or at stage 1; at stage 2 on the CPU, each gradient of its spec's dtype (the meter then
+    counts the spec's bytes); never at stage 3 (its blocks are gathered by its own hooks)."""
+    if plan is None or plan.stage is Stage.OPTIMIZER:
+        return True
+    if plan.stage is not Stage.GRADIENTS or device.type != "cpu":
+        return False
+    return all(
+        canonical_dtype(str(p.dtype).removeprefix("torch.")) == spec.dtype
+        for spec, p in zip(plan.specs, model.parameters(), strict=True)
+    )
+
+
+class _Run(NamedTuple):
+    """One pass traced: its trace, and the marks of its stretches."""
+
+    trace: ActivationTrace
+    marks: tuple[TraceMark, ...]
+
+
+def _traced(
+    model: torch.nn.Module,
+    loss_of: Callable[[torch.nn.Module], torch.Tensor],
+    device: torch.device,
+    plan: ZeroPlan | None,
+    overlap: bool,
+    reshard_after_forward: bool,
+    prefix: str = "",
+    gradients: bool | None = None,
+) -> _Run:
+    """Trace ``loss_of(model)`` and its backward (``gradients``: count them, as with a plan)."""
+    tracker = StretchTracker(
+        device, partial(_activation_bytes, gradients=plan is not None or bool(gradients))
+    )
+    tracker.track_external(model)
+    recorder = _Recorder(tracker, device, plan is not None or bool(gradients), prefix)
+    marks = ModTracker()
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    staging = _Staging(recorder, [p for _, p in trainable], plan, overlap)
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    residency = None
+    marks.register_user_hooks(
+        lambda m, i: _enter(recorder, marks, m),
+        lambda m, i, o: _exit(recorder, marks, m),
+        lambda m, g: _enter(recorder, marks, m),
+        lambda m, g: _exit(recorder, marks, m),
+    )
+    try:
+        for i, (name, p) in enumerate(trainable):
+            handles.append(p.register_post_accumulate_grad_hook(staging.hook(i, name)))
+        if _holds_blocks(plan):  # after the staging's hooks, as ZeroOptimizer registers them
+            residency = _blocks_of(plan, model, device, reshard_after_forward)
+            recorder.blocks = residency.blocks
+        with tracker, marks:
+            try:
+                loss = loss_of(model)
+                recorder.cut()
+                recorder.forward_peak = recorder.read("peak")
+                recorder.phase = TracePhase.BACKWARD
+                loss.backward()
+                recorder.cut()
+            except _untraceable() as exc:
+                raise _trace_error(exc, recorder) from exc
+    finally:
+        for handle in handles:
+            handle.remove()
+        if residency is not None:
+            residency.sharded.retire()
+    names = tuple(name for name, _ in trainable)
+    resharded = None if residency is None else reshard_after_forward
+    fingerprint = "" if plan is None else plan.fingerprint()
+    return _Run(_finish(tracker, recorder, names, fingerprint, resharded), tuple(recorder.marks))
+
+
+def _replicated(
+    model: torch.nn.Module,
+    loss_of: Callable[[torch.nn.Module], torch.Tensor],
+    device: torch.device,
+    plan: ZeroPlan | None,
+    overlap: bool,
+    repeated: RepeatedBlocks,
+) -> ActivationTrace | None:
+    """The trace of ``model``, from its traces cut to 3, 4 and 5 repeated blocks ([Note: repeated
+    blocks traced once]); ``None``: trace it whole."""
+    names = tuple(name for name, p in model.named_parameters() if p.requires_grad)
+    runs = []
+    for k in SHORT_BLOCKS:
+        with repeated.cut_to(model, k) as short:
+            try:
+                runs.append(
+                    _traced(short, loss_of, device, None, True, True, repeated.prefix, plan is not None)
+                )
+            except Exception:  # a model that cannot run cut short (its own check of its depth): whole
+                return None
+    shorts = [
+        ShortTrace(k, run.marks, run.trace.buffer_bytes) for k, run in zip(SHORT_BLOCKS, runs, strict=True)
+    ]
+    last = runs[-1].trace
+    read = trace_of_marks(
+        shorts[-1].marks, prefix=repeated.prefix, params=last.params, buffer_bytes=last.buffer_bytes
+    )
+    if read != last:
+        return None  # the marks do not read as the meter does ([Note: the trace's meter])
+    return replicate_trace(
+        shorts, blocks=repeated.count, prefix=repeated.prefix, params=names, plan=plan, overlap=overlap
+    )
 
 
 class _TracedResidency(NamedTuple):
@@ -247,32 +373,6 @@ def _blocks_of(
         sharded.retire()  # its claims on the parameters and its gradient hooks
         raise
     return _TracedResidency(sharded, blocks)
-
-
-@contextlib.contextmanager
-def one_sequence_per_row() -> Iterator[None]:
-    """Inside, transformers takes each row of a fake batch for one sequence ([Note: packed rows under
-    fake tensors]); real tensors are looked at as usual. Nothing happens without transformers."""
-    masking_utils = None
-    if "transformers" in sys.modules:  # a model of transformers needs it imported to be built
-        try:
-            from transformers import masking_utils
-        except ImportError:
-            masking_utils = None
-    find = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if find is None:
-        yield
-        return
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    def unpacked(position_ids: torch.Tensor) -> torch.Tensor | None:
-        return None if isinstance(position_ids, FakeTensor) else find(position_ids)
-
-    masking_utils.find_packed_sequence_indices = unpacked
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = find
 
 
 class _Null:
@@ -349,7 +449,11 @@ def _trace_error(exc: Exception, recorder: _Recorder) -> TraceError:
 
 
 def _finish(
-    tracker: MemTracker, recorder: _Recorder, names: tuple[str, ...], fingerprint: str, resharded: bool | None
+    tracker: StretchTracker,
+    recorder: _Recorder,
+    names: tuple[str, ...],
+    fingerprint: str,
+    resharded: bool | None,
 ) -> ActivationTrace:
     device = recorder.device
     peak = recorder.read("peak")

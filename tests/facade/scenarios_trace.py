@@ -106,19 +106,26 @@ def _measure_and_trace(
 
 
 def hf_config(
-    arch: str, *, width: int = 128, mlp: int = 344, vocab: int = 512, positions: int = 256, attn: str = "sdpa"
+    arch: str,
+    *,
+    width: int = 128,
+    mlp: int = 344,
+    vocab: int = 512,
+    positions: int = 256,
+    attn: str = "sdpa",
+    layers: int = 2,
 ) -> Any:
-    """A two-layer GPT-2 (``arch="gpt2"``; ``mlp`` unused) or Llama config, with 4 heads (Llama: 2 of
-    keys and values) and the attention kernel ``attn``."""
+    """A GPT-2 (``arch="gpt2"``; ``mlp`` unused) or Llama config of ``layers`` layers, with 4 heads
+    (Llama: 2 of keys and values) and the attention kernel ``attn``."""
     import transformers
 
     if arch == "gpt2":
         config = transformers.GPT2Config(
-            n_layer=2, n_embd=width, n_head=4, vocab_size=vocab, n_positions=positions
+            n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, n_positions=positions
         )
     else:
         config = transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=width, intermediate_size=mlp, num_attention_heads=4,
+            num_hidden_layers=layers, hidden_size=width, intermediate_size=mlp, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=positions,
         )  # fmt: skip
     config._attn_implementation = attn

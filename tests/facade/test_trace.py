@@ -266,3 +266,173 @@ def test_under_a_parameter_wire_each_gather_holds_its_room_too():
     assert all(w >= p for w, p in zip(wired_points, plain_points, strict=True))
     assert sum(wired_points) > sum(plain_points)  # the rooms of prefetched blocks, on top of the same blocks
     assert all(p.exact for p in traced_step_peak(wired, traces[1]))
+
+
+# --- repeated blocks traced once ([Note: repeated blocks traced once]) ---------------------------
+
+DEEP = GPTConfig(vocab=256, width=64, layers=7, heads=4, context=64, qkv_bias=True)
+
+
+class DeepCheckpointed(torch.nn.Module):
+    """``Checkpointed`` of ``DEEP``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = DemoGPT(DEEP)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        x = g.tok(tokens) + g.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in g.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return g.head(g.ln(x))
+
+
+def _deep_case(case: str):
+    """``(build, loss_of, blocks run)``: a 7-block model whose ``loss_of`` notes how many blocks each
+    traced model holds."""
+    seen: list[int] = []
+    if case.startswith("gpt-"):
+        build = DeepCheckpointed if case == "gpt-checkpointed" else (lambda: DemoGPT(DEEP))
+
+        def gpt_loss(model: torch.nn.Module) -> torch.Tensor:
+            gpt = getattr(model, "gpt", model)
+            seen.append(len(gpt.blocks))
+            tokens = torch.randint(0, DEEP.vocab, (2, DEEP.context))
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "gpt-autocast"):
+                logits = model(tokens)
+            return torch.nn.functional.cross_entropy(
+                logits.float().reshape(-1, DEEP.vocab), tokens.reshape(-1)
+            )
+
+        return build, gpt_loss, seen
+    from scenarios_trace import hf_config, hf_model
+
+    arch, variant = case.split("-")
+    config = hf_config(arch, width=64, mlp=176, vocab=256, positions=128, layers=7,
+                       attn="eager" if variant == "eager" else "sdpa")  # fmt: skip
+
+    def hf_loss(model: torch.nn.Module) -> torch.Tensor:
+        seen.append(len(model.get_submodule("model.layers" if arch == "llama" else "transformer.h")))
+        ids = torch.randint(0, 256, (2, 96))
+        return model(input_ids=ids, labels=ids).loss
+
+    return (lambda: hf_model(config, variant == "recompute")), hf_loss, seen
+
+
+def _plan_of(build, stage: int):
+    """A plan of the model at world 2, in 8 KiB buckets (many, cutting across the blocks)."""
+    from zeroplan.core import Topology, plan, specs_from_module
+
+    with torch.device("meta"):
+        model = build()
+    return plan(specs_from_module(model), Topology(world_size=2), stage=stage, bucket_bytes=8192)
+
+
+REPEATED = ["gpt-plain", "gpt-checkpointed", "gpt-autocast", "gpt-stage1", "gpt-stage2"] + (
+    [f"{a}-{v}" for a in ("gpt2", "llama") for v in ("sdpa", "eager", "recompute", "stage1", "stage2")]
+    + ["llama-recompute2"]
+    if HAS_HF
+    else []
+)
+
+
+@pytest.mark.parametrize("case", REPEATED)
+def test_repeated_blocks_traced_once_equal_the_whole_trace(case):
+    """Traced cut to 3, 4 and 5 of its 7 blocks and replicated, the trace equals the whole one byte
+    for byte (every point, the peaks, the peak's module): the demo GPT (checkpointed, bf16 autocast),
+    GPT-2 and Llama (SDPA, eager, gradient checkpointing), without a plan, with a stage-1 plan and
+    with a stage-2 plan whose buckets cut across the blocks (its schedule holding the gradients;
+    Llama's arrive out of bucket order), with gradient checkpointing too."""
+    build, loss_of, seen = _deep_case(case.replace("recompute2", "recompute"))
+    stage = 2 if case.endswith("2") else 1 if case.endswith("stage1") else None
+    plan = None if stage is None else _plan_of(build, stage)
+    whole = trace_activations(build, loss_of, plan=plan, replicate=False)
+    assert seen == [7]
+    seen.clear()
+    replicated = trace_activations(build, loss_of, plan=plan, replicate=True)
+    assert seen == [3, 4, 5]  # the blocks run: 12, not 7 (Llama-70B: 12 of 80)
+    assert replicated == whole
+    assert len(whole.points) > 7 * 10 and whole.plan_fingerprint == (
+        "" if plan is None else plan.fingerprint()
+    )
+
+
+class EveryOther(torch.nn.Module):
+    """Seven alike blocks, every other one keeping one more activation: not affine in the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            x = torch.tanh(x) if i % 2 else x
+        return x
+
+
+def test_a_timeline_not_affine_in_the_blocks_is_traced_whole():
+    seen: list[int] = []
+
+    def loss_of(model: torch.nn.Module) -> torch.Tensor:
+        seen.append(len(model.blocks))
+        return model(torch.randn(4, 16)).sum()
+
+    whole = trace_activations(EveryOther, loss_of, replicate=False)
+    seen.clear()
+    assert trace_activations(EveryOther, loss_of, replicate=True) == whole
+    assert seen == [3, 4, 5, 7]  # the trace of 5 was not the one predicted from 3 and 4
+
+
+def test_a_stage_3_plan_is_traced_whole_and_few_blocks_too():
+    """A stage-3 plan gathers blocks at module hooks by its own rules: traced whole. By default a model
+    of fewer than 16 blocks is traced whole too."""
+    build, loss_of, seen = _deep_case("gpt-plain")
+    trace_activations(build, loss_of, plan=_plan_of(build, 3), replicate=True)
+    trace_activations(build, loss_of)
+    assert seen == [7, 7]
+
+
+# --- a padding mask of all ones ([Note: packed rows under fake tensors]) -------------------------
+
+
+def _masked_config(arch: str):
+    import transformers
+    from scenarios_trace import hf_config
+
+    if arch == "llama":
+        return hf_config("llama", width=64, mlp=176, vocab=256, positions=128)
+    common = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 256,
+              "max_position_embeddings": 128}  # fmt: skip
+    if arch == "gpt_neox":
+        config = transformers.GPTNeoXConfig(intermediate_size=176, **common)
+    else:
+        config = transformers.OPTConfig(ffn_dim=176, word_embed_proj_dim=64, **common)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@pytest.mark.skipif(not HAS_HF, reason="needs transformers")
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "opt"])
+def test_a_batch_with_an_attention_mask_of_ones_is_traced_to_the_byte(arch, recompute):
+    """The usual batch passes ``attention_mask=torch.ones(...)``: SDPA then runs ``is_causal`` with no
+    mask, which transformers decides from the mask's values. Under fake tensors the trace takes the
+    mask for all ones and reads what the meter reads on the real step, point for point; told the
+    batch is padded, it keeps the 4-D mask (5-10% more here, as the trace did before)."""
+    from scenarios_trace import hf_model
+
+    config = _masked_config(arch)
+
+    def build() -> torch.nn.Module:
+        return hf_model(config, recompute)
+
+    def loss_of(model: torch.nn.Module) -> torch.Tensor:
+        ids = torch.randint(0, 256, (2, 96))
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+
+    real, fake = _both(build, loss_of)
+    assert fake == real, (fake.peak_bytes, real.peak_bytes)
+    padded = trace_activations(build, loss_of, padded=True)
+    assert padded.peak_bytes > fake.peak_bytes, (padded.peak_bytes, fake.peak_bytes)
