@@ -281,7 +281,7 @@ def test_recommend_with_traced_activations_chooses_the_micro_batch_too(tmp_path)
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_SMALL))
     args = ("--hf-config", str(tmp_path), "--world", "2", "--dtype", "fp32", "--seq-len", "128", "--trace")
-    args += ("--micro-batch", "4", "--device-memory", "15MiB", "--recommend")
+    args += ("--micro-batch", "4", "--device-memory", "16MiB", "--recommend")
     out = zeroplan(*args, "--json")
     assert out.returncode == 0, out.stderr
     advice = json.loads(out.stdout)["recommendation"]
@@ -292,7 +292,7 @@ def test_recommend_with_traced_activations_chooses_the_micro_batch_too(tmp_path)
             tmp_path, "fp32", seq_len=128, micro_batch=micro_batch, recompute=False, plan=zp
         )
 
-    expected = recommend_micro_batch(specs, 2, device_bytes=15 * 2**20, micro_batch=4, trace_of=trace_of)
+    expected = recommend_micro_batch(specs, 2, device_bytes=16 * 2**20, micro_batch=4, trace_of=trace_of)
     assert (advice["micro_batch"], advice["tried_micro_batches"], advice["traced"]) == (2, [4], True)
     assert advice["best"] == json.loads(json.dumps(expected.best.as_dict()))
     assert advice["reason"].startswith(f"micro-batch 2: {expected.best.label}")

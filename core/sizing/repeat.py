@@ -37,17 +37,17 @@ is) and :func:`replicate_trace` builds the timeline of ``N`` blocks from them:
   in the order they first ran (the forward's before the backward's); the
   facade checks that reading against its own on the trace of 5 blocks.
 
-A trace without a plan or with a stage-1 one is replicated as it is. A stage-2
-plan keeps each gradient until its schedule releases it, by buckets that cut
+A trace without a plan is replicated as it is. A stage-1 or stage-2 plan
+keeps each gradient until its schedule releases it, by buckets that cut
 across the model's blocks at byte offsets (they repeat with another period,
 or none): the short traces count each gradient until it arrives and drop it
-then, as stage 1 does, and the replicated marks are then given the gradients
+then, and the replicated marks are then given the gradients
 the full plan's schedule holds (:func:`~zeroplan.core.peak.grads_alive` over
 the replicated arrival order). Between two points that does not change (a
 gradient stays, or goes, at its own hook, which is a point), so each stretch's
 most and each point gain what is held then, and the peaks are read as before.
 The meter counts a gradient's storage, its spec's bytes on the CPU (the facade
-replicates a stage-2 trace only there, the dtypes matching the specs). A
+replicates a stage-1 or stage-2 trace only there, the dtypes matching the specs). A
 stage-3 plan gathers blocks at module hooks by its own rules ([Note: stage 3
 traced]): those traces run whole. The tests compare the replicated trace with
 the whole one.
@@ -376,9 +376,9 @@ def replicate_trace(
         params: the model's trainable parameters, in its order (the gradients' points must name
             each once).
         plan: the plan the trace is made for, of stage 1 or 2, the short traces having counted each
-            gradient until it arrived (stage 1 drops it then); at stage 2 each is then held until
-            the plan's staging schedule releases it (:func:`~zeroplan.core.peak.grads_alive`, with
-            ``overlap``), its gradients' bytes those of its specs.
+            gradient until it arrived; each is then held until the plan's staging schedule releases
+            it (:func:`~zeroplan.core.peak.grads_alive`, with ``overlap``: freed at stage 2, moved
+            into the gradient buffer at stage 1), its gradients' bytes those of its specs.
     """
     check_config(
         plan is None or plan.stage in (Stage.OPTIMIZER, Stage.GRADIENTS),
@@ -409,7 +409,7 @@ def replicate_trace(
     names = [full_name(prefix, m.block, m.name) for m in marks if m.event == "grad"]
     if sorted(names) != sorted(params) or len(set(params)) != len(params):
         return None
-    if plan is not None and plan.stage is Stage.GRADIENTS:
+    if plan is not None:  # stages 1 and 2 (checked above): each gradient held until its release
         marks = _held(marks, plan, prefix=prefix, params=params, overlap=overlap)
     return trace_of_marks(
         marks,

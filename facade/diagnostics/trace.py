@@ -220,11 +220,11 @@ AUTO_REPLICATE_BLOCKS = 16
 
 def _replicable(plan: ZeroPlan | None, model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a trace with ``plan`` can be replicated ([Note: repeated blocks traced once]): without
-    a plan or at stage 1; at stage 2 on the CPU, each gradient of its spec's dtype (the meter then
-    counts the spec's bytes); never at stage 3 (its blocks are gathered by its own hooks)."""
-    if plan is None or plan.stage is Stage.OPTIMIZER:
+    a plan; at stages 1 and 2 on the CPU, each gradient of its spec's dtype (the meter then counts
+    the spec's bytes); never at stage 3 (its blocks are gathered by its own hooks)."""
+    if plan is None:
         return True
-    if plan.stage is not Stage.GRADIENTS or device.type != "cpu":
+    if plan.stage not in (Stage.OPTIMIZER, Stage.GRADIENTS) or device.type != "cpu":
         return False
     return all(
         canonical_dtype(str(p.dtype).removeprefix("torch.")) == spec.dtype
