@@ -394,14 +394,18 @@ def blocks_of(
         return (Block(0, tuple(owned), (0,) * n),)
     blocks = []
     start, shard = 0, (0,) * n
+    checked: dict[int, int] = {}  # id of a tuple of pieces already checked (equal blocks share one) -> sum
     for sizes in pieces:
         sizes = tuple(sizes)
-        if len(sizes) != n or not set(map(type, sizes)) <= {int} or (sizes and min(sizes) < 0):
-            raise PlanInvariantError(
-                f"a block of the {dtype} space has pieces {sizes}; give {n} non-negative element counts"
-            )
+        total = checked.get(id(sizes))
+        if total is None:
+            if len(sizes) != n or not set(map(type, sizes)) <= {int} or (sizes and min(sizes) < 0):
+                raise PlanInvariantError(
+                    f"a block of the {dtype} space has pieces {sizes}; give {n} non-negative element counts"
+                )
+            total = checked[id(sizes)] = sum(sizes)
         blocks.append(Block(start, sizes, shard))
-        start += sum(sizes)
+        start += total
         if shard.count(shard[0]) == n and sizes.count(sizes[0]) == n:  # equal pieces from one offset
             shard = (shard[0] + sizes[0],) * n
         else:
