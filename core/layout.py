@@ -184,6 +184,7 @@ def _even_whole_blocks(
     fragments: dict[int, FragmentRun] = {}
     pieces = []
     unit = n * alignment
+    equal: dict[int, tuple[int, ...]] = {}
     for members in _spaces(specs):
         space_pieces = []
         base = 0  # every rank's shard offset of the block's piece (all pieces are equal)
@@ -204,7 +205,7 @@ def _even_whole_blocks(
                     shard_size=n,
                 )
                 position += spec.numel
-            space_pieces.append((piece,) * n)
+            space_pieces.append(equal.setdefault(piece, (piece,) * n))  # blocks of a size share a tuple
             base += piece
         pieces.append(tuple(space_pieces))
     return PartitionPlan(

@@ -28,11 +28,11 @@ from __future__ import annotations
 import operator
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import FrozenInstanceError
 from functools import lru_cache
 from itertools import accumulate, chain
-from typing import Any, NamedTuple, TypeVar, overload
+from typing import NamedTuple
 
+from zeroplan.core.computed import ComputedTuple
 from zeroplan.core.errors import PlanInvariantError, require
 from zeroplan.core.space import Block, Fragment, Space, blocks_of
 from zeroplan.core.span import Span, round_up
@@ -47,82 +47,6 @@ __all__ = [
     "compact_space",
     "rank_windows",
 ]
-
-T = TypeVar("T")
-
-
-class ComputedTuple(Sequence[T]):
-    """A read-only sequence computed on demand that behaves as the tuple of its items.
-
-    It equals (and hashes as) the tuple of its items and any ``ComputedTuple``
-    of the same items; a slice is a tuple. Subclasses define ``__len__`` and
-    ``_item`` (and a faster ``__iter__`` where they can) and set their slots
-    in ``__init__`` with ``object.__setattr__``: instances are immutable.
-    """
-
-    __slots__ = ()
-
-    def _item(self, i: int) -> T:
-        """Item ``i``, ``0 <= i < len(self)``."""
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    @overload
-    def __getitem__(self, i: int) -> T: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> tuple[T, ...]: ...
-
-    def __getitem__(self, i: int | slice) -> T | tuple[T, ...]:
-        if isinstance(i, slice):
-            return tuple(self._item(j) for j in range(*i.indices(len(self))))
-        n = len(self)
-        i = operator.index(i)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"index {i} out of range for {n} items")
-        return self._item(i)
-
-    def __iter__(self) -> Iterator[T]:
-        return (self._item(i) for i in range(len(self)))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (tuple, ComputedTuple)):
-            return len(self) == len(other) and tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
-
-    def __add__(self, other: object) -> tuple[Any, ...]:
-        if isinstance(other, (tuple, ComputedTuple)):
-            return (*self, *other)
-        return NotImplemented
-
-    def __radd__(self, other: object) -> tuple[Any, ...]:
-        if isinstance(other, tuple):
-            return (*other, *self)
-        return NotImplemented
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __getstate__(self) -> dict[str, Any]:
-        slots = (name for cls in type(self).__mro__ for name in getattr(cls, "__slots__", ()))
-        return {name: getattr(self, name) for name in slots}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:  # (pickle and copy)
-        for name, value in state.items():
-            object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
 
 
 class FragmentRun(ComputedTuple[Fragment]):

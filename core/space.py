@@ -47,6 +47,7 @@ from itertools import accumulate, pairwise
 from typing import NamedTuple, Protocol, cast
 
 from zeroplan.core.comm import Collective
+from zeroplan.core.computed import Repeated
 from zeroplan.core.errors import PlanInvariantError, require
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.specs import ParamSpec
@@ -393,7 +394,7 @@ def blocks_of(
     if pieces is None:
         return (Block(0, tuple(owned), (0,) * n),)
     blocks = []
-    start, shard = 0, (0,) * n
+    start, shard = 0, cast(Sequence[int], (0,) * n)
     checked: dict[int, int] = {}  # id of a tuple of pieces already checked (equal blocks share one) -> sum
     for sizes in pieces:
         sizes = tuple(sizes)
@@ -407,7 +408,7 @@ def blocks_of(
         blocks.append(Block(start, sizes, shard))
         start += total
         if shard.count(shard[0]) == n and sizes.count(sizes[0]) == n:  # equal pieces from one offset
-            shard = (shard[0] + sizes[0],) * n
+            shard = Repeated(count=n, value=shard[0] + sizes[0])  # (one number, not one per rank)
         else:
             shard = tuple(map(operator.add, shard, sizes))
     return tuple(blocks)
