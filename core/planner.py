@@ -362,6 +362,13 @@ class ZeroPlan:
         residency units and are gathered as they are, and so is a block a
         hierarchical topology gathers in two hops. Interleaved spaces already
         are blocks of at most a bucket.
+
+        The chunks are described by rule (:class:`~zeroplan.core.chunks.GatherChunks`:
+        the block, the cap, and per rank its number of chunks), and each chunk is a
+        :class:`Block` whose per-rank pieces and shard starts are computed tuples,
+        so a world of 4,096 ranks with 8,193 chunks holds a few numbers per chunk,
+        not two tuples of 4,096 (33.5 million numbers). Readers that sum over the
+        senders use :meth:`Block.nonempty_pieces` (one per chunk).
         """
         blocks = space.blocks
         if (

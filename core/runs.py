@@ -3,22 +3,30 @@
 """``FragmentRun``: the fragments of one parameter laid across the equal pieces of one block.
 
 [Note: compact plans]
-A stage-3 ``flat_even`` plan cuts every block into equal pieces, one per rank,
-so a parameter is split at every piece boundary it crosses: llama-70b at world
-4096 has 2.3 million fragments and 2.6 million bucket pieces. Each is a function
-of a few numbers: the parameter's place in its block, the piece size and the
-block's shard offset. Such a plan holds, per parameter, a :class:`FragmentRun`:
-a read-only sequence of fragments computed when read, a tuple in all but type
-(:class:`ComputedTuple`: it compares equal to the tuple of its items, hashes,
-indexes and slices like it). A space made of them (:func:`compact_space`)
-derives its offsets and checks its invariants from those numbers; its
-``by_rank`` computes a rank's fragments when first read (:class:`RankFragments`),
-and its buckets' pieces and copies are computed sequences too
-(``zeroplan.core.buckets``). What needs every rank reads the numbers, never
-the fragments: fingerprints write the text the tuples would
-(:meth:`FragmentRun.digest_text`), memory reports compute each distinct rank's
-inner tensors once (:func:`rank_windows`), traffic and staging arenas count a
-bucket of equal pieces once for all ranks. Every value is the one a plan of
+An interleaved ``flat_even`` plan cuts every block into equal pieces, one per
+rank, so a parameter is split at every piece boundary it crosses: llama-70b at
+world 4096 has 2.3 million fragments and 2.6 million bucket pieces at stage 3
+(blocks of whole parameters), 21.5 million fragments at stages 1-2 (blocks that
+cut parameters). Each is a function of a few numbers: the parameter's place in
+its block, the piece size and the block's shard offset. Such a plan holds, per
+parameter, a :class:`FragmentRun`: a read-only sequence of fragments computed
+when read, a tuple in all but type (:class:`ComputedTuple`, in
+:mod:`zeroplan.core.computed`: it compares equal to the tuple of its items,
+hashes, indexes and slices like it); a parameter that block boundaries cut
+(stages 1-2) holds a :class:`RunChain` of one run per block, each run knowing
+its first element in the parameter (``start``). Blocks of equal pieces hold
+their shard starts as one repeated number (``Repeated``). A space made of
+them (:func:`compact_space`) derives its offsets and checks its invariants
+from those numbers; its ``by_rank`` computes a rank's fragments when first
+read (:class:`RankFragments`), and its buckets' pieces and copies are
+computed sequences too (``zeroplan.core.buckets``). What needs every rank
+reads the numbers, never the fragments: fingerprints write the text the
+tuples would (:meth:`FragmentRun.digest_text`, each bound written once and
+joined in C; that text, 650 MB for llama-70b at stage 2 and 4,096 ranks, is
+most of such a plan's cost, and saved checkpoints carry its digest), memory
+reports compute each distinct rank's inner tensors once
+(:func:`rank_windows`), traffic and staging arenas count a bucket of equal
+pieces once for all ranks. Every value is the one a plan of
 tuples has (``tests/core/plan_snapshot.py`` pins fingerprints, reports and plan
 values; ``tests/core/test_runs.py`` compares with the tuples).
 """

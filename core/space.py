@@ -30,6 +30,10 @@ blocks, in block order. Two layouts exist (``PartitionPlan.layout``):
   of bf16/fp16 parameters; fp32 parameters are stepped in place, one window per
   run of pieces that follow each other in the buffer (``ZeroPlan.master_in_params``).
 
+A block's per-rank pieces and shard starts are tuples, or sequences given by
+rule that equal them (a gather chunk's: [Note: gather blocks] in
+``zeroplan.core.planner``; equal shard starts: ``zeroplan.core.computed.Repeated``).
+
 Strategies only decide ownership (or, for interleaved layouts, the blocks too);
 :class:`Space` derives every offset and checks that fragments lie inside their
 rank's pieces, do not overlap, and that each parameter is contiguous in the
