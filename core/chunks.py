@@ -213,7 +213,7 @@ class GatherChunks(ComputedTuple[Block]):
         return same or super().__eq__(other)
 
     def __hash__(self) -> int:
-        return hash((self.block, self.cap))
+        return super().__hash__()
 
 
 @lru_cache(maxsize=256)
