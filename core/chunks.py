@@ -19,7 +19,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterator
 from functools import lru_cache
-from itertools import accumulate
+from itertools import accumulate, chain, repeat
 
 from zeroplan.core.errors import PlanInvariantError
 from zeroplan.core.runs import ComputedTuple
@@ -37,12 +37,14 @@ class OwnerPieces(ComputedTuple[int]):
         (True, 3, [(2, 5)])
     """
 
-    __slots__ = ("owner", "ranks", "size")
+    __slots__ = ("_hash", "owner", "ranks", "size")
     ranks: int
     owner: int
     size: int
+    _hash: int | None
 
     def __init__(self, *, ranks: int, owner: int, size: int) -> None:
+        object.__setattr__(self, "_hash", None)
         if not (type(ranks) is int and type(owner) is int and type(size) is int and 0 <= owner < ranks):
             raise PlanInvariantError(f"invalid owner pieces: rank {owner!r} of {ranks!r}, {size!r} elements")
         if size < 0:
@@ -56,6 +58,9 @@ class OwnerPieces(ComputedTuple[int]):
 
     def _item(self, i: int) -> int:
         return self.size if i == self.owner else 0
+
+    def __iter__(self) -> Iterator[int]:
+        return _one_of(self.ranks, self.owner, self.size, 0)
 
     def count(self, value: object) -> int:
         """How many pieces equal ``value`` (as ``tuple.count``, in O(1))."""
@@ -80,8 +85,12 @@ class OwnerPieces(ComputedTuple[int]):
             )
         return super().__eq__(other)
 
-    def __hash__(self) -> int:
-        return super().__hash__()
+    def __hash__(self) -> int:  # the tuple's (rooms of encoded gathers are cached by pieces), kept
+        value = self._hash
+        if value is None:
+            value = hash((0,) * self.owner + (self.size,) + (0,) * (self.ranks - self.owner - 1))
+            object.__setattr__(self, "_hash", value)
+        return value
 
 
 class OwnerOffsets(ComputedTuple[int]):
@@ -102,6 +111,9 @@ class OwnerOffsets(ComputedTuple[int]):
 
     def _item(self, i: int) -> int:
         return self.size if i > self.owner else 0
+
+    def __iter__(self) -> Iterator[int]:
+        return chain(repeat(0, self.owner + 1), repeat(self.size, self.ranks - self.owner - 1))
 
 
 class ChunkStarts(ComputedTuple[int]):
@@ -214,6 +226,11 @@ class GatherChunks(ComputedTuple[Block]):
 
     def __hash__(self) -> int:
         return super().__hash__()
+
+
+def _one_of(ranks: int, owner: int, value: int, other: int) -> Iterator[int]:
+    """``other`` for every rank but ``owner``, which has ``value`` (iterated in C)."""
+    return chain(repeat(other, owner), (value,), repeat(other, ranks - owner - 1))
 
 
 @lru_cache(maxsize=256)
