@@ -6,6 +6,7 @@ Not a test: run it and read the table::
     python benchmarks/plan_speed.py --repeats 5
     python benchmarks/plan_speed.py --profile 100k   # cProfile one case, top functions
     python benchmarks/plan_speed.py --no-gc          # the same with the cyclic GC off
+    python benchmarks/plan_speed.py --cli            # `zeroplan plan` as a whole process, see below
 
 (Planning allocates about a million small objects for the 100k case; with the cyclic garbage
 collector on, 30-50 % of its time is the collector re-scanning them. ``--no-gc`` shows the
@@ -18,9 +19,14 @@ Cases (issue 2, section 5):
 * ``100k``: 100,000 tensors of deterministic, varied shapes (vectors and matrices, ~1.2 B
   parameters) in bf16 for 1,024 ranks; target < 10 s for plan + report.
 
-each at stages 1, 2 and 3 with the ``flat_even`` and ``lpt_whole`` strategies (AdamW, default
-alignment 128 and 25 MiB buckets). Stage 3 with ``flat_even`` is the compact plan of
-[Note: compact plans] (``zeroplan.core.runs``): llama-70b's 2.6 million pieces.
+``--cli`` times ``zeroplan plan --preset llama-70b --world 4096 --json`` as a whole process (the
+import included; wall and CPU time, min and median of the repeats) at stages 1-3 with the default
+layout, ``--shard-size 8``, ``--ranks-per-node 8`` and ``--layout interleaved`` (targets: 3 s, and
+10 s interleaved; issue 41).
+
+The in-process cases run each at stages 1, 2 and 3 with the ``flat_even`` and ``lpt_whole``
+strategies (AdamW, default alignment 128 and 25 MiB buckets). Stage 3 with ``flat_even`` is the
+compact plan of [Note: compact plans] (``zeroplan.core.runs``): llama-70b's 2.6 million pieces.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import os
 import platform
 import pstats
 import random
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -122,6 +130,47 @@ def benchmark(repeats: int, only: list[str]) -> bool:
     return ok
 
 
+#: ``--cli`` configurations: name, extra arguments, target seconds.
+CLI_CASES = [
+    (f"stage {stage}{name}", ["--stage", str(stage), *extra], target)
+    for name, extra, target in [
+        ("", [], 3.0),
+        (", shard size 8", ["--shard-size", "8"], 3.0),
+        (", 8 ranks per node", ["--ranks-per-node", "8"], 3.0),
+        (", interleaved", ["--layout", "interleaved"], 10.0),
+    ]
+    for stage in STAGES
+]
+
+
+def cli_benchmark(repeats: int) -> bool:
+    """``zeroplan plan`` for llama-70b at world 4,096 as a whole process, per configuration."""
+    print(
+        f"zeroplan plan --preset llama-70b --world 4096 --json, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f}; min and median of {repeats} (wall; cpu = user + sys of the process)"
+    )
+    ok = True
+    for name, extra, target in CLI_CASES:
+        walls, cpus = [], []
+        for _ in range(repeats):
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            started = time.perf_counter()
+            command = [sys.executable, "-m", "zeroplan.facade.cli", "plan", "--preset", "llama-70b"]
+            command += ["--world", "4096", *extra, "--json"]
+            subprocess.run(command, stdout=subprocess.DEVNULL, check=True)
+            walls.append(time.perf_counter() - started)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+        met = min(walls) < target
+        ok &= met
+        print(
+            f"{name:<30} wall {min(walls):6.2f} / {statistics.median(walls):6.2f} s   cpu "
+            f"{min(cpus):6.2f} / {statistics.median(cpus):6.2f} s   < {target:g} s "
+            f"{'ok' if met else 'MISSED'}"
+        )
+    return ok
+
+
 def profile(key: str, stage: int, strategy: str, top: int) -> None:
     case = CASES[key]
     specs = specs_for(case)
@@ -143,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="lpt_whole", help="strategy of the profiled case")
     parser.add_argument("--top", type=int, default=25, help="functions shown by --profile")
     parser.add_argument("--no-gc", action="store_true", help="disable the cyclic garbage collector")
+    parser.add_argument("--cli", action="store_true", help="time `zeroplan plan` processes instead")
     args = parser.parse_args(argv)
+    if args.cli:
+        return 0 if cli_benchmark(args.repeats) else 1
     if args.no_gc:
         gc.disable()
     if args.profile:

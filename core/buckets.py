@@ -154,12 +154,13 @@ class BlockCopies(ComputedTuple[GradCopy]):
         k = bisect_right(self.ends, i)
         run = self.runs[k]
         frag = run[i - (self.ends[k - 1] if k else 0)]
-        return GradCopy(run.param, frag.param_span, run.position + frag.param_span.start)
+        return GradCopy(run.param, frag.param_span, run.position - run.start + frag.param_span.start)
 
     def __iter__(self) -> Iterator[GradCopy]:
         for run in self.runs:
+            shift = run.position - run.start  # where the parameter's element 0 lies in the block
             for frag in run:
-                yield GradCopy(run.param, frag.param_span, run.position + frag.param_span.start)
+                yield GradCopy(run.param, frag.param_span, shift + frag.param_span.start)
 
     def __eq__(self, other: object) -> bool:
         return (type(other) is BlockCopies and self.runs == other.runs) or super().__eq__(other)
@@ -438,7 +439,7 @@ def _block_drafts(plan: PartitionPlan, space: Space, policy: CollectivePolicy) -
             params = tuple(run.param for run in runs if run.numel)  # in buffer order: increasing
             if not params:
                 continue  # padding and zero-size parameters only: nothing to reduce
-            require(min(block.pieces) > 0, f"a block of the {space.dtype} space holds parameters in no piece")
+            require(block.pieces[0] > 0, f"a block of the {space.dtype} space holds parameters in no piece")
             collective = _collective(block.pieces, n, policy)
             drafts.append(
                 _Draft(space.index, block.span, BlockPieces(block), BlockCopies(runs), params, collective)
@@ -478,6 +479,8 @@ def _block_drafts(plan: PartitionPlan, space: Space, policy: CollectivePolicy) -
 
 def _collective(sizes: Sequence[int], shard_size: int, policy: CollectivePolicy) -> Collective:
     """How a bucket of pieces of ``sizes`` (0: no piece) is reduced (see [Note: collective policy])."""
+    if type(sizes) is tuple and sizes and sizes[0] and sizes.count(sizes[0]) == len(sizes) == shard_size:
+        return Collective.REDUCE_SCATTER  # equal pieces (a compact block: decided without a set)
     count = len(sizes) - list(sizes).count(0)
     if count == shard_size and len(set(sizes)) == 1:
         return Collective.REDUCE_SCATTER

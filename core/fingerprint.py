@@ -49,7 +49,15 @@ def render(value: object) -> str:
             return "(" + ", ".join([repr(first)] * len(value)) + ")"
         return repr(value)
     if tuple in types:
-        return "(" + ", ".join(map(render, value)) + ("," if len(value) == 1 else "") + ")"
+        texts: dict[int, str] = {}  # an item repeated as one object (equal blocks) is written once
+
+        def once(item: object) -> str:
+            text = texts.get(id(item))
+            if text is None:
+                text = texts[id(item)] = render(item)
+            return text
+
+        return "(" + ", ".join(map(once, value)) + ("," if len(value) == 1 else "") + ")"
     return repr(value)
 
 

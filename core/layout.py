@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 
 from zeroplan.core.errors import ConfigError, check_config, require
 from zeroplan.core.partition import PartitionPlan
-from zeroplan.core.runs import FragmentRun
+from zeroplan.core.runs import FragmentRun, RunChain
 from zeroplan.core.space import Fragment
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.specs import ParamSpec, check_specs
@@ -58,7 +58,7 @@ LAYOUTS = ("auto", "interleaved", "rank_major")
 #: ``layout="auto"`` interleaves while blocks x ranks stays at or below this.
 AUTO_MAX_PIECES = 2**18
 
-_Fragments = dict[int, list[Fragment]]
+_Fragments = dict[int, Sequence[Fragment]]
 
 
 def _spaces(specs: Sequence[ParamSpec]) -> list[list[ParamSpec]]:
@@ -88,9 +88,14 @@ def _finish(
         shard_size=shard_size,
         alignment=alignment,
         strategy=strategy,
-        fragments=tuple(tuple(fragments.get(s.index, ())) for s in specs),
+        fragments=tuple(_kept(fragments.get(s.index, ())) for s in specs),
         block_pieces=tuple(pieces),
     )
+
+
+def _kept(frags: Sequence[Fragment]) -> Sequence[Fragment]:
+    """A parameter's fragments as the plan holds them: runs stay runs ([Note: compact plans])."""
+    return frags if type(frags) is FragmentRun or type(frags) is RunChain else tuple(frags)
 
 
 def interleave_even(
@@ -132,25 +137,36 @@ def interleave_even(
         end_of_buffer = first + (count - 1) * cap
         position = pad  # the buffer coordinate: the space coordinate shifted by the padding
         for spec in members:
-            index, numel = spec.index, spec.numel
-            frags = fragments[index] = []
-            at, end = position, position + numel
+            # Its fragments by rule, one run per block it crosses ([Note: compact plans] in core.runs).
+            runs = []
+            at, end = position, position + spec.numel
             while True:
-                if at == end_of_buffer:  # a zero-size parameter at the very end: the last piece's end
-                    rank, base = n - 1, 0 if count == 1 else first_piece + (count - 2) * piece
-                    inside = size = first_piece if count == 1 else piece
-                elif at < first:  # block 0: pieces of first_piece, shard offsets from 0
-                    rank, inside = divmod(at, first_piece)
-                    base, size = 0, first_piece
+                if at < first or at == end_of_buffer == first:  # block 0: pieces of first_piece from 0
+                    k, inside, base, size, block_numel = 0, at, 0, first_piece, first
+                elif at == end_of_buffer:  # a zero-size parameter at the very end: the last block's end
+                    k, inside, block_numel = count - 1, cap, cap
+                    base, size = first_piece + (k - 1) * piece, piece
                 else:  # block k >= 1: pieces of `piece`, after block 0's and k - 1 full pieces
-                    k, within = divmod(at - first, cap)
-                    rank, inside = divmod(within, piece)
-                    base, size = first_piece + k * piece, piece
-                stop = min(end, at - inside + size)
-                frags.append(Fragment(index, rank, Span(at - position, stop - position), base + inside))
+                    k, inside = divmod(at - first, cap)
+                    k += 1
+                    base, size, block_numel = first_piece + (k - 1) * piece, piece, cap
+                stop = min(end, at - inside + block_numel)
+                runs.append(
+                    FragmentRun(
+                        param=spec.index,
+                        numel=stop - at,
+                        block=k,
+                        position=inside,
+                        piece=size,
+                        base=base,
+                        shard_size=n,
+                        start=at - position,
+                    )
+                )
                 at = stop
                 if at >= end:
                     break
+            fragments[spec.index] = runs[0] if len(runs) == 1 else RunChain(runs)
             position = end
     return _finish(specs, shard_size, alignment, "flat_even", fragments, pieces)
 
@@ -168,6 +184,7 @@ def _even_whole_blocks(
     fragments: dict[int, FragmentRun] = {}
     pieces = []
     unit = n * alignment
+    equal: dict[int, tuple[int, ...]] = {}
     for members in _spaces(specs):
         space_pieces = []
         base = 0  # every rank's shard offset of the block's piece (all pieces are equal)
@@ -188,7 +205,7 @@ def _even_whole_blocks(
                     shard_size=n,
                 )
                 position += spec.numel
-            space_pieces.append((piece,) * n)
+            space_pieces.append(equal.setdefault(piece, (piece,) * n))  # blocks of a size share a tuple
             base += piece
         pieces.append(tuple(space_pieces))
     return PartitionPlan(

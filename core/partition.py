@@ -18,7 +18,7 @@ from itertools import chain
 
 from zeroplan.core.errors import ConfigError, PlanInvariantError, check_config, require
 from zeroplan.core.fingerprint import Rendered, digest, render
-from zeroplan.core.runs import FragmentRun, compact_space
+from zeroplan.core.runs import FragmentRun, RunChain, compact_space
 from zeroplan.core.space import Fragment, FragmentOverlap, ShardPiece, Space, build_space
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs
@@ -135,7 +135,7 @@ class PartitionPlan:
 def _fragment_parts(fragments: Iterable[Sequence[Fragment]]) -> Iterator[object]:
     """What :meth:`PartitionPlan.fingerprint` hashes of the fragments: a tuple per fragment."""
     for frags in fragments:
-        if type(frags) is FragmentRun:  # the same text, written per run
+        if type(frags) is FragmentRun or type(frags) is RunChain:  # the same text, written per run
             yield Rendered(frags.digest_text())
         else:
             yield from (
@@ -148,7 +148,7 @@ def _cover_problem(spec: ParamSpec, frags: Sequence[Fragment], shard_size: int) 
 
     Runs for every parameter of every plan, so messages are formatted only on failure.
     """
-    if type(frags) is FragmentRun:
+    if type(frags) is FragmentRun or type(frags) is RunChain:
         return frags.cover_problem(spec, shard_size)
     if not spec.trainable:
         return None if not frags else f"is frozen but the plan gives it {len(frags)} fragment(s)"

@@ -19,6 +19,7 @@ from itertools import groupby, pairwise
 from typing import NamedTuple
 
 from zeroplan.core.buckets import Bucket, BucketLayout, plan_buckets
+from zeroplan.core.chunks import owner_chunks
 from zeroplan.core.comm import Collective, CollectivePolicy
 from zeroplan.core.deterministic import check_power_of_two
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
@@ -28,7 +29,7 @@ from zeroplan.core.layout import build_partition
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.partition import PartitionPlan
 from zeroplan.core.runs import rank_windows
-from zeroplan.core.space import Block, Space, owner_chunks
+from zeroplan.core.space import Block, Space
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs, specs_fingerprint
 from zeroplan.core.topology import Topology
@@ -344,7 +345,7 @@ class ZeroPlan:
         exchanged = collective in (Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
         return exchanged and self.policy.point_to_point and self.topology.shard_size > 1
 
-    def gather_blocks(self, space: Space) -> tuple[Block, ...]:
+    def gather_blocks(self, space: Space) -> Sequence[Block]:
         """The blocks ``space``'s updated parameters are gathered in, in buffer order.
 
         [Note: gather blocks]
@@ -361,6 +362,13 @@ class ZeroPlan:
         residency units and are gathered as they are, and so is a block a
         hierarchical topology gathers in two hops. Interleaved spaces already
         are blocks of at most a bucket.
+
+        The chunks are described by rule (:class:`~zeroplan.core.chunks.GatherChunks`:
+        the block, the cap, and per rank its number of chunks), and each chunk is a
+        :class:`Block` whose per-rank pieces and shard starts are computed tuples,
+        so a world of 4,096 ranks with 8,193 chunks holds a few numbers per chunk,
+        not two tuples of 4,096 (33.5 million numbers). Readers that sum over the
+        senders use :meth:`Block.nonempty_pieces` (one per chunk).
         """
         blocks = space.blocks
         if (

@@ -3,22 +3,30 @@
 """``FragmentRun``: the fragments of one parameter laid across the equal pieces of one block.
 
 [Note: compact plans]
-A stage-3 ``flat_even`` plan cuts every block into equal pieces, one per rank,
-so a parameter is split at every piece boundary it crosses: llama-70b at world
-4096 has 2.3 million fragments and 2.6 million bucket pieces. Each is a function
-of a few numbers: the parameter's place in its block, the piece size and the
-block's shard offset. Such a plan holds, per parameter, a :class:`FragmentRun`:
-a read-only sequence of fragments computed when read, a tuple in all but type
-(:class:`ComputedTuple`: it compares equal to the tuple of its items, hashes,
-indexes and slices like it). A space made of them (:func:`compact_space`)
-derives its offsets and checks its invariants from those numbers; its
-``by_rank`` computes a rank's fragments when first read (:class:`RankFragments`),
-and its buckets' pieces and copies are computed sequences too
-(``zeroplan.core.buckets``). What needs every rank reads the numbers, never
-the fragments: fingerprints write the text the tuples would
-(:meth:`FragmentRun.digest_text`), memory reports compute each distinct rank's
-inner tensors once (:func:`rank_windows`), traffic and staging arenas count a
-bucket of equal pieces once for all ranks. Every value is the one a plan of
+An interleaved ``flat_even`` plan cuts every block into equal pieces, one per
+rank, so a parameter is split at every piece boundary it crosses: llama-70b at
+world 4096 has 2.3 million fragments and 2.6 million bucket pieces at stage 3
+(blocks of whole parameters), 21.5 million fragments at stages 1-2 (blocks that
+cut parameters). Each is a function of a few numbers: the parameter's place in
+its block, the piece size and the block's shard offset. Such a plan holds, per
+parameter, a :class:`FragmentRun`: a read-only sequence of fragments computed
+when read, a tuple in all but type (:class:`ComputedTuple`, in
+:mod:`zeroplan.core.computed`: it compares equal to the tuple of its items,
+hashes, indexes and slices like it); a parameter that block boundaries cut
+(stages 1-2) holds a :class:`RunChain` of one run per block, each run knowing
+its first element in the parameter (``start``). Blocks of equal pieces hold
+their shard starts as one repeated number (``Repeated``). A space made of
+them (:func:`compact_space`) derives its offsets and checks its invariants
+from those numbers; its ``by_rank`` computes a rank's fragments when first
+read (:class:`RankFragments`), and its buckets' pieces and copies are
+computed sequences too (``zeroplan.core.buckets``). What needs every rank
+reads the numbers, never the fragments: fingerprints write the text the
+tuples would (:meth:`FragmentRun.digest_text`, each bound written once and
+joined in C; that text, 650 MB for llama-70b at stage 2 and 4,096 ranks, is
+most of such a plan's cost, and saved checkpoints carry its digest), memory
+reports compute each distinct rank's inner tensors once
+(:func:`rank_windows`), traffic and staging arenas count a bucket of equal
+pieces once for all ranks. Every value is the one a plan of
 tuples has (``tests/core/plan_snapshot.py`` pins fingerprints, reports and plan
 values; ``tests/core/test_runs.py`` compares with the tuples).
 """
@@ -28,102 +36,36 @@ from __future__ import annotations
 import operator
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import FrozenInstanceError
 from functools import lru_cache
 from itertools import accumulate, chain
-from typing import Any, NamedTuple, TypeVar, cast, overload
+from typing import NamedTuple
 
+from zeroplan.core.computed import ComputedTuple
 from zeroplan.core.errors import PlanInvariantError, require
 from zeroplan.core.space import Block, Fragment, Space, blocks_of
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.specs import ParamSpec
 
-__all__ = ["ComputedTuple", "FragmentRun", "RankFragments", "Window", "compact_space", "rank_windows"]
-
-T = TypeVar("T")
-
-
-class ComputedTuple(Sequence[T]):
-    """A read-only sequence computed on demand that behaves as the tuple of its items.
-
-    It equals (and hashes as) the tuple of its items and any ``ComputedTuple``
-    of the same items; a slice is a tuple. Subclasses define ``__len__`` and
-    ``_item`` (and a faster ``__iter__`` where they can) and set their slots
-    in ``__init__`` with ``object.__setattr__``: instances are immutable.
-    """
-
-    __slots__ = ()
-
-    def _item(self, i: int) -> T:
-        """Item ``i``, ``0 <= i < len(self)``."""
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    @overload
-    def __getitem__(self, i: int) -> T: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> tuple[T, ...]: ...
-
-    def __getitem__(self, i: int | slice) -> T | tuple[T, ...]:
-        if isinstance(i, slice):
-            return tuple(self._item(j) for j in range(*i.indices(len(self))))
-        n = len(self)
-        i = operator.index(i)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"index {i} out of range for {n} items")
-        return self._item(i)
-
-    def __iter__(self) -> Iterator[T]:
-        return (self._item(i) for i in range(len(self)))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (tuple, ComputedTuple)):
-            return len(self) == len(other) and tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
-
-    def __add__(self, other: object) -> tuple[Any, ...]:
-        if isinstance(other, (tuple, ComputedTuple)):
-            return (*self, *other)
-        return NotImplemented
-
-    def __radd__(self, other: object) -> tuple[Any, ...]:
-        if isinstance(other, tuple):
-            return (*other, *self)
-        return NotImplemented
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __getstate__(self) -> dict[str, Any]:
-        slots = (name for cls in type(self).__mro__ for name in getattr(cls, "__slots__", ()))
-        return {name: getattr(self, name) for name in slots}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:  # (pickle and copy)
-        for name, value in state.items():
-            object.__setattr__(self, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
+__all__ = [
+    "ComputedTuple",
+    "FragmentRun",
+    "RankFragments",
+    "RunChain",
+    "Window",
+    "compact_space",
+    "rank_windows",
+]
 
 
 class FragmentRun(ComputedTuple[Fragment]):
     """The fragments of one parameter placed in one block of equal pieces (see [Note: compact plans]).
 
-    The parameter occupies ``[position, position + numel)`` of the block;
-    rank ``r``'s piece is ``[r * piece, (r + 1) * piece)`` of it and starts at
-    ``base`` in every rank's shard, so the parameter has one fragment on each
-    rank from ``first`` to ``last``. A zero-size parameter has one empty
+    The run holds elements ``[start, start + numel)`` of the parameter (all
+    of it unless a block boundary cuts the parameter: then it is one run per
+    block, a :class:`RunChain`) at ``[position, position + numel)`` of the
+    block; rank ``r``'s piece is ``[r * piece, (r + 1) * piece)`` of it and
+    starts at ``base`` in every rank's shard, so the run has one fragment on
+    each rank from ``first`` to ``last``. A zero-size parameter has one empty
     fragment, on the rank whose piece holds its place (the last rank at the
     block's end, or with pieces of zero elements).
 
@@ -135,7 +77,18 @@ class FragmentRun(ComputedTuple[Fragment]):
         (3, 1, 3, Span(start=6, stop=10))
     """
 
-    __slots__ = ("base", "block", "first", "last", "numel", "param", "piece", "position", "shard_size")
+    __slots__ = (
+        "base",
+        "block",
+        "first",
+        "last",
+        "numel",
+        "param",
+        "piece",
+        "position",
+        "shard_size",
+        "start",
+    )
     param: int
     numel: int
     block: int
@@ -143,20 +96,41 @@ class FragmentRun(ComputedTuple[Fragment]):
     piece: int
     base: int
     shard_size: int
+    start: int
     first: int
     last: int
 
     def __init__(
-        self, *, param: int, numel: int, block: int, position: int, piece: int, base: int, shard_size: int
+        self,
+        *,
+        param: int,
+        numel: int,
+        block: int,
+        position: int,
+        piece: int,
+        base: int,
+        shard_size: int,
+        start: int = 0,
     ) -> None:
-        values = (param, numel, block, position, piece, base, shard_size)
+        values = (param, numel, block, position, piece, base, shard_size, start)
         if not (all(type(v) is int and v >= 0 for v in values) and shard_size and (piece or not numel)):
             raise PlanInvariantError(f"invalid fragment run of parameter {param!r}: {values}")
         if numel:
             first, last = position // piece, (position + numel - 1) // piece
         else:
             first = last = min(position // piece, shard_size - 1) if piece else shard_size - 1
-        names = ("param", "numel", "block", "position", "piece", "base", "shard_size", "first", "last")
+        names = (
+            "param",
+            "numel",
+            "block",
+            "position",
+            "piece",
+            "base",
+            "shard_size",
+            "start",
+            "first",
+            "last",
+        )
         for name, value in zip(names, (*values, first, last), strict=True):
             object.__setattr__(self, name, value)
 
@@ -167,9 +141,10 @@ class FragmentRun(ComputedTuple[Fragment]):
         """Rank ``rank``'s fragment as numbers: its start and stop in the parameter, its shard offset."""
         start, position = rank * self.piece, self.position
         if not self.numel:
-            return 0, 0, self.base + position - start
+            return self.start, self.start, self.base + position - start
         at, stop = max(position, start), min(position + self.numel, start + self.piece)
-        return at - position, stop - position, self.base + at - start
+        shift = position - self.start  # a parameter's element e lies at e + shift of the block
+        return at - shift, stop - shift, self.base + at - start
 
     def _item(self, i: int) -> Fragment:
         rank = self.first + i
@@ -181,11 +156,11 @@ class FragmentRun(ComputedTuple[Fragment]):
             yield self._item(0)
             return
         param, piece, position, base = self.param, self.piece, self.position, self.base
-        end = position + self.numel
+        end, shift = position + self.numel, position - self.start
         for rank in range(self.first, self.last + 1):
             start = rank * piece
             at, stop = max(position, start), min(end, start + piece)
-            yield Fragment(param, rank, Span(at - position, stop - position), base + at - start)
+            yield Fragment(param, rank, Span(at - shift, stop - shift), base + at - start)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is FragmentRun and self._key() == other._key():
@@ -196,7 +171,7 @@ class FragmentRun(ComputedTuple[Fragment]):
         return super().__hash__()
 
     def _key(self) -> tuple[int, ...]:
-        return (self.param, self.numel, self.position, self.piece, self.base, self.first)
+        return (self.param, self.numel, self.position, self.piece, self.base, self.first, self.start)
 
     def cover_problem(self, spec: ParamSpec, shard_size: int) -> str | None:
         """Why the run does not tile ``spec`` exactly once on ranks ``0..shard_size-1``, or ``None``."""
@@ -204,8 +179,8 @@ class FragmentRun(ComputedTuple[Fragment]):
             return f"is frozen but the plan gives it {len(self)} fragment(s)"
         if self.param != spec.index:
             return f"lists a fragment of parameter {self.param!r}"
-        if self.numel != spec.numel:
-            return f"fragments cover {self.numel} of {spec.numel} elements"
+        if self.numel != spec.numel or self.start:
+            return f"fragments cover {self.numel} of {spec.numel} elements from element {self.start}"
         if self.last >= shard_size:
             return f"rank {self.last} outside 0..{shard_size - 1}"
         return None
@@ -215,32 +190,55 @@ class FragmentRun(ComputedTuple[Fragment]):
 
         The text ``PartitionPlan.fingerprint`` hashes for these fragments, written
         without a tuple per fragment: the fragments between the first and the last
-        fill their pieces, so their text is one template per piece size, place and
-        ranks, shared by every parameter with those (see [Note: compact plans]).
+        fill their pieces, so their bounds are one arithmetic sequence, written
+        once each and joined in C (see [Note: compact plans]).
         """
         first, last, param = self.first, self.last, self.param
         ends = [(rank, *self._numbers(rank)) for rank in ((first, last) if last > first else (first,))]
         head, tail = (f"\x1f({param}, {r}, {a}, {b}, {offset})" for r, a, b, offset in (ends[0], ends[-1]))
         if last - first <= 1:
             return head if last == first else head + tail
-        middle = _full_pieces_text(self.piece, self.position, first + 1, last - 1)
-        return "".join((head, middle.replace("\x00", str(param)).replace("\x01", str(self.base)), tail))
+        shift = self.position - self.start
+        middle = _full_pieces_text(param, self.base, self.piece, shift, first + 1, last - 1, self.shard_size)
+        return "".join((head, middle, tail))
 
 
-@lru_cache(maxsize=32)
-def _full_pieces_text(piece: int, position: int, first: int, last: int) -> str:
-    """Digest text of the fragments filling the pieces of ranks ``first..last``.
+def _full_pieces_text(param: int, base: int, piece: int, position: int, first: int, last: int, n: int) -> str:
+    """Digest text of the fragments filling the pieces of ranks ``first..last`` (one at least) of ``n``.
 
-    ``\\x00`` stands for the parameter, ``\\x01`` for the block's shard offset.
+    ``position``: where the parameter's element 0 lies in the block (negative for the run
+    of a later block); ``base``: the block's shard offset. Rank ``r``'s fragment is
+    ``"\\x1f(param, r, a_r, a_r+1, base)"`` with ``a_r = r * piece - position``: each bound is
+    written once and the text joined in C (a plan of 4,096 ranks writes tens of millions).
     """
-    return "".join(
-        f"\x1f(\x00, {r}, {r * piece - position}, {(r + 1) * piece - position}, \x01)"
-        for r in range(first, last + 1)
-    )
+    count = last - first + 1
+    low = first * piece - position
+    bounds = list(map(str, range(low, low + (count + 1) * piece, piece)))
+    after = f"{base})\x1f({param}"  # a fragment's end and the next one's start
+    items: list[str] = [after] * (4 * count)
+    items[0::4] = _numerals(n)[first : last + 1]
+    items[1::4] = bounds[:-1]
+    items[2::4] = bounds[1:]
+    return f"\x1f({param}, " + ", ".join(items)[: -len(after) + len(str(base)) + 1]
 
 
-class _Chain(ComputedTuple[Fragment]):
-    """The fragments of several runs, one after the other (a compact space's ``runs``)."""
+@lru_cache(maxsize=8)
+def _numerals(n: int) -> tuple[str, ...]:
+    """``str`` of ``0..n-1`` (rank numbers, written in every digest text)."""
+    return tuple(map(str, range(n)))
+
+
+class RunChain(ComputedTuple[Fragment]):
+    """The fragments of several runs, one after the other: a compact space's ``runs``, or the
+    fragments of a parameter that block boundaries cut, one run per block (``interleave_even``).
+
+    Example:
+        >>> head = FragmentRun(param=0, numel=6, block=0, position=2, piece=4, base=0, shard_size=2)
+        >>> tail = FragmentRun(param=0, numel=3, block=1, position=0, piece=2, base=4, shard_size=2, start=6)
+        >>> parts = [head, tail]
+        >>> [(f.rank, f.param_span.start, f.param_span.stop, f.shard_offset) for f in RunChain(parts)]
+        [(0, 0, 2, 2), (1, 2, 6, 0), (0, 6, 8, 4), (1, 8, 9, 4)]
+    """
 
     __slots__ = ("ends", "parts")
     parts: tuple[FragmentRun, ...]
@@ -261,7 +259,29 @@ class _Chain(ComputedTuple[Fragment]):
         return chain.from_iterable(self.parts)
 
     def __eq__(self, other: object) -> bool:
-        return (type(other) is _Chain and self.parts == other.parts) or super().__eq__(other)
+        return (type(other) is RunChain and self.parts == other.parts) or super().__eq__(other)
+
+    def cover_problem(self, spec: ParamSpec, shard_size: int) -> str | None:
+        """Why the runs do not tile ``spec`` exactly once, in order, or ``None`` (as
+        :meth:`FragmentRun.cover_problem`, for a parameter cut into runs)."""
+        if not spec.trainable:
+            return f"is frozen but the plan gives it {len(self)} fragment(s)"
+        position = 0
+        for run in self.parts:
+            if type(run) is not FragmentRun or run.param != spec.index:
+                return f"lists a fragment of parameter {getattr(run, 'param', run)!r}"
+            if run.start != position or not run.numel:
+                return f"runs must tile it in order; expected one starting at {position}, got {run.start}"
+            if run.last >= shard_size:
+                return f"rank {run.last} outside 0..{shard_size - 1}"
+            position += run.numel
+        if position != spec.numel:
+            return f"fragments cover {position} of {spec.numel} elements"
+        return None
+
+    def digest_text(self) -> str:
+        """The digest text of its fragments (:meth:`FragmentRun.digest_text` of each run, joined)."""
+        return "".join(run.digest_text() for run in self.parts)
 
     def __hash__(self) -> int:
         return super().__hash__()
@@ -342,12 +362,24 @@ def compact_space(
         return None
     n = shard_size
     params = tuple(s.index for s in specs if s.trainable and s.dtype == dtype)
-    if not params or not all(type(fragments[p]) is FragmentRun for p in params):
+    runs: list[FragmentRun] = []
+    heads: list[FragmentRun] = []  # each parameter's first run
+    for p in params:
+        frags = fragments[p]
+        if type(frags) is FragmentRun:
+            runs.append(frags)
+            heads.append(frags)
+        elif type(frags) is RunChain and frags.parts:
+            runs.extend(frags.parts)
+            heads.append(frags.parts[0])
+        else:
+            return None
+    if not params:
         return None
-    runs = cast(list[FragmentRun], [fragments[p] for p in params])
     blocks = blocks_of(pieces, (), n, dtype)
     by_block: list[list[FragmentRun]] = [[] for _ in blocks]
     at = (0, 0)  # (block, position) where the previous run ended
+    follows = -1
     for run in runs:
         require(0 <= run.block < len(blocks), f"parameter {run.param}: block {run.block} is not in the space")
         block = blocks[run.block]
@@ -364,7 +396,15 @@ def compact_space(
                 f"{run.position}, {run.numel} elements, pieces of {run.piece} from shard offset {run.base}) "
                 f"does not lie in its block after the previous parameter ({dtype} space)"
             )
+        if run.start and (run.block, run.position, run.start) != (at[0] + 1, 0, follows):
+            raise PlanInvariantError(
+                f"parameter {run.param} ({specs[run.param].name!r}): its run from element {run.start} "
+                f"(block {run.block}, place {run.position}) does not start the block after the end of "
+                f"its previous run ({dtype} space)"
+            )
         at = (run.block, run.position + run.numel)
+        # Where the parameter's next run must start: a run that ends its block may be followed by one.
+        follows = run.start + run.numel if at[1] == block.numel else -1
         by_block[run.block].append(run)
     for k, block in enumerate(blocks):
         if by_block[k] and not (_uniform(block.pieces) and _uniform(block.shard_starts)):
@@ -398,8 +438,8 @@ def compact_space(
         shard_numel=tuple(round_up(e, alignment) for e in extents),
         blocks=blocks,
         buffer_numel=sum(b.numel for b in blocks),
-        buffer_offsets=tuple(blocks[run.block].start + run.position for run in runs),
-        runs=_Chain(runs),  # type: ignore[arg-type]
+        buffer_offsets=tuple(blocks[run.block].start + run.position for run in heads),
+        runs=RunChain(runs),  # type: ignore[arg-type]
         by_rank=tuple(RankFragments(indexed, r) for r in range(n)),  # type: ignore[arg-type]
         block_runs=block_runs,
     )

@@ -30,6 +30,10 @@ blocks, in block order. Two layouts exist (``PartitionPlan.layout``):
   of bf16/fp16 parameters; fp32 parameters are stepped in place, one window per
   run of pieces that follow each other in the buffer (``ZeroPlan.master_in_params``).
 
+A block's per-rank pieces and shard starts are tuples, or sequences given by
+rule that equal them (a gather chunk's: [Note: gather blocks] in
+``zeroplan.core.planner``; equal shard starts: ``zeroplan.core.computed.Repeated``).
+
 Strategies only decide ownership (or, for interleaved layouts, the blocks too);
 :class:`Space` derives every offset and checks that fragments lie inside their
 rank's pieces, do not overlap, and that each parameter is contiguous in the
@@ -40,13 +44,14 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import accumulate, pairwise
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 from zeroplan.core.comm import Collective
+from zeroplan.core.computed import Repeated
 from zeroplan.core.errors import PlanInvariantError, require
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.specs import ParamSpec
@@ -122,14 +127,30 @@ class ShardPiece(NamedTuple):
     buffer_span: Span
 
 
+class _PieceRule(Protocol):
+    """A block's pieces given by a rule rather than a tuple (:class:`~zeroplan.core.chunks.OwnerPieces`):
+    a sequence equal to the tuple it stands for, which derives the block's layout in O(1)."""
+
+    def block_layout(self) -> tuple[bool, Sequence[int], int]:
+        """``(equal, offsets, numel)`` of a block of these pieces."""
+        ...
+
+    def nonempty(self) -> Iterator[tuple[int, int]]:
+        """``(rank, elements)`` of every non-empty piece, in rank order."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Block:
     """A segment of the full buffer: one piece of every rank's shard, in rank order (see [Note: layout]).
 
     Attributes:
         start: where the block starts in the full buffer.
-        pieces: per rank, the elements of its piece (padding included).
-        shard_starts: per rank, where its piece starts in its shard.
+        pieces: per rank, the elements of its piece (padding included). A tuple, or
+            for a gather chunk a sequence given by rule that equals the tuple
+            (:mod:`zeroplan.core.chunks`; see [Note: gather blocks]).
+        shard_starts: per rank, where its piece starts in its shard (a tuple, or a
+            sequence given by rule for a gather chunk).
         numel: elements of the block in the full buffer (derived).
         offsets: per rank, where its piece starts inside the block (derived).
         equal: whether every rank's piece has the same size (one ``all_gather``
@@ -146,6 +167,12 @@ class Block:
     def __post_init__(self) -> None:
         # Derived once: plans of thousands of ranks ask for pieces by the million.
         pieces = self.pieces
+        if type(pieces) is not tuple:  # pieces by rule (a gather chunk: zeroplan.core.chunks)
+            equal, offsets, numel = cast(_PieceRule, pieces).block_layout()
+            object.__setattr__(self, "equal", equal)
+            object.__setattr__(self, "offsets", offsets)
+            object.__setattr__(self, "numel", numel)
+            return
         equal = bool(pieces) and pieces.count(pieces[0]) == len(pieces)
         object.__setattr__(self, "equal", equal)
         if equal:  # blocks of one piece size share their offsets (a stage-3 plan has hundreds)
@@ -165,6 +192,18 @@ class Block:
     def gather(self) -> Collective:
         """The collective that rebuilds the block: ``all_gather`` for equal pieces, else broadcasts."""
         return Collective.ALL_GATHER if self.equal else Collective.BROADCAST
+
+    def nonempty_pieces(self) -> Iterator[tuple[int, int]]:
+        """``(rank, elements)`` of every non-empty piece, in rank order (a gather chunk has one).
+
+        Example:
+            >>> list(Block(start=0, pieces=(4, 0, 2), shard_starts=(0, 0, 0)).nonempty_pieces())
+            [(0, 4), (2, 2)]
+        """
+        pieces = self.pieces
+        if type(pieces) is not tuple:
+            return cast(_PieceRule, pieces).nonempty()
+        return ((q, size) for q, size in enumerate(pieces) if size)
 
     def offset_in_block(self, rank: int) -> int:
         """Where rank ``rank``'s piece starts inside the block."""
@@ -186,38 +225,6 @@ class Block:
 def _even_offsets(piece: int, count: int) -> tuple[int, ...]:
     """Where each of ``count`` pieces of ``piece`` elements starts in their block."""
     return tuple(range(0, piece * count, piece)) if piece else (0,) * count
-
-
-@lru_cache(maxsize=256)
-def owner_chunks(block: Block, cap: int) -> tuple[Block, ...]:
-    """``block`` cut into chunks of at most ``cap`` elements that each lie in one rank's piece.
-
-    Every chunk is a :class:`Block` whose only non-empty piece is its owner's, so it is rebuilt by one
-    broadcast from that owner; in buffer order. ``shard_starts`` say where each rank stands in its
-    shard at the chunk (ranks before the owner have sent their whole piece). See [Note: gather blocks]
-    in ``zeroplan.core.planner``.
-
-    Example:
-        >>> [c.pieces for c in owner_chunks(Block(0, (5, 3), (0, 0)), 4)]
-        [(4, 0), (1, 0), (0, 3)]
-        >>> owner_chunks(Block(0, (5, 3), (0, 0)), 4)[1].piece(0)
-        ShardPiece(shard_span=Span(start=4, stop=5), buffer_span=Span(start=4, stop=5))
-    """
-    if cap < 1:
-        raise PlanInvariantError(f"gather chunks need a cap of at least one element, got {cap}")
-    n = len(block.pieces)
-    chunks = []
-    for q, piece in enumerate(block.pieces):
-        base = block.start + block.offsets[q]
-        for inside in range(0, piece, cap):
-            size = min(cap, piece - inside)
-            pieces = tuple(size if r == q else 0 for r in range(n))
-            starts = tuple(
-                block.shard_starts[r] + (block.pieces[r] if r < q else inside if r == q else 0)
-                for r in range(n)
-            )
-            chunks.append(Block(base + inside, pieces, starts))
-    return tuple(chunks)
 
 
 class ParamRun(Protocol):
@@ -391,17 +398,21 @@ def blocks_of(
     if pieces is None:
         return (Block(0, tuple(owned), (0,) * n),)
     blocks = []
-    start, shard = 0, (0,) * n
+    start, shard = 0, cast(Sequence[int], (0,) * n)
+    checked: dict[int, int] = {}  # id of a tuple of pieces already checked (equal blocks share one) -> sum
     for sizes in pieces:
         sizes = tuple(sizes)
-        if len(sizes) != n or not set(map(type, sizes)) <= {int} or (sizes and min(sizes) < 0):
-            raise PlanInvariantError(
-                f"a block of the {dtype} space has pieces {sizes}; give {n} non-negative element counts"
-            )
+        total = checked.get(id(sizes))
+        if total is None:
+            if len(sizes) != n or not set(map(type, sizes)) <= {int} or (sizes and min(sizes) < 0):
+                raise PlanInvariantError(
+                    f"a block of the {dtype} space has pieces {sizes}; give {n} non-negative element counts"
+                )
+            total = checked[id(sizes)] = sum(sizes)
         blocks.append(Block(start, sizes, shard))
-        start += sum(sizes)
+        start += total
         if shard.count(shard[0]) == n and sizes.count(sizes[0]) == n:  # equal pieces from one offset
-            shard = (shard[0] + sizes[0],) * n
+            shard = Repeated(count=n, value=shard[0] + sizes[0])  # (one number, not one per rank)
         else:
             shard = tuple(map(operator.add, shard, sizes))
     return tuple(blocks)

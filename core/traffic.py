@@ -184,7 +184,7 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
                 if block.equal:  # every sender skips a piece of one size
                     unsent_by_all[gather] += times * sent.pieces[0] * unit
                     continue
-                for q, piece in enumerate(sent.pieces):  # a sender skips its successor's piece
+                for q, piece in sent.nonempty_pieces():  # a sender skips its successor's piece
                     row[(q - 1) % n] += times * piece * unit
         # MiCS: each piece is then all-reduced over the replica group; count pieces by size
         # (every_rank: the pieces of buckets of equal pieces, one per rank).

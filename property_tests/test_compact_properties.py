@@ -1,6 +1,8 @@
-"""Compact stage-3 plans ([Note: compact plans] in ``zeroplan.core.runs``) equal their plans of tuples.
+"""Compact plans ([Note: compact plans] in ``zeroplan.core.runs``) equal their plans of tuples.
 
-A stage-3 ``flat_even`` plan holds its fragments as ``FragmentRun`` s and derives its spaces,
+An interleaved ``flat_even`` plan (stage 3's blocks of whole parameters, stages 1-2's blocks that
+cut parameters, whose fragments are then a ``RunChain`` of runs) holds its fragments as
+``FragmentRun`` s and derives its spaces,
 buckets, inner tensors and report from their numbers. The same partition with every fragment
 written out as a tuple takes the general path (``build_space``, fragments walked one by one,
 inner tensors rank by rank). Every value must be the same:
@@ -47,15 +49,17 @@ def _as_tuples(partition: PartitionPlan) -> PartitionPlan:
     optimizer=st.sampled_from(["AdamW", "SGD", "Adagrad"]),
     policy=st.sampled_from(list(CollectivePolicy)),
     clipping=st.booleans(),
+    stage=st.sampled_from([Stage.PARAMETERS, Stage.GRADIENTS, Stage.OPTIMIZER]),
 )
 def test_a_compact_plan_equals_its_plan_of_tuples(
-    specs, topology, alignment, bucket_bytes, optimizer, policy, clipping
+    specs, topology, alignment, bucket_bytes, optimizer, policy, clipping, stage
 ):
     zp = plan(
         specs,
         topology,
-        stage=3,
+        stage=stage,
         strategy="flat_even",
+        layout="interleaved",
         optimizer=optimizer,
         alignment=alignment,
         bucket_bytes=bucket_bytes,
@@ -76,7 +80,7 @@ def test_a_compact_plan_equals_its_plan_of_tuples(
 
     reference = ZeroPlan(
         topology=topology,
-        stage=Stage.PARAMETERS,
+        stage=stage,
         partition=tuples,
         buckets=plan_buckets(tuples, bucket_bytes, alignment, policy),
         optimizers=zp.optimizers,

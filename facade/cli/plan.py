@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         fitting.update_document(document, settings, fit, advice)
         if step_trace is not None:
             document["traced_step"] = [p._asdict() for p in traced_step_peak(zp, step_trace)]
-        json.dump(document, sys.stdout, indent=1)
+        sys.stdout.write(json.dumps(document, indent=1))  # one write, not one per token
         sys.stdout.write("\n")
         return status
     layout = zp.partition.layout + (" (auto)" if args.layout == "auto" else "")
@@ -347,7 +347,7 @@ def _run_experts(args: argparse.Namespace) -> int:
                 layout=zp.partition.layout,
                 splits_params=zp.partition.splits_params,
             )
-        json.dump(document, sys.stdout, indent=1)
+        sys.stdout.write(json.dumps(document, indent=1))  # one write, not one per token
         sys.stdout.write("\n")
         return 0
     _print_experts(args, source, specs, dp, dr, totals, elapsed)

@@ -11,7 +11,7 @@ import pytest
 from zeroplan.core import Fragment, ParamSpec, PlanInvariantError, Span, Topology, plan, specs_from_shapes
 from zeroplan.core.buckets import BlockCopies, BlockPieces
 from zeroplan.core.fingerprint import Rendered, digest, render
-from zeroplan.core.runs import FragmentRun, RankFragments, rank_windows
+from zeroplan.core.runs import FragmentRun, RankFragments, RunChain, rank_windows
 
 
 def _stage_3(shapes, world=4, alignment=2, bucket_bytes=64, **kwargs):
@@ -77,8 +77,8 @@ def test_a_stage_3_flat_even_plan_is_compact():
     bucket = zp.buckets.buckets[0]
     assert type(bucket.pieces) is BlockPieces and type(bucket.copies) is BlockCopies
     assert [r.param for r in bucket.copies.runs] == [3] and bucket.piece_of(2) == bucket.pieces[2]
-    # Other stages and strategies keep tuples.
-    stage_2 = plan(specs_from_shapes([(10,)]), Topology(world_size=2), stage=2)
+    # Rank-major plans and other strategies keep tuples.
+    stage_2 = plan(specs_from_shapes([(10,)]), Topology(world_size=2), stage=2, layout="rank_major")
     assert type(stage_2.partition.fragments[0]) is tuple
     lpt = _stage_3([(10,), (7,)], strategy="lpt_whole")
     assert not any(s.block_runs for s in lpt.partition.spaces)
@@ -117,3 +117,28 @@ def test_render_is_repr():
         assert render(value) == repr(value), value
     parts = [1, "a", (2, 3), (4,) * 9]
     assert digest("k", parts) == digest("k", [Rendered.of(parts[:2]), *parts[2:]])
+
+
+def test_an_interleaved_stage_2_plan_is_compact_with_chains_across_blocks():
+    """Stages 1-2 ``flat_even`` interleaved: a parameter a block boundary cuts is a chain of runs,
+    one per block, equal to its fragments (block 0 is padded at its front: [Note: interleaved layout])."""
+    zp = plan(
+        specs_from_shapes([(10,), (7,), (0,), (33,)]),
+        Topology(world_size=4),
+        stage=2,
+        alignment=2,
+        bucket_bytes=64,
+        layout="interleaved",
+    )
+    frags = zp.partition.fragments
+    assert [type(f) for f in frags] == [RunChain, FragmentRun, FragmentRun, RunChain]
+    assert zp.partition.block_pieces == (((2,) * 4, (4,) * 4, (4,) * 4, (4,) * 4),)
+    chain = frags[3]  # 1 element ends block 1, then two whole blocks
+    runs = [(run.block, run.position, run.start, run.numel) for run in chain.parts]
+    assert runs == [(1, 15, 0, 1), (2, 0, 1, 16), (3, 0, 17, 16)]
+    assert tuple(chain) == tuple(chain.parts[0]) + tuple(chain.parts[1]) + tuple(chain.parts[2])
+    assert [(f.rank, f.param_span, f.shard_offset) for f in chain][:2] == [
+        (3, Span(0, 1), 5),
+        (0, Span(1, 5), 6),
+    ]
+    assert all(space.block_runs for space in zp.partition.spaces)
