@@ -26,6 +26,7 @@ ALLOWED = {
     ("checkpoint/consolidate.py", "consolidated_state_dict"): "the consolidated result is built on the host",
     ("checkpoint/files.py", "__init__"): "a shard file is read to the host, then copied to the device",
     ("diagnostics/trace.py", "trace_activations"): "the default device of a trace: no collective runs",
+    ("diagnostics/trace.py", "_replicable"): "a device-type test (replicated only on the CPU), no tensor",
 }
 
 
