@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -52,8 +51,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from step_time import run_fresh
 
 CONFIGS = ("adamw", "ddp", "fsdp2", "zero1", "zero2", "zero3")
 HYPER = {"lr": 1e-3, "weight_decay": 0.01, "foreach": True}
@@ -100,7 +102,7 @@ def build(config: str, layers: int, world: int) -> tuple[torch.nn.Module, Any, A
     return model, zero, zero
 
 
-def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namespace, queue: Any) -> None:
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, config: str, queue: Any) -> None:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -151,30 +153,9 @@ def _worker(rank: int, world: int, port: int, config: str, args: argparse.Namesp
         os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(world: int, config: str, args: argparse.Namespace) -> dict[str, Any]:
     """One configuration once, in ``world`` fresh processes."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = mp.start_processes(
-        _worker,
-        args=(world, _free_port(), config, args, queue),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    while queue.empty():  # a worker that died before reporting must not hang the benchmark
-        if procs.join(timeout=0.2) and queue.empty():
-            raise RuntimeError(f"{config} at world {world}: the workers ended without a result")
-    result = queue.get()
-    while not procs.join():
-        pass
-    return result
+    return run_fresh(world, config, args, worker=_worker)
 
 
 def measure(world: int, args: argparse.Namespace) -> dict[str, Any]:

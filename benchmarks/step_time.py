@@ -476,6 +476,9 @@ def run_fresh(
         join=False,
         start_method="spawn",
     )
+    while queue.empty():  # a worker that died before reporting must not hang the benchmark
+        if procs.join(timeout=0.2) and queue.empty():
+            raise RuntimeError(f"{getattr(variant, 'name', variant)} at world {world}: no result")
     result = queue.get()
     while not procs.join():
         pass
