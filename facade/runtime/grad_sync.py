@@ -162,9 +162,8 @@ class GradSync:
         arena = staging_arena(zp, groups.shard_rank)  # [Note: staging arena] in zeroplan.core.arena
         self._offsets = arena.offsets
         self._arena = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
-        self._tables = schedule_tables(
-            zp, overlap=overlap
-        )  # [Note: staging schedule]: built once, read every step
+        # [Note: staging schedule]: its tables are built once and read every step.
+        self._tables = schedule_tables(zp, overlap=overlap)
         self._stagings = [self._staging_view(b) for b in range(len(self._buckets))]
         self._copies = [self._bucket_copies(b) for b in range(len(self._buckets))]
         self._grad_views: dict[int, torch.Tensor] = {}
@@ -297,7 +296,7 @@ class GradSync:
             view, grad = self._grad_views.get(index), self._params[index].grad
             if view is None or grad is None or grad.data_ptr() == view.data_ptr():
                 continue
-            if view.numel():  # an empty copy would still bump the buffer's version ([written_back])
+            if view.numel():  # an empty copy would still bump the buffer's version (see written_back)
                 views.append(view)
                 grads.append(grad)
             moved.append(index)
