@@ -80,10 +80,13 @@ def test_clipping_and_accumulation_match_ddp_with_adamw(results, ours, theirs):
     assert max(abs(x - y) for x, y in zip(mine["losses"], ref["losses"], strict=True)) <= TOL
     assert _rel(mine["grad_norms"], ref["grad_norms"]) <= TOL  # pre-clip norms, > 0.5: clipping was active
     assert min(ref["grad_norms"]) > 0.5
-    # Stage 3 against stage 2: each is within TOL of DDP, so within 2 TOL of each other (their norms
-    # sum the squares over different shards; 1.0075e-6 measured with transformers 5.23).
-    tol = 2 * TOL if theirs.startswith("zero") else TOL
-    assert _max_abs(mine["params"], ref["params"]) <= tol
+    # Clipping scales by max_norm / norm, and zeroplan's norm sums its squares per shard where DDP's
+    # (torch's clip_grad_norm_) takes per-tensor norms first: the last bits of the scale differ, and
+    # six clipped steps carry that into the parameters. Without clipping the runs are bit-identical
+    # (above). Measured: stage 3 against stage 2 1.0075e-6 with transformers 5.23; against DDP
+    # 1.18e-6 (stages 1, 3, accelerate) and 1.16e-6 with transformers 5.24.0, the same with the code
+    # before this change: 2 TOL for every pair.
+    assert _max_abs(mine["params"], ref["params"]) <= 2 * TOL
     if mine.get("eval_losses"):
         assert max(abs(x - y) for x, y in zip(mine["eval_losses"], ref["eval_losses"], strict=True)) <= TOL
 
