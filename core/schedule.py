@@ -93,10 +93,9 @@ class ScheduleTables:
         lone: per parameter, the actions its arrival brings by itself: the
             release of a gradient no bucket holds (no elements), else none.
         trainable: the trainable parameters, in order.
-        at_once: stage 1 without overlap moves each gradient into the gradient buffer as it
-            arrives (nothing is staged before the end of backward): ``released`` (per parameter,
-            its release) answers each arrival and ``kept`` (per bucket, ``completion`` without
-            releases) each bucket's turn.
+        at_once: stage 1 without overlap, which moves each gradient into the gradient buffer as it
+            arrives (nothing is staged before the end of backward): every parameter's ``lone``
+            is its release, and ``completion`` has none.
     """
 
     buckets_of: tuple[tuple[int, ...], ...]
@@ -105,8 +104,6 @@ class ScheduleTables:
     lone: tuple[tuple[Action, ...], ...]
     trainable: tuple[int, ...]
     at_once: bool
-    kept: tuple[tuple[Action, ...], ...] = ()
-    released: tuple[tuple[Action, ...], ...] = ()
 
     def __post_init__(self) -> None:
         require(len(self.completion) == len(self.sizes), "one completion per bucket")
@@ -130,17 +127,19 @@ def schedule_tables(zp: ZeroPlan, *, overlap: bool = True) -> ScheduleTables:
         if of:  # buckets are staged in order: stage 2 frees a gradient at its last, stage 1 moves it at its
             # first (before that bucket's reduction writes into the buffer it moves into)
             released_at[min(of) if zp.stage is Stage.OPTIMIZER else max(of)].append(param)
+    at_once = zp.stage is Stage.OPTIMIZER and not overlap
     completion = tuple(
         (
             Action(ActionKind.OPEN, bucket=b.index),
             Action(ActionKind.STAGE, bucket=b.index),
-            *(Action(ActionKind.RELEASE, param=p) for p in released_at[b.index]),
+            *(() if at_once else (Action(ActionKind.RELEASE, param=p) for p in released_at[b.index])),
             Action(ActionKind.LAUNCH, bucket=b.index),
         )
         for b in buckets
     )
-    lone = tuple((Action(ActionKind.RELEASE, param=p),) if not of else () for p, of in enumerate(buckets_of))
-    at_once = zp.stage is Stage.OPTIMIZER and not overlap
+    lone = tuple(
+        (Action(ActionKind.RELEASE, param=p),) if at_once or not of else () for p, of in enumerate(buckets_of)
+    )
     return ScheduleTables(
         buckets_of=buckets_of,
         sizes=tuple(len(b.params) for b in buckets),
@@ -148,10 +147,6 @@ def schedule_tables(zp: ZeroPlan, *, overlap: bool = True) -> ScheduleTables:
         lone=lone,
         trainable=tuple(sorted(zp.trainable_indices)),
         at_once=at_once,
-        kept=tuple(tuple(a for a in c if a.kind is not ActionKind.RELEASE) for c in completion)
-        if at_once
-        else (),
-        released=tuple((Action(ActionKind.RELEASE, param=p),) for p in range(nparams)) if at_once else (),
     )
 
 
@@ -181,7 +176,6 @@ def staging_schedule(
     """
     t = schedule_tables(zp, overlap=overlap) if tables is None else tables
     require(t.at_once == (zp.stage is Stage.OPTIMIZER and not overlap), "tables built for another overlap")
-    completion = t.kept if t.at_once else t.completion
     nbuckets = len(t.sizes)
     k = zp.max_inflight_buckets
     missing = list(t.sizes)
@@ -195,7 +189,7 @@ def staging_schedule(
             while inflight and nxt - inflight[0] >= k:
                 inflight.popleft()
                 actions.append(_RETIRE)
-            actions.extend(completion[nxt])
+            actions.extend(t.completion[nxt])
             inflight.append(nxt)
             nxt += 1
 
@@ -204,7 +198,7 @@ def staging_schedule(
         ready[message] = True
         for b in t.buckets_of[message]:
             missing[b] -= 1
-        lone = t.released[message] if t.at_once else t.lone[message]
+        lone = t.lone[message]
         if overlap and nxt < nbuckets and missing[nxt] == 0:
             actions = list(lone)
             pump(actions)
@@ -215,8 +209,7 @@ def staging_schedule(
         if not ready[index]:
             for b in t.buckets_of[index]:
                 missing[b] -= 1
-    lone = t.released if t.at_once else t.lone
-    finish: list[Action] = [a for index in t.trainable if not ready[index] for a in lone[index]]
+    finish: list[Action] = [a for index in t.trainable if not ready[index] for a in t.lone[index]]
     pump(finish)
     finish.extend(_RETIRE for _ in inflight)
     yield finish

@@ -248,7 +248,7 @@ class GradSync:
             self._take_root(index, self._passes.count)
         elif not self._admit(self._names[index]):  # no_sync(): accumulate locally
             if self._grad_views:  # stage 1: in the gradient buffer, where the next backward adds
-                self._into_view(index)
+                self._into_views([index])
             return
         if self._ready[index]:
             raise StepOrderError(
@@ -276,15 +276,7 @@ class GradSync:
             self.uneven_micro_batches = micro_batches
             grad = self._sums.root(index, 1 << (micro_batches - 1).bit_length())
         self._params[index].grad = grad
-        self._into_view(index)
-
-    def _into_view(self, index: int) -> None:
-        """Stage 1: parameter ``index``'s ``.grad``, if autograd (or the tree) allocated it, moves
-        into its view of the full gradient buffer, which the reduction reads and writes."""
-        param, view = self._params[index], self._grad_views.get(index)
-        if view is not None and param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            param.grad = view
+        self._into_views([index])
 
     def _into_views(self, indices: list[int]) -> None:
         """Stage 1: the gradients of parameters ``indices`` move into their views of the full

@@ -273,27 +273,12 @@ def test_under_a_parameter_wire_each_gather_holds_its_room_too():
 DEEP = GPTConfig(vocab=256, width=64, layers=7, heads=4, context=64, qkv_bias=True)
 
 
-class DeepCheckpointed(torch.nn.Module):
-    """``Checkpointed`` of ``DEEP``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gpt = DemoGPT(DEEP)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        g = self.gpt
-        x = g.tok(tokens) + g.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in g.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return g.head(g.ln(x))
-
-
 def _deep_case(case: str):
     """``(build, loss_of, blocks run)``: a 7-block model whose ``loss_of`` notes how many blocks each
     traced model holds."""
     seen: list[int] = []
     if case.startswith("gpt-"):
-        build = DeepCheckpointed if case == "gpt-checkpointed" else (lambda: DemoGPT(DEEP))
+        build = (lambda: Checkpointed(DEEP)) if case == "gpt-checkpointed" else (lambda: DemoGPT(DEEP))
 
         def gpt_loss(model: torch.nn.Module) -> torch.Tensor:
             gpt = getattr(model, "gpt", model)
