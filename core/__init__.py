@@ -50,6 +50,7 @@ from zeroplan.core.optim.implementations import Implementation, resolve_implemen
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
 from zeroplan.core.optim.step_tables import step_temporaries
 from zeroplan.core.optim.temporaries import StepTemporaries
+from zeroplan.core.options import StepOptions
 from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
 from zeroplan.core.peak import BackwardPeak, PeakPhase, StepPeak, backward_peak, step_peak, step_transient
 from zeroplan.core.planner import (
@@ -170,6 +171,7 @@ __all__ = [
     "Space",
     "Span",
     "Stage",
+    "StepOptions",
     "Topology",
     "TwoHopGather",
     "WindowOverlap",

@@ -462,9 +462,7 @@ def domains_report(
     dp: DomainPlans,
     *,
     clipping: bool = False,
-    overlap: bool = True,
     arrivals: Sequence[Sequence[int] | None] | None = None,
-    reshard_after_forward: bool = True,
 ) -> DomainsReport:
     """Memory per rank and traffic per step of every domain's plan.
 
@@ -476,10 +474,8 @@ def domains_report(
     Args:
         dp: the domain plans.
         clipping: include each domain's all-reduce of ``clip_grad_norm_``.
-        overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce``.
         arrivals: per domain, the order its gradients arrive in, as indices of
             that domain's plan (see :func:`~zeroplan.core.peak.backward_peak`), or ``None``.
-        reshard_after_forward: ``ZeroOptimizer``'s setting at stage 3.
 
     Raises:
         ConfigError: ``arrivals`` is not one entry per domain.
@@ -492,13 +488,7 @@ def domains_report(
     )
     joint = len(dp.plans) > 1
     reports = tuple(
-        memory_report(
-            zp,
-            clipping=clipping and not joint,
-            overlap=overlap,
-            arrivals=order,
-            reshard_after_forward=reshard_after_forward,
-        )
+        memory_report(zp, clipping=clipping and not joint, arrivals=order)
         for zp, order in zip(dp.plans, arrivals, strict=True)
     )
     controls = int(clipping) + int(dp.plans[0].loss_scaling) if joint else 0

@@ -203,21 +203,17 @@ def memory_report(
     zp: ZeroPlan,
     *,
     clipping: bool = False,
-    overlap: bool = True,
     arrivals: Sequence[int] | None = None,
-    reshard_after_forward: bool = True,
 ) -> MemoryReport:
     """Memory per rank and traffic per step of every world rank of ``zp``.
 
     Ranks in one replica group hold identical shards and are computed once.
 
     Args:
-        zp: the plan.
+        zp: the plan; its ``options`` (overlap, stage 3's resharding) change the
+            backward's peak and the gathers ([Note: plan options]).
         clipping: include the all-reduce of ``ZeroOptimizer.clip_grad_norm_``.
-        overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce`` (changes the backward's peak).
         arrivals: the order gradients arrive in (see :func:`~zeroplan.core.peak.backward_peak`).
-        reshard_after_forward: ``ZeroOptimizer``'s setting at stage 3 (parameters gathered
-            again in backward, or kept from the forward).
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
@@ -228,7 +224,7 @@ def memory_report(
     topo = zp.topology
     frozen = zp.frozen_bytes
     n = topo.shard_size
-    backward = None if zp.stage is Stage.DDP else backward_peak(zp, overlap=overlap, arrivals=arrivals)
+    backward = None if zp.stage is Stage.DDP else backward_peak(zp, arrivals=arrivals)
     staging = [0] * n if backward is None else [p.staging for p in backward]
     # Ranks with equal inner tensors (often most of them) share one tuple: their state is summed once.
     tensors = () if zp.stage is Stage.DDP else zp.inner_tensors_by_rank()
@@ -244,14 +240,8 @@ def memory_report(
         per_shard = [_rank_memory(zp, 0, 0, frozen, state_of)] * n
     else:
         per_shard = [_rank_memory(zp, s, staging[s], frozen, state_of) for s in range(n)]
-    transients = step_peak(
-        zp,
-        overlap=overlap,
-        backward=backward,
-        reshard_after_forward=reshard_after_forward,
-        tensors=tensors or None,
-    )
-    traffic = step_traffic(zp, clipping, reshard_after_forward)
+    transients = step_peak(zp, backward=backward, tensors=tensors or None)
+    traffic = step_traffic(zp, clipping)
     ranks = []
     for rank in range(topo.world_size):
         s = topo.shard_rank(rank)

@@ -130,9 +130,7 @@ class GradsAlive(NamedTuple):
     after: int
 
 
-def grads_alive(
-    zp: ZeroPlan, *, overlap: bool = True, arrivals: Sequence[int] | None = None
-) -> tuple[GradsAlive, ...]:
+def grads_alive(zp: ZeroPlan, *, arrivals: Sequence[int] | None = None) -> tuple[GradsAlive, ...]:
     """Per arrival, the bytes of autograd gradients alive: the facade's schedule, replayed.
 
     Drives :func:`~zeroplan.core.schedule.staging_schedule` with gradients
@@ -147,7 +145,7 @@ def grads_alive(
         [(1, 1024, 0), (0, 1024, 0)]
     """
     nbytes = [s.numel * DTYPE_ITEMSIZE[s.dtype] for s in zp.specs]
-    schedule = staging_schedule(zp, overlap=overlap)
+    schedule = staging_schedule(zp)
     next(schedule)
     order = sorted(zp.trainable_indices, reverse=True) if arrivals is None else _checked(zp, arrivals)
     grads = 0
@@ -161,9 +159,9 @@ def grads_alive(
     return tuple(out)
 
 
-def _most_grads_alive(zp: ZeroPlan, overlap: bool, arrivals: Sequence[int] | None) -> int:
+def _most_grads_alive(zp: ZeroPlan, arrivals: Sequence[int] | None) -> int:
     """The most bytes of autograd gradients alive at once (:func:`grads_alive`'s largest)."""
-    return max((g.at_arrival for g in grads_alive(zp, overlap=overlap, arrivals=arrivals)), default=0)
+    return max((g.at_arrival for g in grads_alive(zp, arrivals=arrivals)), default=0)
 
 
 def _checked(zp: ZeroPlan, arrivals: Sequence[int]) -> Sequence[int]:
@@ -175,14 +173,12 @@ def _checked(zp: ZeroPlan, arrivals: Sequence[int]) -> Sequence[int]:
     return arrivals
 
 
-def backward_peak(
-    zp: ZeroPlan, *, overlap: bool = True, arrivals: Sequence[int] | None = None
-) -> tuple[BackwardPeak, ...]:
+def backward_peak(zp: ZeroPlan, *, arrivals: Sequence[int] | None = None) -> tuple[BackwardPeak, ...]:
     """Per shard rank, the staging arena and the most gradients alive in backward ([Note: the step's peak]).
 
     Args:
-        zp: a stage 1 or 2 plan (stage 0 and 3: see :func:`step_peak`).
-        overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce``.
+        zp: a stage 1 or 2 plan (stage 0 and 3: see :func:`step_peak`); its
+            ``options.overlap_grad_reduce`` decides when buckets are staged.
         arrivals: the order in which gradients arrive, as parameter indices
             (``ZeroOptimizer`` records it in each step); parameters left out
             get none (they are staged as zeros at the end). Default: every
@@ -194,7 +190,7 @@ def backward_peak(
         >>> backward_peak(zp)[0]   # a 2 KiB staging arena (two 1 KiB buckets), one 1 KiB gradient arriving
         BackwardPeak(staging=2048, total=3072)
     """
-    grads = _most_grads_alive(zp, overlap, arrivals)
+    grads = _most_grads_alive(zp, arrivals)
     arenas = arena_bytes(zp)
     return tuple(BackwardPeak(staging, staging + grads) for staging in arenas)
 
@@ -270,10 +266,10 @@ def gather_rooms(zp: ZeroPlan, shard_rank: int) -> GatherRooms:
     return GatherRooms(max(started, total), total + scratch if total else 0)
 
 
-def gathered_bytes(zp: ZeroPlan, reshard_after_forward: bool = True) -> int:
+def gathered_bytes(zp: ZeroPlan) -> int:
     """Stage 3: bytes of gathered blocks alive at once in backward ([Note: stage 3] in the facade).
 
-    With ``reshard_after_forward`` a block is gathered while its gradients
+    With ``zp.options.reshard_after_forward`` a block is gathered while its gradients
     arrive and the one before it is prefetched: the largest two neighbouring
     blocks of each space. Without, the forward leaves every block gathered:
     the whole buffer. ``tests/facade/test_peak.py`` checks it with torch's
@@ -290,7 +286,7 @@ def gathered_bytes(zp: ZeroPlan, reshard_after_forward: bool = True) -> int:
         # room is what stays (measured: tests/facade/test_peak.py).
         held = [zp.gather_room(space, b) for b in space.blocks]
         rooms = [0 if room is None else room.nbytes + room.scratch_bytes for room in held]
-        if not reshard_after_forward:
+        if not zp.options.reshard_after_forward:
             total += sum(sizes) + max((0 if room is None else room.nbytes for room in held), default=0)
         else:
             pairs = zip(pairwise(sizes), pairwise(rooms), strict=True)
@@ -301,9 +297,7 @@ def gathered_bytes(zp: ZeroPlan, reshard_after_forward: bool = True) -> int:
 def step_peak(
     zp: ZeroPlan,
     *,
-    overlap: bool = True,
     backward: Sequence[BackwardPeak] | None = None,
-    reshard_after_forward: bool = True,
     tensors: Sequence[tuple[InnerTensor, ...]] | None = None,
 ) -> tuple[StepPeak, ...]:
     """Per shard rank, the transient bytes of backward and step (see [Note: the step's peak]).
@@ -322,8 +316,8 @@ def step_peak(
         transient = [0] * n
         temporaries = [_temporaries_bytes(zp, 0, None)] * n  # every rank steps every parameter
     else:
-        peaks = backward_peak(zp, overlap=overlap) if backward is None else backward
-        gathered = gathered_bytes(zp, reshard_after_forward) if zp.stage is Stage.PARAMETERS else 0
+        peaks = backward_peak(zp) if backward is None else backward
+        gathered = gathered_bytes(zp) if zp.stage is Stage.PARAMETERS else 0
         transient = [p.total - p.staging + gathered for p in peaks]
         tensors = zp.inner_tensors_by_rank() if tensors is None else tensors
         known: dict[int, int] = {}  # id of a rank's tuple of tensors -> its temporaries

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -27,6 +28,7 @@ from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.layout import build_partition
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer
+from zeroplan.core.options import StepOptions
 from zeroplan.core.partition import PartitionPlan
 from zeroplan.core.runs import rank_windows
 from zeroplan.core.space import Block, Space
@@ -166,6 +168,8 @@ class ZeroPlan:
         param_wire: what updated parameters travel as in their gathers
             ([Note: wire formats]); ``None``: the parameter dtype. Otherwise
             every rank, the owner included, holds the decoded values.
+        options: how the plan executes in a step: overlap of the reduction and
+            the gather, stage 3's resharding ([Note: plan options]).
 
     Raises:
         ConfigError: inconsistent settings, or a parameter-splitting plan for
@@ -182,8 +186,12 @@ class ZeroPlan:
     deterministic: bool = False
     grad_wire: WireCodec | None = None
     param_wire: WireCodec | None = None
+    options: StepOptions = dataclasses.field(default_factory=StepOptions)
 
     def __post_init__(self) -> None:
+        check_config(
+            isinstance(self.options, StepOptions), f"options must be a StepOptions, got {self.options!r}"
+        )
         check_config(self.stage in tuple(Stage), f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
         object.__setattr__(self, "stage", Stage(self.stage))
         check_config(
@@ -502,8 +510,49 @@ class ZeroPlan:
         """
         return specs_fingerprint(self.specs)
 
+    def with_options(self, **changes: bool) -> ZeroPlan:
+        """The same plan executed with other :class:`StepOptions` (``overlap_grad_reduce=False``, ...).
+
+        Raises:
+            ConfigError: an unknown option, or a value that is not a bool.
+        """
+        known = {f.name for f in dataclasses.fields(StepOptions)}
+        unknown = sorted(set(changes) - known)
+        check_config(not unknown, f"unknown step options {unknown}; the options are {sorted(known)}")
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, **changes))
+
+    def settings(self) -> dict[str, object]:
+        """Every setting the plan was made with, by ``ZeroOptimizer``'s name for it.
+
+        What ranks compare when their fingerprints differ, so the error names
+        the field and each rank's value ([Note: plan options]).
+        """
+        grad, param = self.grad_wire, self.param_wire
+        return {
+            "world_size": self.topology.world_size,
+            "shard_group_size": self.topology.shard_size,
+            "stage": int(self.stage),
+            "strategy": self.partition.strategy,
+            "layout": self.partition.layout,
+            "alignment": self.partition.alignment,
+            "bucket_bytes": self.buckets.bucket_bytes,
+            "collectives": self.buckets.policy.value,
+            "optimizer": tuple(o.name for o in self.optimizers),
+            "loss_scale": "on" if self.loss_scaling else None,
+            "max_inflight_buckets": self.max_inflight_buckets,
+            "deterministic": self.deterministic,
+            "reduce_dtype": None if grad is None else grad.format.value,
+            "gather_dtype": None if param is None else param.format.value,
+            "wire_block": tuple(w.block for w in (grad, param) if w is not None) or None,
+            **{f.name: getattr(self.options, f.name) for f in dataclasses.fields(StepOptions)},
+        }
+
     def fingerprint(self) -> str:
-        """Stable digest of everything ranks must agree on."""
+        """Stable digest of the layout: what a rank's buffers and state hold, and where.
+
+        ``options`` are not in it (a sharded state dict saved with one overlap
+        setting loads under another); ranks compare them through :meth:`settings`.
+        """
         t = self.topology
         return digest(
             "zeroplan/v1",
@@ -561,6 +610,7 @@ def plan(
     deterministic: bool = False,
     grad_wire: WireCodec | str | None = None,
     param_wire: WireCodec | str | None = None,
+    options: StepOptions | None = None,
 ) -> ZeroPlan:
     """Plan a sharded optimizer for ``specs`` on ``topology``.
 
@@ -586,6 +636,8 @@ def plan(
             :class:`WireCodec` ([Note: wire formats]).
         param_wire: what updated parameters travel as in their gathers: ``None``
             (the parameter dtype), ``"bf16"``, ``"int8"``, ``"fp8"`` or a codec.
+        options: how the plan executes in a step (``None``: the defaults,
+            see [Note: plan options]).
 
     Raises:
         ConfigError: any argument is invalid (the message says how to fix it).
@@ -629,4 +681,5 @@ def plan(
         deterministic=deterministic,
         grad_wire=_wire(grad_wire),
         param_wire=_wire(param_wire),
+        options=StepOptions() if options is None else options,
     )

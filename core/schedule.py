@@ -110,7 +110,7 @@ class ScheduleTables:
         require(len(self.lone) == len(self.buckets_of), "one entry per parameter")
 
 
-def schedule_tables(zp: ZeroPlan, *, overlap: bool = True) -> ScheduleTables:
+def schedule_tables(zp: ZeroPlan) -> ScheduleTables:
     """The tables :func:`staging_schedule` runs on, for plan ``zp`` (build once, reuse every step).
 
     Example:
@@ -127,7 +127,7 @@ def schedule_tables(zp: ZeroPlan, *, overlap: bool = True) -> ScheduleTables:
         if of:  # buckets are staged in order: stage 2 frees a gradient at its last, stage 1 moves it at its
             # first (before that bucket's reduction writes into the buffer it moves into)
             released_at[min(of) if zp.stage is Stage.OPTIMIZER else max(of)].append(param)
-    at_once = zp.stage is Stage.OPTIMIZER and not overlap
+    at_once = zp.stage is Stage.OPTIMIZER and not zp.options.overlap_grad_reduce
     completion = tuple(
         (
             Action(ActionKind.OPEN, bucket=b.index),
@@ -151,15 +151,14 @@ def schedule_tables(zp: ZeroPlan, *, overlap: bool = True) -> ScheduleTables:
 
 
 def staging_schedule(
-    zp: ZeroPlan, *, overlap: bool = True, tables: ScheduleTables | None = None
+    zp: ZeroPlan, *, tables: ScheduleTables | None = None
 ) -> Generator[Sequence[Action], int | None, None]:
     """The schedule of one step's reduction (see [Note: staging schedule]); prime it with ``next()``.
 
     Args:
-        zp: the plan.
-        overlap: stage and launch while gradients arrive (``overlap_grad_reduce``);
-            otherwise everything happens at finish.
-        tables: ``schedule_tables(zp, overlap=overlap)``, when the caller keeps them from step to step.
+        zp: the plan; with ``zp.options.overlap_grad_reduce`` buckets are staged
+            and launched while gradients arrive, otherwise everything happens at finish.
+        tables: ``schedule_tables(zp)``, when the caller keeps them from step to step.
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
@@ -174,7 +173,8 @@ def staging_schedule(
         >>> [a.kind.value for a in schedule.send(None)]   # finish: complete both reductions
         ['retire', 'retire']
     """
-    t = schedule_tables(zp, overlap=overlap) if tables is None else tables
+    t = schedule_tables(zp) if tables is None else tables
+    overlap = zp.options.overlap_grad_reduce
     require(t.at_once == (zp.stage is Stage.OPTIMIZER and not overlap), "tables built for another overlap")
     nbuckets = len(t.sizes)
     k = zp.max_inflight_buckets

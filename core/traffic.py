@@ -95,7 +95,7 @@ class _Tally:
         )
 
 
-def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = True) -> _Tally:
+def step_traffic(zp: ZeroPlan, clipping: bool) -> _Tally:
     """Traffic of every world rank in one step.
 
     Sums the per-call cost model of :func:`~zeroplan.core.comm.send_elements`
@@ -168,7 +168,7 @@ def step_traffic(zp: ZeroPlan, clipping: bool, reshard_after_forward: bool = Tru
                     row[rank] += numel * isz
         # Stages 1-2 gather every block once, after the step; stage 3 before the forward and,
         # when it resharded after the forward, again in backward ([Note: stage 3] in the facade).
-        times = 2 if zp.stage is Stage.PARAMETERS and reshard_after_forward else 1
+        times = 2 if zp.stage is Stage.PARAMETERS and zp.options.reshard_after_forward else 1
         for space in spaces:
             isz = DTYPE_ITEMSIZE[space.dtype]
             for block in zp.gather_blocks(space):  # [Note: gather blocks]
@@ -281,15 +281,13 @@ def _ddp_traffic(tally: _Tally, sized: list[_SizedBucket], world: int, link: Lin
         tally.add(w, "world", Collective.ALL_REDUCE, link, nbytes, len(sized))
 
 
-def communication(
-    zp: ZeroPlan, rank: int, *, clipping: bool = False, reshard_after_forward: bool = True
-) -> tuple[CommCost, ...]:
+def communication(zp: ZeroPlan, rank: int, *, clipping: bool = False) -> tuple[CommCost, ...]:
     """Bytes world rank ``rank`` sends in one step, per (group, collective, link).
 
     Args:
-        zp: the plan.
+        zp: the plan (stage 3 gathers parameters again in backward with its
+            ``options.reshard_after_forward``).
         rank: world rank.
         clipping: include the all-reduce of ``ZeroOptimizer.clip_grad_norm_``.
-        reshard_after_forward: stage 3 gathers parameters again in backward.
     """
-    return step_traffic(zp, clipping, reshard_after_forward).costs(rank)
+    return step_traffic(zp, clipping).costs(rank)

@@ -334,7 +334,7 @@ def _expand(three: ShortTrace, four: ShortTrace, sites: list[_Site], n: int) -> 
 
 
 def _held(
-    marks: Sequence[TraceMark], zp: ZeroPlan, *, prefix: str, params: tuple[str, ...], overlap: bool
+    marks: Sequence[TraceMark], zp: ZeroPlan, *, prefix: str, params: tuple[str, ...]
 ) -> list[TraceMark]:
     """The marks of a trace whose gradients were dropped as they arrived, with them held instead until
     ``zp``'s schedule releases them. Between two points what is held does not change (a gradient is
@@ -344,7 +344,7 @@ def _held(
     check_config(len(trainable) == len(params), "replicate_trace: the plan is not the model's")
     index = {name: trainable[i] for i, name in enumerate(params)}
     arrivals = [index[full_name(prefix, m.block, m.name)] for m in marks if m.event == "grad"]
-    after = iter(g.after for g in grads_alive(zp, overlap=overlap, arrivals=arrivals))
+    after = iter(g.after for g in grads_alive(zp, arrivals=arrivals))
     out, held = [], 0
     for m in marks:
         before = held
@@ -364,7 +364,6 @@ def replicate_trace(
     prefix: str,
     params: tuple[str, ...],
     plan: ZeroPlan | None = None,
-    overlap: bool = True,
 ) -> ActivationTrace | None:
     """The trace of the model with ``blocks`` repeated blocks, from its traces cut to 3, 4 and 5
     ([Note: repeated blocks traced once]); ``None`` when they are not affine in the block count.
@@ -377,7 +376,7 @@ def replicate_trace(
             each once).
         plan: the plan the trace is made for, of stage 1 or 2, the short traces having counted each
             gradient until it arrived; each is then held until the plan's staging schedule releases
-            it (:func:`~zeroplan.core.peak.grads_alive`, with ``overlap``: freed at stage 2, moved
+            it (:func:`~zeroplan.core.peak.grads_alive`, with its options: freed at stage 2, moved
             into the gradient buffer at stage 1), its gradients' bytes those of its specs.
     """
     check_config(
@@ -410,7 +409,7 @@ def replicate_trace(
     if sorted(names) != sorted(params) or len(set(params)) != len(params):
         return None
     if plan is not None:  # stages 1 and 2 (checked above): each gradient held until its release
-        marks = _held(marks, plan, prefix=prefix, params=params, overlap=overlap)
+        marks = _held(marks, plan, prefix=prefix, params=params)
     return trace_of_marks(
         marks,
         prefix=prefix,

@@ -206,9 +206,7 @@ class TracedPeak(NamedTuple):
     step_bytes: int = 0
 
 
-def traced_step_peak(
-    zp: ZeroPlan, trace: ActivationTrace, *, overlap: bool = True, reshard_after_forward: bool = True
-) -> tuple[TracedPeak, ...]:
+def traced_step_peak(zp: ZeroPlan, trace: ActivationTrace) -> tuple[TracedPeak, ...]:
     """Per world rank, the peak of one training step: the plan's buffers, the traced activations and
     the gradients autograd holds as they arrive in the traced order, added at each moment.
 
@@ -234,18 +232,15 @@ def traced_step_peak(
     under), so only a trace made with the plan is exact there.
 
     Args:
-        zp: the plan (its parameters in the traced model's order).
+        zp: the plan (its parameters in the traced model's order), with the
+            options the step will use ([Note: plan options]).
         trace: :func:`~zeroplan.facade.diagnostics.trace.trace_activations`'s result for one
             micro-batch of one rank.
-        overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce``.
-        reshard_after_forward: its stage-3 setting.
     """
-    return _traced_peaks(zp, trace, overlap, reshard_after_forward)[0]
+    return _traced_peaks(zp, trace)[0]
 
 
-def _traced_peaks(
-    zp: ZeroPlan, trace: ActivationTrace, overlap: bool, reshard_after_forward: bool
-) -> tuple[tuple[TracedPeak, ...], MemoryReport]:
+def _traced_peaks(zp: ZeroPlan, trace: ActivationTrace) -> tuple[tuple[TracedPeak, ...], MemoryReport]:
     """:func:`traced_step_peak`, and the memory report it read."""
     check_config(
         len(trace.params) == len(zp.trainable_indices),
@@ -256,14 +251,15 @@ def _traced_peaks(
         trace.plan_fingerprint in ("", zp.fingerprint()),
         "the trace kept its gradients by another plan's schedule: trace with this plan, or without one",
     )
+    reshard_after_forward = zp.options.reshard_after_forward
     check_config(
         trace.reshard_after_forward in (None, reshard_after_forward),
         f"the trace held stage 3's blocks with reshard_after_forward={trace.reshard_after_forward}: "
-        "trace with the setting the step will use",
+        "trace with the setting the step will use (the plan's options.reshard_after_forward)",
     )
     trainable = sorted(zp.trainable_indices)
     arrivals = [trainable[i] for i in trace.arrivals()]
-    alive = grads_alive(zp, overlap=overlap, arrivals=arrivals) if zp.stage is not Stage.DDP else ()
+    alive = grads_alive(zp, arrivals=arrivals) if zp.stage is not Stage.DDP else ()
     at_grad = [p.bytes for p in trace.points if p.event == "grad"]
     waiting = max((g.after for g in alive), default=0)
     if trace.plan_fingerprint:  # the trace held the gradients itself, as the schedule kept them
@@ -271,12 +267,10 @@ def _traced_peaks(
     arrival = max(
         ((a + g.at_arrival, a, g.at_arrival) for a, g in zip(at_grad, alive, strict=False)), default=(0, 0, 0)
     )
-    report = memory_report(
-        zp, overlap=overlap, arrivals=arrivals, reshard_after_forward=reshard_after_forward
-    )
+    report = memory_report(zp, arrivals=arrivals)
     gathered = 0
     if zp.stage is Stage.PARAMETERS and trace.reshard_after_forward is None:
-        gathered = gathered_bytes(zp, reshard_after_forward)
+        gathered = gathered_bytes(zp)
     out = []
     for r in report.ranks:
         persistent = r.total_bytes + trace.buffer_bytes
@@ -320,8 +314,6 @@ def traced_fit(
     trace: ActivationTrace,
     *,
     device_bytes: int,
-    overlap: bool = True,
-    reshard_after_forward: bool = True,
 ) -> TracedFit:
     """Whether each rank of ``zp`` fits ``device_bytes``, its need read off the step's timeline
     ([Note: one timeline]) rather than the activations' peak added to the backward's ([Note: does
@@ -332,7 +324,7 @@ def traced_fit(
     peak (with what a trace made with the plan held: gradients, stage 3's blocks). ``exact``: every
     rank's :class:`TracedPeak` is (else an estimate: see :func:`traced_step_peak`)."""
     check_device_bytes(device_bytes)
-    peaks, report = _traced_peaks(zp, trace, overlap, reshard_after_forward)
+    peaks, report = _traced_peaks(zp, trace)
     ranks = tuple(RankFit(rank=p.rank, backward_bytes=p.passes_bytes, step_bytes=p.step_bytes,
                           device_bytes=device_bytes) for p in peaks)  # fmt: skip
     fit = FitReport(
@@ -369,8 +361,9 @@ def step_timeline(zp: ZeroPlan, trace: ActivationTrace, rank: int = 0) -> tuple[
     blocks (``gathered``, when the trace held them). For plotting: the
     meter's peak can fall between two points (:func:`traced_step_peak` has it);
     ``notebooks/planner_tour.ipynb`` plots one."""
-    resharded = True if trace.reshard_after_forward is None else trace.reshard_after_forward
-    peaks = {p.rank: p for p in traced_step_peak(zp, trace, reshard_after_forward=resharded)}
+    if trace.reshard_after_forward is not None:  # the setting the trace held its blocks with
+        zp = zp.with_options(reshard_after_forward=trace.reshard_after_forward)
+    peaks = {p.rank: p for p in traced_step_peak(zp, trace)}
     check_config(rank in peaks, f"rank {rank} is not a rank of the plan (world {len(peaks)})")
     report = next(r for r in memory_report(zp).ranks if r.rank == rank)
     persistent = report.total_bytes + trace.buffer_bytes

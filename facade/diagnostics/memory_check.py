@@ -76,7 +76,7 @@ def _advice(configured: Configured, available: int) -> str:
     return f"{best.label} would fit, with a planned peak of {gib(best.fit.need_bytes)}"
 
 
-def device_memory_problem(zp: ZeroPlan, configured: Configured, rank: int, *, overlap: bool) -> str | None:
+def device_memory_problem(zp: ZeroPlan, configured: Configured, rank: int) -> str | None:
     """What is wrong when ``rank``'s planned peak does not fit its device ([Note: device memory check])."""
     registry = configured.registry
     device = registry.device
@@ -85,7 +85,7 @@ def device_memory_problem(zp: ZeroPlan, configured: Configured, rank: int, *, ov
         return None
     held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in registry.params}
     available = free + sum(held.values())
-    report = memory_report(zp, overlap=overlap).ranks[rank]
+    report = memory_report(zp).ranks[rank]
     if report.peak_bytes <= available:
         return None
     part, nbytes = _largest_part(report)
@@ -99,13 +99,13 @@ def device_memory_problem(zp: ZeroPlan, configured: Configured, rank: int, *, ov
 
 
 def check_device_memory(
-    zp: ZeroPlan, configured: Configured, world: dist.ProcessGroup, *, overlap: bool, strict: bool
+    zp: ZeroPlan, configured: Configured, world: dist.ProcessGroup, *, strict: bool
 ) -> None:
     """Warn, or raise ``ConfigError`` with ``strict``, when ``zp``'s peak does not fit this rank's device.
 
     See [Note: device memory check]; ``world`` is the data-parallel group.
     """
-    problem = device_memory_problem(zp, configured, dist.get_rank(world), overlap=overlap)
+    problem = device_memory_problem(zp, configured, dist.get_rank(world))
     if problem is None:
         return
     if strict:

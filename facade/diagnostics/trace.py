@@ -154,8 +154,6 @@ def trace_activations(
     fake: bool = True,
     device: torch.device | str = "cpu",
     plan: ZeroPlan | None = None,
-    overlap: bool = True,
-    reshard_after_forward: bool = True,
     packed: bool = False,
     padded: bool = False,
     replicate: bool | None = None,
@@ -172,11 +170,10 @@ def trace_activations(
         device: where the model and batch live; the meter's figures of that device are read.
         plan: the plan of the model's parameters (in the model's order): each gradient is then kept
             until that plan's staging schedule releases it, and counted, so that the trace holds the
-            backward's gradients as ``ZeroOptimizer`` would ([Note: one timeline]); without it every
-            gradient is dropped as it arrives.
-        overlap: ``ZeroOptimizer``'s ``overlap_grad_reduce`` (with ``plan``).
-        reshard_after_forward: its stage-3 setting (with a stage-3 ``plan``, whose gathered blocks
-            the trace then holds as a step would: [Note: stage 3 traced]).
+            backward's gradients as ``ZeroOptimizer`` would ([Note: one timeline]), with the plan's
+            ``options`` (``overlap_grad_reduce``; at stage 3 ``reshard_after_forward``, the gathered
+            blocks then held as a step would: [Note: stage 3 traced]); without it every gradient is
+            dropped as it arrives.
         packed: a transformers model's batch rows pack several sequences each ([Note: packed rows
             under fake tensors]; a real step decides it from the position ids' values).
         padded: a transformers model's batch pads some rows (its ``attention_mask`` holds zeros);
@@ -207,11 +204,11 @@ def trace_activations(
             least = SHORT_BLOCKS[-1] + 1 if replicate else AUTO_REPLICATE_BLOCKS
             repeated = repeated_blocks(model, least=least)
             if repeated is not None:
-                trace = _replicated(model, loss_of, device, plan, overlap, repeated)
+                trace = _replicated(model, loss_of, device, plan, repeated)
                 if trace is not None:
                     return trace
                 model = build()  # afresh: the short traces ran it
-        return _traced(model, loss_of, device, plan, overlap, reshard_after_forward).trace
+        return _traced(model, loss_of, device, plan).trace
 
 
 #: Repeated blocks from which ``trace_activations`` traces 3, 4 and 5 of them by default (fewer: all).
@@ -244,8 +241,6 @@ def _traced(
     loss_of: Callable[[torch.nn.Module], torch.Tensor],
     device: torch.device,
     plan: ZeroPlan | None,
-    overlap: bool,
-    reshard_after_forward: bool,
     prefix: str = "",
     gradients: bool | None = None,
 ) -> _Run:
@@ -257,7 +252,7 @@ def _traced(
     recorder = _Recorder(tracker, device, plan is not None or bool(gradients), prefix)
     marks = ModTracker()
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    staging = _Staging(recorder, [p for _, p in trainable], plan, overlap)
+    staging = _Staging(recorder, [p for _, p in trainable], plan)
     handles: list[torch.utils.hooks.RemovableHandle] = []
     residency = None
     marks.register_user_hooks(
@@ -270,7 +265,7 @@ def _traced(
         for i, (name, p) in enumerate(trainable):
             handles.append(p.register_post_accumulate_grad_hook(staging.hook(i, name)))
         if _holds_blocks(plan):  # after the staging's hooks, as ZeroOptimizer registers them
-            residency = _blocks_of(plan, model, device, reshard_after_forward)
+            residency = _blocks_of(plan, model, device)
             recorder.blocks = residency.blocks
         with tracker, marks:
             try:
@@ -288,7 +283,7 @@ def _traced(
         if residency is not None:
             residency.sharded.retire()
     names = tuple(name for name, _ in trainable)
-    resharded = None if residency is None else reshard_after_forward
+    resharded = None if residency is None or plan is None else plan.options.reshard_after_forward
     fingerprint = "" if plan is None else plan.fingerprint()
     return _Run(_finish(tracker, recorder, names, fingerprint, resharded), tuple(recorder.marks))
 
@@ -298,7 +293,6 @@ def _replicated(
     loss_of: Callable[[torch.nn.Module], torch.Tensor],
     device: torch.device,
     plan: ZeroPlan | None,
-    overlap: bool,
     repeated: RepeatedBlocks,
 ) -> ActivationTrace | None:
     """The trace of ``model``, from its traces cut to 3, 4 and 5 repeated blocks ([Note: repeated
@@ -308,9 +302,7 @@ def _replicated(
     for k in SHORT_BLOCKS:
         with repeated.cut_to(model, k) as short:
             try:
-                runs.append(
-                    _traced(short, loss_of, device, None, True, True, repeated.prefix, plan is not None)
-                )
+                runs.append(_traced(short, loss_of, device, None, repeated.prefix, plan is not None))
             except Exception:  # a model that cannot run cut short (its own check of its depth): whole
                 return None
     shorts = [
@@ -322,9 +314,7 @@ def _replicated(
     )
     if read != last:
         return None  # the marks do not read as the meter does ([Note: the trace's meter])
-    return replicate_trace(
-        shorts, blocks=repeated.count, prefix=repeated.prefix, params=names, plan=plan, overlap=overlap
-    )
+    return replicate_trace(shorts, blocks=repeated.count, prefix=repeated.prefix, params=names, plan=plan)
 
 
 class _TracedResidency(NamedTuple):
@@ -357,16 +347,11 @@ def _holds_blocks(plan: ZeroPlan | None) -> bool:
     return plan is not None and plan.stage is Stage.PARAMETERS
 
 
-def _blocks_of(
-    plan: ZeroPlan, model: torch.nn.Module, device: torch.device, reshard_after_forward: bool
-) -> _TracedResidency:
+def _blocks_of(plan: ZeroPlan, model: torch.nn.Module, device: torch.device) -> _TracedResidency:
     """Stage 3's residency over ``model``'s parameters, allocating its blocks ([Note: stage 3 traced])."""
     params = list(model.parameters())
     blocks = TracedBlocks(plan, params, device)
-    sharded = ShardedParams(
-        zp=plan, params=params, blocks=blocks, buffers=(), shard_rank=0,
-        reshard_after_forward=reshard_after_forward,
-    )  # fmt: skip
+    sharded = ShardedParams(zp=plan, params=params, blocks=blocks, buffers=(), shard_rank=0)
     try:
         sharded.attach(model)
     except BaseException:
@@ -393,9 +378,7 @@ class _Staging:
     gradients itself), or kept until ``plan``'s staging schedule releases it (frees it, or at stage 1
     moves it into the gradient buffer the plan counts)."""
 
-    def __init__(
-        self, recorder: _Recorder, params: list[torch.Tensor], plan: ZeroPlan | None, overlap: bool
-    ) -> None:
+    def __init__(self, recorder: _Recorder, params: list[torch.Tensor], plan: ZeroPlan | None) -> None:
         self.recorder = recorder
         self.params = params
         self.schedule = None
@@ -404,7 +387,7 @@ class _Staging:
         if plan is not None:
             self.index = sorted(plan.trainable_indices)  # the model's, in order (``_check_matches``)
         if plan is not None and plan.stage is not Stage.DDP:
-            self.schedule = staging_schedule(plan, overlap=overlap)
+            self.schedule = staging_schedule(plan)
             next(self.schedule)
             self.position = {spec: i for i, spec in enumerate(self.index)}
 

@@ -183,12 +183,11 @@ class ParamGather:
         params: Sequence[torch.Tensor],
         buffers: Sequence[FlatBuffers],
         groups: ProcessGroups,
-        overlap: bool,
     ) -> None:
         self._zp = zp
         self._buffers = buffers
         self._groups = groups
-        self.overlap = overlap
+        self.overlap = zp.options.overlap_param_gather  # [Note: plan options]
         # Per (space, block), its parameters; per parameter (by identity), its blocks.
         self._members: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._blocks_of: dict[int, list[tuple[int, int]]] = {}

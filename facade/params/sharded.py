@@ -112,7 +112,6 @@ class ShardedParams:
         blocks: Blocks,
         buffers: Sequence[BlockBuffers],
         shard_rank: int,
-        reshard_after_forward: bool,
         peers: Peers | None = None,
     ) -> None:
         """``blocks``: the table of ``buffers``' blocks (``BlockTable``), or a trace's ``TracedBlocks``
@@ -120,7 +119,7 @@ class ShardedParams:
         self._buffers = buffers
         # Under a parameter wire every gathered piece holds decoded values ([Note: wire formats]).
         self._published = [published_pieces(zp, buf.space, shard_rank) for buf in buffers]
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = zp.options.reshard_after_forward  # [Note: plan options]
         self._blocks = blocks
         for p in self._blocks.members():
             OWNERS.claim(p, self)
@@ -137,7 +136,7 @@ class ShardedParams:
         self.join(peers if peers is not None else Peers())  # [Note: several sharded domains]
         self._hooks = ForwardHooks(
             self._blocks,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=self.reshard_after_forward,
             may_free=self._may_free,
             begin_pass=self._begin_pass,
             saved_tensor_hooks=self._saved_tensor_hooks,

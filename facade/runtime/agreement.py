@@ -119,28 +119,59 @@ def agree(
 ) -> ZeroPlan:
     """Collective check that every rank validated and planned the same thing.
 
-    All ranks exchange (error, parameter digest, plan fingerprint, settings);
-    if any rank failed or differs, every rank raises, so none is left waiting
-    in a collective the others never enter. ``settings`` holds what the plan
-    does not fingerprint but every rank must share (hyper-parameters such as
-    ``lr``, the loss scale), as plain comparable values.
+    All ranks exchange (error, parameter digest, the plan's settings, plan
+    fingerprint, settings); if any rank failed or differs, every rank raises, so
+    none is left waiting in a collective the others never enter. The plan's own
+    settings (``ZeroPlan.settings``: stage, wire formats, options, ...) are
+    compared by name, so a difference is reported as the field and each rank's
+    value. ``settings`` holds what the plan does not describe but every rank must
+    share (hyper-parameters such as ``lr``, the loss scale), as plain comparable values.
     """
-    facts = None if zp is None else (zp.specs_fingerprint(), zp.fingerprint(), settings)
+    facts = None if zp is None else (zp.specs_fingerprint(), zp.settings(), zp.fingerprint(), settings)
     rows = verdicts(problem, world, failed="rejected the optimizer settings", facts=facts, error=ConfigError)
-    for position, message in enumerate(_PLAN_MISMATCH):
-        rank = first_differing([row[position] for row in rows])
-        if rank is not None:
-            raise IncompatiblePlanError(f"rank {rank} {message}")
-    rank = first_differing([theirs for _, _, theirs in rows])
+    rank = first_differing([row[0] for row in rows])
+    if rank is not None:
+        raise IncompatiblePlanError(f"rank {rank} {_PLAN_MISMATCH[0]}")
+    field = _differing_field([row[1] for row in rows])
+    if field is not None:
+        raise IncompatiblePlanError(
+            f"ranks were given different {field}: {_values_by_rank([row[1][field] for row in rows])}; pass "
+            f"the same {field} on every rank"
+        )
+    rank = first_differing([row[2] for row in rows])
+    if rank is not None:
+        raise IncompatiblePlanError(f"rank {rank} {_PLAN_MISMATCH[1]}")
+    rank = first_differing([row[3] for row in rows])
     if rank is not None:
         raise ConfigError(
             f"rank {rank} was given different optimizer settings than rank 0 "
-            f"({_first_difference(rows[0][2], rows[rank][2], rank)}); pass the same hyper-parameters, "
+            f"({_first_difference(rows[0][3], rows[rank][3], rank)}); pass the same hyper-parameters, "
             "loss_scale and ranks_per_node on every rank"
         )
     if zp is None:  # unreachable: a rank without a plan reported a problem
         raise RuntimeError("no plan and no error")
     return zp
+
+
+def _differing_field(settings: list[dict[str, Any]]) -> str | None:
+    """The first field (in the plan's order) on which some rank's settings differ from rank 0's."""
+    return next((key for key in settings[0] if any(s.get(key) != settings[0][key] for s in settings)), None)
+
+
+def _values_by_rank(values: list[Any]) -> str:
+    """Each distinct value with the ranks that hold it: ``'bf16' on ranks [0, 2], 'int8' on rank 1``.
+
+    Example:
+        >>> _values_by_rank(["bf16", "int8", "bf16"])
+        "'bf16' on ranks [0, 2], 'int8' on rank 1"
+    """
+    ranks: dict[str, list[int]] = {}
+    for rank, value in enumerate(values):
+        ranks.setdefault(repr(value), []).append(rank)
+    return ", ".join(
+        f"{value} on rank {held[0]}" if len(held) == 1 else f"{value} on ranks {held}"
+        for value, held in ranks.items()
+    )
 
 
 def _first_difference(a: Any, b: Any, rank: int, where: str = "") -> str:

@@ -19,19 +19,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import ConfigError, ScalerConfig, ZeroPlan, ZeroplanError, initial_state
+from zeroplan.core import ConfigError, ScalerConfig, StepOptions, ZeroPlan, ZeroplanError, initial_state
 from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
 from zeroplan.facade.diagnostics.memory_check import check_device_memory
 from zeroplan.facade.params.sharded import Peers
 from zeroplan.facade.runtime import replanning
 from zeroplan.facade.runtime.agreement import verdicts
-from zeroplan.facade.runtime.domain import (
-    Domain,
-    DomainInput,
-    ExecutionOptions,
-    check_partition,
-    split_domains,
-)
+from zeroplan.facade.runtime.domain import Domain, DomainInput, check_partition, split_domains
 from zeroplan.facade.runtime.dynamo import import_dynamo
 from zeroplan.facade.runtime.joint import JointStep
 from zeroplan.facade.runtime.registry import Configured, configure, grad_wire, param_wire
@@ -59,7 +53,7 @@ class Request:
     alignment: int
     max_inflight_buckets: int
     collectives: str
-    overlap_grad_reduce: bool
+    options: StepOptions
     strict_memory: bool
     deterministic: bool = False
     reduce_dtype: Any = None
@@ -67,7 +61,12 @@ class Request:
     wire_block: int = DEFAULT_WIRE_BLOCK
 
     def configure(self, item: DomainInput, first: bool) -> Configured:
-        """Validate the request for one domain (shard groups and nodes are the data domain's only)."""
+        """Validate the request for one domain (shard groups and nodes are the data domain's only).
+
+        Expert buckets reduce at ``step()``: an expert that got no token on one rank has no
+        gradient there, and a backward hook waiting for its bucket would wait for that rank,
+        which launches it only in ``step()``, after the data domain it may be waiting on.
+        """
         return configure(
             item.param_groups,
             self.optimizer_class,
@@ -86,6 +85,7 @@ class Request:
             deterministic=self.deterministic,
             grad_wire=grad_wire(self.reduce_dtype, self.wire_block),
             param_wire=param_wire(self.gather_dtype, self.wire_block),
+            options=self.options if first else dataclasses.replace(self.options, overlap_grad_reduce=False),
         )
 
 
@@ -139,8 +139,7 @@ def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> 
             devices = {p.device.type for p in c.registry.params}
             check_transport(zp, dist.get_backend(item.group), devices)
             check_current_device(dist.get_backend(item.group), c.registry.device)
-            overlap, strict = request.overlap_grad_reduce, request.strict_memory
-            check_device_memory(zp, c, item.group, overlap=overlap, strict=strict)
+            check_device_memory(zp, c, item.group, strict=request.strict_memory)
             configured.append(c)
             plans.append(zp)
         _check_disjoint(inputs, configured)
@@ -237,7 +236,6 @@ def joint_step(
     param_groups: list[dict[str, Any]],
     defaults: dict[str, Any],
     world: dist.ProcessGroup,
-    options: ExecutionOptions,
     scaler: ScalerConfig | None,
 ) -> JointStep:
     """Install every agreed domain over the optimizer's own ``param_groups`` and couple them."""
@@ -250,10 +248,6 @@ def joint_step(
             zp=zp,
             param_groups=[param_groups[p] for p in item.positions],
             defaults=defaults,
-            # Expert buckets reduce at step(): an expert that got no token on one rank has no
-            # gradient there, and a backward hook waiting for its bucket would wait for that rank,
-            # which launches it only in step(), after the data domain it may be waiting on.
-            options=options if item.group is world else options._replace(overlap=False),
             peers=peers,
         )
         for item, c, zp in zip(agreed.inputs, agreed.configured, agreed.plans, strict=True)

@@ -64,7 +64,6 @@ __all__ = [
     "DATA",
     "Domain",
     "DomainInput",
-    "ExecutionOptions",
     "check_partition",
     "same_ranks",
     "split_domains",
@@ -72,14 +71,6 @@ __all__ = [
 
 #: Name of domain 0, the data-parallel domain.
 DATA = "data"
-
-
-class ExecutionOptions(NamedTuple):
-    """How a domain executes its plan (``ZeroOptimizer``'s flags, shared by every domain)."""
-
-    overlap: bool
-    overlap_gather: bool
-    reshard: bool
 
 
 class DomainInput(NamedTuple):
@@ -200,7 +191,6 @@ class Domain:
         zp: its agreed plan.
         param_groups: the user's dicts of its groups (shared with ``ZeroOptimizer.param_groups``).
         defaults: ``ZeroOptimizer.defaults``: the inner optimizer's defaults are added to it.
-        options: execution flags.
         peers: shared by the optimizer's domains (see [Note: several sharded domains]).
     """
 
@@ -213,7 +203,6 @@ class Domain:
         zp: ZeroPlan,
         param_groups: list[dict[str, Any]],
         defaults: dict[str, Any],
-        options: ExecutionOptions,
         peers: Peers,
     ) -> None:
         self.name = name
@@ -221,7 +210,6 @@ class Domain:
         self.settings = configured.settings
         self.registry: ParamRegistry = configured.registry
         self.param_groups = param_groups
-        self.options = options
         self._defaults = defaults
         self._peers = peers
         self.groups: ProcessGroups = make_groups(world, self.settings.topology)
@@ -258,9 +246,6 @@ class Domain:
             self.groups,
             self.settings.optimizer_class,
             self.param_groups,
-            overlap=self.options.overlap,
-            overlap_param_gather=self.options.overlap_gather,
-            reshard_after_forward=self.options.reshard,
             admit=self.lifecycle.admit_gradient,
             log=self.lifecycle.log,
             from_rank_zero=from_rank_zero,
@@ -314,13 +299,7 @@ class Domain:
 
     def memory_report(self, clipping: bool) -> MemoryReport:
         """The planner's report of this domain's plan, with the last step's gradient arrival order."""
-        return memory_report(
-            self.installed.zp,
-            clipping=clipping,
-            overlap=self.options.overlap,
-            arrivals=self.installed.sync.last_arrivals,
-            reshard_after_forward=self.options.reshard,
-        )
+        return memory_report(self.installed.zp, clipping=clipping, arrivals=self.installed.sync.last_arrivals)
 
     # ------------------------------------------------------------ state
     def shards(self, scaler: Any) -> Shards:

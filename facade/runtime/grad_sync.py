@@ -143,7 +143,6 @@ class GradSync:
         names: Sequence[str],
         buffers: Sequence[SpaceBuffers],
         groups: ProcessGroups,
-        overlap: bool,
         admit: Callable[[str], bool],
         log: CommLog,
         device: torch.device,
@@ -153,7 +152,6 @@ class GradSync:
         self._names = names
         self._buffers = buffers
         self._groups = groups
-        self._overlap = overlap
         self._admit = admit
         self._log = log
         self._buckets = zp.buckets.buckets
@@ -163,7 +161,7 @@ class GradSync:
         self._offsets = arena.offsets
         self._arena = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
         # [Note: staging schedule]: its tables are built once and read every step.
-        self._tables = schedule_tables(zp, overlap=overlap)
+        self._tables = schedule_tables(zp)  # the plan's options.overlap_grad_reduce
         self._stagings = [self._staging_view(b) for b in range(len(self._buckets))]
         self._copies = [self._bucket_copies(b) for b in range(len(self._buckets))]
         self._grad_views: dict[int, torch.Tensor] = {}
@@ -208,7 +206,7 @@ class GradSync:
         self._passes.reset()
         self.uneven_micro_batches = None
         self._arrivals: list[int] = []
-        self._schedule = staging_schedule(self._zp, overlap=self._overlap, tables=self._tables)
+        self._schedule = staging_schedule(self._zp, tables=self._tables)
         next(self._schedule)
         self._next = 0
         self._written: list[int] | None = None  # stage 1: expected buffer versions, once all launched

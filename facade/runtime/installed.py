@@ -74,15 +74,14 @@ def install(
     optimizer_class: type[torch.optim.Optimizer],
     param_groups: Sequence[dict[str, Any]],
     *,
-    overlap: bool,
-    overlap_param_gather: bool,
-    reshard_after_forward: bool = True,
     admit: Callable[[str], bool],
     log: CommLog,
     from_rank_zero: bool = False,
     peers: Peers | None = None,
 ) -> Installed:
     """Allocate ``zp``'s buffers (parameters become views), build the inner optimizer, hook gradients.
+
+    How they execute (overlap, stage 3's resharding) is the plan's ``options``.
 
     Args:
         admit: called by each gradient hook with the parameter's name; see
@@ -110,7 +109,6 @@ def install(
         names=registry.names,
         buffers=buffers,
         groups=groups,
-        overlap=overlap,
         admit=admit,
         log=log,
         device=device,
@@ -124,13 +122,10 @@ def install(
             blocks=BlockTable(zp=zp, params=params, buffers=blocks, groups=groups, log=log),
             buffers=blocks,
             shard_rank=shard_rank,
-            reshard_after_forward=reshard_after_forward,
             peers=peers,
         )
     else:
-        residency = ParamGather(
-            zp=zp, params=params, buffers=flat, groups=groups, overlap=overlap_param_gather
-        )
+        residency = ParamGather(zp=zp, params=params, buffers=flat, groups=groups)
     return Installed(
         zp=zp,
         groups=groups,

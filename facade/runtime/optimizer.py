@@ -26,6 +26,7 @@ from zeroplan.core import (
     MemoryReport,
     ScalerConfig,
     ScalerState,
+    StepOptions,
     ZeroPlan,
 )
 from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
@@ -33,7 +34,7 @@ from zeroplan.facade.checkpoint.consolidate import consolidated_state_dict
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory
 from zeroplan.facade.params.buffers import SpaceBuffers
 from zeroplan.facade.runtime import construction
-from zeroplan.facade.runtime.domain import Domain, ExecutionOptions
+from zeroplan.facade.runtime.domain import Domain
 from zeroplan.facade.runtime.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.runtime.installed import Installed
 from zeroplan.facade.runtime.joint import NO_DEEPCOPY
@@ -164,7 +165,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             alignment=alignment,
             max_inflight_buckets=max_inflight_buckets,
             collectives=collectives,
-            overlap_grad_reduce=overlap_grad_reduce,
+            options=StepOptions(
+                overlap_grad_reduce=bool(overlap_grad_reduce),
+                overlap_param_gather=bool(overlap_param_gather),
+                reshard_after_forward=bool(reshard_after_forward),
+            ),
             strict_memory=strict_memory,
             deterministic=deterministic,
             reduce_dtype=reduce_dtype,
@@ -174,11 +179,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         agreed = construction.agree(params, world, request)
         # Nothing below can fail for a user reason: state changes start here.
         super().__init__(agreed.param_groups(world), optimizer_defaults)
-        options = ExecutionOptions(
-            overlap_grad_reduce, bool(overlap_param_gather), bool(reshard_after_forward)
-        )
         groups, defaults = self.param_groups, self.defaults
-        self._joint = construction.joint_step(agreed, groups, defaults, world, options, scaler)
+        self._joint = construction.joint_step(agreed, groups, defaults, world, scaler)
         self._initialized = True
 
     @property

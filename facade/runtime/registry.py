@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import ConfigError, ParamSpec, Topology, ZeroPlan, describe_optimizer, plan
+from zeroplan.core import ConfigError, ParamSpec, StepOptions, Topology, ZeroPlan, describe_optimizer, plan
 from zeroplan.core.errors import ConfigTypeError
 from zeroplan.core.wire import WireCodec, WireFormat
 from zeroplan.facade.runtime.inner import check_hyperparameters, check_keywords
@@ -126,6 +126,7 @@ class PlanSettings:
     deterministic: bool = False
     grad_wire: WireCodec | None = None
     param_wire: WireCodec | None = None
+    options: StepOptions = dataclasses.field(default_factory=StepOptions)
 
     @property
     def optimizer_name(self) -> str:
@@ -148,11 +149,17 @@ class PlanSettings:
         optimizers = tuple(
             describe_optimizer(self.planned_name, g, strict=False, device=device) for g in groups
         )
-        options = self.plan_options()
-        return plan(registry.specs(), self.topology, stage=self.stage, optimizer=optimizers, **options)
+        return plan(
+            registry.specs(),
+            self.topology,
+            stage=self.stage,
+            optimizer=optimizers,
+            options=self.options,
+            **self.plan_options(),
+        )
 
     def plan_options(self) -> dict[str, Any]:
-        """The keywords of ``zeroplan.core.plan`` besides specs, topology, stage and optimizer."""
+        """The keywords of ``zeroplan.core.plan`` besides specs, topology, stage, optimizer and options."""
         return {
             "strategy": self.strategy,
             "alignment": self.alignment,
@@ -202,6 +209,7 @@ def configure(
     deterministic: bool = False,
     grad_wire: WireCodec | None = None,
     param_wire: WireCodec | None = None,
+    options: StepOptions | None = None,
 ) -> Configured:
     """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
 
@@ -244,6 +252,7 @@ def configure(
         deterministic=deterministic,
         grad_wire=grad_wire,
         param_wire=param_wire,
+        options=StepOptions() if options is None else options,
     )
     return Configured(mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs))
 

@@ -37,6 +37,7 @@ from zeroplan.core import (
     ConfigError,
     ParamSpec,
     Span,
+    StepOptions,
     Topology,
     describe_optimizer,
     memory_report,
@@ -348,13 +349,11 @@ def record(config: dict[str, Any], *, full: bool = False, full_structure: bool =
             max_inflight_buckets=config["max_inflight_buckets"],
             policy=config["policy"],
             layout=config["layout"],
+            options=StepOptions(
+                overlap_grad_reduce=config["overlap"], reshard_after_forward=config["reshard_after_forward"]
+            ),
         )
-        report = memory_report(
-            zp,
-            clipping=config["clipping"],
-            overlap=config["overlap"],
-            reshard_after_forward=config["reshard_after_forward"],
-        )
+        report = memory_report(zp, clipping=config["clipping"])
     except ConfigError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     document = report.as_dict()

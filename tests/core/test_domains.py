@@ -252,9 +252,10 @@ def test_moe_experts_state_is_sharded_over_the_expert_data_group():
 
 def test_memory_report_of_a_domain_plan_is_its_plan_report():
     dp = plan_domains(SPECS, [DATA, EXPERTS], alignment=8)
-    report = domains_report(dp, clipping=True, overlap=False)
+    dp = dataclasses.replace(dp, plans=tuple(zp.with_options(overlap_grad_reduce=False) for zp in dp.plans))
+    report = domains_report(dp, clipping=True)
     for zp, r in zip(dp.plans, report.reports, strict=True):  # the clipping norm is the joint one
-        assert r == memory_report(zp, clipping=False, overlap=False)
+        assert r == memory_report(zp, clipping=False)
     assert report.controls == 1
     single = plan_domains(SPECS, [dataclasses.replace(DATA, groups=(0, 1, 2))], alignment=8)
     alone = domains_report(single, clipping=True)

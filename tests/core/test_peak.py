@@ -53,7 +53,7 @@ def test_stage_2_holds_a_window_of_staging_and_the_arriving_gradient():
 def test_without_overlap_every_gradient_waits_for_the_end_of_backward():
     zp = _plan([(256,)] * 4)
     # All four gradients alive at finish(), next to the two persistent 1 KiB staging arena.
-    assert backward_peak(zp, overlap=False)[0] == BackwardPeak(2048, 4 * 1024 + 2048)
+    assert backward_peak(zp.with_options(overlap_grad_reduce=False))[0] == BackwardPeak(2048, 4 * 1024 + 2048)
 
 
 def test_stage_1_moves_each_gradient_into_its_buffer_at_once():
@@ -62,7 +62,7 @@ def test_stage_1_moves_each_gradient_into_its_buffer_at_once():
     assert backward_peak(zp)[0] == BackwardPeak(2048, 3072)
     # Without overlap nothing is staged during backward, but each gradient is still moved into the
     # buffer as it arrives: one alive at a time, next to the (persistent) arena.
-    assert backward_peak(zp, overlap=False)[0] == BackwardPeak(2048, 3072)
+    assert backward_peak(zp.with_options(overlap_grad_reduce=False))[0] == BackwardPeak(2048, 3072)
 
 
 def test_a_parameter_larger_than_the_window_stays_alive_until_all_its_buckets_are_staged():
@@ -150,7 +150,7 @@ def test_peak_is_persistent_plus_the_larger_transient(stage):
 # ----------------------------------------------------------------- the staging arena
 def _alive_spans(zp, order, overlap):
     """Replay the schedule; every set of buckets whose staging is alive at once."""
-    schedule = staging_schedule(zp, overlap=overlap)
+    schedule = staging_schedule(zp.with_options(overlap_grad_reduce=overlap))
     next(schedule)
     opened, inflight, seen = set(), [], []
     for message in [*order, None]:

@@ -12,7 +12,7 @@ SHAPES = [(17, 257), (3,), (1000, 7), (31,), (257, 17), (64,)]
 
 
 def _run(zp, order, *, overlap):
-    schedule = staging_schedule(zp, overlap=overlap)
+    schedule = staging_schedule(zp.with_options(overlap_grad_reduce=overlap))
     assert not next(schedule)
     actions = [a for index in order for a in schedule.send(index)]
     return actions + schedule.send(None)
@@ -63,7 +63,7 @@ def test_every_gradient_is_staged_once_and_buckets_launch_in_order(stage, overla
 
 def test_without_overlap_nothing_happens_before_finish():
     zp = plan(specs_from_shapes(SHAPES), Topology(world_size=2), alignment=8, bucket_bytes=4096)
-    schedule = staging_schedule(zp, overlap=False)
+    schedule = staging_schedule(zp.with_options(overlap_grad_reduce=False))
     next(schedule)
     assert all(not schedule.send(i) for i in sorted(zp.trainable_indices, reverse=True))
     assert schedule.send(None)

@@ -65,7 +65,7 @@ def test_the_blocks_must_be_held_as_the_step_will_hold_them():
     trace = _trace(zp, held=True, reshard=False, gathered=64)
     with pytest.raises(ConfigError, match="reshard_after_forward=False"):
         traced_step_peak(zp, trace)
-    assert traced_step_peak(zp, trace, reshard_after_forward=False)[0].exact
+    assert traced_step_peak(zp.with_options(reshard_after_forward=False), trace)[0].exact
     with pytest.raises(ConfigError, match="another plan's schedule"):
         traced_step_peak(_plan(2), _trace(zp, held=True))
 

@@ -61,9 +61,7 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
     peaks = step_peaks(tracker, step, 3)
     report = opt.memory_report(clipping=bool(cfg.get("clip"))).ranks[opt.process_groups.rank]
-    assumed = memory_report(
-        opt.plan, overlap=cfg.get("overlap", True), reshard_after_forward=cfg.get("reshard", True)
-    ).ranks[opt.process_groups.rank]
+    assumed = memory_report(opt.plan).ranks[opt.process_groups.rank]  # the plan holds its options
     return {
         "measured": peaks,
         "planned": report.peak_bytes,

@@ -73,6 +73,18 @@ def disagreeing_ranks(rank: int, world: int) -> dict[str, str | None]:
         "settings": _error(
             lambda: ZeroOptimizer(make_model().parameters(), lr=0.1, bucket_bytes=1024 * (rank + 1))
         ),
+        # Settings the plan's fingerprint alone would not name: the error names the field.
+        "reduce_dtype": _error(
+            lambda: ZeroOptimizer(make_model().parameters(), lr=0.1, reduce_dtype="bf16" if rank else None)
+        ),
+        "wire_block": _error(
+            lambda: ZeroOptimizer(
+                make_model().parameters(), lr=0.1, reduce_dtype="int8", wire_block=64 if rank == 2 else 128
+            )
+        ),
+        "reshard": _error(
+            lambda: ZeroOptimizer(make_model().parameters(), lr=0.1, stage=3, reshard_after_forward=rank != 1)
+        ),
         "one_bad_rank": _error(lambda: ZeroOptimizer(bad, lr=0.1)),
     }
 

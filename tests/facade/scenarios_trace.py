@@ -81,9 +81,11 @@ def _measure_and_trace(
             model.parameters(), torch.optim.AdamW, stage=stage, bucket_bytes=65_536, lr=1e-3, **extra, **wired
         )
         opt.attach(model)
-    alone = traced_step_peak(opt.plan, trace_activations(build, loss_of), **extra)[rank]
-    traced = trace_activations(build, loss_of, plan=opt.plan, **extra)
-    with_plan = traced_step_peak(opt.plan, traced, **extra)[rank]
+    # The plan carries reshard_after_forward ([Note: plan options]): the trace and the peaks read it there.
+    assert opt.plan.options.reshard_after_forward is reshard or stage != 3
+    alone = traced_step_peak(opt.plan, trace_activations(build, loss_of))[rank]
+    traced = trace_activations(build, loss_of, plan=opt.plan)
+    with_plan = traced_step_peak(opt.plan, traced)[rank]
 
     def step() -> None:
         loss = loss_of(model)
@@ -100,7 +102,7 @@ def _measure_and_trace(
         "exact": with_plan.exact,
         "alone": alone.peak_bytes,
         "alone_exact": alone.exact,
-        "plan_only": memory_report(opt.plan, **extra).ranks[rank].peak_bytes,
+        "plan_only": memory_report(opt.plan).ranks[rank].peak_bytes,
         "gathered": max(p.gathered for p in traced.points),
     }
 

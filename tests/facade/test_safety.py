@@ -42,7 +42,13 @@ def test_ranks_that_disagree_all_get_an_error(pools):
     for rank, r in enumerate(results):
         assert "different parameters" in r["shapes"], r["shapes"]
         assert "different parameters" in r["order"], r["order"]
-        assert "planned differently" in r["settings"], r["settings"]
+        assert r["settings"].startswith(
+            "IncompatiblePlanError: ranks were given different bucket_bytes: "
+            "1024 on rank 0, 2048 on rank 1, 3072 on rank 2, 4096 on rank 3"
+        ), r["settings"]
+        assert "different reduce_dtype: None on rank 0, 'bf16' on ranks [1, 2, 3]" in r["reduce_dtype"], r
+        assert "different wire_block: (128,) on ranks [0, 1, 3], (64,) on rank 2" in r["wire_block"], r
+        assert "different reshard_after_forward: True on ranks [0, 2, 3], False on rank 1" in r["reshard"], r
         assert "not floating point" in r["one_bad_rank"], r["one_bad_rank"]
         if rank != 3:
             assert r["one_bad_rank"].startswith("ConfigError: rank 3 rejected"), r["one_bad_rank"]

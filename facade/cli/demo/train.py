@@ -297,7 +297,7 @@ def _gathered_estimate(opt: ZeroOptimizer, settings: DemoSettings) -> int | None
     """Stage 3: the plan's bytes of gathered blocks alive at once in backward (not measured here)."""
     if settings.stage != 3:
         return None
-    return gathered_bytes(opt.plan, settings.reshard_after_forward)
+    return gathered_bytes(opt.plan)  # the plan carries reshard_after_forward
 
 
 def params_digest(params: Iterable[torch.Tensor]) -> str:
