@@ -38,7 +38,7 @@ from zeroplan.facade import ZeroOptimizer, checkpoint
 from zeroplan.facade.checkpoint.export import Snapshot, export
 from zeroplan.facade.cli.demo.model import GPTConfig, build_model
 from zeroplan.facade.diagnostics.meter import tracked_bytes
-from zeroplan.facade.runtime.dtypes import torch_dtype
+from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 
 #: Runs its arguments as a command and prints the command's peak resident bytes (ru_maxrss is in KiB
 #: on Linux). A child's ru_maxrss is at least its parent's peak (the kernel counts the memory it was

@@ -289,7 +289,7 @@ def leave() -> None:
     A collective of torch's own (``all_gather_object`` here) is released by gloo's worker thread a
     little after it returned; if the interpreter is finalizing by then, that thread aborts the process
     ("terminate called without an active exception", see [Note: retiring a collective] in
-    ``zeroplan.facade.runtime.collectives``) after the result was sent. Measured: 10 of 60 quick runs.
+    ``zeroplan.facade.mechanisms.collectives``) after the result was sent. Measured: 10 of 60 quick runs.
     """
     with contextlib.suppress(Exception):
         dist.destroy_process_group()

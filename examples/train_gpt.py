@@ -301,7 +301,7 @@ def run(args: argparse.Namespace, build: Build = build_gpt) -> None:
         # Free the optimizer, then the groups, while torch is fully alive: destroying a gloo group joins
         # its threads. Left to interpreter exit, a gloo thread still releasing this loop's own last
         # collective (the loss all-reduce) can abort the process; zeroplan's collectives are released
-        # before they return ([Note: retiring a collective] in zeroplan.facade.runtime.collectives).
+        # before they return ([Note: retiring a collective] in zeroplan.facade.mechanisms.collectives).
         gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -5,6 +5,24 @@ subpackage :mod:`zeroplan.facade.cli`; the Hugging Face ``ZeroTrainer`` is
 :mod:`zeroplan.facade.hf` (needs ``transformers``). ``ZeroOptimizer`` and friends
 import torch; they are loaded on first access so that ``zeroplan plan``, which
 imports this package, starts quickly.
+
+[Note: facade layers]
+The facade is layered, every import pointing down (``tests/test_layers.py``
+fails on one that points up, ``TYPE_CHECKING`` imports included):
+
+0. ``mechanisms``: collectives and streams, the wire codec, process groups,
+   torch dtypes, dynamo guards, the agreement of ranks, micro-batch sums and
+   the exact norm. They know tensors and process groups, not the optimizer.
+1. ``params``: the flat buffers parameters view, the gather after ``step()``,
+   stage 3's blocks and module hooks.
+2. ``state``: the inner optimizer over the shards and its state, state dicts,
+   parked state, restoring validated state.
+3. ``runtime`` (the step: ``ZeroOptimizer``, domains, the joint step, the
+   lifecycle, gradient sync, construction), with its services ``checkpoint``
+   and ``diagnostics``, which may import each other.
+4. the entry points: ``cli``, ``hf`` and this package.
+
+A new module goes in the lowest layer whose modules it needs.
 """
 
 from __future__ import annotations

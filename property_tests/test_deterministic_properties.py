@@ -6,13 +6,13 @@ One process plays every rank, with the pieces the facade runs in deterministic m
    them missing: a parameter a micro-batch did not use), as world 1 computes them; on W ranks the
    loss is divided by G/W instead of G, so each rank's leaves are W times larger (exact: a power of
    two);
-2. world 1 adds all G leaves with :class:`~zeroplan.facade.runtime.accumulation.MicroBatchSums`,
+2. world 1 adds all G leaves with :class:`~zeroplan.facade.mechanisms.accumulation.MicroBatchSums`,
    each world rank its own contiguous G/W;
 3. each bucket of the W-rank plan is staged from each rank's sums (its copies), every shard rank
    receives every peer's copy of its piece, adds them in rank order
    (:func:`~zeroplan.core.deterministic.tree_steps`), then the replicas' sums in replica order, and
    divides by W in fp32 (the facade's averaging);
-4. the clip norm runs :func:`~zeroplan.facade.runtime.exact_norm.exact_norm` on every virtual rank
+4. the clip norm runs :func:`~zeroplan.facade.mechanisms.exact_norm.exact_norm` on every virtual rank
    at once (threads meeting at a barrier play the all-reduces).
 
 Each rank's reduced piece must equal world 1's gradient at the same elements, bit for bit, and every
@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from property_tests.strategies import budget, seeds, small_shapes
 from zeroplan.core import Topology, plan, specs_from_shapes
 from zeroplan.core.deterministic import tree_steps
-from zeroplan.facade.runtime.accumulation import MicroBatchSums
-from zeroplan.facade.runtime.exact_norm import exact_norm
+from zeroplan.facade.mechanisms.accumulation import MicroBatchSums
+from zeroplan.facade.mechanisms.exact_norm import exact_norm
 
 pytestmark = pytest.mark.property
 

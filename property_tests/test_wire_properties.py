@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from zeroplan.core.wire import WireCodec, WireFormat, gather_room, round_trip_bound, wire_bytes
-from zeroplan.facade.runtime.wire_codec import decode, decode_piece, encode, encode_piece, wire_dtype
+from zeroplan.facade.mechanisms.wire_codec import decode, decode_piece, encode, encode_piece, wire_dtype
 
 pytestmark = pytest.mark.property
 

@@ -21,7 +21,7 @@ from zeroplan.core import (
     recommend,
     specs_from_shapes,
 )
-from zeroplan.facade.cli.fit import parse_size
+from zeroplan.facade.cli.fit_command import parse_size
 from zeroplan.facade.cli.model_sources import dims_from_hf_config
 
 GiB = 2**30
@@ -349,7 +349,7 @@ def test_a_model_that_cannot_be_traced_is_one_line_and_no_fallback(tmp_path, mon
     """A trace that fails says which module and operation, and never falls back to the formula
     silently; ``--activations formula`` (the default) is labelled an estimate."""
     from zeroplan.facade.cli import model_sources
-    from zeroplan.facade.diagnostics.trace import TraceError
+    from zeroplan.facade.diagnostics.activation_trace import TraceError
 
     def untraceable(*args, **kwargs):
         raise TraceError(

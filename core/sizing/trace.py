@@ -5,7 +5,7 @@
 [Note: traced activations]
 The formula of [Note: activation memory] describes the paper's transformer
 layer; what a given model keeps depends on its code: its attention kernel,
-its MLP, autocast, activation checkpointing. ``zeroplan.facade.diagnostics.trace``
+its MLP, autocast, activation checkpointing. ``zeroplan.facade.diagnostics.activation_trace``
 runs the model once, forward, loss and backward on one micro-batch, under
 torch's fake tensors (nothing is allocated), and counts with torch's
 ``MemTracker`` the bytes autograd keeps and the backward's temporaries, at
@@ -234,7 +234,7 @@ def traced_step_peak(zp: ZeroPlan, trace: ActivationTrace) -> tuple[TracedPeak, 
     Args:
         zp: the plan (its parameters in the traced model's order), with the
             options the step will use ([Note: plan options]).
-        trace: :func:`~zeroplan.facade.diagnostics.trace.trace_activations`'s result for one
+        trace: :func:`~zeroplan.facade.diagnostics.activation_trace.trace_activations`'s result for one
             micro-batch of one rank.
     """
     return _traced_peaks(zp, trace)[0]

@@ -64,7 +64,7 @@ size or strategy), and each rank reads, memory-mapped, only the pieces that
 plan assigns it, verifying their blocks. Everything is read and checked before
 anything changes; any exception on any rank becomes an error that every rank
 agrees on before any of them commits (see [Note: load agreement] in
-``state.loading``).
+``state.restore``).
 
 ``torch.distributed.checkpoint`` is not used: its metadata file is a pickle of
 its own classes, which the "plain data only" requirement rules out; the
@@ -116,10 +116,10 @@ from zeroplan.facade.checkpoint.names import (
 )
 from zeroplan.facade.checkpoint.root import claim, cleanup, next_name, resolve
 from zeroplan.facade.checkpoint.root import point_latest as _point_latest  # crash tests patch it here
-from zeroplan.facade.runtime.agreement import as_zeroplan_error, verdicts
-from zeroplan.facade.runtime.groups import ProcessGroups
-from zeroplan.facade.runtime.inner import hyperparameters
+from zeroplan.facade.mechanisms.agreement import as_zeroplan_error, verdicts
+from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.state.dicts import Shards
+from zeroplan.facade.state.inner import hyperparameters
 from zeroplan.facade.state.shards import export_state
 from zeroplan.facade.state.tree import (
     encode_parked,
@@ -128,7 +128,7 @@ from zeroplan.facade.state.tree import (
 )
 
 if TYPE_CHECKING:
-    from zeroplan.facade.runtime.domain import Domain
+    from zeroplan.facade.runtime.domain import DomainRuntime
     from zeroplan.facade.runtime.optimizer import ZeroOptimizer
 
 __all__ = ["FORMAT", "latest", "load", "save"]
@@ -270,7 +270,7 @@ def _write(
     partial: Path,
     sh: Shards,
     leaves: dict[str, Any],
-    domains: Sequence[Domain],
+    domains: Sequence[DomainRuntime],
     experts: Sequence[Shards],
     expert_leaves: Sequence[dict[str, Any]],
 ) -> _Written:

@@ -21,7 +21,7 @@ from zeroplan.facade.checkpoint.names import (
     shard_file,
     state_tensor,
 )
-from zeroplan.facade.runtime.dtypes import dtype_name, torch_dtype
+from zeroplan.facade.mechanisms.torch_dtypes import dtype_name, torch_dtype
 from zeroplan.facade.state.tree import TensorMeta
 
 __all__ = ["check_against_partition", "check_expert_group", "check_frozen_file", "check_shard_file"]

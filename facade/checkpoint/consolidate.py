@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from zeroplan.core import ConfigError, Space, Span, windows_in
-from zeroplan.facade.runtime.collectives import HostStaging, all_gather_objects, broadcast
-from zeroplan.facade.runtime.dtypes import torch_dtype
+from zeroplan.facade.mechanisms.collectives import HostStaging, all_gather_objects, broadcast
+from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.state.dicts import MASTER_KEY, Shards, torch_param_groups
 from zeroplan.facade.state.parked import gather_parked
 from zeroplan.facade.state.tree import MASTER, TensorMeta, describe_state, tree_clone

@@ -66,7 +66,7 @@ from zeroplan.facade.checkpoint.names import (
 )
 from zeroplan.facade.checkpoint.root import resolve
 from zeroplan.facade.checkpoint.weight_files import Format, OutTensor, plan_files, write_file, write_index
-from zeroplan.facade.runtime.dtypes import torch_dtype
+from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 
 __all__ = ["ExportResult", "SavedParam", "Snapshot", "export"]
 

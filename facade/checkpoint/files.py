@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from zeroplan.core import CheckpointError
-from zeroplan.facade.runtime.dtypes import dtype_name, torch_dtype
+from zeroplan.facade.mechanisms.torch_dtypes import dtype_name, torch_dtype
 from zeroplan.facade.state.tree import TensorMeta, tensor_meta
 
 __all__ = [

@@ -3,7 +3,7 @@
 See [Note: checkpoint layout] in ``zeroplan.facade.checkpoint`` (which re-exports
 :func:`load`): every rank reads, memory-mapped, only the pieces the core's reshard
 plan assigns it, verifies them, and nothing changes on any rank until every rank
-read and agreed (see [Note: load agreement] in ``state.loading``).
+read and agreed (see [Note: load agreement] in ``state.restore``).
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ from zeroplan.facade.checkpoint.names import (
     state_tensor,
 )
 from zeroplan.facade.checkpoint.root import resolve
-from zeroplan.facade.runtime.dtypes import torch_dtype
-from zeroplan.facade.runtime.groups import ProcessGroups
+from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.state.dicts import Shards
-from zeroplan.facade.state.loading import LoadedState, agreed_state
+from zeroplan.facade.state.restore import LoadedState, agreed_state
 from zeroplan.facade.state.tree import (
     decode_parked,
     decode_state,
@@ -60,7 +60,7 @@ from zeroplan.facade.state.tree import (
 )
 
 if TYPE_CHECKING:
-    from zeroplan.facade.runtime.domain import Domain
+    from zeroplan.facade.runtime.domain import DomainRuntime
     from zeroplan.facade.runtime.optimizer import ZeroOptimizer
 
 __all__ = ["Source", "domain_shards", "load", "saved_param"]
@@ -163,7 +163,7 @@ def _prepare(
     sh: Shards,
     plan_with_cohorts: Callable[[Iterable[int]], ZeroPlan],
     path: Path,
-    domains: Sequence[Domain] = (),
+    domains: Sequence[DomainRuntime] = (),
     experts: Sequence[Shards] = (),
 ) -> tuple[LoadedState, dict[str, Any], list[LoadedState]]:
     """Read and check everything this rank needs; change nothing.
@@ -309,7 +309,7 @@ def _read(
 
 # --------------------------------------------------------------------------- load: expert domains
 def _expert_groups(
-    manifest: Manifest, domains: Sequence[Domain], world: ProcessGroups, snapshot: Path
+    manifest: Manifest, domains: Sequence[DomainRuntime], world: ProcessGroups, snapshot: Path
 ) -> list[ExpertGroup]:
     """This rank's group entry of each expert domain ([Note: checkpoint layout]); reads no data file.
 
@@ -365,7 +365,7 @@ def _expert_groups(
 
 
 def _read_experts(
-    domain: Domain,
+    domain: DomainRuntime,
     sh: Shards,
     group: ExpertGroup,
     snapshot: Path,

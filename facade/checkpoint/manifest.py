@@ -62,7 +62,7 @@ from zeroplan.core import (
 from zeroplan.core.errors import require
 from zeroplan.facade.checkpoint.files import read_json
 from zeroplan.facade.checkpoint.names import MANIFEST
-from zeroplan.facade.runtime.dtypes import torch_dtype
+from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 
 __all__ = [
     "EXPERTS_FORMAT",

@@ -1,14 +1,14 @@
 """The ``zeroplan`` command line: ``zeroplan plan …``, ``zeroplan demo …``, ``export`` and ``inspect``.
 
 The subcommands are :mod:`zeroplan.facade.cli.plan`, :mod:`zeroplan.facade.cli.demo` and
-:mod:`zeroplan.facade.cli.export` (``export`` and ``inspect``);
+:mod:`zeroplan.facade.cli.export_command` (``export`` and ``inspect``);
 ``python -m zeroplan.facade.cli`` runs :func:`main` as the console script does. Nothing here
 imports torch, so ``zeroplan plan`` starts quickly.
 
 Bad arguments, and bad or partial checkpoints, print one line, ``zeroplan: error: …``, and
 exit with code 2.
 ``zeroplan plan --recommend`` exits with code 1 when no configuration fits
-(see [Note: fit options] in :mod:`zeroplan.facade.cli.fit`).
+(see [Note: fit options] in :mod:`zeroplan.facade.cli.fit_command`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser with every subcommand registered."""
-    from zeroplan.facade.cli import demo, export, plan
+    from zeroplan.facade.cli import demo, export_command, plan
 
     parser = _Parser(prog="zeroplan", description="Plan and run ZeRO-sharded optimizers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan.register(sub)
     demo.register(sub)
-    export.register(sub)
+    export_command.register(sub)
     return parser
 
 

@@ -168,7 +168,7 @@ def trace_hf_config(
     """
     import torch
 
-    from zeroplan.facade.diagnostics.trace import trace_activations
+    from zeroplan.facade.diagnostics.activation_trace import trace_activations
 
     make = _hf_model_factory(path, dtype)
 

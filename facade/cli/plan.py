@@ -56,7 +56,7 @@ from zeroplan.core import (
 from zeroplan.core.sizing.fit import gib
 from zeroplan.core.sizing.trace import ActivationTrace, TracedPeak, traced_step_peak
 from zeroplan.core.wire import WireCodec
-from zeroplan.facade.cli import fit as fitting
+from zeroplan.facade.cli import fit_command as fitting
 from zeroplan.facade.cli.model_sources import (
     specs_from_hf_config,
     specs_from_json,

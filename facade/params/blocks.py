@@ -21,13 +21,13 @@ from typing import Protocol
 import torch
 
 from zeroplan.core import Block, StepOrderError, ZeroPlan
+from zeroplan.facade.mechanisms.collectives import CommLog, Pending, start_block_gather
+from zeroplan.facade.mechanisms.dynamo import between_graphs
+from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.params.buffers import BlockBuffers, block_positions
 from zeroplan.facade.params.gather import DeferredParameter
 from zeroplan.facade.params.owners import Owners
-from zeroplan.facade.runtime.collectives import CommLog, Pending, start_block_gather
-from zeroplan.facade.runtime.dtypes import torch_dtype
-from zeroplan.facade.runtime.dynamo import between_graphs
-from zeroplan.facade.runtime.groups import ProcessGroups
 
 __all__ = [
     "BlockEntry",
@@ -340,7 +340,9 @@ class BlockTable(Blocks):
 
 
 class TracedBlocks(Blocks):
-    """Stage 3's blocks in a trace under fake tensors ([Note: stage 3 traced] in ``diagnostics.trace``).
+    """Stage 3's blocks in a trace under fake tensors.
+
+    See [Note: stage 3 traced] in ``diagnostics.activation_trace``.
 
     Gathering allocates the whole block, so torch's ``MemTracker`` counts it where a ``BlockTable``
     would hold it, and freeing drops it; nothing moves between ranks. Under a parameter wire a

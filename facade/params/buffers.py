@@ -41,8 +41,8 @@ import torch
 
 from zeroplan.core import Space, Span, ZeroPlan, master_dtype
 from zeroplan.core.allocation import BufferRole, BufferSpec, SpaceAllocation, allocation
-from zeroplan.facade.runtime.dtypes import torch_dtype
-from zeroplan.facade.runtime.wire_codec import PublishedPieces
+from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
+from zeroplan.facade.mechanisms.wire_codec import PublishedPieces
 
 __all__ = [
     "BlockBuffers",

@@ -51,7 +51,7 @@ counter of its own) are not seen: use the parameter itself. Stage 3 keeps writes
 made inside ``gathered_params(writeback=True)`` only. Under a parameter wire
 (``gather_dtype``, [Note: wire formats] in ``zeroplan.core.wire``) the pieces
 hold their master's cast encoded and decoded, not the cast itself, so that is
-what they are compared with (``PublishedPieces`` in ``runtime.wire_codec``),
+what they are compared with (``PublishedPieces`` in ``mechanisms.wire_codec``),
 here and in ``gathered_params(writeback=True)``.
 """
 
@@ -69,12 +69,12 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroplan.core import ZeroPlan
+from zeroplan.facade.mechanisms.collectives import CommLog, Pending, start_space_gather
+from zeroplan.facade.mechanisms.dynamo import between_graphs, compiled_blocks
+from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.mechanisms.wire_codec import published_pieces
 from zeroplan.facade.params.buffers import FlatBuffers
 from zeroplan.facade.params.owners import Owners
-from zeroplan.facade.runtime.collectives import CommLog, Pending, start_space_gather
-from zeroplan.facade.runtime.dynamo import between_graphs, compiled_blocks
-from zeroplan.facade.runtime.groups import ProcessGroups
-from zeroplan.facade.runtime.wire_codec import published_pieces
 
 __all__ = ["DeferredParameter", "GatheringParameter", "ParamGather"]
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroplan.facade.runtime.collectives import broadcast
+from zeroplan.facade.mechanisms.collectives import broadcast
 
 __all__ = ["broadcast_buffers"]
 

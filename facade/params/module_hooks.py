@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
+from zeroplan.facade.mechanisms.dynamo import between_graphs, compiled_blocks
 from zeroplan.facade.params.blocks import BlockKey, Blocks
-from zeroplan.facade.runtime.dynamo import between_graphs, compiled_blocks
 
 __all__ = ["ForwardHooks", "in_backward"]
 

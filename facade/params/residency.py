@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from zeroplan.facade.runtime.collectives import CommLog
+    from zeroplan.facade.mechanisms.collectives import CommLog
 
 __all__ = ["Residency"]
 

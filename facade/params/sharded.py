@@ -70,13 +70,13 @@ from functools import partial
 import torch
 
 from zeroplan.core import ZeroPlan
+from zeroplan.facade.mechanisms.collectives import CommLog
+from zeroplan.facade.mechanisms.wire_codec import published_pieces
 from zeroplan.facade.params import saved_tensors
 from zeroplan.facade.params.blocks import OWNERS, BlockKey, Blocks
 from zeroplan.facade.params.buffers import BlockBuffers
 from zeroplan.facade.params.module_hooks import ForwardHooks, in_backward
 from zeroplan.facade.params.saved_tensors import SavedView
-from zeroplan.facade.runtime.collectives import CommLog
-from zeroplan.facade.runtime.wire_codec import published_pieces
 
 __all__ = ["Peers", "ShardedParams"]
 

@@ -7,7 +7,7 @@ then one verdict over the world), so a bad argument on any rank raises on every 
 is modified; :func:`joint_step` then makes the domains and what couples them ([Note: joint step]).
 
 ``torch._dynamo`` is imported first thing, and its garbage collected: see [Note: importing
-torch._dynamo here] in ``runtime.dynamo``.
+torch._dynamo here] in ``mechanisms.dynamo``.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch.distributed as dist
 from zeroplan.core import ConfigError, ScalerConfig, StepOptions, ZeroPlan, ZeroplanError, initial_state
 from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
 from zeroplan.facade.diagnostics.memory_check import check_device_memory
+from zeroplan.facade.mechanisms.agreement import verdicts
+from zeroplan.facade.mechanisms.dynamo import import_dynamo
 from zeroplan.facade.params.sharded import Peers
 from zeroplan.facade.runtime import replanning
-from zeroplan.facade.runtime.agreement import verdicts
-from zeroplan.facade.runtime.domain import Domain, DomainInput, check_partition, split_domains
-from zeroplan.facade.runtime.dynamo import import_dynamo
+from zeroplan.facade.runtime.domain import DomainInput, DomainRuntime, check_partition, split_domains
 from zeroplan.facade.runtime.joint import JointStep
 from zeroplan.facade.runtime.registry import Configured, configure, grad_wire, param_wire
 
@@ -241,7 +241,7 @@ def joint_step(
     """Install every agreed domain over the optimizer's own ``param_groups`` and couple them."""
     peers = Peers()  # [Note: several sharded domains]
     domains = [
-        Domain(
+        DomainRuntime(
             name=item.name,
             world=item.group,
             configured=c,

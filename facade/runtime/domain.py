@@ -11,7 +11,7 @@ group: ``{"params": experts, "process_group": ep_dp_group}``.
 holds the groups without a process group of their own and uses the optimizer's
 data-parallel group (with MiCS shard groups and nodes); every other process group
 makes one more domain (``"experts"``, ...) sharded over that whole group. Each
-domain is a :class:`Domain`: an ordinary plan of its own (``zeroplan.core``
+domain is a :class:`DomainRuntime`: an ordinary plan of its own (``zeroplan.core``
 plans each domain separately, see ``zeroplan.core.domains``), its own process
 groups, buffers, gradient hooks, inner optimizer and step lifecycle, exactly the
 parts a single-domain optimizer has.
@@ -47,22 +47,22 @@ import torch.distributed as dist
 
 from zeroplan.core import ConfigError, MemoryReport, ZeroPlan, memory_report
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory, measure
+from zeroplan.facade.mechanisms.collectives import all_gather_objects
+from zeroplan.facade.mechanisms.groups import ProcessGroups, make_groups
 from zeroplan.facade.params.sharded import Peers
 from zeroplan.facade.runtime import replanning
-from zeroplan.facade.runtime.collectives import all_gather_objects
-from zeroplan.facade.runtime.groups import ProcessGroups, make_groups
-from zeroplan.facade.runtime.inner import hyperparameters
 from zeroplan.facade.runtime.installed import Installed, broadcast_from_rank_zero, broadcast_values, install
 from zeroplan.facade.runtime.lifecycle import StepContext, StepLifecycle
 from zeroplan.facade.runtime.registry import Configured, ParamRegistry
-from zeroplan.facade.state import loading as state_loading
+from zeroplan.facade.state import restore as state_restore
 from zeroplan.facade.state.dicts import Shards
-from zeroplan.facade.state.loading import LoadedState
+from zeroplan.facade.state.inner import hyperparameters
 from zeroplan.facade.state.parked import ParkedParam
+from zeroplan.facade.state.restore import LoadedState
 
 __all__ = [
     "DATA",
-    "Domain",
+    "DomainRuntime",
     "DomainInput",
     "check_partition",
     "same_ranks",
@@ -181,7 +181,7 @@ def split_domains(params: Any, world: dist.ProcessGroup) -> list[DomainInput]:
     return inputs
 
 
-class Domain:
+class DomainRuntime:
     """The parts of one domain and what acts on them alone (see [Note: expert domains]).
 
     Args:
@@ -331,8 +331,9 @@ class Domain:
             self.replan(loaded.target)
         if loaded.param_values is not None:
             with self.gathered(writeback=True):  # the loaded values reach the masters (stage 3: shards)
-                state_loading.copy_param_values(self.registry.params, loaded.param_values)
-        state_loading.commit_state(self.installed, loaded, self.param_groups)
+                state_restore.copy_param_values(self.registry.params, loaded.param_values)
+        inst = self.installed
+        state_restore.commit_state(inst.zp, inst.buffers, inst.inner, loaded, self.param_groups)
         if loaded.parked is not None:
             self.parked = loaded.parked
 

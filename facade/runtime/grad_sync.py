@@ -88,9 +88,8 @@ from zeroplan.core import (
     staging_layout,
 )
 from zeroplan.core.schedule import Action, ActionKind, schedule_tables, staging_schedule
-from zeroplan.facade.params.buffers import SpaceBuffers, param_views
-from zeroplan.facade.runtime.accumulation import BackwardPasses, MicroBatchSums
-from zeroplan.facade.runtime.collectives import (
+from zeroplan.facade.mechanisms.accumulation import BackwardPasses, MicroBatchSums
+from zeroplan.facade.mechanisms.collectives import (
     CommLog,
     Pending,
     StreamMark,
@@ -103,7 +102,8 @@ from zeroplan.facade.runtime.collectives import (
     start_replica_reduce,
     wait_for_mark,
 )
-from zeroplan.facade.runtime.groups import ProcessGroups
+from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.params.buffers import SpaceBuffers, param_views
 
 __all__ = ["GradSync"]
 

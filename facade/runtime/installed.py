@@ -17,16 +17,16 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import Stage, ZeroPlan
+from zeroplan.facade.mechanisms.collectives import CommLog, broadcast
+from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.params.blocks import BlockTable
 from zeroplan.facade.params.buffers import SpaceBuffers, build_block_buffers, build_flat_buffers
 from zeroplan.facade.params.gather import ParamGather
 from zeroplan.facade.params.residency import Residency
 from zeroplan.facade.params.sharded import Peers, ShardedParams
-from zeroplan.facade.runtime.collectives import CommLog, broadcast
 from zeroplan.facade.runtime.grad_sync import GradSync
-from zeroplan.facade.runtime.groups import ProcessGroups
-from zeroplan.facade.runtime.inner import Inner, build_inner
 from zeroplan.facade.runtime.registry import ParamRegistry
+from zeroplan.facade.state.inner import Inner, build_inner
 
 __all__ = ["Installed", "broadcast_from_rank_zero", "broadcast_values", "install"]
 

@@ -36,17 +36,17 @@ from zeroplan.core import (
     Collective,
     CommCost,
     ConfigError,
+    Domain,
     DomainPlans,
     DomainsReport,
     ScalerState,
     ZeroPlan,
     update,
 )
-from zeroplan.core import Domain as CoreDomain
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory
-from zeroplan.facade.runtime.agreement import verdicts
-from zeroplan.facade.runtime.collectives import CommLog, all_reduce
-from zeroplan.facade.runtime.domain import Domain, same_ranks
+from zeroplan.facade.mechanisms.agreement import verdicts
+from zeroplan.facade.mechanisms.collectives import CommLog, all_reduce
+from zeroplan.facade.runtime.domain import DomainRuntime, same_ranks
 from zeroplan.facade.runtime.lifecycle import (
     VERDICT_LENGTH,
     Phase,
@@ -56,7 +56,7 @@ from zeroplan.facade.runtime.lifecycle import (
     norm_type_of,
 )
 from zeroplan.facade.runtime.registry import ParamRegistry
-from zeroplan.facade.state.loading import LoadedState
+from zeroplan.facade.state.restore import LoadedState
 
 __all__ = ["JointStep"]
 
@@ -78,7 +78,7 @@ class JointStep:
 
     def __init__(
         self,
-        domains: Sequence[Domain],
+        domains: Sequence[DomainRuntime],
         world: dist.ProcessGroup,
         scaler: ScalerState | None,
         static_scale: float,
@@ -89,7 +89,7 @@ class JointStep:
         self._static_scale = static_scale
 
     @property
-    def data(self) -> Domain:
+    def data(self) -> DomainRuntime:
         """Domain 0: the data-parallel domain (the only one without an expert group)."""
         return self.domains[0]
 
@@ -98,7 +98,7 @@ class JointStep:
         """Whether verdicts and norms need the joint all-reduce over the world (several domains)."""
         return len(self.domains) > 1
 
-    def only_domain(self, call: str) -> Domain:
+    def only_domain(self, call: str) -> DomainRuntime:
         """The data domain, for a ``call`` that describes one plan; with expert groups, why it cannot.
 
         Raises:
@@ -116,7 +116,7 @@ class JointStep:
         """The current loss scale (1.0 without loss scaling)."""
         return self.scaler.scale if self.scaler is not None else self._static_scale
 
-    def context(self, domain: Domain) -> StepContext:
+    def context(self, domain: DomainRuntime) -> StepContext:
         """What a step of ``domain`` needs: the one loss scale and the data-parallel divisor."""
         zp = self.data.installed.zp
         scaled_by_world = zp.deterministic and zp.loss_scaling  # backward() divided the loss already
@@ -271,7 +271,7 @@ class JointStep:
         positions = {id(g): i for i, g in enumerate(param_groups)}
         return DomainPlans(
             domains=tuple(
-                CoreDomain(
+                Domain(
                     name=d.name,
                     groups=tuple(positions[id(g)] for g in d.param_groups),
                     topology=d.settings.topology,
@@ -332,7 +332,9 @@ class JointStep:
         register({**group, **extra, "params": list(new)})
         domain.adopt_group(registry, zp, param_groups[-1])
 
-    def plan_group(self, param_group: Any) -> tuple[Domain, tuple[ParamRegistry, ZeroPlan, dict[str, Any]]]:
+    def plan_group(
+        self, param_group: Any
+    ) -> tuple[DomainRuntime, tuple[ParamRegistry, ZeroPlan, dict[str, Any]]]:
         """The domain a new param group joins (by its ``process_group``) and its plan with the group.
 
         Every rank agrees on the domain and on the plan, or every rank raises; nothing changes here.

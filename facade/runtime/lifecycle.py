@@ -55,17 +55,17 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import CommCost, ConfigError, StepOrderError
-from zeroplan.facade.params.buffers import SpaceBuffers, param_views, write_pieces
-from zeroplan.facade.runtime.collectives import (
+from zeroplan.facade.mechanisms.collectives import (
     CommLog,
     all_reduce_shard,
     all_reduce_world,
     start_space_gather,
     to_device,
 )
-from zeroplan.facade.runtime.exact_norm import exact_norm
-from zeroplan.facade.runtime.inner import hyperparameter_digest, sync_hyperparameters
+from zeroplan.facade.mechanisms.exact_norm import exact_norm
+from zeroplan.facade.params.buffers import SpaceBuffers, param_views, write_pieces
 from zeroplan.facade.runtime.installed import Installed
+from zeroplan.facade.state.inner import hyperparameter_digest, sync_hyperparameters
 
 __all__ = [
     "Accumulation",

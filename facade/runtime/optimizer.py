@@ -32,16 +32,15 @@ from zeroplan.core import (
 from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
 from zeroplan.facade.checkpoint.consolidate import consolidated_state_dict
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory
+from zeroplan.facade.mechanisms.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.params.buffers import SpaceBuffers
-from zeroplan.facade.runtime import construction
-from zeroplan.facade.runtime.domain import Domain
-from zeroplan.facade.runtime.groups import ProcessGroups, data_parallel_group
+from zeroplan.facade.runtime import construction, domain_states
+from zeroplan.facade.runtime.domain import DomainRuntime
 from zeroplan.facade.runtime.installed import Installed
 from zeroplan.facade.runtime.joint import NO_DEEPCOPY
 from zeroplan.facade.runtime.lifecycle import StepLifecycle
-from zeroplan.facade.state import domains as domain_states
 from zeroplan.facade.state.dicts import Shards
-from zeroplan.facade.state.loading import LoadedState
+from zeroplan.facade.state.restore import LoadedState
 
 __all__ = ["MeasuredMemory", "ZeroOptimizer"]
 
@@ -184,7 +183,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._initialized = True
 
     @property
-    def _data(self) -> Domain:
+    def _data(self) -> DomainRuntime:
         """Domain 0: the data-parallel domain (the only one without expert groups)."""
         return self._joint.data
 
@@ -195,7 +194,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._data.installed.zp
 
     @property
-    def domains(self) -> tuple[Domain, ...]:
+    def domains(self) -> tuple[DomainRuntime, ...]:
         """Its domains ([Note: expert domains]): only ``"data"`` unless param groups carry a process group."""
         return self._joint.domains
 
@@ -436,7 +435,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         A plain dict (from ``torch.optim`` or :meth:`consolidated_state_dict`)
         is sliced by every rank; call it on every rank. Collective: every rank
         validates its dict, then all agree (see [Note: load agreement] in
-        ``state.loading``), so a dict rejected on one rank raises on every rank
+        ``state.restore``), so a dict rejected on one rank raises on every rank
         and changes nothing on any. With expert groups only this optimizer's
         own ``state_dict()`` loads (same world and groups).
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from zeroplan.core import ConfigError, ParamSpec, StepOptions, Topology, ZeroPlan, describe_optimizer, plan
 from zeroplan.core.errors import ConfigTypeError
 from zeroplan.core.wire import WireCodec, WireFormat
-from zeroplan.facade.runtime.inner import check_hyperparameters, check_keywords
 from zeroplan.facade.runtime.inputs import ParamList, collect_params, describe_params
+from zeroplan.facade.state.inner import check_hyperparameters, check_keywords
 
 __all__ = ["Configured", "ParamRegistry", "PlanSettings", "configure", "scale_mode"]
 

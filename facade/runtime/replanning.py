@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 
 from zeroplan.core import ZeroPlan, plan_reshard
-from zeroplan.facade.runtime.agreement import agree
-from zeroplan.facade.runtime.collectives import all_gather_objects
-from zeroplan.facade.runtime.inner import check_hyperparameters, comparable_hyperparameters
+from zeroplan.facade.mechanisms.agreement import agree
+from zeroplan.facade.mechanisms.collectives import all_gather_objects
 from zeroplan.facade.runtime.inputs import collect_params
 from zeroplan.facade.runtime.installed import Installed
 from zeroplan.facade.runtime.registry import ParamRegistry, PlanSettings
+from zeroplan.facade.state.inner import check_hyperparameters, comparable_hyperparameters
 from zeroplan.facade.state.parked import ParkedParam, gather_parked, park, unpark
 from zeroplan.facade.state.shards import export_state, import_state, move_shards
 

@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 import torch
 
 from zeroplan.core import ConfigError, IncompatiblePlanError, ScalerState, Span, ZeroPlan, master_dtype
+from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.params.buffers import SpaceBuffers
-from zeroplan.facade.runtime.dtypes import torch_dtype
-from zeroplan.facade.runtime.groups import ProcessGroups
-from zeroplan.facade.runtime.inner import Inner
+from zeroplan.facade.state.inner import Inner
 from zeroplan.facade.state.shards import export_state
 from zeroplan.facade.state.tree import (
     MASTER,

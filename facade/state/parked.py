@@ -24,9 +24,9 @@ from collections.abc import Collection, Iterator, Mapping
 import torch
 
 from zeroplan.core import Fragment, Span, ZeroPlan
+from zeroplan.facade.mechanisms.collectives import all_gather_objects
+from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.params.buffers import SpaceBuffers
-from zeroplan.facade.runtime.collectives import all_gather_objects
-from zeroplan.facade.runtime.groups import ProcessGroups
 from zeroplan.facade.state.tree import MASTER, ParkedParam, ShardState, tree_clone
 
 __all__ = ["MASTER", "ParkedParam", "park", "unpark"]

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from zeroplan.core import ReshardPlan, Space, ZeroPlan
+from zeroplan.facade.mechanisms.collectives import all_gather_objects, broadcast
+from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.params.buffers import SpaceBuffers
-from zeroplan.facade.runtime.collectives import all_gather_objects, broadcast
-from zeroplan.facade.runtime.dtypes import torch_dtype
-from zeroplan.facade.runtime.groups import ProcessGroups
-from zeroplan.facade.runtime.inner import Inner
+from zeroplan.facade.state.inner import Inner
 from zeroplan.facade.state.tree import ShardState, is_per_element, tree_clone
 
 __all__ = ["ShardState", "export_state", "import_state", "move_shards"]

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from zeroplan.core import CheckpointError
-from zeroplan.facade.runtime.dtypes import dtype_name, torch_dtype
+from zeroplan.facade.mechanisms.torch_dtypes import dtype_name, torch_dtype
 
 __all__ = ["SUBCLASS", "copy_tensor", "join_subclasses", "split_subclasses"]
 

@@ -37,11 +37,11 @@ import optree
 import torch
 
 from zeroplan.core import Space, Span, ZeroPlan
-from zeroplan.facade.runtime.dtypes import dtype_name
+from zeroplan.facade.mechanisms.torch_dtypes import dtype_name
 from zeroplan.facade.state.subclasses import copy_tensor, join_subclasses, split_subclasses
 
 if TYPE_CHECKING:  # inner imports buffers, which imports this module
-    from zeroplan.facade.runtime.inner import Inner
+    from zeroplan.facade.state.inner import Inner
 
 __all__ = [
     "MASTER",

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from zeroplan.facade.runtime import collectives
+from zeroplan.facade.mechanisms import collectives
 
 CALLS = 50
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from zeroplan.core.wire import WireCodec, WireFormat, gather_room  # noqa: E402
-from zeroplan.facade.runtime.wire_codec import decode_piece, encode_piece, round_trip, wire_dtype  # noqa: E402
+from zeroplan.facade.mechanisms.wire_codec import decode_piece, encode_piece, round_trip, wire_dtype  # noqa: E402
 
 
 def _through_room(x: torch.Tensor, codec: WireCodec, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from zeroplan.core.sizing.trace import traced_step_peak
 from zeroplan.facade import ZeroOptimizer
 from zeroplan.facade.cli.demo.model import DemoGPT, GPTConfig
-from zeroplan.facade.diagnostics.trace import trace_activations
+from zeroplan.facade.diagnostics.activation_trace import trace_activations
 
 CONFIG = GPTConfig(vocab=8192, width=512, layers=6, heads=8, context=512, qkv_bias=True)
 

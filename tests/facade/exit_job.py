@@ -7,7 +7,7 @@ The interpreter then exits normally. A gloo worker thread that still holds a
 tensor of the last collective at that point takes the GIL while the
 interpreter finalizes and the process dies with SIGABRT ("terminate called
 without an active exception"; see [Note: retiring a collective] in
-``zeroplan.facade.runtime.collectives``).
+``zeroplan.facade.mechanisms.collectives``).
 
 Unaided that happens in about one run in ten on a loaded machine. The job
 makes it likely, without changing what a correct program computes, by

@@ -23,7 +23,7 @@ from models import DTYPES, batch, loss_of, make_model
 from torch.overrides import TorchFunctionMode
 
 import zeroplan
-from zeroplan.facade.runtime.collectives import all_gather_objects
+from zeroplan.facade.mechanisms.collectives import all_gather_objects
 
 READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__"})
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(zeroplan.facade.__file__)))

@@ -15,7 +15,7 @@ import torch
 from factory import make_optimizer
 from models import DTYPES, batch, loss_of, make_model
 
-from zeroplan.facade.runtime import collectives
+from zeroplan.facade.mechanisms import collectives
 
 
 class FakeMark:

@@ -14,8 +14,8 @@ from zeroplan.core import memory_report
 from zeroplan.core.sizing.trace import traced_step_peak
 from zeroplan.facade import ZeroOptimizer
 from zeroplan.facade.cli.demo.model import DemoGPT, GPTConfig
+from zeroplan.facade.diagnostics.activation_trace import trace_activations
 from zeroplan.facade.diagnostics.meter import step_peaks
-from zeroplan.facade.diagnostics.trace import trace_activations
 
 CONFIG = GPTConfig(vocab=512, width=128, layers=3, heads=4, context=128, qkv_bias=True)
 

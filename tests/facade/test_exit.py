@@ -82,7 +82,7 @@ dist.destroy_process_group()
 def test_the_first_optimizer_of_a_process_is_freed_with_its_last_reference():
     """The process's first ``torch.optim`` optimizer imports ``torch._dynamo``, whose frames would keep
     the caller's stack (and so the optimizer and its groups) alive until the interpreter finalizes
-    ([Note: importing torch._dynamo here] in ``zeroplan.facade.runtime.dynamo``; zeroplan's own
+    ([Note: importing torch._dynamo here] in ``zeroplan.facade.mechanisms.dynamo``; zeroplan's own
     ``torch.compiler.disable`` imports it too)."""
     out = subprocess.run(
         [sys.executable, "-c", _FIRST_OPTIMIZER, str(_free_port())],

@@ -261,7 +261,7 @@ def _export_peak(root: Path, out: Path, *argv: str) -> int:
 
     from zeroplan.facade.checkpoint.export import Snapshot
     from zeroplan.facade.diagnostics.meter import tracked_bytes
-    from zeroplan.facade.runtime.dtypes import torch_dtype
+    from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 
     snapshot = Snapshot(root)
     mapped = 0

@@ -37,5 +37,5 @@ def test_a_step_reads_the_host_at_most_once(pools, world, cfg):
 def test_the_counter_sees_reads_zeroplan_makes(pools):
     for r in pools(2).run(scenarios_host_reads.control):
         assert sum(r.values()) >= 1 and all(
-            where.startswith("facade/runtime/collectives.py") for where in r
+            where.startswith("facade/mechanisms/collectives.py") for where in r
         ), r

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zeroplan.facade.runtime.inner import comparable_hyperparameters, hyperparameter_digest
+from zeroplan.facade.state.inner import comparable_hyperparameters, hyperparameter_digest
 
 
 class _Opaque:

@@ -1,5 +1,5 @@
 """Every ``torch.distributed`` communication call of the library is issued from
-``facade/runtime/collectives.py`` ([Note: one place for collectives]); the demo's own training loop is
+``facade/mechanisms/collectives.py`` ([Note: one place for collectives]); the demo's own training loop is
 user code and may call torch itself.
 
 Read from the source (AST), so a call added anywhere else fails here before it can escape a new wire
@@ -50,7 +50,7 @@ def test_only_collectives_py_calls_torch_distributed():
         if path != HOME and path not in USER_CODE
         for line, name in _calls(path)
     ]
-    assert elsewhere == [], "issue these through zeroplan.facade.runtime.collectives"
+    assert elsewhere == [], "issue these through zeroplan.facade.mechanisms.collectives"
 
 
 def test_the_check_sees_the_calls_it_is_about():
@@ -88,5 +88,5 @@ def test_only_collectives_py_handles_streams():
         if path != HOME and path not in USER_CODE
         for line, name in _stream_uses(path)
     ]
-    assert elsewhere == [], "order streams through zeroplan.facade.runtime.collectives ([Note: streams])"
+    assert elsewhere == [], "order streams through zeroplan.facade.mechanisms.collectives ([Note: streams])"
     assert {name for _, name in _stream_uses(HOME)} >= {"wait_stream", "wait_event", "current_stream"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zeroplan.core import ParamSpec, Space, Topology, ZeroPlan, plan
-from zeroplan.facade.runtime.dtypes import torch_dtype
+from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.state.tree import (
     ShardState,
     TensorMeta,

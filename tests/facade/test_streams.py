@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import scenarios_streams
 
-from zeroplan.facade.runtime import collectives
+from zeroplan.facade.mechanisms import collectives
 
 CASES = [
     {"stage": 2},

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zeroplan.core.sizing.trace import TracePhase
 from zeroplan.facade.cli.demo.model import DemoGPT, GPTConfig
-from zeroplan.facade.diagnostics.trace import TraceError, trace_activations
+from zeroplan.facade.diagnostics.activation_trace import TraceError, trace_activations
 
 CONFIG = GPTConfig(vocab=512, width=128, layers=3, heads=4, context=128, qkv_bias=True)
 HAS_HF = importlib.util.find_spec("transformers") is not None

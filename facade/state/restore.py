@@ -27,9 +27,8 @@ from typing import Any, NamedTuple
 import torch
 
 from zeroplan.core import ConfigError, IncompatiblePlanError, ScalerState, ZeroPlan, ZeroplanError
-from zeroplan.facade.runtime.agreement import as_zeroplan_error, first_differing, verdicts
-from zeroplan.facade.runtime.inner import sync_hyperparameters
-from zeroplan.facade.runtime.installed import Installed
+from zeroplan.facade.mechanisms.agreement import as_zeroplan_error, first_differing, verdicts
+from zeroplan.facade.params.buffers import SpaceBuffers
 from zeroplan.facade.state.dicts import (
     Shards,
     check_plain,
@@ -39,6 +38,7 @@ from zeroplan.facade.state.dicts import (
     shard_state_from_plain,
     shard_state_from_sharded,
 )
+from zeroplan.facade.state.inner import Inner, sync_hyperparameters
 from zeroplan.facade.state.shards import ShardState, import_state
 from zeroplan.facade.state.tree import ParkedParam, decode_parked, tree_clone
 
@@ -192,13 +192,20 @@ def copy_param_values(params: Sequence[torch.Tensor], values: Sequence[Sequence[
 
 
 @torch.no_grad()
-def commit_state(installed: Installed, loaded: LoadedState, param_groups: Sequence[dict[str, Any]]) -> None:
-    """Install ``loaded`` (already in ``installed``'s plan): masters, inner state, hyper-parameters."""
-    for buf in installed.buffers:
+def commit_state(
+    zp: ZeroPlan,
+    buffers: Sequence[SpaceBuffers],
+    inner: Inner,
+    loaded: LoadedState,
+    param_groups: Sequence[dict[str, Any]],
+) -> None:
+    """Install ``loaded`` (already in ``zp``, the plan of ``buffers`` and ``inner``): masters, inner
+    state, hyper-parameters."""
+    for buf in buffers:
         if loaded.masters is None or not buf.carries_master:
             buf.load_master()
         elif buf.space.dtype in loaded.masters:
             buf.master_copy[: buf.extent].copy_(loaded.masters[buf.space.dtype])
-    installed.inner.optimizer.state.clear()
-    import_state(installed.zp, installed.inner, loaded.state, loaded.stateful)
+    inner.optimizer.state.clear()
+    import_state(zp, inner, loaded.state, loaded.stateful)
     sync_hyperparameters(loaded.param_groups, param_groups)

@@ -108,8 +108,8 @@ from zeroplan.core.arena import WireRooms
 from zeroplan.core.deterministic import tree_steps
 from zeroplan.core.span import Span
 from zeroplan.core.wire import GatherRoom, WireCodec, replica_parts
-from zeroplan.facade.runtime.groups import ProcessGroups
-from zeroplan.facade.runtime.wire_codec import (
+from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.mechanisms.wire_codec import (
     decode_into,
     decode_piece,
     decode_slots,

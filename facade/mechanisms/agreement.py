@@ -23,7 +23,7 @@ from zeroplan.core import (
     ZeroPlan,
     ZeroplanError,
 )
-from zeroplan.facade.runtime.collectives import all_gather_objects
+from zeroplan.facade.mechanisms.collectives import all_gather_objects
 
 __all__ = ["agree", "as_zeroplan_error", "first_differing", "verdicts"]
 

@@ -11,12 +11,12 @@ from functools import partial
 from typing import Any
 
 from zeroplan.core import ConfigError
-from zeroplan.facade.runtime.agreement import verdicts
-from zeroplan.facade.runtime.domain import Domain
+from zeroplan.facade.mechanisms.agreement import verdicts
+from zeroplan.facade.runtime.domain import DomainRuntime
 from zeroplan.facade.runtime.joint import JointStep
-from zeroplan.facade.state import loading as state_loading
+from zeroplan.facade.state import restore as state_restore
 from zeroplan.facade.state.dicts import Shards, sharded_state_dict
-from zeroplan.facade.state.loading import LoadedState
+from zeroplan.facade.state.restore import LoadedState
 
 __all__ = ["DOMAINS_FORMAT", "load_state_dict", "state_dict"]
 
@@ -48,8 +48,8 @@ def load_state_dict(joint: JointStep, state: dict[str, Any]) -> None:
     data = joint.data
     sh = data.shards(joint.scaler)
     with joint.gathered_params(writeback=False):  # a plain dict without masters reads the parameters
-        loaded = state_loading.agreed_state(
-            lambda: state_loading.read_state_dict(state, sh, data.plan_with_cohorts), sh, what="state dict"
+        loaded = state_restore.agreed_state(
+            lambda: state_restore.read_state_dict(state, sh, data.plan_with_cohorts), sh, what="state dict"
         )
     joint.restore([loaded])
 
@@ -69,10 +69,10 @@ def _read_domains(joint: JointStep, state: dict[str, Any]) -> list[LoadedState]:
     elif held != sorted(names):
         rejected = ConfigError(f"the state dict holds domains {held}, the optimizer {names}")
 
-    def read(domain: Domain, sh: Shards) -> LoadedState:
+    def read(domain: DomainRuntime, sh: Shards) -> LoadedState:
         if rejected is not None:
             raise rejected
-        return state_loading.read_state_dict(state["domains"][domain.name], sh, domain.plan_with_cohorts)
+        return state_restore.read_state_dict(state["domains"][domain.name], sh, domain.plan_with_cohorts)
 
     loaded: list[LoadedState] = []
     problem: Exception | None = None
@@ -80,7 +80,7 @@ def _read_domains(joint: JointStep, state: dict[str, Any]) -> list[LoadedState]:
         sh = domain.shards(joint.scaler)
         try:
             what = f"state dict of domain {domain.name!r}"
-            loaded.append(state_loading.agreed_state(partial(read, domain, sh), sh, what=what))
+            loaded.append(state_restore.agreed_state(partial(read, domain, sh), sh, what=what))
         except Exception as exc:  # raised on every rank of that domain; the others go on agreeing
             problem = problem or exc
     verdicts(problem, joint.world, failed="rejected the state dict", error=ConfigError)
