@@ -7,6 +7,7 @@ modules of its own layer or a lower one, never a higher one.
 
 from __future__ import annotations
 
+import pytest
 from test_import_cycles import import_graph, modules
 
 #: Layer of each facade package, lowest first: the mechanisms, the parameters and the state they
@@ -66,3 +67,18 @@ def test_the_rule_catches_an_upward_import():
         "zeroplan.facade.params.residency (layer 1) imports zeroplan.facade.state.inner (layer 2)",
         "zeroplan.facade.runtime.joint (layer 3) imports zeroplan.facade.cli (layer 4)",
     ]
+
+
+def test_every_package_is_installed():
+    # A non-editable install (CI's) ships only the packages pyproject.toml lists.
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from test_import_cycles import PACKAGES, ROOT
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join([PACKAGES[folder], *init.parent.relative_to(ROOT / folder).parts])
+        for folder in PACKAGES
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
+    assert found == listed

@@ -17,16 +17,16 @@ FACADE = Path(__file__).resolve().parents[2] / "facade"
 
 #: (file, enclosing function) -> why a CPU tensor is right there.
 ALLOWED = {
-    ("runtime/collectives.py", "to_device"): "the host side of a pinned copy to the device",
-    ("runtime/collectives.py", "to_host"): "HostStaging: copies to the host, none enters a collective",
+    ("mechanisms/collectives.py", "to_device"): "the host side of a pinned copy to the device",
+    ("mechanisms/collectives.py", "to_host"): "HostStaging: copies to the host, none enters a collective",
     ("runtime/construction.py", "check_transport"): "a device-type test, no tensor",
     ("state/parked.py", "gather_parked"): "parked state travels pickled (an object collective)",
     ("state/tree.py", "describe_state"): "scalar state described for an object collective",
     ("state/shards.py", "move_shards"): "scalars and whole-parameter state travel pickled",
     ("checkpoint/consolidate.py", "consolidated_state_dict"): "the consolidated result is built on the host",
     ("checkpoint/files.py", "__init__"): "a shard file is read to the host, then copied to the device",
-    ("diagnostics/trace.py", "trace_activations"): "the default device of a trace: no collective runs",
-    ("diagnostics/trace.py", "_replicable"): "a device-type test (replicated only on the CPU), no tensor",
+    ("diagnostics/activation_trace.py", "trace_activations"): "the default device of a trace: no collective runs",
+    ("diagnostics/activation_trace.py", "_replicable"): "a device-type test (replicated only on the CPU), no tensor",
 }
 
 
