@@ -25,8 +25,8 @@ ALLOWED = {
     ("state/shards.py", "move_shards"): "scalars and whole-parameter state travel pickled",
     ("checkpoint/consolidate.py", "consolidated_state_dict"): "the consolidated result is built on the host",
     ("checkpoint/files.py", "__init__"): "a shard file is read to the host, then copied to the device",
-    ("diagnostics/activation_trace.py", "trace_activations"): "the default device of a trace: no collective runs",
-    ("diagnostics/activation_trace.py", "_replicable"): "a device-type test (replicated only on the CPU), no tensor",
+    ("diagnostics/activation_trace.py", "trace_activations"): "a trace's default device: no collective",
+    ("diagnostics/activation_trace.py", "_replicable"): "a device-type test (CPU only), no tensor",
 }
 
 
