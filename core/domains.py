@@ -34,6 +34,26 @@ process groups are laid out, and is the caller's to say.
 :func:`expert_domains` builds both from a whole MoE model: what one rank holds
 (every dense parameter, its share of each layer's experts) and the ``"data"`` and
 ``"experts"`` domains (see [Note: one rank's experts] in zeroplan.core.experts).
+
+In the facade the user says which groups are experts' per param group:
+``{"params": experts, "process_group": ep_dp_group}``. ``ZeroOptimizer`` splits
+its param groups into domains (``facade/runtime/domain.py``: groups without a
+process group of their own form domain 0, with MiCS shard groups and nodes;
+each other process group one more domain, sharded over that whole group), and
+runs each as a ``DomainRuntime``: its own process groups, buffers, gradient
+hooks, inner optimizer and step lifecycle, exactly the parts a single-domain
+optimizer has. What couples the domains is the joint step's and nothing else's
+([Note: joint step] in ``facade/runtime/joint.py``): one loss scale; one divisor
+(gradients are summed over a domain's group and divided by the data-parallel
+world's size, so that they are the gradients of the world's mean loss, as in one
+process); one overflow verdict over the world; one gradient norm over every
+parameter of the model (each rank adds its domains' local sums, domain ``d``'s
+divided by its replica count, so each element counts once); the user's param
+group order (``param_groups`` is one list whose dicts the domains share, so LR
+schedulers reach every domain). State follows the domains: ``state_dict()``
+holds one sharded dict per domain, and a checkpoint each rank's expert state next
+to the data domain's, in the same atomic snapshot; the data domain's state is
+elastic, expert state loads at the world size and expert groups it was saved with.
 """
 
 from __future__ import annotations

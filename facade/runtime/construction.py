@@ -1,7 +1,7 @@
 """Building a ``ZeroOptimizer``: its domains planned and agreed on by every rank, then made.
 
 ``ZeroOptimizer.__init__`` hands its arguments over as a :class:`Request`; :func:`agree` splits the
-param groups into domains ([Note: expert domains] in ``domain``), validates and plans each, and
+param groups into domains ([Note: expert domains] in ``zeroplan.core.domains``), validates and plans each, and
 has every rank agree (the data-parallel domain over the world, each expert domain over its group,
 then one verdict over the world), so a bad argument on any rank raises on every rank before anything
 is modified; :func:`joint_step` then makes the domains and what couples them ([Note: joint step]).

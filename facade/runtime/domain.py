@@ -1,39 +1,9 @@
 """One domain of a ``ZeroOptimizer``: the param groups reduced and sharded over one process group.
 
-[Note: expert domains]
-A mixture-of-experts model holds parameters that differ between expert-parallel
-ranks: expert ``e`` lives only on the ranks of its *expert-data-parallel* group.
-Its gradient must be reduced over that group, and its optimizer state can only
-be sharded over it (InternLM's ``moe`` param groups). The user says so per param
-group: ``{"params": experts, "process_group": ep_dp_group}``.
-
-``ZeroOptimizer`` splits its param groups into *domains*: domain 0 (``"data"``)
-holds the groups without a process group of their own and uses the optimizer's
-data-parallel group (with MiCS shard groups and nodes); every other process group
-makes one more domain (``"experts"``, ...) sharded over that whole group. Each
-domain is a :class:`DomainRuntime`: an ordinary plan of its own (``zeroplan.core``
-plans each domain separately, see ``zeroplan.core.domains``), its own process
-groups, buffers, gradient hooks, inner optimizer and step lifecycle, exactly the
-parts a single-domain optimizer has.
-
-What couples the domains lives in ``ZeroOptimizer`` and nowhere else: one loss
-scale; one divisor (gradients are summed over a domain's group and divided by the
-data-parallel world's size, so that they are the gradients of the world's mean loss,
-as in one process: an expert's sum holds every rank's tokens routed to it, by its
-expert-parallel exchange, or only its own ranks' when it has none); one overflow
-verdict (a step is skipped on every rank of every domain if any gradient anywhere
-overflowed: one all-reduce over the world); one gradient
-norm for clipping, over every parameter of the model, experts of every group
-included (each rank adds its domains' local sums, domain ``d``'s divided by its
-replica count so that the world-wide sum counts each element once); the user's
-param group order (``param_groups`` is one list; each domain holds references to
-its own dicts, so LR schedulers reach every domain).
-
-State follows the domains: ``state_dict()`` holds one sharded dict per domain,
-and a checkpoint directory each rank's expert state next to the data domain's
-shards, in the same atomic snapshot ([Note: checkpoint layout]); the data
-domain's state is elastic, expert state loads at the world size and expert
-groups it was saved with.
+:func:`split_domains` splits the user's param groups into domains, and each runs as a
+:class:`DomainRuntime`: an ordinary plan with its own process groups, buffers, gradient hooks,
+inner optimizer and step lifecycle. Why and how, and what couples the domains: [Note: expert
+domains] in ``zeroplan.core.domains``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 [Note: joint step]
 An optimizer has a domain per process group its param groups name ([Note:
-expert domains] in ``domain``); a model without expert groups has one. What
+expert domains] in ``zeroplan.core.domains``); a model without expert groups has one. What
 couples the domains is owned here, once, and ``ZeroOptimizer`` delegates every
 step call to it, so one domain is a set of one on the same path:
 
