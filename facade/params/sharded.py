@@ -76,7 +76,6 @@ from zeroplan.facade.params.buffers import BlockBuffers
 from zeroplan.facade.params.module_hooks import ForwardHooks, in_backward
 from zeroplan.facade.params.saved_tensors import SavedView
 from zeroplan.facade.runtime.collectives import CommLog
-from zeroplan.facade.runtime.wire_codec import published_pieces
 
 __all__ = ["Peers", "ShardedParams"]
 
@@ -119,7 +118,7 @@ class ShardedParams:
         (no buffers: [Note: stage 3 traced])."""
         self._buffers = buffers
         # Under a parameter wire every gathered piece holds decoded values ([Note: wire formats]).
-        self._published = [published_pieces(zp, buf.space, shard_rank) for buf in buffers]
+        self._published = [blocks.gather.published(buf.space, shard_rank) for buf in buffers]
         self.reshard_after_forward = reshard_after_forward
         self._blocks = blocks
         for p in self._blocks.members():

@@ -26,6 +26,8 @@ from zeroplan.facade.runtime.collectives import CommLog, broadcast
 from zeroplan.facade.runtime.grad_sync import GradSync
 from zeroplan.facade.runtime.groups import ProcessGroups
 from zeroplan.facade.runtime.inner import Inner, build_inner
+from zeroplan.facade.runtime.policies import reduction_for
+from zeroplan.facade.runtime.reduction import Reduction
 from zeroplan.facade.runtime.registry import ParamRegistry
 
 __all__ = ["Installed", "broadcast_from_rank_zero", "broadcast_values", "install"]
@@ -40,6 +42,8 @@ class Installed(NamedTuple):
         buffers: one set of flat buffers per dtype space of the plan.
         inner: the ``torch.optim`` optimizer over this rank's master shard.
         sync: the bucketed gradient reduction, hooked to the parameters.
+        reduction: how gradients are summed, and what that asks of backward, the norm and the
+            step agreement ([Note: reduction policy]).
         residency: where the parameters' values live ([Note: residency]): replicated and
             gathered after each step (stages 1-2), or sharded (stage 3).
         links: per trainable parameter, its index and the data pointer of its
@@ -54,6 +58,7 @@ class Installed(NamedTuple):
     buffers: tuple[SpaceBuffers, ...]
     inner: Inner
     sync: GradSync
+    reduction: Reduction
     residency: Residency
     links: tuple[tuple[int, int], ...]
     device: torch.device
@@ -104,15 +109,16 @@ def install(
         flat = build_flat_buffers(zp, params, shard_rank, device)
         buffers = flat
     inner = build_inner(zp, buffers, shard_rank, optimizer_class, param_groups)
+    reduction = reduction_for(zp, groups, log)  # [Note: policies chosen once]
     sync = GradSync(
         zp=zp,
         params=params,
         names=registry.names,
         buffers=buffers,
         groups=groups,
+        reduction=reduction,
         overlap=overlap,
         admit=admit,
-        log=log,
         device=device,
     )
     links = tuple((index, params[index].data_ptr()) for index in sorted(zp.trainable_indices))
@@ -137,6 +143,7 @@ def install(
         buffers=buffers,
         inner=inner,
         sync=sync,
+        reduction=reduction,
         residency=residency,
         links=links,
         device=registry.device,
