@@ -10,6 +10,11 @@ in which order pieces are summed. No other facade module calls
 ``torch.distributed`` during a step, so a new wire format or summation order
 changes this module only.
 
+Takes: views of buffers and the process groups; gives: :class:`Pending` handles (or blocking
+results). The policies choose which of these to call (``reduction`` for gradients, ``gathering``
+for parameters, [Note: policies chosen once] in ``policies``); no function here asks the plan
+which mode is on.
+
 One naming rule for asynchronous work, after Megatron's pairs: ``start_*``
 issues the calls and returns :class:`Pending` handles, and
 :meth:`Pending.finish` completes one (waits, retires the tensors as below,

@@ -11,6 +11,31 @@ its own too ([Note: wire formats]). ``params.gather`` (stages 1-2) and
 plan, whether and how pieces are encoded; gradients (``averaged_gradients``)
 are always gathered plain.
 
+[Note: parameter path]
+From the updated shard to every rank's parameters, in four facade modules
+(``params.gather`` or ``params.sharded``/``params.blocks`` -> ``gathering`` ->
+``collectives``, in ``params.buffers``' buffers):
+
+- Stages 1-2: ``params.gather.ParamGather.start_param_sync`` (after the
+  step) publishes each space's master into its flat buffer
+  (``FlatBuffers.publish_master``) and calls ``Gather.start_space``, which
+  starts each gather block (``Gather.start_block`` ->
+  ``collectives.start_block_gather``, or ``start_encoded_block_gather``,
+  encoding and decoding by ``wire_codec``). The ``Pending`` handles wait in
+  ``ParamGather._pending`` until the first read of a block's parameter (its
+  ``__torch_function__`` hook, ``ParamGather.wait_for``) or
+  ``finish_param_sync``; a user's write is then kept through
+  ``FlatBuffers.keep_param_writes(Gather.published(...))``.
+- Stage 3: ``params.module_hooks.ForwardHooks`` (a module's pre-forward, or
+  ``params.sharded.ShardedParams.gradient_arrived`` in backward) calls
+  ``params.blocks.Blocks.ensure``/``prefetch`` -> ``BlockTable.start_gather``,
+  which writes this rank's piece into the block buffer
+  (``BlockBuffers.write_piece``) and calls ``Gather.start_block`` (as above);
+  ``ensure`` finishes the ``Pending`` handles, ``free`` drops the block after
+  its modules ran. ``ShardedParams`` loads a shard with
+  ``Gather.published(...)``; a trace's ``TracedBlocks`` sizes the gather's
+  extra room with ``Gather.room``.
+
 Takes: a full buffer (or block buffer) whose piece of this rank holds its
 values. Gives: the :class:`~zeroplan.facade.runtime.collectives.Pending`
 handles whose completion leaves every piece in place (decoded).

@@ -1,5 +1,9 @@
 """Gradient reduction in buckets, overlapped with backward.
 
+Takes: the gradients autograd hands the hooks; gives: each bucket staged and handed to the
+reduction policy ([Note: reduction policy] in ``reduction``), whose sums land in this rank's
+gradient shard (``SpaceBuffers.grad_shard``). The whole path: [Note: gradient path].
+
 [Note: gradient sync]
 A post-accumulate-grad hook first asks the step lifecycle to admit the
 gradient (see [Note: step lifecycle]: it refuses one that arrives after the
@@ -20,6 +24,32 @@ a point-to-point exchange into room after its gradients
 the whole data-parallel group (see [Note: collective policy]).
 
 [Note: gradient path]
+From the hook to the summed gradient shard, in four facade modules, each
+entered once (``grad_sync`` -> ``reduction`` -> ``collectives``, into
+``params.buffers``' gradient shard):
+
+1. ``grad_sync.GradSync._on_grad`` (the post-accumulate-grad hook) reads
+   ``.grad``, asks ``admit`` (the lifecycle's callback) whether to reduce, in
+   deterministic mode hands the gradient to the policy's micro-batch tree
+   (``Reduction.micro_batch_sums``), marks it ready and sends its index to the
+   staging schedule (``zeroplan.core.schedule``), which answers the actions.
+2. ``GradSync._carry_out`` carries them out: ``_stage`` (one foreach copy of
+   the bucket's parts into its staging view), then ``_start_reduce``, which
+   takes this rank's piece of ``SpaceBuffers.grad_shard`` and calls
+   ``Reduction.start`` of the policy chosen once
+   (``policies.reduction_for``, [Note: reduction policy]).
+3. ``reduction.DefaultReduction.start`` / ``EncodedReduction.start`` /
+   ``CanonicalReduction.start`` issue ``collectives``' primitives
+   (``start_bucket_reduce``; ``start_piece_exchange`` with the codec's
+   arithmetic of ``wire_codec``) and return an ``InFlight`` whose ``Pending``
+   adds the pieces into the shard piece when it finishes.
+4. A RETIRE action: ``GradSync._finish_oldest`` calls ``Reduction.finish``
+   (on the side stream), which completes the sum into the gradient shard and
+   starts the replica step (``collectives.start_replica_reduce``); a replica
+   reduction left in flight comes back to ``grad_sync``, which waits for it in
+   ``finish_grad_sync``. The lifecycle divides the shard afterwards (by the
+   divisor ``joint`` takes from ``Reduction.divides_loss_by_world``).
+
 Host work is per bucket, not per parameter (a GPU step is bound by it when
 kernels are short). Per parameter, the hook only reads ``.grad``, asks the
 lifecycle to admit it, marks it ready and sends its index to the schedule,
@@ -27,7 +57,8 @@ which counts down its buckets and, for an arrival that completes nothing,
 answers one shared empty tuple. Per bucket, once: one ``torch._foreach_copy_``
 of its gradient parts into staging views built at construction (a part that is
 a whole parameter is copied from ``.grad`` as it is, with no view built per
-step), at stage 1 one more into the gradient buffer, the releases, the launch.
+step), at stage 1 one more into the gradient buffer, the releases, the launch
+(one call into the policy).
 The actions come from tables built once per plan (``ScheduleTables``), so a
 step builds Python objects per bucket, not per parameter. The price is that a
 gradient lives until its bucket is complete (the planner replays the same
