@@ -33,7 +33,7 @@ from zeroplan.core.buckets import Bucket, Piece
 from zeroplan.core.comm import Collective
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.partition import Space
-from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.planner import ReductionKind, Stage, ZeroPlan
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.wire import replica_parts, wire_payload_bytes, wire_scale_bytes
 
@@ -151,13 +151,12 @@ def staging_layout(zp: ZeroPlan, bucket: Bucket, shard_rank: int) -> StagingLayo
 
 def _piece_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece | None) -> StagingLayout:
     """:func:`staging_layout` of the rank that receives ``piece`` (``None``: a rank without one)."""
-    if piece is None and zp.grad_wire is not None:
-        return _wire_layout(zp, bucket, None)
+    kind = zp.reduction  # [Note: reduction policy]: each kind's rooms
+    if kind is ReductionKind.ENCODED:
+        return _wire_layout(zp, bucket, piece)
     if piece is None:
         return StagingLayout(bucket.numel, None)
-    if zp.grad_wire is not None:
-        return _wire_layout(zp, bucket, piece)
-    if zp.deterministic:
+    if kind is ReductionKind.CANONICAL:
         return _deterministic_layout(zp, bucket, piece)
     space = zp.partition.spaces[bucket.space]
     cast = grad_shard_dtype(zp, space) != space.dtype

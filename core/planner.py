@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from itertools import groupby, pairwise
 from typing import NamedTuple
 
@@ -69,6 +69,29 @@ class Stage(IntEnum):
     """Optimizer state, master weights and gradients."""
     PARAMETERS = 3
     """Everything, parameters included (gathered block by block around forward and backward)."""
+
+
+class ReductionKind(StrEnum):
+    """How a bucket's gradients are summed.
+
+    See [Note: reduction policy] in ``zeroplan.facade.mechanisms.policies``.
+
+    ``DEFAULT``: the bucket's own collective (the collective policy); ``ENCODED``: exchanged in the
+    gradient wire format and added in fp32 ([Note: wire formats]); ``CANONICAL``: exchanged and
+    added in rank order as a tree ([Note: deterministic mode]).
+    """
+
+    DEFAULT = "default"
+    ENCODED = "encoded"
+    CANONICAL = "canonical"
+
+
+class GatherKind(StrEnum):
+    """How updated parameters are gathered: ``PLAIN`` as they are, ``ENCODED`` in the parameter wire
+    format ([Note: wire formats]; a shard group of one gathers nothing, so it is ``PLAIN``)."""
+
+    PLAIN = "plain"
+    ENCODED = "encoded"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -295,10 +318,25 @@ class ZeroPlan:
         """
         return block.gather
 
+    @property
+    def reduction(self) -> ReductionKind:
+        """How gradients are summed, from ``grad_wire`` and ``deterministic`` (the one place that
+        reads them together; the facade picks its reduction policy by this)."""
+        if self.grad_wire is not None:
+            return ReductionKind.ENCODED
+        return ReductionKind.CANONICAL if self.deterministic else ReductionKind.DEFAULT
+
+    @property
+    def gather(self) -> GatherKind:
+        """How updated parameters are gathered, from ``param_wire`` (the facade picks its gather
+        policy by this)."""
+        encoded = self.param_wire is not None and self.topology.shard_size > 1
+        return GatherKind.ENCODED if encoded else GatherKind.PLAIN
+
     def reduce_collective(self, bucket: Bucket) -> Collective:
         """How ``bucket``'s gradients are summed over the shard group: its own collective, or in
         deterministic mode an exchange added in rank order ([Note: deterministic mode])."""
-        return Collective.ALL_TO_ALL if self.exchanges_encoded or self.deterministic else bucket.collective
+        return bucket.collective if self.reduction is ReductionKind.DEFAULT else Collective.ALL_TO_ALL
 
     @property
     def replica_collective(self) -> Collective:
@@ -306,9 +344,11 @@ class ZeroPlan:
         deterministic mode an all-gather added in replica order ([Note: deterministic mode]), and
         under a gradient wire an all-to-all of encoded parts (their sums then all-gathered,
         [Note: wire formats])."""
-        if self.exchanges_encoded:
-            return Collective.ALL_TO_ALL
-        return Collective.ALL_GATHER if self.deterministic else Collective.ALL_REDUCE
+        return {
+            ReductionKind.DEFAULT: Collective.ALL_REDUCE,
+            ReductionKind.ENCODED: Collective.ALL_TO_ALL,
+            ReductionKind.CANONICAL: Collective.ALL_GATHER,
+        }[self.reduction]
 
     def _check_param_wire(self, codec: WireCodec) -> None:
         """Refuse a parameter wire the plan cannot keep exact masters under ([Note: wire formats])."""
@@ -339,14 +379,14 @@ class ZeroPlan:
     def gather_room(self, space: Space, block: Block) -> GatherRoom | None:
         """The room of the encoded gather of ``space``'s ``block``; ``None`` when parameters travel as
         they are, or nothing is gathered (a shard group of one)."""
-        if self.param_wire is None or self.topology.shard_size == 1:
+        if self.gather is GatherKind.PLAIN or self.param_wire is None:
             return None
         return gather_room(self.param_wire, block.pieces, space.dtype)
 
     @property
     def exchanges_encoded(self) -> bool:
         """Whether gradients travel in a wire format of their own ([Note: wire formats])."""
-        return self.grad_wire is not None
+        return self.reduction is ReductionKind.ENCODED
 
     def exchanges(self, collective: Collective) -> bool:
         """Whether ``collective`` runs as a point-to-point exchange (see [Note: collective policy])."""

@@ -10,6 +10,11 @@ in which order pieces are summed. No other facade module calls
 ``torch.distributed`` during a step, so a new wire format or summation order
 changes this module only.
 
+Takes: views of buffers and the process groups; gives: :class:`Pending` handles (or blocking
+results). The policies choose which of these to call (``reduction`` for gradients, ``gathering``
+for parameters, [Note: policies chosen once] in ``policies``); no function here asks the plan
+which mode is on.
+
 One naming rule for asynchronous work, after Megatron's pairs: ``start_*``
 issues the calls and returns :class:`Pending` handles, and
 :meth:`Pending.finish` completes one (waits, retires the tensors as below,
@@ -98,24 +103,16 @@ from zeroplan.core import (
     Collective,
     CommCost,
     Link,
-    Space,
-    StagingLayout,
     ZeroPlan,
     send_elements,
     two_hop_gather,
 )
-from zeroplan.core.arena import WireRooms
-from zeroplan.core.deterministic import tree_steps
 from zeroplan.core.span import Span
-from zeroplan.core.wire import GatherRoom, WireCodec, replica_parts
+from zeroplan.core.wire import GatherRoom, WireCodec
 from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.wire_codec import (
-    decode_into,
     decode_piece,
-    decode_slots,
-    encode_into,
     encode_piece,
-    encode_pieces,
     wire_dtype,
 )
 
@@ -132,10 +129,13 @@ __all__ = [
     "join_side_stream",
     "mark_side_stream",
     "on_side_stream",
+    "exchange_replicas",
+    "gather_replicas",
     "start_block_gather",
     "start_bucket_reduce",
+    "start_encoded_block_gather",
+    "start_piece_exchange",
     "start_replica_reduce",
-    "start_space_gather",
     "to_device",
     "wait_for_mark",
 ]
@@ -503,170 +503,7 @@ def _start_exchange_gather(
     return _start_exchange(sends, [(q, places[q]) for q in peers], groups.shard, _GATHER_TAG)
 
 
-def start_canonical_reduce(
-    staging: torch.Tensor,
-    output: torch.Tensor | None,
-    bucket: Bucket,
-    layout: StagingLayout,
-    groups: ProcessGroups,
-    log: CommLog,
-) -> Pending:
-    """Deterministic mode's reduction of one bucket ([Note: deterministic mode] in ``zeroplan.core``).
-
-    One ``all_to_all_single`` gives this rank every shard rank's copy of its
-    piece, in rank order, in ``layout.received``; on completion they are added
-    as a binary tree (:func:`~zeroplan.core.deterministic.tree_steps`), then,
-    with replicas (MiCS), the replicas' sums are all-gathered into
-    ``layout.gathered`` and added the same way, and the sum is written (cast)
-    into ``output``. Every rank takes part even when it owns no piece.
-    """
-    n, s = groups.topology.shard_size, groups.shard_rank
-    sizes = list(bucket.piece_sizes(n))
-    grads = staging[: bucket.numel]
-    piece = bucket.piece_of(s)
-    own = grads[piece.staging_span.as_slice()] if piece is not None else grads[:0]
-    room = None if layout.received is None else staging[layout.received.as_slice()]
-    pending = None
-    if n > 1:  # a rank without a piece (or an empty one) sends and receives nothing back
-        pending = _start_piece_exchange(
-            grads, room if room is not None else grads.new_empty(0), sizes, groups, log
-        )
-    gathered = None if layout.gathered is None else staging[layout.gathered.as_slice()]
-    finish = partial(_canonical_sum, own, room, gathered, output, groups, log)
-    return Pending(None, after=finish, parts=[] if pending is None else [pending])
-
-
-def start_encoded_reduce(
-    staging: torch.Tensor,
-    output: torch.Tensor | None,
-    bucket: Bucket,
-    layout: StagingLayout,
-    codec: WireCodec,
-    groups: ProcessGroups,
-    log: CommLog,
-) -> Pending:
-    """One bucket's reduction in a gradient wire format ([Note: wire formats] in ``zeroplan.core``).
-
-    The bucket is encoded into ``layout.wire.send`` (and its scales), one
-    ``all_to_all_single`` per part gives this rank every shard rank's encoded
-    copy of its piece, and on completion they are decoded into fp32 slots and
-    added in rank order; with replicas (MiCS) the group's sum is encoded again,
-    all-gathered and added in replica order. The fp32 sum is written (cast)
-    into ``output``. Every rank takes part even when it owns no piece.
-    """
-    rooms = layout.wire
-    assert rooms is not None
-    n, s = groups.topology.shard_size, groups.shard_rank
-    raw = staging.view(torch.uint8)
-    dtype = wire_dtype(codec)
-
-    sizes = list(bucket.piece_sizes(n))
-    grads = staging[: bucket.numel]
-    piece = bucket.piece_of(s)
-    own = grads[piece.staging_span.as_slice()] if piece is not None else grads[:0]
-    sums = _room(raw, rooms.sums, torch.float32)
-    parts: list[Pending] = []
-    if n > 1:
-        send, received = _room(raw, rooms.send, dtype), _room(raw, rooms.received, dtype)
-        send_scales, received_scales = (
-            _room(raw, rooms.send_scales, torch.float32),
-            _room(raw, rooms.received_scales, torch.float32),
-        )
-        encode_pieces(grads, sizes, codec, send, send_scales, sums[: bucket.numel])
-        parts.append(_start_piece_exchange(send, received, sizes, groups, log))
-        if codec.format.blockwise:  # the scales: each piece's blocks
-            blocks = [-(-q // codec.block) for q in sizes]
-            parts.append(_start_piece_exchange(send_scales, received_scales, blocks, groups, log))
-    finish = partial(_encoded_sum, own, rooms, raw, codec, output, groups, log)
-    return Pending(None, after=finish, parts=parts)
-
-
-def _encoded_sum(
-    own: torch.Tensor,
-    rooms: WireRooms,
-    raw: torch.Tensor,
-    codec: WireCodec,
-    output: torch.Tensor | None,
-    groups: ProcessGroups,
-    log: CommLog,
-) -> None:
-    """Once the exchange completed: decode and add the pieces in rank order, then the replicas' sums."""
-    mine = own.numel()
-    if output is None or mine == 0:
-        return
-    n, r = groups.topology.shard_size, groups.topology.replica_size
-    dtype = wire_dtype(codec)
-
-    sums = _room(raw, rooms.sums, torch.float32)[: n * mine]
-    if n > 1:
-        decode_slots(
-            _room(raw, rooms.received, dtype),
-            _room(raw, rooms.received_scales, torch.float32),
-            codec,
-            sums,
-            n,
-        )
-    else:
-        sums.copy_(own)
-    total = _fold(sums, n)
-    if r > 1:
-        total = _encoded_replica_sum(total, rooms, raw, codec, groups, log)
-    output.copy_(total)
-
-
-def _encoded_replica_sum(
-    total: torch.Tensor,
-    rooms: WireRooms,
-    raw: torch.Tensor,
-    codec: WireCodec,
-    groups: ProcessGroups,
-    log: CommLog,
-) -> torch.Tensor:
-    """The replicas' sum of ``total`` (this rank's fp32 group sum), as every replica decodes it.
-
-    A reduce-scatter and an all-gather, encoded ([Note: wire formats]): ``total``
-    is split in parts (:func:`~zeroplan.core.wire.replica_parts`), each encoded
-    and sent to the replica owning it by one ``all_to_all``; the owner decodes
-    every replica's copy and adds them in replica order, encodes that sum into
-    its slot, and one ``all_gather`` gives every replica every slot, decoded
-    (the owner's too, so all hold the same bits) into the whole piece.
-    """
-    r, g = groups.topology.replica_size, groups.replica_rank
-    dtype, blockwise = wire_dtype(codec), codec.format.blockwise
-    parts = replica_parts(total.numel(), r)
-    sub, mine = parts[0], parts[g]
-    blocks = [-(-p // codec.block) if blockwise else 0 for p in parts]
-    slot_blocks = blocks[0]
-    send, send_scales = (
-        _room(raw, rooms.replica_send, dtype),
-        _room(raw, rooms.replica_send_scales, torch.float32),
-    )
-    slots = _room(raw, rooms.replica_received, dtype)
-    slot_scales = _room(raw, rooms.replica_received_scales, torch.float32)
-    sums = _room(raw, rooms.replica_sums, torch.float32)
-
-    encode_pieces(total, list(parts), codec, send, send_scales, sums[: total.numel()])
-    _exchange_replicas(send, slots[: r * mine], list(parts), groups, log)
-    if blockwise:
-        _exchange_replicas(send_scales, slot_scales[: r * blocks[g]], blocks, groups, log)
-    if mine:
-        decode_slots(slots[: r * mine], slot_scales[: r * blocks[g]], codec, sums[: r * mine], r)
-        part_sum = _fold(sums[: r * mine], r)
-        encode_into(
-            part_sum, codec, slots[g * sub : g * sub + mine], slot_scales[g * slot_blocks :], part_sum
-        )
-    _gather_replicas(slots[g * sub : (g + 1) * sub], slots[: r * sub], groups, log)
-    if blockwise:
-        own = slot_scales[g * slot_blocks : (g + 1) * slot_blocks]
-        _gather_replicas(own, slot_scales[: r * slot_blocks], groups, log)
-    for q, numel in enumerate(parts):
-        if numel:
-            scales = slot_scales[q * slot_blocks : q * slot_blocks + blocks[q]]
-            decode_into(slots[q * sub : q * sub + numel], scales, codec, sums[q * sub : q * sub + numel])
-    return sums[: total.numel()]
-
-
-def _exchange_replicas(
+def exchange_replicas(
     send: torch.Tensor, received: torch.Tensor, sizes: Sequence[int], groups: ProcessGroups, log: CommLog
 ) -> None:
     """A logged, blocking ``all_to_all_single`` over the replica group: replica ``q`` gets part
@@ -675,7 +512,7 @@ def _exchange_replicas(
     _start_all_to_all("replica", *at, send, received, sizes, log).finish(home_waits=False)
 
 
-def _start_piece_exchange(
+def start_piece_exchange(
     send: torch.Tensor, received: torch.Tensor, sizes: Sequence[int], groups: ProcessGroups, log: CommLog
 ) -> Pending:
     """One logged ``all_to_all_single`` over the shard group: each shard rank gets its piece of
@@ -709,7 +546,7 @@ def _start_all_to_all(
     return _start(exchange, _as_bytes_if_fp8(received), _as_bytes_if_fp8(send))
 
 
-def _gather_replicas(mine: torch.Tensor, gathered: torch.Tensor, groups: ProcessGroups, log: CommLog) -> None:
+def gather_replicas(mine: torch.Tensor, gathered: torch.Tensor, groups: ProcessGroups, log: CommLog) -> None:
     """A logged, blocking ``all_gather_single`` of ``mine`` over the replica group into ``gathered``."""
     r = groups.topology.replica_size
     log.record(
@@ -732,42 +569,6 @@ def _room(raw: torch.Tensor, span: Span, dtype: torch.dtype) -> torch.Tensor:
 def _as_bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
     """fp8 travels as its bytes: backends need not know the dtype (gloo does not)."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-def _fold(slots: torch.Tensor, n: int) -> torch.Tensor:
-    """Add ``n`` equal slots in slot order into slot 0: a tree for a power of two, else left to right."""
-    if n & (n - 1) == 0:
-        return _tree_sum(slots, n)
-    parts = slots.chunk(n)
-    for other in parts[1:]:
-        parts[0].add_(other)
-    return parts[0]
-
-
-def _canonical_sum(
-    own: torch.Tensor,
-    room: torch.Tensor | None,
-    gathered: torch.Tensor | None,
-    output: torch.Tensor | None,
-    groups: ProcessGroups,
-    log: CommLog,
-) -> None:
-    """Once the exchange completed: add the pieces in rank order, then the replicas' sums in order."""
-    if output is None or own.numel() == 0:
-        return
-    total = own if room is None else _tree_sum(room, groups.topology.shard_size)
-    if gathered is not None:
-        _gather_replicas(total, gathered, groups, log)
-        total = _tree_sum(gathered, groups.topology.replica_size)
-    output.copy_(total)
-
-
-def _tree_sum(slots: torch.Tensor, n: int) -> torch.Tensor:
-    """Add ``n`` equal slots of ``slots`` as a binary tree in slot order; the sum is slot 0."""
-    parts = slots.chunk(n)
-    for a, b in tree_steps(n):
-        parts[a].add_(parts[b])
-    return parts[0]
 
 
 def start_replica_reduce(piece: torch.Tensor, groups: ProcessGroups, log: CommLog) -> Pending:
@@ -861,24 +662,29 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
 
 
 def start_block_gather(
+    full: torch.Tensor, block: Block, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+) -> list[Pending]:
+    """Start the gather of ``block`` in ``full`` by the collectives ``zp`` gives it, its values as
+    they are; this rank's piece holds its values (the plain gather policy, [Note: parameter path])."""
+    if groups.topology.shard_size == 1:
+        return []
+    return _start_gather(full, block, block, zp, groups, log)
+
+
+def start_encoded_block_gather(
     full: torch.Tensor,
-    space: Space,
     block: Block,
+    room: GatherRoom,
+    codec: WireCodec,
     zp: ZeroPlan,
     groups: ProcessGroups,
     log: CommLog,
-    *,
-    encoded: bool = True,
 ) -> list[Pending]:
-    """Start the gather of ``space``'s ``block`` in ``full`` as ``zp`` says; this rank's piece holds
-    its values. Under a parameter wire ([Note: wire formats]) one :class:`Pending` decodes every piece;
-    ``encoded=False`` sends the values as they are (gradients, not parameters)."""
+    """:func:`start_block_gather` with the pieces encoded by ``codec`` in ``room`` ([Note: wire
+    formats]): one :class:`Pending` decodes every piece (the encoded gather policy)."""
     if groups.topology.shard_size == 1:
         return []
-    room = zp.gather_room(space, block) if encoded else None
-    if room is None:
-        return _start_gather(full, block, block, zp, groups, log)
-    return [_start_encoded_gather(full, block, room, zp, groups, log)]
+    return [_start_encoded_gather(full, block, room, codec, zp, groups, log)]
 
 
 def _start_gather(
@@ -912,7 +718,13 @@ def _start_gather(
 
 
 def _start_encoded_gather(
-    full: torch.Tensor, block: Block, room: GatherRoom, zp: ZeroPlan, groups: ProcessGroups, log: CommLog
+    full: torch.Tensor,
+    block: Block,
+    room: GatherRoom,
+    codec: WireCodec,
+    zp: ZeroPlan,
+    groups: ProcessGroups,
+    log: CommLog,
 ) -> Pending:
     """A block's gather under a parameter wire ([Note: wire formats] in ``zeroplan.core``).
 
@@ -922,8 +734,6 @@ def _start_encoded_gather(
     collectives (as bytes); on completion every other piece is decoded into
     place and the room is let go.
     """
-    codec = zp.param_wire
-    assert codec is not None
     s = groups.shard_rank
     raw = torch.empty(room.nbytes, dtype=torch.uint8, device=full.device)
     own = full[block.piece(s).buffer_span.as_slice()]
@@ -994,25 +804,3 @@ def _start_two_hop_gather(
             start = partial(dist.all_gather_single, group=groups.node, async_op=True)
             pending.append(_start(start, full[call.span.as_slice()], full[call.own.as_slice()], home=home))
     return pending
-
-
-def start_space_gather(
-    full: torch.Tensor,
-    space: Space,
-    zp: ZeroPlan,
-    groups: ProcessGroups,
-    log: CommLog,
-    *,
-    encoded: bool = True,
-) -> dict[int, list[Pending]]:
-    """Start the gathers of every block of ``full`` (a space's full buffer), in buffer order.
-
-    Returns, per block index, its collectives (blocks that needed none are left out).
-    ``encoded``: as :func:`start_block_gather`.
-    """
-    started = {}
-    for k, block in enumerate(zp.gather_blocks(space)):  # [Note: gather blocks] in core.planner
-        pending = start_block_gather(full, space, block, zp, groups, log, encoded=encoded)
-        if pending:
-            started[k] = pending
-    return started

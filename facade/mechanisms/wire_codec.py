@@ -12,13 +12,12 @@ from typing import NamedTuple
 
 import torch
 
-from zeroplan.core import ShardPiece, Space, ZeroPlan
+from zeroplan.core import ShardPiece
 from zeroplan.core.wire import WireCodec, WireFormat, wire_chunk
 
 __all__ = [
     "Encoded",
     "PublishedPieces",
-    "published_pieces",
     "decode",
     "decode_into",
     "decode_piece",
@@ -241,11 +240,3 @@ class PublishedPieces(NamedTuple):
             mine, theirs = values[at : at + chunk], held[at : at + chunk]
             written = round_trip(mine.to(held.dtype), self.codec).view(bits) != theirs.view(bits)
             mine.copy_(torch.where(written, theirs.to(mine.dtype), mine))
-
-
-def published_pieces(zp: ZeroPlan, space: Space, shard_rank: int) -> PublishedPieces | None:
-    """How ``space``'s pieces of shard rank ``shard_rank`` travel: ``None`` as they are."""
-    if zp.param_wire is None or zp.topology.shard_size == 1:
-        return None
-    pieces = tuple(b.piece(shard_rank) for b in zp.gather_blocks(space) if b.pieces[shard_rank])
-    return PublishedPieces(zp.param_wire, pieces)

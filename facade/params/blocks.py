@@ -21,9 +21,10 @@ from typing import Protocol
 import torch
 
 from zeroplan.core import Block, StepOrderError, ZeroPlan
-from zeroplan.facade.mechanisms.collectives import CommLog, Pending, start_block_gather
+from zeroplan.facade.mechanisms.collectives import CommLog, Pending
 from zeroplan.facade.mechanisms.dynamo import between_graphs
 from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.mechanisms.policies import gather_for
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.params.buffers import BlockBuffers, block_positions
 from zeroplan.facade.params.gather import DeferredParameter
@@ -125,6 +126,8 @@ class Blocks(abc.ABC):
         self, zp: ZeroPlan, params: Sequence[torch.Tensor], entries: dict[BlockKey, BlockEntry]
     ) -> None:
         self._zp = zp
+        self.gather = gather_for(zp)
+        """How the blocks' pieces travel ([Note: gather policy]), chosen once by ``policies``."""
         self.log = CommLog()
         self.entries = entries
         self._key_of: dict[int, BlockKey] = {}  # id(param) -> its block
@@ -278,7 +281,7 @@ class BlockTable(Blocks):
         entry.buffer.untyped_storage().resize_(entry.nbytes)
         self._buffers[key[0]].write_piece(key[1])
         space = self._zp.partition.spaces[entry.key[0]]
-        entry.pending = start_block_gather(entry.buffer, space, entry.block, self._zp, self._groups, self.log)
+        entry.pending = self.gather.start_block(entry.buffer, space, entry.block, self._groups, self.log)
         entry.state = BlockState.GATHERING
 
     def free(self, key: BlockKey) -> None:
@@ -348,7 +351,7 @@ class TracedBlocks(Blocks):
     would hold it, and freeing drops it; nothing moves between ranks. Under a parameter wire a
     gather also holds its encoded room from its start until it completes, with the fp32 scratch
     shard rank 0 encodes its piece through and the one every piece is decoded through
-    (``collectives.start_block_gather``'s, the sizes the plan's ``GatherRoom`` gives). The traced
+    (``collectives.start_encoded_block_gather``'s, the sizes the plan's ``GatherRoom`` gives). The traced
     model's parameters stay its own (plain, each with its storage): a tensor autograd saves from one
     is a saved view of its block, as it is of a ``BlockTable``'s buffer.
     """
@@ -366,7 +369,7 @@ class TracedBlocks(Blocks):
             for p in entry.members:
                 self._storage[p.untyped_storage()._cdata] = entry.key
         self._rooms = {
-            key: zp.gather_room(zp.partition.spaces[key[0]], entry.block) for key, entry in entries.items()
+            key: self.gather.room(zp.partition.spaces[key[0]], entry.block) for key, entry in entries.items()
         }
 
     def _set_class(self, entry: BlockEntry, cls: type) -> None:

@@ -1,5 +1,9 @@
 """Flat buffers laid out by the plan; parameters become views into them.
 
+Takes: a plan and the parameters; gives: the buffers every path ends in (the gradient shard the
+reduction sums into, [Note: gradient path]; the full buffers the gathers fill, [Note: parameter
+path] in ``mechanisms.gathering``).
+
 [Note: flat buffers]
 For every dtype space of the plan this rank allocates, at stages 1 and 2
 (:class:`FlatBuffers`):

@@ -69,10 +69,10 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroplan.core import ZeroPlan
-from zeroplan.facade.mechanisms.collectives import CommLog, Pending, start_space_gather
+from zeroplan.facade.mechanisms.collectives import CommLog, Pending
 from zeroplan.facade.mechanisms.dynamo import between_graphs, compiled_blocks
 from zeroplan.facade.mechanisms.groups import ProcessGroups
-from zeroplan.facade.mechanisms.wire_codec import published_pieces
+from zeroplan.facade.mechanisms.policies import gather_for
 from zeroplan.facade.params.buffers import FlatBuffers
 from zeroplan.facade.params.owners import Owners
 
@@ -214,7 +214,8 @@ class ParamGather:
         self._settled: list[int] = []
         self._settle()
         # Under a parameter wire the parameters hold their pieces' decoded values ([Note: wire formats]).
-        self._published = [published_pieces(zp, buf.space, groups.shard_rank) for buf in buffers]
+        self._gather = gather_for(zp)  # [Note: gather policy]
+        self._published = [self._gather.published(buf.space, groups.shard_rank) for buf in buffers]
 
     def _versions(self) -> list[int]:
         """Per space, the sum of its parameters' version counters (a loop, not a generator per item)."""
@@ -257,7 +258,7 @@ class ParamGather:
         for buf in self._buffers:
             buf.publish_master()
         for buf in self._buffers:
-            for k, pending in start_space_gather(buf.params, buf.space, self._zp, self._groups, log).items():
+            for k, pending in self._gather.start_space(buf.params, buf.space, self._groups, log).items():
                 self._pending[buf.space.index, k] = pending
         if not self._pending:  # nothing to gather (a world of one): the writes are done
             self._settle()

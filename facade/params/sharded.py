@@ -71,7 +71,6 @@ import torch
 
 from zeroplan.core import ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog
-from zeroplan.facade.mechanisms.wire_codec import published_pieces
 from zeroplan.facade.params import saved_tensors
 from zeroplan.facade.params.blocks import OWNERS, BlockKey, Blocks
 from zeroplan.facade.params.buffers import BlockBuffers
@@ -118,7 +117,7 @@ class ShardedParams:
         (no buffers: [Note: stage 3 traced])."""
         self._buffers = buffers
         # Under a parameter wire every gathered piece holds decoded values ([Note: wire formats]).
-        self._published = [published_pieces(zp, buf.space, shard_rank) for buf in buffers]
+        self._published = [blocks.gather.published(buf.space, shard_rank) for buf in buffers]
         self.reshard_after_forward = zp.options.reshard_after_forward  # [Note: plan options]
         self._blocks = blocks
         for p in self._blocks.members():

@@ -24,6 +24,7 @@ from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
 from zeroplan.facade.diagnostics.memory_check import check_device_memory
 from zeroplan.facade.mechanisms.agreement import verdicts
 from zeroplan.facade.mechanisms.dynamo import import_dynamo
+from zeroplan.facade.mechanisms.policies import check_reduction
 from zeroplan.facade.params.sharded import Peers
 from zeroplan.facade.runtime import replanning
 from zeroplan.facade.runtime.domain import DomainInput, DomainRuntime, check_partition, split_domains
@@ -125,19 +126,12 @@ def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> 
     def make() -> tuple[ZeroPlan, list[dict[str, Any]]]:
         if split_problem is not None:
             raise split_problem
-        if request.deterministic and len(inputs) > 1:
-            raise ConfigError(
-                "deterministic=True does not support expert groups (param groups with their own "
-                "process_group): an expert's backward adds several ranks' tokens in one kernel, so its "
-                "gradient has no canonical order across world sizes ([Note: deterministic mode]); use "
-                "deterministic=False, or one data-parallel group"
-            )
         configured[:], plans[:] = [], []
         for d, item in enumerate(inputs):
             c = request.configure(item, first=d == 0)
             zp = c.settings.plan(c.registry, c.groups)
             devices = {p.device.type for p in c.registry.params}
-            check_transport(zp, dist.get_backend(item.group), devices)
+            check_transport(zp, dist.get_backend(item.group), devices, domains=len(inputs))
             check_current_device(dist.get_backend(item.group), c.registry.device)
             check_device_memory(zp, c, item.group, strict=request.strict_memory)
             configured.append(c)
@@ -184,8 +178,11 @@ def check_current_device(backend: str, device: torch.device) -> None:
         )
 
 
-def check_transport(zp: ZeroPlan, backend: str, devices: set[str]) -> None:
+def check_transport(zp: ZeroPlan, backend: str, devices: set[str], *, domains: int = 1) -> None:
     """Refuse a plan whose calls the backend cannot carry for tensors on ``devices``.
+
+    First the reduction policy's own refusals (``policies.check_reduction``, [Note: reduction
+    policy]), in an optimizer of ``domains`` data-parallel domains (expert groups).
 
     The ``gloo`` collective policy runs reduce-scatters and gathers as point-to-point exchanges
     ([Note: collective policy] in ``zeroplan.core.comm``): gloo carries them for CPU tensors only,
@@ -193,23 +190,13 @@ def check_transport(zp: ZeroPlan, backend: str, devices: set[str]) -> None:
     and 2 (all-reduces, and broadcasts of chunks: [Note: gather blocks] in ``zeroplan.core.planner``)
     need no exchange and run on gloo with CUDA tensors too.
 
-    Deterministic mode's all-to-all ([Note: deterministic mode] in ``zeroplan.core``) runs on NCCL,
-    and on gloo for CPU tensors only.
+    Deterministic mode's and a gradient wire's all-to-all run on NCCL, and on gloo for CPU tensors
+    only; deterministic mode refuses expert groups.
 
     Raises:
         ConfigError: the plan exchanges on another backend than gloo, or CUDA tensors over gloo.
     """
-    if zp.deterministic and zp.topology.shard_size > 1 and backend == "gloo" and devices - {"cpu"}:
-        raise ConfigError(
-            f"deterministic=True exchanges gradients with all_to_all, which gloo carries for CPU tensors "
-            f"only, and the parameters are on {sorted(devices - {'cpu'})}: use backend='nccl' for GPU tensors"
-        )
-    if zp.grad_wire is not None and zp.topology.world_size > 1 and backend == "gloo" and devices - {"cpu"}:
-        raise ConfigError(
-            f"reduce_dtype={zp.grad_wire.format.value!r} exchanges gradients with all_to_all, which gloo "
-            f"carries for CPU tensors only, and the parameters are on {sorted(devices - {'cpu'})}: use "
-            "backend='nccl' for GPU tensors"
-        )
+    check_reduction(zp, backend=backend, devices=devices, domains=domains)
     exchanged = any(zp.exchanges(b.collective) for b in zp.buckets.buckets) or any(
         zp.exchanges(zp.gather_collective(block))
         for space in zp.partition.spaces

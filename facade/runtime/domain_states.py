@@ -1,8 +1,9 @@
 """State dicts of an optimizer's domains: one domain's sharded dict, or one per domain with expert groups.
 
 A single domain keeps the sharded form of [Note: state dict forms] (``state.dicts``), plain
-``torch.optim`` dicts included; several domains ([Note: expert domains] in ``zeroplan.core.domains``) save one sharded
-dict per domain under ``"domains"``, and load only such a dict, at the same world and groups.
+``torch.optim`` dicts included; several domains ([Note: expert domains] in
+``zeroplan.core.domains``) save one sharded dict per domain under ``"domains"``, and load only
+such a dict, at the same world and groups.
 """
 
 from __future__ import annotations

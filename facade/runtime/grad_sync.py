@@ -1,5 +1,9 @@
 """Gradient reduction in buckets, overlapped with backward.
 
+Takes: the gradients autograd hands the hooks; gives: each bucket staged and handed to the
+reduction policy ([Note: reduction policy] in ``reduction``), whose sums land in this rank's
+gradient shard (``SpaceBuffers.grad_shard``). The whole path: [Note: gradient path].
+
 [Note: gradient sync]
 A post-accumulate-grad hook first asks the step lifecycle to admit the
 gradient (see [Note: step lifecycle]: it refuses one that arrives after the
@@ -20,6 +24,32 @@ a point-to-point exchange into room after its gradients
 the whole data-parallel group (see [Note: collective policy]).
 
 [Note: gradient path]
+From the hook to the summed gradient shard, in four facade modules, each
+entered once (``grad_sync`` -> ``reduction`` -> ``collectives``, into
+``params.buffers``' gradient shard):
+
+1. ``grad_sync.GradSync._on_grad`` (the post-accumulate-grad hook) reads
+   ``.grad``, asks ``admit`` (the lifecycle's callback) whether to reduce, in
+   deterministic mode hands the gradient to the policy's micro-batch tree
+   (``Reduction.micro_batch_sums``), marks it ready and sends its index to the
+   staging schedule (``zeroplan.core.schedule``), which answers the actions.
+2. ``GradSync._carry_out`` carries them out: ``_stage`` (one foreach copy of
+   the bucket's parts into its staging view), then ``_start_reduce``, which
+   takes this rank's piece of ``SpaceBuffers.grad_shard`` and calls
+   ``Reduction.start`` of the policy chosen once
+   (``policies.reduction_for``, [Note: reduction policy]).
+3. ``reduction.DefaultReduction.start`` / ``EncodedReduction.start`` /
+   ``CanonicalReduction.start`` issue ``collectives``' primitives
+   (``start_bucket_reduce``; ``start_piece_exchange`` with the codec's
+   arithmetic of ``wire_codec``) and return an ``InFlight`` whose ``Pending``
+   adds the pieces into the shard piece when it finishes.
+4. A RETIRE action: ``GradSync._finish_oldest`` calls ``Reduction.finish``
+   (on the side stream), which completes the sum into the gradient shard and
+   starts the replica step (``collectives.start_replica_reduce``); a replica
+   reduction left in flight comes back to ``grad_sync``, which waits for it in
+   ``finish_grad_sync``. The lifecycle divides the shard afterwards (by the
+   divisor ``joint`` takes from ``Reduction.divides_loss_by_world``).
+
 Host work is per bucket, not per parameter (a GPU step is bound by it when
 kernels are short). Per parameter, the hook only reads ``.grad``, asks the
 lifecycle to admit it, marks it ready and sends its index to the schedule,
@@ -27,7 +57,8 @@ which counts down its buckets and, for an arrival that completes nothing,
 answers one shared empty tuple. Per bucket, once: one ``torch._foreach_copy_``
 of its gradient parts into staging views built at construction (a part that is
 a whole parameter is copied from ``.grad`` as it is, with no view built per
-step), at stage 1 one more into the gradient buffer, the releases, the launch.
+step), at stage 1 one more into the gradient buffer, the releases, the launch
+(one call into the policy).
 The actions come from tables built once per plan (``ScheduleTables``), so a
 step builds Python objects per bucket, not per parameter. The price is that a
 gradient lives until its bucket is complete (the planner replays the same
@@ -79,8 +110,6 @@ from typing import NamedTuple
 import torch
 
 from zeroplan.core import (
-    Bucket,
-    Collective,
     Stage,
     StepOrderError,
     ZeroPlan,
@@ -88,21 +117,17 @@ from zeroplan.core import (
     staging_layout,
 )
 from zeroplan.core.schedule import Action, ActionKind, schedule_tables, staging_schedule
-from zeroplan.facade.mechanisms.accumulation import BackwardPasses, MicroBatchSums
+from zeroplan.facade.mechanisms.accumulation import BackwardPasses
 from zeroplan.facade.mechanisms.collectives import (
-    CommLog,
     Pending,
     StreamMark,
     join_side_stream,
     mark_side_stream,
     on_side_stream,
-    start_bucket_reduce,
-    start_canonical_reduce,
-    start_encoded_reduce,
-    start_replica_reduce,
     wait_for_mark,
 )
 from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.mechanisms.reduction import InFlight, Reduction
 from zeroplan.facade.params.buffers import SpaceBuffers, param_views
 
 __all__ = ["GradSync"]
@@ -124,14 +149,6 @@ class _BucketCopies(NamedTuple):
     padding: list[torch.Tensor]
 
 
-class _InFlight(NamedTuple):
-    bucket: Bucket
-    staging: torch.Tensor
-    pending: Pending
-    reduced: torch.Tensor | None
-    output: torch.Tensor | None
-
-
 class GradSync:
     """Bucketed, ordered, overlapped gradient reduction (see [Note: gradient sync])."""
 
@@ -143,8 +160,8 @@ class GradSync:
         names: Sequence[str],
         buffers: Sequence[SpaceBuffers],
         groups: ProcessGroups,
+        reduction: Reduction,
         admit: Callable[[str], bool],
-        log: CommLog,
         device: torch.device,
     ) -> None:
         self._zp = zp
@@ -153,7 +170,8 @@ class GradSync:
         self._buffers = buffers
         self._groups = groups
         self._admit = admit
-        self._log = log
+        self.reduction = reduction
+        """How buckets are summed ([Note: reduction policy]), chosen once by ``policies``."""
         self._buckets = zp.buckets.buckets
         self._layouts = [staging_layout(zp, b, groups.shard_rank) for b in self._buckets]
         self._padding = [b.padding() for b in self._buckets]
@@ -171,7 +189,7 @@ class GradSync:
                     raise RuntimeError("stage 1 needs full gradient buffers")
                 self._grad_views.update(param_views(buf.grads, buf.space, params))
         self._trainable = sorted(zp.trainable_indices)
-        self._sums = MicroBatchSums() if zp.deterministic else None  # [Note: deterministic mode]
+        self._sums = reduction.micro_batch_sums()  # [Note: deterministic mode]: a tree, or None
         self._passes = BackwardPasses()
         self.uneven_micro_batches: int | None = None
         """Deterministic mode: a count of this step's micro-batches that is not a power of two."""
@@ -211,7 +229,7 @@ class GradSync:
         self._next = 0
         self._written: list[int] | None = None  # stage 1: expected buffer versions, once all launched
         self._open: dict[int, torch.Tensor] = {}
-        self._inflight: deque[_InFlight] = deque()
+        self._inflight: deque[InFlight] = deque()
         self._replica: list[Pending] = []
         self._retired: StreamMark | None = None  # the last retirement, on the side stream
 
@@ -387,28 +405,15 @@ class GradSync:
 
     # ------------------------------------------------------------- launching
     def _start_reduce(self, b: int) -> None:
+        """Launch bucket ``b``'s reduction into this rank's piece of the gradient shard, by the
+        reduction policy ([Note: gradient path])."""
         bucket = self._buckets[b]
-        staging = self._open[b]
-        buf = self._buffers[bucket.space]
         piece = bucket.piece_of(self._groups.shard_rank)
+        buf = self._buffers[bucket.space]
         output = buf.grad_shard[piece.shard_span.as_slice()] if piece is not None else None
-        layout = self._layouts[b]
-        codec = self._zp.grad_wire
-        if codec is not None:  # [Note: wire formats]
-            pending = start_encoded_reduce(staging, output, bucket, layout, codec, self._groups, self._log)
-            self._launched(b, _InFlight(bucket, staging, pending, None, output))
-            return
-        if self._zp.deterministic:  # [Note: deterministic mode]
-            pending = start_canonical_reduce(staging, output, bucket, layout, self._groups, self._log)
-            self._launched(b, _InFlight(bucket, staging, pending, None, output))
-            return
-        reduced = output if layout.reduced is None else staging[layout.reduced.as_slice()]
-        grads = staging[: bucket.numel]
-        received = None if layout.received is None else staging[layout.received.as_slice()]
-        pending = start_bucket_reduce(grads, reduced, bucket, self._groups, self._log, received)
-        self._launched(b, _InFlight(bucket, staging, pending, reduced, output))
+        self._launched(b, self.reduction.start(bucket, self._layouts[b], self._open[b], output))
 
-    def _launched(self, b: int, entry: _InFlight) -> None:
+    def _launched(self, b: int, entry: InFlight) -> None:
         del self._open[b]  # only now: a launch that raised leaves it open, for reset() to drop
         self._inflight.append(entry)
         self._next += 1
@@ -418,7 +423,9 @@ class GradSync:
     def _finish_oldest(self) -> None:
         """Complete the oldest reduction in flight; it leaves the queue only once completed."""
         before = self._grad_versions()
-        self._finish_reduce(self._inflight[0])
+        replica = self.reduction.finish(self._inflight[0])  # on the side stream ([Note: streams])
+        if replica is not None:  # summed over the replicas in place, waited for at the step's end
+            self._replica.append(replica)
         self._inflight.popleft()
         if self._written is not None:  # this optimizer's own writes into the gradient buffers
             after = self._grad_versions()
@@ -427,21 +434,6 @@ class GradSync:
     def _grad_versions(self) -> list[int]:
         """Version counters of the stage-1 gradient buffers (every in-place write bumps them)."""
         return [buf.grads._version for buf in self._buffers if buf.grads is not None]
-
-    def _finish_reduce(self, entry: _InFlight) -> None:
-        # On the side stream; the compute stream must not wait here (rule 1 of [Note: streams]).
-        entry.pending.finish(home_waits=False)
-        if entry.reduced is None or entry.output is None:
-            return
-        summed = entry.bucket.collective is Collective.ALL_REDUCE  # already over the replicas too
-        replica = None if summed else start_replica_reduce(entry.reduced, self._groups, self._log)
-        if entry.reduced is entry.output:
-            if replica is not None:
-                self._replica.append(replica)
-        else:  # an fp32 shard of bf16/fp16 gradients: sum over replicas in the staging, then cast
-            if replica is not None:
-                replica.finish()
-            entry.output.copy_(entry.reduced)
 
     def finish_grad_sync(self) -> None:
         """Stage and launch everything left, wait for all reductions of this step (once per step).

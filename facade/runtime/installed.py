@@ -19,6 +19,8 @@ import torch.distributed as dist
 from zeroplan.core import Stage, ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog, broadcast
 from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.mechanisms.policies import reduction_for
+from zeroplan.facade.mechanisms.reduction import Reduction
 from zeroplan.facade.params.blocks import BlockTable
 from zeroplan.facade.params.buffers import SpaceBuffers, build_block_buffers, build_flat_buffers
 from zeroplan.facade.params.gather import ParamGather
@@ -40,6 +42,8 @@ class Installed(NamedTuple):
         buffers: one set of flat buffers per dtype space of the plan.
         inner: the ``torch.optim`` optimizer over this rank's master shard.
         sync: the bucketed gradient reduction, hooked to the parameters.
+        reduction: how gradients are summed, and what that asks of backward, the norm and the
+            step agreement ([Note: reduction policy]).
         residency: where the parameters' values live ([Note: residency]): replicated and
             gathered after each step (stages 1-2), or sharded (stage 3).
         links: per trainable parameter, its index and the data pointer of its
@@ -54,6 +58,7 @@ class Installed(NamedTuple):
     buffers: tuple[SpaceBuffers, ...]
     inner: Inner
     sync: GradSync
+    reduction: Reduction
     residency: Residency
     links: tuple[tuple[int, int], ...]
     device: torch.device
@@ -103,14 +108,15 @@ def install(
         flat = build_flat_buffers(zp, params, shard_rank, device)
         buffers = flat
     inner = build_inner(zp, buffers, shard_rank, optimizer_class, param_groups)
+    reduction = reduction_for(zp, groups, log)  # [Note: policies chosen once]
     sync = GradSync(
         zp=zp,
         params=params,
         names=registry.names,
         buffers=buffers,
         groups=groups,
+        reduction=reduction,
         admit=admit,
-        log=log,
         device=device,
     )
     links = tuple((index, params[index].data_ptr()) for index in sorted(zp.trainable_indices))
@@ -132,6 +138,7 @@ def install(
         buffers=buffers,
         inner=inner,
         sync=sync,
+        reduction=reduction,
         residency=residency,
         links=links,
         device=registry.device,

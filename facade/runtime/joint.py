@@ -118,8 +118,7 @@ class JointStep:
 
     def context(self, domain: DomainRuntime) -> StepContext:
         """What a step of ``domain`` needs: the one loss scale and the data-parallel divisor."""
-        zp = self.data.installed.zp
-        scaled_by_world = zp.deterministic and zp.loss_scaling  # backward() divided the loss already
+        scaled_by_world = self.data.installed.reduction.divides_loss_by_world  # backward() divided it
         world = 1 if scaled_by_world else self.data.settings.topology.world_size
         return domain.context(self.loss_scale, world)
 
@@ -312,9 +311,9 @@ class JointStep:
         subnormal there are here too), and the divisor leaves the world out
         (:meth:`context`, [Note: deterministic mode]).
         """
-        zp = self.data.installed.zp
-        if zp.loss_scaling:
-            world = zp.topology.world_size if zp.deterministic else 1
+        installed = self.data.installed
+        if installed.zp.loss_scaling:  # [Note: reduction policy]: whether backward divides by the world
+            world = installed.zp.topology.world_size if installed.reduction.divides_loss_by_world else 1
             loss = loss * (self.loss_scale / world)
         loss.backward(**kwargs)
 

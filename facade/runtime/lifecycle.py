@@ -48,7 +48,6 @@ import contextlib
 import enum
 import math
 from collections.abc import Iterator, Sequence
-from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -59,10 +58,10 @@ from zeroplan.facade.mechanisms.collectives import (
     CommLog,
     all_reduce_shard,
     all_reduce_world,
-    start_space_gather,
     to_device,
 )
-from zeroplan.facade.mechanisms.exact_norm import exact_norm
+from zeroplan.facade.mechanisms.gathering import PlainGather
+from zeroplan.facade.mechanisms.reduction import finish_norm, local_norm, norm_op
 from zeroplan.facade.params.buffers import SpaceBuffers, param_views, write_pieces
 from zeroplan.facade.runtime.installed import Installed
 from zeroplan.facade.state.inner import hyperparameter_digest, sync_hyperparameters
@@ -232,7 +231,8 @@ class StepLifecycle:
         Parameters written since the last step are taken into the masters only
         here, once every rank agreed ([Note: parameter writes]).
         """
-        _check_agreement(ctx, call, self._local, verdict[: VERDICT_LENGTH - 1], inst.zp.deterministic)
+        counts = inst.reduction.counts_micro_batches
+        _check_agreement(ctx, call, self._local, verdict[: VERDICT_LENGTH - 1], counts)
         inst.residency.keep_param_writes()  # [Note: parameter writes]; only once every rank agreed
         self.found_inf = verdict[VERDICT_LENGTH - 1] > 0
         for spec, tensor in zip(inst.inner.specs, inst.inner.tensors, strict=True):
@@ -242,21 +242,16 @@ class StepLifecycle:
     def shard_norm(self, inst: Installed, norm_type: float, log: CommLog) -> torch.Tensor:
         """The domain's gradient norm (after :meth:`reduce`), identical on every rank of the shard group.
 
-        This rank's part (:meth:`local_norm`) combined over the shard group by
-        one scalar all-reduce, logged in ``log`` (a throwaway log for inspection).
+        Computed as the reduction policy says ([Note: reduction policy]): this
+        rank's part (:meth:`local_norm`) combined over the shard group by one
+        scalar all-reduce, or (deterministic mode) summed exactly; logged in
+        ``log`` (a throwaway log for inspection).
         """
-        if inst.zp.deterministic:  # [Note: deterministic mode]
-            parts = [grad[: buf.extent] for grad, buf in zip(self.master_grads, inst.buffers, strict=True)]
-            return exact_norm(
-                parts,
-                norm_type,
-                inst.device,
-                partial(all_reduce_shard, op=dist.ReduceOp.MAX, groups=inst.groups, log=log),
-                partial(all_reduce_shard, op=dist.ReduceOp.SUM, groups=inst.groups, log=log),
-            )
-        local = self.local_norm(inst, norm_type)
-        all_reduce_shard(local, norm_op(norm_type), inst.groups, log)
-        return finish_norm(local, norm_type)
+        return inst.reduction.shard_norm(self._parts(inst), norm_type, inst.device, log)
+
+    def _parts(self, inst: Installed) -> list[torch.Tensor]:
+        """The master gradients of this rank's shard, without the buffers' padding."""
+        return [grad[: buf.extent] for grad, buf in zip(self.master_grads, inst.buffers, strict=True)]
 
     def check_unclipped(self) -> None:
         """Raise unless this step can still be clipped.
@@ -275,14 +270,7 @@ class StepLifecycle:
         Its shard's elements only; summing (or maxing) it over the shard group
         gives the domain's norm to the ``p``; :func:`finish_norm` takes the root.
         """
-        local = torch.zeros((), dtype=torch.float32, device=inst.device)
-        for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
-            part = grad[: buf.extent]
-            if part.numel() == 0:
-                continue
-            norm = torch.linalg.vector_norm(part, norm_type).float()
-            local = torch.maximum(local, norm) if norm_type == math.inf else local + norm**norm_type
-        return local
+        return local_norm(self._parts(inst), norm_type, inst.device)
 
     def apply_clip(self, total: torch.Tensor, max_norm: float) -> None:
         """Scale the master gradients so a norm of ``total`` becomes at most ``max_norm`` (``-> CLIPPED``)."""
@@ -341,12 +329,11 @@ class StepLifecycle:
         self._require_reduced("averaged_gradients()")
         result: list[torch.Tensor | None] = [None] * len(ctx.params)
         log = CommLog()  # not part of the step's traffic
+        gradients = PlainGather(inst.zp)  # gradients travel as they are, whatever the parameters do
         for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
             full = grad.new_zeros(buf.space.buffer_numel)
             write_pieces(grad, full, buf.space, inst.groups.shard_rank)
-            for pending in start_space_gather(
-                full, buf.space, inst.zp, inst.groups, log, encoded=False
-            ).values():
+            for pending in gradients.start_space(full, buf.space, inst.groups, log).values():
                 for p in pending:
                     p.finish()
             for index, view in param_views(full, buf.space, ctx.params).items():
@@ -360,16 +347,6 @@ def norm_type_of(value: float) -> float:
     if not (norm_type == math.inf or norm_type > 0):
         raise ConfigError(f"norm_type must be > 0 or inf, got {norm_type}")
     return norm_type
-
-
-def norm_op(norm_type: float) -> dist.ReduceOp:
-    """How ranks combine their parts of a ``norm_type`` norm: ``MAX`` for inf, else ``SUM``."""
-    return dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-
-
-def finish_norm(combined: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The norm from the parts combined over every rank (the root of the sum; the max as it is)."""
-    return combined if norm_type == math.inf else combined ** (1.0 / norm_type)
 
 
 class _Local(NamedTuple):
@@ -397,8 +374,7 @@ def _start_agreement(inst: Installed, ctx: StepContext, log: CommLog) -> tuple[t
     """
     local = _Local(inst.detached(ctx.params), inst.sync.written_back(), inst.sync.uneven_micro_batches)
     digest = hyperparameter_digest(ctx.param_groups)
-    if inst.zp.deterministic:  # ranks that ran different numbers of micro-batches disagree too
-        digest = (digest * 1_000_003 + inst.sync.micro_batches) % (1 << 62)
+    digest = inst.reduction.step_digest(digest, inst.sync.micro_batches)  # [Note: reduction policy]
     astray = local.detached is not None or local.uneven is not None
     values = [int(astray), int(local.rewritten is not None), digest, -digest]
     flags = to_device(values, torch.int64, inst.device)
@@ -414,10 +390,11 @@ def _averaged(buf: SpaceBuffers, divisor: float) -> torch.Tensor:
 
 
 def _check_agreement(
-    ctx: StepContext, call: str, local: _Local, flags: Sequence[int], deterministic: bool = False
+    ctx: StepContext, call: str, local: _Local, flags: Sequence[int], counts_micro_batches: bool = False
 ) -> None:
     """Raise unless no rank's gradients or parameters went astray and all share settings (every rank
-    reads the same ``flags``, so every rank raises alike)."""
+    reads the same ``flags``, so every rank raises alike). ``counts_micro_batches``: the reduction
+    policy mixes the count of micro-batches into the digest ([Note: reduction policy])."""
     detached, rewritten, uneven = local
     if uneven is not None:
         raise ConfigError(
@@ -460,7 +437,7 @@ def _check_agreement(
         counts = (
             ", or (deterministic=True) ran different numbers of micro-batches in this step (each must "
             "run G/W of the G canonical ones)"
-            if deterministic
+            if counts_micro_batches
             else ""
         )
         raise ConfigError(

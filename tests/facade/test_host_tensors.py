@@ -20,6 +20,7 @@ ALLOWED = {
     ("mechanisms/collectives.py", "to_device"): "the host side of a pinned copy to the device",
     ("mechanisms/collectives.py", "to_host"): "HostStaging: copies to the host, none enters a collective",
     ("runtime/construction.py", "check_transport"): "a device-type test, no tensor",
+    ("mechanisms/reduction.py", "_transported_by_gloo"): "a device-type test, no tensor",
     ("state/parked.py", "gather_parked"): "parked state travels pickled (an object collective)",
     ("state/tree.py", "describe_state"): "scalar state described for an object collective",
     ("state/shards.py", "move_shards"): "scalars and whole-parameter state travel pickled",
