@@ -63,6 +63,7 @@ from zeroplan.core.planner import (
     plan,
     windows_in,
 )
+from zeroplan.core.placement import MeshPlacement, Placement, Replicate, Shard
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
 from zeroplan.core.sizing.activations import (
@@ -154,19 +155,23 @@ __all__ = [
     "InnerTensor",
     "Link",
     "MemoryReport",
+    "MeshPlacement",
     "OptimizerSpec",
     "ParamLocation",
     "ParamSpec",
     "PartitionPlan",
     "PartitionStrategy",
     "Piece",
+    "Placement",
     "PlanInvariantError",
     "StepOrderError",
     "StepTemporaries",
     "RankReport",
+    "Replicate",
     "ReshardPlan",
     "ScalerConfig",
     "ScalerState",
+    "Shard",
     "Space",
     "Span",
     "Stage",
