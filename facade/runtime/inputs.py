@@ -61,7 +61,7 @@ def _group_dicts(params: Any) -> list[dict[str, Any]]:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 _DTENSOR = (
-    "{where}: is a DTensor (placements {placements} on a device mesh); ZeroOptimizer does not shard "
+    "{where}: is a DTensor (placements {placements} on mesh dimensions {mesh}); ZeroOptimizer does not shard "
     "DTensor parameters yet: it would shard the DTensor instead of its local tensor (silently wrong). "
     "Optimize plain tensors (the local shards, with their gradients reduced over the tensor-parallel "
     "group yourself), or leave this parameter to another optimizer"
@@ -82,7 +82,8 @@ def _subclass_error(where: str, tensor: torch.Tensor) -> str:
     except ImportError:  # a torch without public DTensors
         return subclass
     if isinstance(tensor, DTensor):
-        return _DTENSOR.format(where=where, placements=tuple(tensor.placements))
+        mesh = tensor.device_mesh.mesh_dim_names
+        return _DTENSOR.format(where=where, placements=tuple(tensor.placements), mesh=mesh)
     return subclass
 
 
