@@ -52,6 +52,7 @@ from zeroplan.core.optim.step_tables import step_temporaries
 from zeroplan.core.optim.temporaries import StepTemporaries
 from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
 from zeroplan.core.peak import BackwardPeak, PeakPhase, StepPeak, backward_peak, step_peak, step_transient
+from zeroplan.core.placement import MeshPlacement, Placement, Replicate, Shard
 from zeroplan.core.planner import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
@@ -63,7 +64,6 @@ from zeroplan.core.planner import (
     plan,
     windows_in,
 )
-from zeroplan.core.placement import MeshPlacement, Placement, Replicate, Shard
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
 from zeroplan.core.sizing.activations import (

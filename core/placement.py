@@ -109,7 +109,7 @@ def sharded_dims(placement: MeshPlacement) -> frozenset[int]:
 
 
 def placement_key(placement: MeshPlacement) -> tuple[tuple[str, str, int], ...]:
-    """``placement`` as plain data: ``(mesh dimension, "shard", dim)`` or ``(mesh dimension, "replicate", -1)``.
+    """``placement`` as plain data: ``(mesh dim, "shard", dim)`` or ``(mesh dim, "replicate", -1)``.
 
     For fingerprints (ints and strings only) and checkpoint manifests (JSON).
 

@@ -59,8 +59,8 @@ from zeroplan.core import (
     Stage,
     plan_from_assignment,
 )
-from zeroplan.core.placement import placement_from_key, placement_key
 from zeroplan.core.errors import require
+from zeroplan.core.placement import placement_from_key, placement_key
 from zeroplan.facade.checkpoint.files import read_json
 from zeroplan.facade.checkpoint.names import MANIFEST
 from zeroplan.facade.runtime.dtypes import torch_dtype
