@@ -53,6 +53,7 @@ from zeroplan.core.optim.temporaries import StepTemporaries
 from zeroplan.core.options import StepOptions
 from zeroplan.core.partition import Fragment, FragmentOverlap, PartitionPlan, Space, plan_from_assignment
 from zeroplan.core.peak import BackwardPeak, PeakPhase, StepPeak, backward_peak, step_peak, step_transient
+from zeroplan.core.placement import MeshPlacement, Placement, Replicate, Shard
 from zeroplan.core.planner import (
     DEFAULT_ALIGNMENT,
     DEFAULT_BUCKET_BYTES,
@@ -158,20 +159,24 @@ __all__ = [
     "InnerTensor",
     "Link",
     "MemoryReport",
+    "MeshPlacement",
     "OptimizerSpec",
     "ParamLocation",
     "ParamSpec",
     "PartitionPlan",
     "PartitionStrategy",
     "Piece",
+    "Placement",
     "PlanInvariantError",
     "StepOrderError",
     "StepTemporaries",
     "RankReport",
     "ReductionKind",
+    "Replicate",
     "ReshardPlan",
     "ScalerConfig",
     "ScalerState",
+    "Shard",
     "Space",
     "Span",
     "Stage",

@@ -93,7 +93,7 @@ class ReshardPlan:
 def compare_specs(source: PartitionPlan, target: PartitionPlan, *, allow_trainable_change: bool) -> None:
     """Raise :class:`IncompatiblePlanError` naming the first parameter that differs.
 
-    Names, shapes and dtypes must match one for one; ``trainable`` may differ,
+    Names, shapes (local and global), placements and dtypes must match one for one; ``trainable`` may differ,
     and the target may append parameters, only with ``allow_trainable_change``.
     """
     old, new = source.specs, target.specs
@@ -105,6 +105,8 @@ def compare_specs(source: PartitionPlan, target: PartitionPlan, *, allow_trainab
         for what, x, y in (
             ("name", a.name, b.name),
             ("shape", a.shape, b.shape),
+            ("global shape", a.global_shape, b.global_shape),
+            ("placement", a.placement, b.placement),
             ("dtype", a.dtype, b.dtype),
         ):
             if x != y:

@@ -17,6 +17,7 @@ from typing import Any
 from zeroplan.core.dtypes import canonical_dtype, itemsize
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
+from zeroplan.core.placement import MeshPlacement, check_placement, placement_key, sharded_dims
 
 __all__ = ["ParamSpec", "check_specs", "specs_fingerprint", "specs_from_module", "specs_from_shapes"]
 
@@ -29,7 +30,9 @@ class ParamSpec:
         index: position of the parameter in the optimizer's flat parameter list
             (``0..n-1``; plans key everything by it).
         name: human-readable name, used in messages and reports.
-        shape: tensor shape; ``()`` is a scalar, a ``0`` dimension is legal.
+        shape: the local shape, the part of the tensor this rank holds (the whole
+            tensor unless ``placement`` shards it); every plan, report and
+            checkpoint computes from it. ``()`` is a scalar, a ``0`` dimension is legal.
         dtype: canonical dtype name (``"float32"``, ``"bfloat16"``, ...).
         group: index of the optimizer param group the parameter belongs to.
         trainable: ``requires_grad``; frozen parameters are owned by no rank.
@@ -38,11 +41,26 @@ class ParamSpec:
             where fp32 pieces stepped in place are not contiguous), so a
             parameter unfrozen mid-run (a new cohort) keeps its own ``step``
             counter, as it would in ``torch.optim``.
-        numel: number of elements (derived).
+        global_shape: the whole tensor's shape across the mesh; ``None`` (the
+            default) stands for ``shape``, and is replaced by it. A plain spec
+            (``placement=()``) is whole on every rank: its global shape is
+            always its ``shape``, so ``dataclasses.replace(spec, shape=...)``
+            describes the new shape whole.
+        placement: how the global tensor lies on named mesh dimensions (see
+            [Note: placements] in ``zeroplan.core.placement``): ``(name, Shard(d))``
+            or ``(name, Replicate())`` pairs; ``()``, a plain tensor, is
+            replicated everywhere. Along a dimension some ``Shard`` splits, the
+            local size is at most the global one; along every other it is equal.
+        numel: number of local elements (derived).
 
     Example:
         >>> ParamSpec(index=0, name="w", shape=(3, 4), dtype="bf16").numel
         12
+        >>> from zeroplan.core import Shard
+        >>> tp = ParamSpec(index=0, name="w", shape=(3, 4), global_shape=(6, 4),
+        ...                placement=(("tp", Shard(0)),))
+        >>> tp.numel, tp.global_shape
+        (12, (6, 4))
     """
 
     index: int
@@ -52,6 +70,8 @@ class ParamSpec:
     group: int = 0
     trainable: bool = True
     cohort: int = 0
+    global_shape: tuple[int, ...] | None = None
+    placement: MeshPlacement = ()
     numel: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -74,6 +94,47 @@ class ParamSpec:
         )
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         object.__setattr__(self, "numel", math.prod(self.shape))
+        if self.placement == ():
+            # A plain tensor is whole on every rank: its global shape is its shape, so that
+            # ``dataclasses.replace(spec, shape=...)`` keeps working on plain specs.
+            object.__setattr__(self, "global_shape", self.shape)
+            return
+        if self.global_shape is None:
+            object.__setattr__(self, "global_shape", self.shape)
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        """Global shape and placement well formed, and the local shape one of the placement's pieces."""
+        glob = self.global_shape or ()  # None was replaced by the local shape
+        check_config(
+            isinstance(glob, tuple) and all(type(d) is int and d >= 0 for d in glob),
+            f"ParamSpec {self.name!r}: global_shape must be a tuple of ints >= 0 (or None for the local "
+            f"shape), got {glob!r}",
+        )
+        problem = check_placement(self.placement, len(glob))
+        check_config(problem is None, f"ParamSpec {self.name!r}: {problem}")
+        check_config(
+            len(glob) == len(self.shape),
+            f"ParamSpec {self.name!r}: local shape {self.shape} and global shape {glob} have different "
+            "numbers of dimensions; a shard keeps every dimension of the global tensor",
+        )
+        split = sharded_dims(self.placement)
+        for d, (here, whole) in enumerate(zip(self.shape, glob, strict=True)):
+            if d in split:
+                check_config(
+                    here <= whole,
+                    f"ParamSpec {self.name!r}: local shape {self.shape} is larger than global shape {glob} "
+                    f"along dimension {d}, which placement {self.placement} shards; a shard holds at most "
+                    "the whole dimension",
+                )
+            else:
+                check_config(
+                    here == whole,
+                    f"ParamSpec {self.name!r}: local shape {self.shape} differs from global shape {glob} "
+                    f"along dimension {d}, which placement {self.placement} does not shard; pass "
+                    f"Shard({d}) on the mesh dimension that splits it, or global_shape equal to shape "
+                    "for a replicated tensor",
+                )
 
     @property
     def itemsize(self) -> int:
@@ -86,8 +147,15 @@ class ParamSpec:
         return self.numel * self.itemsize
 
     def key(self) -> tuple[Any, ...]:
-        """Stable tuple identifying the spec (for fingerprints and comparisons)."""
-        return (self.index, self.name, self.shape, self.dtype, self.group, self.trainable, self.cohort)
+        """Stable tuple identifying the spec (for fingerprints and comparisons).
+
+        A plain spec (``placement=()``) has the key it always had; a placed one
+        adds its global shape and placement.
+        """
+        key = (self.index, self.name, self.shape, self.dtype, self.group, self.trainable, self.cohort)
+        if self.placement:
+            return (*key, self.global_shape, placement_key(self.placement))
+        return key
 
 
 def check_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:

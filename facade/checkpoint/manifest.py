@@ -60,6 +60,7 @@ from zeroplan.core import (
     plan_from_assignment,
 )
 from zeroplan.core.errors import require
+from zeroplan.core.placement import placement_from_key, placement_key
 from zeroplan.facade.checkpoint.files import read_json
 from zeroplan.facade.checkpoint.names import MANIFEST
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
@@ -414,7 +415,7 @@ def _partition_document(partition: PartitionPlan) -> dict[str, Any]:
         "alignment": partition.alignment,
         "shard_size": partition.shard_size,
         "fingerprint": partition.fingerprint(),
-        "specs": [[s.name, list(s.shape), s.dtype, s.group, s.trainable, s.cohort] for s in partition.specs],
+        "specs": [_spec_document(s) for s in partition.specs],
         "fragments": [
             [[f.rank, f.param_span.start, f.param_span.stop] for f in frags] for frags in partition.fragments
         ],
@@ -430,24 +431,44 @@ def _partition_document(partition: PartitionPlan) -> dict[str, Any]:
     }
 
 
+def _spec_document(spec: ParamSpec) -> list[Any]:
+    """A spec as a manifest entry: ``[name, shape, dtype, group, trainable, cohort]``, the local shape;
+    a placed spec (see [Note: placements] in ``zeroplan.core.placement``) adds its global shape and
+    placement, so plain specs are written as they always were."""
+    entry = [spec.name, list(spec.shape), spec.dtype, spec.group, spec.trainable, spec.cohort]
+    if spec.placement:
+        entry += [list(spec.global_shape or ()), [list(p) for p in placement_key(spec.placement)]]
+    return entry
+
+
+def _spec_from(index: int, entry: list[Any]) -> ParamSpec:
+    """Inverse of :func:`_spec_document` (six entries, as every manifest before placements wrote)."""
+    name, shape, dtype, group, trainable, cohort, *placed = entry
+    global_shape, placement = placed if placed else (None, [])
+    try:
+        where = placement_from_key(placement)
+    except ValueError as exc:
+        raise CheckpointError(f"the manifest's spec {name!r} has a malformed placement: {exc}") from None
+    return ParamSpec(
+        index=index,
+        name=name,
+        shape=tuple(shape),
+        dtype=dtype,
+        group=group,
+        trainable=trainable,
+        cohort=cohort,
+        global_shape=None if global_shape is None else tuple(global_shape),
+        placement=where,
+    )
+
+
 def _partition_from(document: dict[str, Any]) -> PartitionPlan:
     """Inverse of :func:`_partition_document`, checked against the fingerprint.
 
     Raises:
         CheckpointError: the rebuilt partition does not match its fingerprint.
     """
-    specs = tuple(
-        ParamSpec(
-            index=i,
-            name=name,
-            shape=tuple(shape),
-            dtype=dtype,
-            group=group,
-            trainable=trainable,
-            cohort=cohort,
-        )
-        for i, (name, shape, dtype, group, trainable, cohort) in enumerate(document["specs"])
-    )
+    specs = tuple(_spec_from(i, entry) for i, entry in enumerate(document["specs"]))
     if "blocks" in document:
         partition = PartitionPlan(
             specs=specs,

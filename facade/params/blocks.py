@@ -27,7 +27,7 @@ from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.policies import gather_for
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.params.buffers import BlockBuffers, block_positions
-from zeroplan.facade.params.gather import DeferredParameter
+from zeroplan.facade.params.gather import DeferredParameter, swappable
 from zeroplan.facade.params.owners import Owners
 
 __all__ = [
@@ -107,6 +107,7 @@ class BlockEntry:
         self.block = replace(block, start=0)  # the buffer holds the block alone
         self.nbytes = nbytes
         self.members: list[torch.Tensor] = []
+        self.swapped: list[torch.Tensor] = []  # the members whose class follows the state (``swappable``)
         self.indices: list[int] = []  # the members' parameter indices
         self.offsets: list[int] = []  # where each member starts in the buffer
         self.trainable = 0
@@ -138,6 +139,8 @@ class Blocks(abc.ABC):
                 entry = entries[s, k]
                 self._key_of[id(params[index])] = (s, k)
                 entry.members.append(params[index])
+                if swappable(zp.specs[index], params[index]):
+                    entry.swapped.append(params[index])
                 entry.indices.append(index)
                 entry.offsets.append(local)
                 entry.trainable += index in managed
@@ -269,8 +272,8 @@ class BlockTable(Blocks):
 
     def _set_class(self, entry: BlockEntry, cls: type) -> None:
         """Swap the members' class: ``ShardedParameter`` while sharded (a read gathers or raises)."""
-        for p in entry.members:
-            if type(p) in (torch.nn.Parameter, ShardedParameter):
+        for p in entry.swapped:
+            if type(p) in (torch.nn.Parameter, ShardedParameter):  # not another optimizer's deferred class
                 p.__class__ = cls
 
     def start_gather(self, key: BlockKey) -> None:
@@ -290,7 +293,9 @@ class BlockTable(Blocks):
         A tensor that still views the buffer from outside (``model.state_dict()``
         kept from ``gathered_params()``, a forward's output ``w.t()``) keeps it: the
         parameters move to a buffer of their own and the old one is left to its
-        holders, so no reader ever sees freed memory.
+        holders, so no reader ever sees freed memory. So does a buffer shared with numpy
+        (``p.detach().numpy()`` inside ``gathered_params()``), whose storage torch marks as not
+        resizable for good, whether or not the array is still alive.
         """
         entry = self.entries[key]
         if entry.state is BlockState.SHARDED:
@@ -301,7 +306,8 @@ class BlockTable(Blocks):
         storage = entry.buffer.untyped_storage()
         # Holders: the buffer, each parameter, ``storage`` itself and the tensors autograd saved (they
         # gather the block again when unpacked); anyone else keeps the memory.
-        if torch._C._storage_Use_Count(storage._cdata) > 2 + len(entry.members) + len(entry.saved):
+        held = torch._C._storage_Use_Count(storage._cdata) > 2 + len(entry.members) + len(entry.saved)
+        if held or not storage.resizable():
             del storage
             self._rehome(entry)
         else:
@@ -324,11 +330,16 @@ class BlockTable(Blocks):
     def release(self) -> None:
         """Let go of every parameter (another plan's buffers hold their values now); all sharded."""
         for entry in self.entries.values():
-            entry.members, entry.indices, entry.offsets = [], [], []
+            entry.members, entry.swapped, entry.indices, entry.offsets = [], [], [], []
             for pending in entry.pending:
                 pending.finish()
             entry.pending = []
-            entry.buffer.untyped_storage().resize_(0)
+            storage = entry.buffer.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
+            else:  # shared with numpy: left to the array, the buffer gets empty storage of its own
+                with torch.no_grad():
+                    entry.buffer.set_(entry.buffer.new_empty(0))
             entry.state = BlockState.SHARDED
 
     def detached(self) -> int | None:
@@ -403,7 +414,7 @@ class TracedBlocks(Blocks):
         """Drop every block and forget the parameters."""
         for key, entry in self.entries.items():
             self.free(key)
-            entry.members, entry.indices, entry.offsets = [], [], []
+            entry.members, entry.swapped, entry.indices, entry.offsets = [], [], [], []
 
     def detached(self) -> int | None:
         """None: the traced parameters are never moved."""

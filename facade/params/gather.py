@@ -23,8 +23,10 @@ an EMA update, a second optimizer; so **no read of a parameter sees stale values
 wait, so ``zero_grad()`` keeps the overlap. Every ``ZeroOptimizer`` call that
 reads or writes parameters, masters or state (``step()``, state dicts,
 checkpoints, re-planning) waits for all first, and ``opt.wait_for_params()``
-does so on demand. Only plain ``nn.Parameter`` objects are swapped; a block
-holding a parameter of another class is waited for inside ``step()``.
+does so on demand. Only parameters whose spec is plain and which are
+``nn.Parameter`` objects are swapped (:func:`swappable`); a block holding a
+plain ``torch.Tensor`` is waited for inside ``step()``. Construction refuses
+any other tensor class (a ``DTensor``, a tensor subclass).
 
 ``overlap_param_gather=False`` waits inside ``step()`` and gives bit-identical
 results.
@@ -68,7 +70,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._pytree import tree_flatten
 
-from zeroplan.core import ZeroPlan
+from zeroplan.core import ParamSpec, ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog, Pending
 from zeroplan.facade.mechanisms.dynamo import between_graphs, compiled_blocks
 from zeroplan.facade.mechanisms.groups import ProcessGroups
@@ -76,7 +78,7 @@ from zeroplan.facade.mechanisms.policies import gather_for
 from zeroplan.facade.params.buffers import FlatBuffers
 from zeroplan.facade.params.owners import Owners
 
-__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather"]
+__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather", "swappable"]
 
 
 class DeferredParameter(torch.nn.Parameter):
@@ -149,8 +151,20 @@ def _arrive_all(params: Sequence[torch.Tensor], module: torch.nn.Module, args: A
 
 #: Each gathering parameter's ParamGather, held weakly (the optimizer may be dropped mid-gather).
 _OWNERS: Owners[weakref.ref[ParamGather]] = Owners()
-#: The classes a parameter in flight may be swapped from (any other is the user's own: not deferred).
-_SWAPPABLE = frozenset({torch.nn.Parameter, GatheringParameter})
+
+
+def swappable(spec: ParamSpec, param: torch.Tensor) -> bool:
+    """Whether ``param``'s class is swapped while its values are elsewhere (decided once, at install).
+
+    The spec decides: a plain spec (``placement=()``) is one local tensor, split over data-parallel
+    ranks only, and its ``nn.Parameter`` takes a deferred class (:class:`GatheringParameter`, stage
+    3's ``ShardedParameter``) until its values arrive. A placed spec (a DTensor's, [Note: placements]
+    in ``zeroplan.core.placement``) is not swapped: construction refuses DTensor parameters until
+    tensor parallel is supported. A ``torch.Tensor`` that is no ``nn.Parameter`` is not swapped
+    either: the deferred classes are parameters, and its own class could not be given back.
+    """
+    return not spec.placement and isinstance(param, torch.nn.Parameter)
+
 
 #: ParamGathers with gathers in flight, held strongly (the optimizer may be gone already), so that
 #: those gathers are retired before the interpreter exits.
@@ -191,6 +205,7 @@ class ParamGather:
         # Per (space, block), its parameters; per parameter (by identity), its blocks.
         self._members: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._blocks_of: dict[int, list[tuple[int, int]]] = {}
+        kept: set[tuple[int, int]] = set()  # blocks with a member that is not swapped
         for buf in buffers:
             blocks = zp.gather_blocks(buf.space)  # [Note: gather blocks] in zeroplan.core.planner
             starts = [b.start for b in blocks]
@@ -204,6 +219,10 @@ class ParamGather:
                 self._blocks_of[id(params[index])] = keys
                 for key in keys:
                     self._members.setdefault(key, []).append(params[index])
+                    if not swappable(zp.specs[index], params[index]):
+                        kept.add(key)
+        # The blocks whose members all take a deferred class while in flight (see :func:`swappable`).
+        self._swapped = frozenset(self._members.keys() - kept)
         self._pending: dict[tuple[int, int], list[Pending]] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._self = weakref.ref(self)
@@ -269,8 +288,8 @@ class ParamGather:
         _IN_FLIGHT.add(self)
         for key in list(self._pending):
             members = self._members.get(key, [])
-            if not {type(p) for p in members} <= _SWAPPABLE:  # one frame per block, not one per parameter
-                self._finish_block(key)  # a parameter class of the user's own: not swapped, so not deferred
+            if key not in self._swapped:
+                self._finish_block(key)  # a plain tensor among its members: not swapped, so not deferred
                 continue
             for p in members:
                 if _OWNERS.get(p) is not self._self:  # claimed once, not every step

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zeroplan.core import ConfigError, ConfigTypeError, ParamSpec, canonical_dtype
+from zeroplan.facade.params.gather import DeferredParameter
 
 __all__ = ["ParamList", "collect_params", "describe_params"]
 
@@ -55,6 +56,37 @@ def _group_dicts(params: Any) -> list[dict[str, Any]]:
     return [dict(group) for group in items]
 
 
+#: The parameter classes ZeroOptimizer shards (besides its own ``DeferredParameter`` classes, which a
+#: parameter another ZeroOptimizer manages may hold for a while): plain tensors, whose spec is plain.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+_DTENSOR = (
+    "{where}: is a DTensor (placements {placements} on mesh dimensions {mesh}); ZeroOptimizer does not shard "
+    "DTensor parameters yet: it would shard the DTensor instead of its local tensor (silently wrong). "
+    "Optimize plain tensors (the local shards, with their gradients reduced over the tensor-parallel "
+    "group yourself), or leave this parameter to another optimizer"
+)
+_SUBCLASS = (
+    "{where}: is a {cls}, a torch.Tensor subclass; ZeroOptimizer shards plain tensors and nn.Parameter "
+    "only (stage 3 swaps a parameter's class, and a subclass's own data would not be sharded). Pass the "
+    "plain tensor it wraps, or leave this parameter to another optimizer"
+)
+
+
+def _subclass_error(where: str, tensor: torch.Tensor) -> str:
+    """Why ``tensor``, of a class ZeroOptimizer does not handle, is refused (the message names it)."""
+    cls = type(tensor)
+    subclass = _SUBCLASS.format(where=where, cls=f"{cls.__module__}.{cls.__qualname__}")
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without public DTensors
+        return subclass
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh.mesh_dim_names
+        return _DTENSOR.format(where=where, placements=tuple(tensor.placements), mesh=mesh)
+    return subclass
+
+
 def collect_params(params: Any, start: int = 0, seen: Iterable[torch.Tensor] = ()) -> ParamList:
     """Validate ``params`` (what ``torch.optim`` accepts) and flatten it.
 
@@ -66,7 +98,8 @@ def collect_params(params: Any, start: int = 0, seen: Iterable[torch.Tensor] = (
 
     Raises:
         ConfigError: empty list, a parameter listed twice, a non-floating or
-            sparse tensor, a non-leaf tensor, or parameters on several devices.
+            sparse tensor, a non-leaf tensor, a tensor subclass (a ``DTensor``,
+            until tensor parallel is supported), or parameters on several devices.
     """
     flat: list[torch.Tensor] = []
     names: list[str] = []
@@ -81,6 +114,8 @@ def collect_params(params: Any, start: int = 0, seen: Iterable[torch.Tensor] = (
             where = f"param group {g}, position {i}" + (f" ({name})" if name else "")
             if not isinstance(tensor, torch.Tensor):
                 raise ConfigTypeError(f"{where}: expected a tensor, got {type(tensor).__name__}")
+            if type(tensor) not in _PLAIN and not isinstance(tensor, DeferredParameter):
+                raise ConfigError(_subclass_error(where, tensor))
             if tensor.is_sparse or tensor.layout is not torch.strided:
                 raise ConfigError(
                     f"{where}: sparse tensors ({tensor.layout}) cannot be sharded; use dense parameters"

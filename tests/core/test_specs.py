@@ -8,9 +8,13 @@ import pytest
 
 from zeroplan.core import (
     ConfigError,
+    IncompatiblePlanError,
     ParamSpec,
+    Replicate,
+    Shard,
     Topology,
     check_specs,
+    compare_specs,
     plan,
     specs_fingerprint,
     specs_from_module,
@@ -182,3 +186,62 @@ def test_zero_plan_specs_fingerprint_ignores_every_planning_setting():
     b = plan(ODD, Topology(world_size=4, shard_size=2), stage=2, strategy="lpt_whole", bucket_bytes=64)
     assert a.specs_fingerprint() == b.specs_fingerprint() == specs_fingerprint(ODD)
     assert a.fingerprint() != b.fingerprint()
+
+
+# ----------------------------------------------------------------- placements ([Note: placements])
+TP = (("tp", Shard(0)), ("dp", Replicate()))
+
+
+def test_a_plain_spec_is_its_own_global_shape_replicated_and_keyed_as_before():
+    spec = ParamSpec(index=0, name="w", shape=(17, 257))
+    assert spec.global_shape == (17, 257) and spec.placement == ()
+    assert spec.key() == (0, "w", (17, 257), "float32", 0, True, 0)
+    assert all(s.global_shape == s.shape and s.placement == () for s in ODD)
+    # replace describes the new shape whole (a plain spec has no other global shape)
+    assert dataclasses.replace(spec, shape=(3,)).global_shape == (3,)
+
+
+def test_a_placed_spec_computes_from_its_local_shape_and_keys_its_placement():
+    spec = ParamSpec(index=0, name="w", shape=(9, 257), global_shape=(17, 257), placement=TP, dtype="bf16")
+    assert spec.numel == 9 * 257 and spec.nbytes == 2 * 9 * 257
+    assert spec.key()[-2:] == ((17, 257), (("tp", "shard", 0), ("dp", "replicate", -1)))
+    replicated = ParamSpec(index=0, name="w", shape=(9, 257), placement=(("tp", Replicate()),))
+    assert replicated.global_shape == (9, 257)
+    zp = plan((spec,), Topology(world_size=2), stage=2, alignment=1)
+    assert sum(f.param_span.numel for f in zp.partition.fragments[0]) == 9 * 257
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needles"),
+    [
+        ({"global_shape": (17, 257), "placement": (("dp", Replicate()),)}, ["dimension 0", "Shard(0)"]),
+        ({"global_shape": (5, 257), "placement": TP}, ["larger than global shape", "dimension 0"]),
+        ({"global_shape": (17,), "placement": TP}, ["numbers of dimensions"]),
+        ({"global_shape": [17, 257], "placement": TP}, ["global_shape", "[17, 257]"]),
+        ({"placement": (("tp", Shard(2)),)}, ["dimension 2", "0 <= d < 2"]),
+        ({"placement": [("tp", Shard(0))]}, ["tuple", "placement=(('tp', Shard(0)),)"]),
+        ({"placement": (("tp", "shard"),)}, ["('tp', 'shard')", "pair"]),
+        ({"placement": (("tp", Shard(0)), ("tp", Replicate()))}, ["'tp'", "twice"]),
+    ],
+)
+def test_placements_that_do_not_fit_the_shapes_are_config_errors(kwargs, needles):
+    with pytest.raises(ConfigError) as info:
+        ParamSpec(index=0, name="weird.weight", shape=(9, 257), **kwargs)
+    assert "weird.weight" in str(info.value)
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+
+
+def test_specs_fingerprint_sees_the_placement():
+    placed = dataclasses.replace(ODD[0], shape=(9, 257), global_shape=(17, 257), placement=TP)
+    other = dataclasses.replace(placed, placement=(("tp", Shard(0)),))
+    prints = {specs_fingerprint((s, *ODD[1:])) for s in (ODD[0], placed, other)}
+    assert len(prints) == 3
+
+
+def test_plans_of_other_placements_do_not_reshard_into_each_other():
+    a = ParamSpec(index=0, name="w", shape=(9, 4), global_shape=(17, 4), placement=TP)
+    b = dataclasses.replace(a, global_shape=(18, 4))
+    source, target = (plan((s,), Topology(world_size=2), stage=1).partition for s in (a, b))
+    with pytest.raises(IncompatiblePlanError, match="global shape"):
+        compare_specs(source, target, allow_trainable_change=False)

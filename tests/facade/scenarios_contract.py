@@ -244,3 +244,35 @@ def grad_changed_by_hand(rank: int, world: int) -> dict[str, Any]:
     before = _everything(opt, model)
     error = _error(opt.step)
     return {"error": error, "unchanged": _same(before, _everything(opt, model))}
+
+
+class _OwnParameter(nn.Parameter):
+    """A parameter class of the user's own (a tensor subclass ZeroOptimizer does not handle)."""
+
+
+def tensor_subclass_params(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """A DTensor parameter (tensor parallel, not handled yet) and a parameter subclass are refused at
+    construction, on every rank, with the parameter's name, and the model is left as it was."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = make_model()
+    fc = model.blocks[0].fc
+    fc.weight = nn.Parameter(distribute_tensor(fc.weight.detach(), mesh, [Shard(0)]))
+    before = [
+        p.detach().clone() if type(p) is nn.Parameter else p.to_local().clone() for p in model.parameters()
+    ]
+    dtensor = _error(lambda: make_optimizer(model.named_parameters(), stage=stage))
+    after = [
+        p.detach().clone() if type(p) is nn.Parameter else p.to_local().clone() for p in model.parameters()
+    ]
+    other = make_model()
+    other.head.weight = _OwnParameter(other.head.weight.detach())
+    own = _error(lambda: make_optimizer(other.named_parameters(), stage=stage))
+    return {
+        "dtensor": dtensor,
+        "own": own,
+        "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        "plain_after": all(type(p) in (nn.Parameter, _OwnParameter) for p in other.parameters()),
+    }

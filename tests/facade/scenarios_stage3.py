@@ -321,3 +321,39 @@ def held_while_prefetched(rank: int, world: int, cfg: dict[str, Any]) -> dict[st
         "moved": moved,
         "sharded_after_forward": sharded,
     }
+
+
+def shared_with_numpy(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Parameters shared with numpy inside ``gathered_params()`` (issue 40 item 7), next to stage 2.
+
+    ``p.detach().numpy()`` marks the block's storage as not resizable for good: freeing the block used to
+    raise "Trying to resize storage that is not resizable". Half the arrays are kept (they must keep the
+    values they were taken with), half dropped at once; then training goes on, and a re-plan (freezing
+    a parameter) lets go of the old blocks.
+    """
+    models = [_model({}) for _ in range(2)]
+    opts = [make_optimizer(m, stage=s, collectives="min_bytes") for m, s in zip(models, (3, 2), strict=True)]
+    for m, o in zip(models, opts, strict=True):
+        o.attach(m)
+    for m, o in zip(models, opts, strict=True):
+        _train(m, o, rank, 0, {})
+    with opts[0].gathered_params():
+        arrays = [p.detach().numpy() for p in models[0].parameters()]
+        taken = [a.copy() for a in arrays]
+        kept = arrays[::2]
+        del arrays
+    for step in (1, 2):
+        for m, o in zip(models, opts, strict=True):
+            _train(m, o, rank, step, {})
+    with opts[0].gathered_params():
+        more = [p.detach().numpy() for p in models[0].parameters()]
+        del more
+    for m, o in zip(models, opts, strict=True):
+        m.blocks[0].fc.weight.requires_grad_(False)
+        o.refresh_trainable()
+        _train(m, o, rank, 3, {})
+    return {
+        "equal_to_stage_2": _equal_to_stage_2(models, opts),
+        "kept_intact": all((a == b).all() for a, b in zip(kept, taken[::2], strict=True)),
+        "sharded": all(type(p) is ShardedParameter for p in models[0].parameters() if p.requires_grad),
+    }

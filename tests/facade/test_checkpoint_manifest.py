@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import scenarios_old_checkpoints as old
 
-from zeroplan.core import ParamSpec, PlanInvariantError, Stage, Topology, plan
+from zeroplan.core import ParamSpec, PlanInvariantError, Replicate, Shard, Stage, Topology, plan
 from zeroplan.facade.checkpoint.manifest import (
     EXPERTS_FORMAT,
     FORMAT,
@@ -151,3 +151,32 @@ BAD_PARTS = {
 def test_parts_that_break_an_invariant_are_refused(case):
     with pytest.raises(PlanInvariantError):
         BAD_PARTS[case]()
+
+
+def test_placed_specs_record_global_shape_and_placement_and_plain_ones_stay_six_entries(tmp_path: Path):
+    """[Note: placements]: a placed spec's entry adds its global shape and placement (the shape is the
+    local one); a plain spec's entry is the six fields every manifest wrote, so old manifests load."""
+    specs = (
+        ParamSpec(
+            index=0,
+            name="w",
+            shape=(9, 5),
+            global_shape=(17, 5),
+            placement=(("tp", Shard(0)), ("dp", Replicate())),
+        ),
+        ParamSpec(index=1, name="b", shape=(5,)),
+    )
+    zp = plan(specs, Topology(world_size=2), stage=2, alignment=4)
+    shards = SavedShards(partition=zp.partition, separate_master=(), state=(), param_groups=({"lr": 0.1},))
+    manifest = dataclasses.replace(_moe_manifest(), shards=shards, expert_domains=())
+    document = manifest.sealed()
+    entries = document["partition"]["specs"]
+    assert entries[0][:2] == ["w", [9, 5]] and entries[0][6:] == [
+        [17, 5],
+        [["tp", "shard", 0], ["dp", "replicate", -1]],
+    ]
+    assert entries[1] == ["b", [5], "float32", 0, True, 0]
+    (tmp_path / MANIFEST).write_text(json.dumps(document))
+    read = read_manifest(tmp_path)
+    assert read.shards.partition.specs == specs
+    assert read.shards.partition.fingerprint() == zp.partition.fingerprint()

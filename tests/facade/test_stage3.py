@@ -120,3 +120,13 @@ def test_replanning_at_stage_3_equals_stage_2(pools):
     """Freezing, unfreezing (``refresh_trainable``) and ``add_param_group`` re-plan a sharded model."""
     for r in pools(2).run(scenarios_stage3.replanning, {}):
         assert r["equal_to_stage_2"]
+
+
+def test_parameters_shared_with_numpy_inside_gathered_params_are_released(pools):
+    """Issue 40 item 7: ``p.detach().numpy()`` inside ``gathered_params()`` (kept or dropped) no longer
+    makes the release raise "Trying to resize storage that is not resizable"; the kept arrays keep
+    their values, and training (a re-plan included) equals stage 2 bit for bit."""
+    for r in pools(2).run(scenarios_stage3.shared_with_numpy, {}):
+        assert r["equal_to_stage_2"]
+        assert r["kept_intact"]
+        assert r["sharded"]
