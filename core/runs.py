@@ -27,8 +27,8 @@ most of such a plan's cost, and saved checkpoints carry its digest), memory
 reports compute each distinct rank's inner tensors once
 (:func:`rank_windows`), traffic and staging arenas count a bucket of equal
 pieces once for all ranks. Every value is the one a plan of
-tuples has (``tests/core/plan_snapshot.py`` pins fingerprints, reports and plan
-values; ``tests/core/test_runs.py`` compares with the tuples).
+tuples has (the plan snapshot pins fingerprints, reports and plan values, and
+the runs' tests compare with the tuples: docs/testing.md).
 """
 
 from __future__ import annotations

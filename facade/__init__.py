@@ -7,8 +7,8 @@ import torch; they are loaded on first access so that ``zeroplan plan``, which
 imports this package, starts quickly.
 
 [Note: facade layers]
-The facade is layered, every import pointing down (``tests/test_layers.py``
-fails on one that points up, ``TYPE_CHECKING`` imports included):
+The facade is layered, every import pointing down (a test fails on one that
+points up, ``TYPE_CHECKING`` imports included):
 
 0. ``mechanisms``: collectives and streams, the wire codec, process groups,
    torch dtypes, dynamo guards, the agreement of ranks, micro-batch sums and

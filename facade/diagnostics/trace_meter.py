@@ -4,7 +4,7 @@
 ``MemTracker`` updates, after every operator, the peak of every module it has
 seen whose name is among the running modules: a loop over all the modules
 seen so far, per operator, so a trace's cost grew with the square of the
-model's depth (Llama-7B: 28 of its 44 s). :class:`StretchTracker` does the same
+model's depth (most of a Llama-7B trace's time: docs/benchmarks.md). :class:`StretchTracker` does the same
 updates over the running modules alone (an index by name, rebuilt when a
 module is first seen), with the same snapshots and the same order of
 updates. It also keeps, for the stretch of the pass since the last trace

@@ -15,12 +15,12 @@ zeroplan's module hooks and its parameters' first-use waits (``on_use`` of the
 ``torch.compiler.disable``, so dynamo calls them as they are, between graphs.
 Traced, they would put the blocks' state (a Python enum per block) in the
 guards, and each step's new state would recompile them, up to dynamo's
-recompile limit, many times slower than eager (a tiny model compiled whole at
-stage 3: over 600 s for six steps, 3 s with the hooks run eagerly). What
+recompile limit, orders of magnitude slower than eager (measured in
+docs/compile.md). What
 compiling costs instead is a graph break at each hook: per module with
 parameters at stage 3, and at stages 1-2 at the first use of a parameter whose
-gather overlaps the forward (``tests/facade/test_compile.py`` counts them, and
-checks that nothing is compiled again after the second step).
+gather overlaps the forward (the compile tests count them, and check that
+nothing is compiled again after the second step).
 
 Blocks compiled on their own, then attached (``torch.compile`` each block,
 then ``opt.attach(model)``, torchtitan's order with FSDP2), break nothing:

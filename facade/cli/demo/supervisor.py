@@ -103,8 +103,8 @@ def _context() -> Any:
 
     [Note: fast start]
     Each worker would otherwise import torch and ``torch._dynamo`` (which the first
-    ``torch.optim`` optimizer imports) itself: ~3.5 s of CPU per process, 14 s for the
-    default 4 workers on a 2-core machine. A forkserver imports them once, before any
+    ``torch.optim`` optimizer imports) itself, seconds of CPU per process, paid by
+    every worker at once on a small machine. A forkserver imports them once, before any
     thread pool, process group or CUDA context exists, and forks clean workers from
     that state (as ``torch.multiprocessing`` does with ``TORCH_MP_PARALLEL_START``).
     """
