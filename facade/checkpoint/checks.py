@@ -1,15 +1,22 @@
-"""A snapshot's manifest checked against its saved partitions and its data files.
+"""Every check of a snapshot before it is read: ``checkpoint.load`` calls them, nothing else checks.
 
 Steps 2 (against the partition) and 3 (against the data) of [Note: manifest
 integrity]: :func:`~zeroplan.facade.checkpoint.manifest.read_manifest` has
 already checked the seal and the form and parsed the typed :class:`Manifest`.
+Then against the optimizer that loads it: the inner optimizer, the parameters
+and their param groups (:func:`check_data_domain`), the files its ranks read
+(:func:`check_shard_files_present`), the expert domains, their groups and
+partitions (:func:`check_expert_domains`, :func:`check_expert_domain`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
-from zeroplan.core import CheckpointError, PartitionPlan, master_dtype
+import torch.distributed as dist
+
+from zeroplan.core import CheckpointError, IncompatiblePlanError, PartitionPlan, compare_specs, master_dtype
 from zeroplan.facade.checkpoint.files import TensorFile
 from zeroplan.facade.checkpoint.manifest import MISMATCH, ExpertGroup, LeafKind, Manifest, SavedShards
 from zeroplan.facade.checkpoint.names import (
@@ -24,7 +31,55 @@ from zeroplan.facade.checkpoint.names import (
 from zeroplan.facade.mechanisms.torch_dtypes import dtype_name, torch_dtype
 from zeroplan.facade.state.tree import TensorMeta
 
-__all__ = ["check_against_partition", "check_expert_group", "check_frozen_file", "check_shard_file"]
+__all__ = [
+    "check_against_partition",
+    "check_data_domain",
+    "check_expert_domain",
+    "check_expert_domains",
+    "check_expert_group",
+    "check_expert_param_groups",
+    "check_frozen_file",
+    "check_shard_file",
+    "check_shard_files_present",
+]
+
+
+def check_data_domain(manifest: Manifest, snapshot: Path, optimizer: str, partition: PartitionPlan) -> None:
+    """The snapshot's data domain against the optimizer loading it: its inner optimizer, its parameters
+    (shapes, dtypes, order: any partition of them loads) and their param groups.
+
+    Raises:
+        IncompatiblePlanError: another inner optimizer, other parameters or other param groups.
+        CheckpointError: the manifest disagrees with its own partition.
+    """
+    if manifest.optimizer != optimizer:
+        raise IncompatiblePlanError(
+            f"checkpoint of optimizer {manifest.optimizer!r}, but this ZeroOptimizer wraps {optimizer!r}"
+        )
+    saved = manifest.shards.partition
+    check_against_partition(manifest, snapshot)
+    compare_specs(saved, partition, allow_trainable_change=False)
+    for spec_saved, spec_here in zip(saved.specs, partition.specs, strict=True):
+        if spec_saved.group != spec_here.group:
+            raise IncompatiblePlanError(
+                f"parameter {spec_here.index} ({spec_here.name!r}) is in param group "
+                f"{spec_saved.group} in the checkpoint but in group {spec_here.group} here"
+            )
+
+
+def check_shard_files_present(manifest: Manifest, snapshot: Path) -> None:
+    """Every saved rank's shard file is listed and on disk (before any rank reads one).
+
+    Raises:
+        CheckpointError: naming the missing files.
+    """
+    shard_files = [shard_file(q) for q in range(manifest.shards.partition.shard_size)]
+    missing = [n for n in shard_files if n in manifest.names and not (snapshot / n).is_file()]
+    missing += sorted(set(shard_files) - manifest.names)
+    if missing:
+        raise CheckpointError(
+            f"{str(snapshot)!r} is missing shard files of saved ranks: {', '.join(missing)}"
+        )
 
 
 def check_against_partition(manifest: Manifest, snapshot: Path) -> None:
@@ -141,3 +196,126 @@ def check_frozen_file(file: TensorFile, saved: PartitionPlan) -> None:
 
 def _frozen_metas(saved: PartitionPlan) -> dict[str, TensorMeta]:
     return {param_tensor(s.index): TensorMeta(s.shape, s.dtype) for s in saved.specs if not s.trainable}
+
+
+def check_expert_domains(
+    manifest: Manifest,
+    snapshot: Path,
+    domains: Sequence[tuple[str, dist.ProcessGroup]],
+    world: dist.ProcessGroup,
+) -> list[ExpertGroup]:
+    """This rank's group entry of each expert domain ([Note: checkpoint layout]); reads no data file.
+
+    ``domains``: the loading optimizer's expert domains, by name and process group; ``world``: its
+    data-parallel group.
+
+    Raises:
+        CheckpointError: the snapshot holds expert state and the optimizer has
+            no expert groups, or the reverse, or other domains, another world
+            size or other expert groups.
+    """
+    saved = manifest.expert_domains
+    if not saved and not domains:
+        return []
+    where, names = repr(str(snapshot)), [name for name, _ in domains]
+    rank, world_size = dist.get_rank(world), dist.get_world_size(world)
+    if not saved:
+        raise CheckpointError(
+            f"{where} holds no expert state (the optimizer that saved it had no expert param groups), but "
+            f"this optimizer has expert domains {names}: nothing says which experts a rank holds. Load it "
+            "into an optimizer without expert groups, or load a checkpoint saved with these expert groups"
+        )
+    saved_names = [d.name for d in saved]
+    sizes = " or ".join(str(n) for n in sorted({len(g.ranks) for d in saved for g in d.groups}))
+    if not domains:
+        raise CheckpointError(
+            f"{where} holds expert state (domains {saved_names}, saved at world size {manifest.world_size} "
+            f"with expert groups of {sizes} ranks), but this optimizer has no expert param groups: build it "
+            "as the job that saved it did, each expert param group with its 'process_group'"
+        )
+    if saved_names != names:
+        raise CheckpointError(
+            f"{where} holds expert domains {saved_names}, this optimizer has {names}: build it with the same "
+            "expert param groups (a 'process_group' each) as the job that saved it"
+        )
+    if manifest.world_size != world_size:
+        raise CheckpointError(
+            f"{where} holds expert state saved at world size {manifest.world_size}, this job runs at world "
+            f"size {world_size}: a rank's experts load only at the world size and with the "
+            f"expert groups they were saved with; resume at world size {manifest.world_size} (checkpoints "
+            "without expert groups load at any world size)"
+        )
+    entries = []
+    for (name, group), saved_domain in zip(domains, saved, strict=True):
+        here = [dist.get_group_rank(world, q) for q in dist.get_process_group_ranks(group)]
+        mine = saved_domain.group_of(rank)
+        if list(mine.ranks) != here:
+            raise CheckpointError(
+                f"{where}: expert domain {name!r} was saved with expert groups "
+                f"{[list(g.ranks) for g in saved_domain.groups]} (ranks of the world), but rank {rank} "
+                f"is in expert group {here} here: a rank's experts load only with the expert groups they "
+                "were saved with; create the expert groups (each param group's 'process_group') as the job "
+                "that saved it did"
+            )
+        entries.append(mine)
+    return entries
+
+
+def check_expert_domain(
+    manifest: Manifest,
+    snapshot: Path,
+    name: str,
+    group: ExpertGroup,
+    partition: PartitionPlan,
+    target: PartitionPlan,
+) -> None:
+    """Expert domain ``name``'s saved state against the loading optimizer's: its group's files, its
+    parameters (``partition``), the partition it loads into (``target``, which must be the saved one:
+    expert state is not elastic), and every file its group's ranks read.
+
+    Raises:
+        CheckpointError: saying which and how to fix it.
+    """
+    where = f"{str(snapshot)!r}, expert domain {name!r}"
+    check_expert_group(group, snapshot, name)
+    saved = group.shards.partition
+    try:
+        compare_specs(saved, partition, allow_trainable_change=False)
+    except IncompatiblePlanError as exc:
+        raise CheckpointError(
+            f"{where}: {exc}; expert state loads only into the expert parameters it was saved from"
+        ) from None
+    if target.fingerprint() != saved.fingerprint():
+        raise CheckpointError(
+            f"{where}: saved with another partition of the expert parameters ({_describe(saved)}) than this "
+            f"optimizer's ({_describe(target)}): expert state loads only into the partition it was "
+            "saved with; build the optimizer with the same param groups, strategy, alignment and layout"
+        )
+    names = [expert_file(name, q) for q in group.ranks]
+    missing = [n for n in names if n not in manifest.names or not (snapshot / n).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{str(snapshot)!r} is missing expert files of domain {name!r}, which the ranks of expert "
+            f"group {list(group.ranks)} read: {', '.join(missing)}; restore them from a copy or load another "
+            "snapshot"
+        )
+
+
+def check_expert_param_groups(snapshot: Path, name: str, saved: int, here: int) -> None:
+    """Expert domain ``name`` saved ``saved`` param groups; the loading optimizer has ``here``.
+
+    Raises:
+        CheckpointError: they differ.
+    """
+    if saved != here:
+        raise CheckpointError(
+            f"{str(snapshot)!r}, expert domain {name!r}: {saved} param groups saved, {here} here: build the "
+            "optimizer with the same expert param groups as the job that saved it"
+        )
+
+
+def _describe(partition: PartitionPlan) -> str:
+    return (
+        f"strategy {partition.strategy!r}, alignment {partition.alignment}, {partition.shard_size} shards, "
+        f"fingerprint {partition.fingerprint()}"
+    )

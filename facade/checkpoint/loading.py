@@ -13,22 +13,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from zeroplan.core import (
     CheckpointError,
     IncompatiblePlanError,
-    PartitionPlan,
     ReshardPlan,
     ZeroPlan,
-    compare_specs,
     plan_reshard,
 )
 from zeroplan.facade.checkpoint.checks import (
-    check_against_partition,
-    check_expert_group,
+    check_data_domain,
+    check_expert_domain,
+    check_expert_domains,
+    check_expert_param_groups,
     check_frozen_file,
     check_shard_file,
+    check_shard_files_present,
 )
 from zeroplan.facade.checkpoint.files import TensorFile, decode
 from zeroplan.facade.checkpoint.manifest import (
@@ -49,7 +49,6 @@ from zeroplan.facade.checkpoint.names import (
     state_tensor,
 )
 from zeroplan.facade.checkpoint.root import resolve
-from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.state.dicts import Shards
 from zeroplan.facade.state.restore import LoadedState, agreed_state
@@ -173,21 +172,11 @@ def _prepare(
     """
     snapshot = resolve(path)
     manifest = read_manifest(snapshot)  # [Note: manifest integrity]
-    if manifest.optimizer != sh.optimizer_name:
-        raise IncompatiblePlanError(
-            f"checkpoint of optimizer {manifest.optimizer!r}, "
-            f"but this ZeroOptimizer wraps {sh.optimizer_name!r}"
-        )
-    expert_groups = _expert_groups(manifest, domains, sh.groups, snapshot)
+    check_data_domain(manifest, snapshot, sh.optimizer_name, sh.zp.partition)
+    expert_groups = check_expert_domains(
+        manifest, snapshot, [(d.name, d.world) for d in domains], sh.groups.world
+    )
     saved = manifest.shards.partition
-    check_against_partition(manifest, snapshot)
-    compare_specs(saved, sh.zp.partition, allow_trainable_change=False)
-    for spec_saved, spec_here in zip(saved.specs, sh.zp.specs, strict=True):
-        if spec_saved.group != spec_here.group:
-            raise IncompatiblePlanError(
-                f"parameter {spec_here.index} ({spec_here.name!r}) is in param group "
-                f"{spec_saved.group} in the checkpoint but in group {spec_here.group} here"
-            )
     target = plan_with_cohorts([s.cohort for s in saved.specs])
     reshard = plan_reshard(saved, target.partition)
     files: dict[str, TensorFile] = {}
@@ -200,13 +189,7 @@ def _prepare(
             files[name] = TensorFile(snapshot / name, size)
         return files[name]
 
-    shard_files = [shard_file(q) for q in range(saved.shard_size)]
-    missing = [n for n in shard_files if n in manifest.names and not (snapshot / n).is_file()]
-    missing += sorted(set(shard_files) - manifest.names)
-    if missing:
-        raise CheckpointError(
-            f"{str(snapshot)!r} is missing shard files of saved ranks: {', '.join(missing)}"
-        )
+    check_shard_files_present(manifest, snapshot)
 
     rank, world = sh.groups.rank, sh.groups.topology.world_size
     # Cross-check the files whose checksums this rank verifies against the manifest.
@@ -308,62 +291,6 @@ def _read(
 
 
 # --------------------------------------------------------------------------- load: expert domains
-def _expert_groups(
-    manifest: Manifest, domains: Sequence[DomainRuntime], world: ProcessGroups, snapshot: Path
-) -> list[ExpertGroup]:
-    """This rank's group entry of each expert domain ([Note: checkpoint layout]); reads no data file.
-
-    Raises:
-        CheckpointError: the snapshot holds expert state and the optimizer has
-            no expert groups, or the reverse, or other domains, another world
-            size or other expert groups.
-    """
-    saved = manifest.expert_domains
-    if not saved and not domains:
-        return []
-    where, names = repr(str(snapshot)), [d.name for d in domains]
-    if not saved:
-        raise CheckpointError(
-            f"{where} holds no expert state (the optimizer that saved it had no expert param groups), but "
-            f"this optimizer has expert domains {names}: nothing says which experts a rank holds. Load it "
-            "into an optimizer without expert groups, or load a checkpoint saved with these expert groups"
-        )
-    saved_names = [d.name for d in saved]
-    sizes = " or ".join(str(n) for n in sorted({len(g.ranks) for d in saved for g in d.groups}))
-    if not domains:
-        raise CheckpointError(
-            f"{where} holds expert state (domains {saved_names}, saved at world size {manifest.world_size} "
-            f"with expert groups of {sizes} ranks), but this optimizer has no expert param groups: build it "
-            "as the job that saved it did, each expert param group with its 'process_group'"
-        )
-    if saved_names != names:
-        raise CheckpointError(
-            f"{where} holds expert domains {saved_names}, this optimizer has {names}: build it with the same "
-            "expert param groups (a 'process_group' each) as the job that saved it"
-        )
-    if manifest.world_size != world.topology.world_size:
-        raise CheckpointError(
-            f"{where} holds expert state saved at world size {manifest.world_size}, this job runs at world "
-            f"size {world.topology.world_size}: a rank's experts load only at the world size and with the "
-            f"expert groups they were saved with; resume at world size {manifest.world_size} (checkpoints "
-            "without expert groups load at any world size)"
-        )
-    entries = []
-    for domain, saved_domain in zip(domains, saved, strict=True):
-        here = [dist.get_group_rank(world.world, q) for q in dist.get_process_group_ranks(domain.world)]
-        mine = saved_domain.group_of(world.rank)
-        if list(mine.ranks) != here:
-            raise CheckpointError(
-                f"{where}: expert domain {domain.name!r} was saved with expert groups "
-                f"{[list(g.ranks) for g in saved_domain.groups]} (ranks of the world), but rank {world.rank} "
-                f"is in expert group {here} here: a rank's experts load only with the expert groups they "
-                "were saved with; create the expert groups (each param group's 'process_group') as the job "
-                "that saved it did"
-            )
-        entries.append(mine)
-    return entries
-
-
 def _read_experts(
     domain: DomainRuntime,
     sh: Shards,
@@ -378,45 +305,14 @@ def _read_experts(
     verifies the file its group rank wrote (and group rank 0 the frozen
     parameters in it) and reads its peers' regions for the parameters.
     """
-    where = f"{str(snapshot)!r}, expert domain {domain.name!r}"
-    check_expert_group(group, snapshot, domain.name)
     saved = group.shards.partition
-    try:
-        compare_specs(saved, sh.zp.partition, allow_trainable_change=False)
-    except IncompatiblePlanError as exc:
-        raise CheckpointError(
-            f"{where}: {exc}; expert state loads only into the expert parameters it was saved from"
-        ) from None
     target = domain.plan_with_cohorts([s.cohort for s in saved.specs])
-    if target.partition.fingerprint() != saved.fingerprint():
-        raise CheckpointError(
-            f"{where}: saved with another partition of the expert parameters ({_describe(saved)}) than this "
-            f"optimizer's ({_describe(target.partition)}): expert state loads only into the partition it was "
-            "saved with; build the optimizer with the same param groups, strategy, alignment and layout"
-        )
+    check_expert_domain(manifest, snapshot, domain.name, group, sh.zp.partition, target.partition)
     names = [expert_file(domain.name, q) for q in group.ranks]
-    missing = [n for n in names if n not in manifest.names or not (snapshot / n).is_file()]
-    if missing:
-        raise CheckpointError(
-            f"{str(snapshot)!r} is missing expert files of domain {domain.name!r}, which the ranks of expert "
-            f"group {list(group.ranks)} read: {', '.join(missing)}; restore them from a copy or load another "
-            "snapshot"
-        )
     me = sh.groups.rank  # an expert domain shards over its whole group: its shard rank
     check_shard_file(open_file(names[me]), me, group.shards, frozen=me == 0)
     source = Source(group.shards, names.__getitem__, names[0], me, len(names))
     reshard = plan_reshard(saved, target.partition)  # the identity: each rank reads its own shard
     loaded = _read(source, target, reshard, sh, open_file, scaler=None, digest=manifest.digest)
-    if len(loaded.param_groups) != len(sh.param_groups):
-        raise CheckpointError(
-            f"{where}: {len(loaded.param_groups)} param groups saved, {len(sh.param_groups)} here: build the "
-            "optimizer with the same expert param groups as the job that saved it"
-        )
+    check_expert_param_groups(snapshot, domain.name, len(loaded.param_groups), len(sh.param_groups))
     return loaded
-
-
-def _describe(partition: PartitionPlan) -> str:
-    return (
-        f"strategy {partition.strategy!r}, alignment {partition.alignment}, {partition.shard_size} shards, "
-        f"fingerprint {partition.fingerprint()}"
-    )

@@ -168,16 +168,16 @@ def failed_load(rank: int, world: int, root: str, cfg: dict[str, Any], fault: bo
     model, opt = _build(rank, world, cfg, seed=1)
     _train(model, opt, rank, range(1))
     before = _state(model, opt)
-    original = checkpoint_load.check_expert_group
+    original = checkpoint_load.check_expert_domain
     if fault and rank == 3:
-        checkpoint_load.check_expert_group = _fail
+        checkpoint_load.check_expert_domain = _fail
     try:
         checkpoint.load(opt, root)
         error = None
     except ZeroplanError as exc:
         error = f"{type(exc).__name__}: {exc}"
     finally:
-        checkpoint_load.check_expert_group = original
+        checkpoint_load.check_expert_domain = original
     unchanged = _same(before, _state(model, opt))
     _train(model, opt, rank, range(1, 2))  # every rank is still in step
     return {"error": error, "unchanged": unchanged}
