@@ -58,12 +58,14 @@ Usage::
     python benchmarks/step_time.py --sweep --json out.json
     python benchmarks/step_time.py --fresh-rounds 3 --json fresh.json   # about 8 min on 2 cores
     python benchmarks/step_time.py --fresh-rounds 3 --keep-heap         # glibc keeps freed memory
+    python benchmarks/step_time.py --fresh-rounds 3 --before /tmp/old   # also zeroplan from /tmp/old/zeroplan
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -107,6 +109,7 @@ class Variant:
     collectives: str = "auto"  # ZeroOptimizer(collectives=...)
     deterministic: bool = False  # ZeroOptimizer(deterministic=...)
     paired: str | None = None  # --deterministic: the default-mode configuration it is compared with
+    before: bool = False  # --before: zeroplan from the other source tree
     note: str = ""
 
 
@@ -153,6 +156,7 @@ FRESH = (
         note="stage 2, rank-major, gather waited (previous release)",
     ),
     Variant("zero1", "zero", stage=1, note="stage 1, defaults"),
+    Variant("zero3", "zero", stage=3, note="stage 3, defaults (attached: gathers around each module)"),
 )
 
 #: ``--deterministic`` (issue 27's cost): each mode next to its default, in the same fresh rounds.
@@ -224,6 +228,8 @@ class Runner:
                 deterministic=variant.deterministic,
                 **hyper,
             )
+            if variant.stage == 3:
+                self.zero.attach(self.model)  # gathers around each module's use
             self.optimizer: torch.optim.Optimizer = self.zero
         else:
             self.module = DistributedDataParallel(self.model, bucket_cap_mb=bucket_mb)
@@ -431,6 +437,10 @@ def timed_steps(
 
 def _fresh_worker(rank: int, world: int, port: int, opts: Options, variant: Variant, queue: Any) -> None:
     """One configuration in fresh processes: warm up, then time ``opts.steps`` steps back to back."""
+    if variant.before:  # zeroplan from the --before tree (the model's code is the same)
+        sys.path.insert(0, opts.extra["before"])
+        for name in [m for m in sys.modules if m == "zeroplan" or m.startswith("zeroplan.")]:
+            del sys.modules[name]
     _join(rank, world, port, opts)
     try:
         tokens, targets = make_batch(opts.model, opts.batch, rank)
@@ -448,6 +458,7 @@ def _fresh_worker(rank: int, world: int, port: int, opts: Options, variant: Vari
                     "median_ms": 1e3 * statistics.median(step_max),
                     "cpu_ms_per_rank": 1e3 * statistics.fmean(g["cpu"] for g in gathered),
                     "loss": loss,
+                    "zeroplan": getattr(sys.modules.get("zeroplan.facade"), "__file__", ""),
                     "planned_peak_mb": (
                         runner.zero.memory_report(clipping=False).ranks[0].peak_bytes / MB
                         if runner.zero is not None
@@ -521,6 +532,7 @@ def run_fresh_rounds(world: int, opts: Options) -> dict[str, Any]:
             "cpu_ms_per_rank": statistics.median(m["cpu_ms_per_rank"] for m in per_round),
             "loss": statistics.median(m["loss"] for m in per_round),
             "wall_s": statistics.fmean(m["wall_s"] for m in per_round),
+            "zeroplan": per_round[0].get("zeroplan", ""),
         }
         if v.paired is not None:  # the mode's cost: its step over its default's, round by round
             row["ratio_to_default"] = _spread(
@@ -692,6 +704,13 @@ def parse(argv: list[str] | None = None) -> Options:
         help="glibc keeps freed memory in every worker (GLIBC_TUNABLES, see the docstring)",
     )
     p.add_argument(
+        "--before",
+        default=None,
+        metavar="DIR",
+        help="with --fresh-rounds: also every ZeroOptimizer configuration with zeroplan from DIR/zeroplan "
+        "(name@before), in the same rounds",
+    )
+    p.add_argument(
         "--deterministic",
         action="store_true",
         help="with --fresh-rounds: ZeroOptimizer(deterministic=True) next to the default mode",
@@ -701,6 +720,8 @@ def parse(argv: list[str] | None = None) -> Options:
         p.error("--fresh-rounds must be >= 0")
     if a.deterministic and not a.fresh_rounds:
         p.error("--deterministic needs --fresh-rounds N")
+    if a.before and not a.fresh_rounds:
+        p.error("--before needs --fresh-rounds N")
     if a.quick:
         model = GPT_TINY
         steps, warmup, batch = 3, 1, 2
@@ -714,6 +735,10 @@ def parse(argv: list[str] | None = None) -> Options:
         variants = tuple(v for v in variants if v.name in wanted)
         if not variants:
             p.error(f"--only matched no configuration of {[v.name for v in base + SWEEP]}")
+    if a.before:
+        variants += tuple(
+            dataclasses.replace(v, name=f"{v.name}@before", before=True) for v in variants if v.kind == "zero"
+        )
     return Options(
         worlds=tuple(int(w) for w in a.worlds.split(",")),
         steps=a.steps if a.steps is not None else steps,
@@ -723,7 +748,7 @@ def parse(argv: list[str] | None = None) -> Options:
         model=model,
         variants=variants,
         fresh_rounds=a.fresh_rounds,
-        extra={"json": a.json, "glibc_tunables": KEEP_HEAP if a.keep_heap else None},
+        extra={"json": a.json, "glibc_tunables": KEEP_HEAP if a.keep_heap else None, "before": a.before},
     )
 
 
