@@ -95,6 +95,7 @@ import torch.distributed as dist
 from zeroplan.core import (
     Block,
     Bucket,
+    BufferRole,
     Collective,
     CommCost,
     Link,
@@ -109,6 +110,7 @@ from zeroplan.core.deterministic import tree_steps
 from zeroplan.core.span import Span
 from zeroplan.core.wire import GatherRoom, WireCodec, replica_parts
 from zeroplan.facade.runtime.groups import ProcessGroups
+from zeroplan.facade.runtime.placement import placed
 from zeroplan.facade.runtime.wire_codec import (
     decode_into,
     decode_piece,
@@ -925,7 +927,7 @@ def _start_encoded_gather(
     codec = zp.param_wire
     assert codec is not None
     s = groups.shard_rank
-    raw = torch.empty(room.nbytes, dtype=torch.uint8, device=full.device)
+    raw = placed(zp, BufferRole.GATHER_ROOM, full.device).empty(room.nbytes, torch.uint8)
     own = full[block.piece(s).buffer_span.as_slice()]
     if own.numel():
         payload, scales = _slot(raw, room, s, codec)
