@@ -12,7 +12,7 @@ parameters are on the CPU). :class:`Residences` maps each role to its
 residence, everything on the device by default; the plan holds it
 (``ZeroPlan.residences``), the allocation plan labels each buffer with it
 ([Note: allocation plan]), ``memory_report`` sums device and host bytes apart
-and the facade allocates each role where it says (``facade.params.placement``).
+and the facade allocates each role where it says (``facade.runtime.placement``).
 It is the seam CPU offload will use; nothing plans host residence by default.
 
 A buffer that is a view of another lives where that one does: the plan refuses
