@@ -20,6 +20,9 @@ ALLOWED = {
     ("runtime/collectives.py", "to_device"): "the host side of a pinned copy to the device",
     ("runtime/collectives.py", "to_host"): "HostStaging: copies to the host, none enters a collective",
     ("runtime/construction.py", "check_transport"): "a device-type test, no tensor",
+    ("runtime/installed.py", "install"): "a device-type test refusing host residence beside an accelerator",
+    ("runtime/placement.py", "placement"): "host residence: on the CPU only, since install refuses it beside "
+    "an accelerator until offload moves such buffers ([Note: residences])",
     ("state/parked.py", "gather_parked"): "parked state travels pickled (an object collective)",
     ("state/tree.py", "describe_state"): "scalar state described for an object collective",
     ("state/shards.py", "move_shards"): "scalars and whole-parameter state travel pickled",
