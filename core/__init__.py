@@ -68,6 +68,7 @@ from zeroplan.core.planner import (
     windows_in,
 )
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
+from zeroplan.core.residence import BufferRole, Residence, Residences
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
 from zeroplan.core.sizing.activations import (
     ActivationMemory,
@@ -125,6 +126,9 @@ __all__ = [
     "PeakPhase",
     "StagingLayout",
     "StagingArena",
+    "BufferRole",
+    "Residence",
+    "Residences",
     "StepPeak",
     "backward_peak",
     "grad_shard_dtype",

@@ -5,12 +5,16 @@
 [Note: allocation plan]
 Which tensors a rank allocates for a plan is decided once, here, as a frozen
 value: per dtype space, each buffer's role, elements and dtype, whether it is
-persistent or a step's transient (stage 3's blocks), and whether it is a view
-of another buffer of the space (no bytes of its own). ``memory_report`` sums
+persistent or a step's transient (stage 3's blocks), whether it is a view
+of another buffer of the space (no bytes of its own), and where it lives, on
+the device or in host memory (``ZeroPlan.residences``, [Note: residences]; a
+view lives with its buffer). ``memory_report`` sums
 it (``core.memory``) and the facade allocates exactly it
 (``facade.params.buffers``), so the two agree by construction rather than by
 the MemTracker tests alone. The staging arena is planned beside it
-(``core.arena``), the optimizer state by the inner optimizer's description.
+(``core.arena``), the optimizer state by the inner optimizer's description;
+where those live is ``zp.residences.of(BufferRole.STAGING)`` and
+``zp.residences.of(BufferRole.OPTIMIZER_STATE)`` (also ``GATHER_ROOM``).
 
 * stages 1 and 2: ``FULL_PARAMS`` (the full buffer; parameters view it), at
   stage 1 ``FULL_GRADS`` (``.grad`` views it), ``GRAD_SHARD`` (a view of the
@@ -25,27 +29,16 @@ the MemTracker tests alone. The staging arena is planned beside it
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from zeroplan.core.arena import grad_shard_dtype
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.errors import PlanInvariantError
 from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.residence import BufferRole, Residence
 from zeroplan.core.span import Span
 
-__all__ = ["Allocation", "BufferRole", "BufferSpec", "SpaceAllocation", "allocation"]
-
-
-class BufferRole(enum.Enum):
-    """What a buffer of a dtype space holds (see [Note: allocation plan])."""
-
-    FULL_PARAMS = "full_params"
-    FULL_GRADS = "full_grads"
-    PARAM_SHARD = "param_shard"
-    GRAD_SHARD = "grad_shard"
-    MASTER = "master"
-    BLOCK = "block"
+__all__ = ["Allocation", "BufferRole", "BufferSpec", "SpaceAllocation", "allocation", "held_roles"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +52,7 @@ class BufferSpec:
         view_of: the buffer of the same space it is a view of (``None``: a tensor of its own).
         span: where in ``view_of`` it lies (``None`` for a tensor of its own).
         block: for ``BLOCK``, which block of the space.
+        residence: where it lives ([Note: residences]); a view, where the buffer it views does.
     """
 
     role: BufferRole
@@ -67,6 +61,7 @@ class BufferSpec:
     view_of: BufferRole | None = None
     span: Span | None = None
     block: int = -1
+    residence: Residence = Residence.DEVICE
 
     def __post_init__(self) -> None:
         if self.numel < 0 or (self.view_of is None) != (self.span is None):
@@ -93,6 +88,14 @@ class SpaceAllocation:
 
     space: int
     buffers: tuple[BufferSpec, ...]
+
+    def __post_init__(self) -> None:
+        for spec in self.buffers:
+            if spec.view_of is not None and spec.residence is not self[spec.view_of].residence:
+                raise PlanInvariantError(
+                    f"space {self.space}: the {spec.role.value} view lives on the {spec.residence.value} "
+                    f"but the {spec.view_of.value} buffer it views does not"
+                )
 
     def get(self, role: BufferRole) -> BufferSpec | None:
         """The buffer of ``role`` (not ``BLOCK``), or ``None`` where the plan has none."""
@@ -129,6 +132,36 @@ class Allocation:
             if spec.role in roles and spec.persistent
         )
 
+    def bytes_in(self, residence: Residence) -> int:
+        """Bytes of its own of the persistent buffers that live in ``residence``, over every space."""
+        return sum(
+            spec.nbytes
+            for space in self.spaces
+            for spec in space.buffers
+            if spec.residence is residence and spec.persistent
+        )
+
+
+def held_roles(zp: ZeroPlan) -> tuple[BufferRole, ...]:
+    """The roles of the buffers a rank of ``zp`` holds (stages 1-3), in role order: its spaces' buffers,
+    the staging arena, the optimizer state, and the gather rooms under a parameter wire.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(64,)], dtype="bf16"), Topology(world_size=2), stage=3)
+        >>> [role.value for role in held_roles(zp)]
+        ['param_shard', 'grad_shard', 'master', 'block', 'staging', 'optimizer_state']
+    """
+    if zp.stage is Stage.DDP:
+        return ()
+    held = {spec.role for space in allocation(zp, 0, blocks=False).spaces for spec in space.buffers}
+    held |= {BufferRole.STAGING, BufferRole.OPTIMIZER_STATE}
+    if zp.stage is Stage.PARAMETERS:
+        held.add(BufferRole.BLOCK)
+    if zp.param_wire is not None and zp.topology.shard_size > 1:
+        held.add(BufferRole.GATHER_ROOM)
+    return tuple(role for role in BufferRole if role in held)
+
 
 def allocation(zp: ZeroPlan, shard_rank: int, *, blocks: bool = True) -> Allocation:
     """Every buffer shard rank ``shard_rank`` holds for ``zp`` (stages 1-3; see [Note: allocation plan]).
@@ -144,7 +177,7 @@ def allocation(zp: ZeroPlan, shard_rank: int, *, blocks: bool = True) -> Allocat
     """
     if zp.stage is Stage.DDP:
         raise PlanInvariantError("a stage-0 (DDP) plan is a baseline: nothing of zeroplan's is allocated")
-    R = BufferRole
+    R, where = BufferRole, zp.residences.of
     spaces = []
     for space in zp.partition.spaces:
         shard = space.shard_numel[shard_rank]
@@ -152,28 +185,42 @@ def allocation(zp: ZeroPlan, shard_rank: int, *, blocks: bool = True) -> Allocat
         own_master = master != dtype
         buffers: list[BufferSpec] = []
         if zp.stage is Stage.PARAMETERS:
-            buffers.append(BufferSpec(R.PARAM_SHARD, shard, dtype))
+            buffers.append(BufferSpec(R.PARAM_SHARD, shard, dtype, residence=where(R.PARAM_SHARD)))
             if own_master:
-                buffers.append(BufferSpec(R.MASTER, shard, master))
+                buffers.append(BufferSpec(R.MASTER, shard, master, residence=where(R.MASTER)))
             else:
-                buffers.append(BufferSpec(R.MASTER, shard, master, R.PARAM_SHARD, Span(0, shard)))
-            buffers.append(BufferSpec(R.GRAD_SHARD, shard, grad_shard_dtype(zp, space)))
+                buffers.append(
+                    BufferSpec(
+                        R.MASTER, shard, master, R.PARAM_SHARD, Span(0, shard), residence=where(R.MASTER)
+                    )
+                )
+            buffers.append(
+                BufferSpec(R.GRAD_SHARD, shard, grad_shard_dtype(zp, space), residence=where(R.GRAD_SHARD))
+            )
             if blocks:
-                buffers += [BufferSpec(R.BLOCK, b.numel, dtype, block=k) for k, b in enumerate(space.blocks)]
+                buffers += [
+                    BufferSpec(R.BLOCK, b.numel, dtype, block=k, residence=where(R.BLOCK))
+                    for k, b in enumerate(space.blocks)
+                ]
             spaces.append(SpaceAllocation(space.index, tuple(buffers)))
             continue
         full = space.buffer_numel
-        buffers.append(BufferSpec(R.FULL_PARAMS, full, dtype))
+        buffers.append(BufferSpec(R.FULL_PARAMS, full, dtype, residence=where(R.FULL_PARAMS)))
         region = space.region(shard_rank) if space.shard_is_region else None
         if zp.stage is Stage.OPTIMIZER:
-            buffers.append(BufferSpec(R.FULL_GRADS, full, dtype))
+            buffers.append(BufferSpec(R.FULL_GRADS, full, dtype, residence=where(R.FULL_GRADS)))
+        grad_shard = where(R.GRAD_SHARD)
         if zp.stage is Stage.OPTIMIZER and region is not None:  # reduced in place
-            buffers.append(BufferSpec(R.GRAD_SHARD, region.numel, dtype, R.FULL_GRADS, region))
+            buffers.append(
+                BufferSpec(R.GRAD_SHARD, region.numel, dtype, R.FULL_GRADS, region, residence=grad_shard)
+            )
         else:
-            buffers.append(BufferSpec(R.GRAD_SHARD, shard, grad_shard_dtype(zp, space)))
+            buffers.append(BufferSpec(R.GRAD_SHARD, shard, grad_shard_dtype(zp, space), residence=grad_shard))
         if not zp.master_in_params(space):
-            buffers.append(BufferSpec(R.MASTER, shard, master))
+            buffers.append(BufferSpec(R.MASTER, shard, master, residence=where(R.MASTER)))
         elif region is not None:  # stepped in place: the rank's region of the full buffer
-            buffers.append(BufferSpec(R.MASTER, region.numel, master, R.FULL_PARAMS, region))
+            buffers.append(
+                BufferSpec(R.MASTER, region.numel, master, R.FULL_PARAMS, region, residence=where(R.MASTER))
+            )
         spaces.append(SpaceAllocation(space.index, tuple(buffers)))
     return Allocation(shard_rank, tuple(spaces))

@@ -460,6 +460,7 @@ class DomainsReport:
             comm=tuple(comm),
             backward_transient_bytes=sum(r.backward_transient_bytes for r in rows),
             step_transient_bytes=sum(r.step_transient_bytes for r in rows),
+            host_bytes=sum(r.host_bytes for r in rows),
         )
 
     def as_dict(self) -> dict[str, Any]:

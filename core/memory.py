@@ -21,13 +21,16 @@ the facade's measured accounting can be compared with it exactly:
 * ``buffers`` — stage 0: DDP's flat bucket copy of all gradients. Otherwise the
   gradient staging arena (see [Note: staging arena] in :mod:`zeroplan.core.arena`).
 
-``total_bytes`` sums these, all persistent. ``peak_bytes`` is what the rank
+``total_bytes`` sums these, all persistent; ``host_bytes`` is the part the
+plan places in host memory ([Note: residences]; none by default) and
+``device_bytes`` the rest, on the parameters' device. ``peak_bytes`` is what the rank
 holds at the step's peak: ``total_bytes`` plus the transient memory of the
 backward (autograd's gradients not staged yet; at stage 3, gathered blocks) or
 of the step (the inner optimizer's temporaries; at stage 1 with bf16/fp16
 parameters, the fp32 copy of the reduced shard), whichever is larger (see
 [Note: the step's peak] in :mod:`zeroplan.core.peak`). Activations are not
-counted.
+counted. The transients are counted where the step makes them, beside the
+persistent bytes, wherever those live.
 
 Traffic follows the cost model of :mod:`zeroplan.core.comm`, per collective,
 process group (``shard``, ``replica`` or ``world``) and link (``intra`` or
@@ -42,12 +45,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from zeroplan.core.allocation import BufferRole, allocation
+from zeroplan.core.allocation import BufferRole, allocation, held_roles
 from zeroplan.core.deterministic import exact_norm_transient, partial_sums_held
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import ConfigError, require
 from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, step_peak
 from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
+from zeroplan.core.residence import Residence
 from zeroplan.core.traffic import CommCost, step_traffic
 
 __all__ = ["MemoryReport", "RankReport", "accumulation_bytes", "memory_report"]
@@ -60,6 +64,8 @@ class RankReport:
     """Memory and traffic of one world rank (see [Note: what is counted]).
 
     Attributes:
+        host_bytes: the persistent bytes the plan places in host memory ([Note: residences]).
+        device_bytes: the persistent bytes on the parameters' device (``total_bytes - host_bytes``).
         backward_transient_bytes: transient bytes at the backward's peak.
         step_transient_bytes: transient bytes at the peak inside ``step()``.
         peak_bytes: persistent bytes (``total_bytes``) plus the larger transient.
@@ -76,7 +82,9 @@ class RankReport:
     comm: tuple[CommCost, ...]
     backward_transient_bytes: int = 0
     step_transient_bytes: int = 0
+    host_bytes: int = 0
     total_bytes: int = field(init=False)
+    device_bytes: int = field(init=False)
     comm_bytes_per_step: int = field(init=False)
     peak_bytes: int = field(init=False)
     peak_phase: PeakPhase = field(init=False)
@@ -93,6 +101,11 @@ class RankReport:
         )
         require(min(parts) >= 0, f"negative byte count in report of rank {self.rank}: {parts}")
         object.__setattr__(self, "total_bytes", sum(parts[:5]))
+        require(
+            0 <= self.host_bytes <= self.total_bytes,
+            f"rank {self.rank} holds {self.host_bytes} host bytes of {self.total_bytes} persistent ones",
+        )
+        object.__setattr__(self, "device_bytes", self.total_bytes - self.host_bytes)
         object.__setattr__(self, "comm_bytes_per_step", sum(c.bytes for c in self.comm))
         transient = StepPeak(self.backward_transient_bytes, self.step_transient_bytes)
         object.__setattr__(self, "peak_bytes", sum(parts[:5]) + transient.bytes)
@@ -109,6 +122,8 @@ class RankReport:
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "buffer_bytes": self.buffer_bytes,
             "total_bytes": self.total_bytes,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
             "peak_bytes": self.peak_bytes,
             "peak_phase": self.peak_phase.value,
             "comm_bytes_per_step": self.comm_bytes_per_step,
@@ -127,7 +142,12 @@ class RankReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryReport:
-    """Per-rank memory and traffic of a plan."""
+    """Per-rank memory and traffic of a plan.
+
+    Attributes:
+        residences: per role a rank holds, where it lives (``"device"`` or
+            ``"host"``, [Note: residences]), in role order; none at stage 0.
+    """
 
     fingerprint: str
     world: int
@@ -136,6 +156,7 @@ class MemoryReport:
     strategy: str
     total_params: int
     ranks: tuple[RankReport, ...]
+    residences: tuple[tuple[str, str], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready mapping (the CLI's ``--json`` document)."""
@@ -146,6 +167,7 @@ class MemoryReport:
             "stage": self.stage,
             "strategy": self.strategy,
             "total_params": self.total_params,
+            "residences": dict(self.residences),
             "ranks": [r.as_dict() for r in self.ranks],
         }
 
@@ -158,6 +180,7 @@ class _RankBytes(NamedTuple):
     master: int
     optimizer_state: int
     buffers: int
+    host: int = 0  # of the above, in host memory ([Note: residences])
 
 
 def _rank_memory(
@@ -168,12 +191,17 @@ def _rank_memory(
     stage, specs = zp.stage, zp.specs
     if stage is not Stage.DDP:
         plan = allocation(zp, shard_rank, blocks=False)  # persistent buffers: blocks are transients
+        state, where = state_of(shard_rank), zp.residences.of
+        host = plan.bytes_in(Residence.HOST)
+        host += state if where(BufferRole.OPTIMIZER_STATE) is Residence.HOST else 0
+        host += staging if where(BufferRole.STAGING) is Residence.HOST else 0
         return _RankBytes(
             plan.persistent_bytes(BufferRole.FULL_PARAMS, BufferRole.PARAM_SHARD) + frozen,
             plan.persistent_bytes(BufferRole.FULL_GRADS, BufferRole.GRAD_SHARD),
             plan.persistent_bytes(BufferRole.MASTER),
-            state_of(shard_rank),
+            state,
             staging,
+            host,
         )
     params = grads = master = state = 0
     for space in zp.partition.spaces:  # DDP: whole parameters, gradients and fp32 masters everywhere
@@ -262,6 +290,7 @@ def memory_report(
                 comm=traffic.costs(rank),
                 backward_transient_bytes=transients[s].backward,
                 step_transient_bytes=step_transient,
+                host_bytes=memory.host,
             )
         )
     return MemoryReport(
@@ -272,6 +301,7 @@ def memory_report(
         strategy=zp.partition.strategy,
         total_params=sum(s.numel for s in zp.specs),
         ranks=tuple(ranks),
+        residences=tuple(zp.residences.as_dict(held_roles(zp)).items()),
     )
 
 

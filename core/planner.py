@@ -30,6 +30,7 @@ from zeroplan.core.layout import build_partition
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.options import StepOptions
 from zeroplan.core.partition import PartitionPlan
+from zeroplan.core.residence import ALL_ON_DEVICE, BufferRole, Residences
 from zeroplan.core.runs import rank_windows
 from zeroplan.core.space import Block, Space
 from zeroplan.core.span import Span
@@ -193,6 +194,8 @@ class ZeroPlan:
             every rank, the owner included, holds the decoded values.
         options: how the plan executes in a step: overlap of the reduction and
             the gather, stage 3's resharding ([Note: plan options]).
+        residences: where each buffer role lives, the device or host memory
+            ([Note: residences]); everything on the device by default.
 
     Raises:
         ConfigError: inconsistent settings, or a parameter-splitting plan for
@@ -210,6 +213,7 @@ class ZeroPlan:
     grad_wire: WireCodec | None = None
     param_wire: WireCodec | None = None
     options: StepOptions = dataclasses.field(default_factory=StepOptions)
+    residences: Residences = ALL_ON_DEVICE
 
     def __post_init__(self) -> None:
         check_config(
@@ -269,6 +273,7 @@ class ZeroPlan:
             check_wire(self.grad_wire, self.partition.alignment)
         if self.param_wire is not None:
             self._check_param_wire(self.param_wire)
+        self._check_residences(self.residences)
         if self.partition.splits_params and not self.elementwise:
             split = next(s for s in self.partition.specs if len(self.partition.fragments[s.index]) > 1)
             raise ConfigError(
@@ -349,6 +354,47 @@ class ZeroPlan:
             ReductionKind.ENCODED: Collective.ALL_TO_ALL,
             ReductionKind.CANONICAL: Collective.ALL_GATHER,
         }[self.reduction]
+
+    def _check_residences(self, where: Residences) -> None:
+        """Refuse a placement that splits a view from its buffer ([Note: residences])."""
+        check_config(isinstance(where, Residences), f"residences must be a Residences, got {where!r}")
+        if where.all_on_device:
+            return
+        R = BufferRole
+        check_config(
+            self.stage is not Stage.DDP,
+            "residences: a stage-0 (DDP) plan allocates nothing of zeroplan's, so nothing can be placed in "
+            "host memory; use stage 1, 2 or 3",
+        )
+        check_config(
+            where.of(R.OPTIMIZER_STATE) is where.of(R.MASTER),
+            f"residences: optimizer_state is placed on the {where.of(R.OPTIMIZER_STATE).value} but master "
+            f"on the {where.of(R.MASTER).value}; the inner optimizer makes its state beside the masters it "
+            "steps, so place both in host memory or neither",
+        )
+        params = R.PARAM_SHARD if self.stage is Stage.PARAMETERS else R.FULL_PARAMS
+        for space in self.partition.spaces:
+            if self.master_in_params(space):
+                check_config(
+                    where.of(R.MASTER) is where.of(params),
+                    f"residences: the {space.dtype} parameters are their own master (stepped in place in "
+                    f"{params.value}), so master must live where {params.value} does; place both in host "
+                    "memory or neither (bf16/fp16 parameters get an fp32 master of their own)",
+                )
+            if self.stage is Stage.PARAMETERS and master_dtype(space.dtype) == space.dtype:
+                check_config(
+                    where.of(R.MASTER) is where.of(R.PARAM_SHARD),
+                    f"residences: stage 3 steps the {space.dtype} shard in place (param_shard is their "
+                    "master), so master must live where param_shard does; place both in host memory or "
+                    "neither",
+                )
+            if self.stage is Stage.OPTIMIZER and space.shard_is_region:
+                check_config(
+                    where.of(R.GRAD_SHARD) is where.of(R.FULL_GRADS),
+                    "residences: stage 1 reduces a rank's gradient shard in place when it is one region of "
+                    "full_grads (a rank-major layout), so grad_shard must live where full_grads does; place "
+                    "both in host memory or neither",
+                )
 
     def _check_param_wire(self, codec: WireCodec) -> None:
         """Refuse a parameter wire the plan cannot keep exact masters under ([Note: wire formats])."""
@@ -585,6 +631,7 @@ class ZeroPlan:
             "gather_dtype": None if param is None else param.format.value,
             "wire_block": tuple(w.block for w in (grad, param) if w is not None) or None,
             **{f.name: getattr(self.options, f.name) for f in dataclasses.fields(StepOptions)},
+            "residences": tuple(r.value for r in self.residences.host) or None,
         }
 
     def fingerprint(self) -> str:
@@ -616,6 +663,7 @@ class ZeroPlan:
                     if self.param_wire
                     else []
                 ),
+                *([("host", tuple(r.value for r in self.residences.host))] if self.residences.host else []),
             ],
         )
 
@@ -651,6 +699,7 @@ def plan(
     grad_wire: WireCodec | str | None = None,
     param_wire: WireCodec | str | None = None,
     options: StepOptions | None = None,
+    residences: Residences = ALL_ON_DEVICE,
 ) -> ZeroPlan:
     """Plan a sharded optimizer for ``specs`` on ``topology``.
 
@@ -678,6 +727,7 @@ def plan(
             (the parameter dtype), ``"bf16"``, ``"int8"``, ``"fp8"`` or a codec.
         options: how the plan executes in a step (``None``: the defaults,
             see [Note: plan options]).
+        residences: where each buffer role lives ([Note: residences]); all on the device by default.
 
     Raises:
         ConfigError: any argument is invalid (the message says how to fix it).
@@ -722,4 +772,5 @@ def plan(
         grad_wire=_wire(grad_wire),
         param_wire=_wire(param_wire),
         options=StepOptions() if options is None else options,
+        residences=residences,
     )

@@ -275,6 +275,21 @@ def test_layout_in_the_table_header(layout_runs):
     assert re.search(r"shard\s+│\s+all_gather\s+│\s+intra\s+│\s+10\s+│", auto.stdout), auto.stdout
 
 
+def test_where_each_buffer_lives_in_the_table_and_json(layout_runs):
+    """[Note: residences]: every role on the device by default; the host total is 0."""
+    table, document = layout_runs["table-rank-major"], json.loads(layout_runs["rank_major"].stdout)
+    where = {"full_params", "full_grads", "grad_shard", "master", "staging", "optimizer_state"}
+    assert document["residences"] == dict.fromkeys(sorted(where - {"full_grads"}), "device")
+    for rank in document["ranks"]:
+        assert (rank["host_bytes"], rank["device_bytes"]) == (0, rank["total_bytes"])
+    assert "where buffers live" in table.stdout
+    for role in where - {"full_grads"}:
+        assert re.search(rf"{role.replace('_', ' ')}\s+│\s+device", table.stdout), role
+    device = f"{document['ranks'][0]['device_bytes'] / 2**30:,.3f}"
+    assert re.search(rf"rank 0 device GiB\s+│\s+{device}", table.stdout)
+    assert re.search(r"rank 0 host GiB\s+│\s+0\.000", table.stdout)
+
+
 # ----------------------------------------------------------------- nodes
 NODE_RUNS = {
     "json": ("--preset", "gpt2", "--world", "16", "--shard-size", "8", "--ranks-per-node", "4", "--json"),

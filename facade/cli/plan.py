@@ -489,6 +489,8 @@ def _print_table(
         f"(planned in {elapsed:.3f} s)"
     )
     print_table(console, _memory_table(title, report.ranks, rows, fit), sections=_SECTIONS)
+    if report.residences:
+        print_table(console, _where_table(report))
     comm = Table(title=comm_title)
     for column in ("group", "collective", "link", "calls", "GiB sent"):
         comm.add_column(column, justify="right")
@@ -545,6 +547,22 @@ def _print_per_link(rows: list[LinkBytes], wire: str) -> None:
 #: Where the memory table splits in a narrow terminal: memory held | peak, need and traffic
 #: (see [Note: narrow terminals] in ``zeroplan.facade.cli.tables``).
 _SECTIONS = ("params", "peak")
+
+
+def _where_table(report: MemoryReport) -> Any:
+    """Where each buffer role of a rank lives ([Note: residences] in ``zeroplan.core.residence``)."""
+    from rich.table import Table
+
+    r = report.ranks[0]
+    table = Table(title="where buffers live")
+    table.add_column("buffer")
+    table.add_column("where", justify="right")
+    for role, where in report.residences:
+        table.add_row(role.replace("_", " "), where)
+    table.add_section()
+    table.add_row("rank 0 device GiB", _gib(r.device_bytes))
+    table.add_row("rank 0 host GiB", _gib(r.host_bytes))
+    return table
 
 
 def _memory_table(title: str, ranks: tuple[RankReport, ...], rows: int, fit: FitReport | None = None) -> Any:

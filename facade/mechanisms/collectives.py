@@ -100,6 +100,7 @@ import torch.distributed as dist
 from zeroplan.core import (
     Block,
     Bucket,
+    BufferRole,
     Collective,
     CommCost,
     Link,
@@ -109,6 +110,7 @@ from zeroplan.core import (
 )
 from zeroplan.core.span import Span
 from zeroplan.core.wire import GatherRoom, WireCodec
+from zeroplan.facade.mechanisms.buffer_devices import device_for
 from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.wire_codec import (
     decode_piece,
@@ -735,7 +737,7 @@ def _start_encoded_gather(
     place and the room is let go.
     """
     s = groups.shard_rank
-    raw = torch.empty(room.nbytes, dtype=torch.uint8, device=full.device)
+    raw = device_for(zp, BufferRole.GATHER_ROOM, full.device).empty(room.nbytes, torch.uint8)
     own = full[block.piece(s).buffer_span.as_slice()]
     if own.numel():
         payload, scales = _slot(raw, room, s, codec)

@@ -30,6 +30,10 @@ storage is allocated only while the block is gathered ([Note: stage 3] in
 the rank's pieces of every block for good (its ``master`` when the parameters
 have the master dtype).
 
+Each buffer is allocated where the plan places its role (the parameters'
+device or host memory, [Note: residences]; :func:`buffer_device`); by default
+all of them on the parameters' device.
+
 The rank's shard in the full buffer is its *pieces*; :func:`read_pieces` and
 :func:`write_pieces` move a flat shard out of and into them. All offsets come
 from the plan; nothing here computes a layout.
@@ -45,6 +49,7 @@ import torch
 
 from zeroplan.core import Space, Span, ZeroPlan, master_dtype
 from zeroplan.core.allocation import BufferRole, BufferSpec, SpaceAllocation, allocation
+from zeroplan.facade.mechanisms.buffer_devices import buffer_device
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.mechanisms.wire_codec import PublishedPieces
 
@@ -105,11 +110,6 @@ class SpaceBuffers:
     def dtype(self) -> torch.dtype:
         """The parameters' dtype."""
         return torch_dtype(self.space.dtype)
-
-    @property
-    def device(self) -> torch.device:
-        """Where the buffers live."""
-        return self.grad_shard.device
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -410,9 +410,10 @@ def build_flat_buffers(
 
 
 def _allocate(spec: BufferSpec, made: dict[BufferRole, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The tensor ``spec`` plans: zeros of its own, or its view of a buffer ``made`` before it."""
+    """The tensor ``spec`` plans: zeros of its own where it lives (beside parameters on ``device``), or
+    its view of a buffer ``made`` before it (which lives there too)."""
     if spec.view_of is None or spec.span is None:
-        tensor = torch.zeros(spec.numel, dtype=torch_dtype(spec.dtype), device=device)
+        tensor = buffer_device(spec.residence, device).zeros(spec.numel, torch_dtype(spec.dtype))
     else:
         tensor = made[spec.view_of][spec.span.as_slice()]
     made[spec.role] = tensor
@@ -442,7 +443,7 @@ def _stage3_buffers(
         members.setdefault(k, []).append((index, local))
     blocks = []
     for k, (block, spec) in enumerate(zip(space.blocks, planned.blocks, strict=True)):
-        buffer = torch.zeros(spec.numel, dtype=torch_dtype(spec.dtype), device=device)
+        buffer = buffer_device(spec.residence, device).zeros(spec.numel, torch_dtype(spec.dtype))
         for index, local in members.get(k, ()):
             param = params[index]
             view = buffer[local : local + param.numel()].view(param.shape)

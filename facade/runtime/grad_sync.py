@@ -110,6 +110,7 @@ from typing import NamedTuple
 import torch
 
 from zeroplan.core import (
+    BufferRole,
     Stage,
     StepOrderError,
     ZeroPlan,
@@ -118,6 +119,7 @@ from zeroplan.core import (
 )
 from zeroplan.core.schedule import Action, ActionKind, schedule_tables, staging_schedule
 from zeroplan.facade.mechanisms.accumulation import BackwardPasses
+from zeroplan.facade.mechanisms.buffer_devices import device_for
 from zeroplan.facade.mechanisms.collectives import (
     Pending,
     StreamMark,
@@ -177,7 +179,8 @@ class GradSync:
         self._padding = [b.padding() for b in self._buckets]
         arena = staging_arena(zp, groups.shard_rank)  # [Note: staging arena] in zeroplan.core.arena
         self._offsets = arena.offsets
-        self._arena = torch.empty(arena.nbytes, dtype=torch.uint8, device=device)
+        self._device = device  # the parameters': its streams order the reduction ([Note: streams])
+        self._arena = device_for(zp, BufferRole.STAGING, device).empty(arena.nbytes, torch.uint8)
         # [Note: staging schedule]: its tables are built once and read every step.
         self._tables = schedule_tables(zp)  # the plan's options.overlap_grad_reduce
         self._stagings = [self._staging_view(b) for b in range(len(self._buckets))]
@@ -212,12 +215,12 @@ class GradSync:
         opened, self._open = getattr(self, "_open", {}), {}
         del opened  # their room in the arena is free again
         if inflight or replica:  # completed on the side stream, as always ([Note: streams])
-            with on_side_stream(self._arena.device):
+            with on_side_stream(self._device):
                 for entry in inflight:  # waited for, never completed: nothing more is sent or written
                     entry.pending.abandon()
                 for pending in replica:
                     pending.finish()
-            join_side_stream(self._arena.device)
+            join_side_stream(self._device)
         self._ready = [False] * len(self._zp.specs)
         if self._sums is not None:
             self._sums.reset()
@@ -319,12 +322,12 @@ class GradSync:
         moving: list[int] = []  # stage 1's released gradients, moved into the buffer before a launch
         for action in actions:
             if action.kind is ActionKind.RETIRE:  # rule 1 of [Note: streams]
-                with on_side_stream(self._arena.device):
+                with on_side_stream(self._device):
                     self._finish_oldest()
-                self._retired = mark_side_stream(self._arena.device)
+                self._retired = mark_side_stream(self._device)
             elif action.kind is ActionKind.OPEN:
                 # Its room may have been a retired bucket's: the side stream must be done with it.
-                wait_for_mark(self._arena.device, self._retired)
+                wait_for_mark(self._device, self._retired)
                 self._open[action.bucket] = self._open_staging(action.bucket)
             elif action.kind is ActionKind.STAGE:
                 self._stage(action.bucket)
@@ -447,10 +450,10 @@ class GradSync:
                 if not self._ready[index]:
                     self._take_root(index, self._passes.count)
         self._carry_out(self._schedule.send(None))
-        with on_side_stream(self._arena.device):  # rule 1 of [Note: streams]
+        with on_side_stream(self._device):  # rule 1 of [Note: streams]
             for pending in self._replica:
                 pending.finish()
-        join_side_stream(self._arena.device)  # before anything reads a gradient shard
+        join_side_stream(self._device)  # before anything reads a gradient shard
         self.last_arrivals = tuple(self._arrivals)
         self._replica = []
 

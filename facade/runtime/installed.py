@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import Stage, ZeroPlan
+from zeroplan.core import ConfigError, Stage, ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog, broadcast
 from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.policies import reduction_for
@@ -31,6 +31,13 @@ from zeroplan.facade.runtime.registry import ParamRegistry
 from zeroplan.facade.state.inner import Inner, build_inner
 
 __all__ = ["Installed", "broadcast_from_rank_zero", "broadcast_values", "install"]
+
+#: Host residence beside an accelerator is planned, not executed yet ([Note: residences]).
+_HOST_BESIDE_DEVICE = (
+    "the plan places {roles} in host memory, but the step does not move buffers between host memory "
+    "and {device} yet (CPU offload is planned, not executed): plan every buffer role on the device "
+    "(residences=Residences(), the default), or keep the parameters on the CPU, whose memory is the host's"
+)
 
 
 class Installed(NamedTuple):
@@ -48,9 +55,11 @@ class Installed(NamedTuple):
             gathered after each step (stages 1-2), or sharded (stage 3).
         links: per trainable parameter, its index and the data pointer of its
             view of the flat buffer (see :meth:`detached`).
-        device: the device of the parameters, where every buffer and every control
-            tensor of this plan lives (also when no parameter is trainable: a frozen
-            domain's step agreement still runs on NCCL, which takes no CPU tensor).
+        device: the device of the parameters: every control tensor of this plan lives
+            there (also when no parameter is trainable: a frozen domain's step agreement
+            still runs on NCCL, which takes no CPU tensor), and so does each buffer the
+            plan places on the device; the others in host memory
+            ([Note: residences], ``mechanisms.buffer_devices``).
     """
 
     zp: ZeroPlan
@@ -96,8 +105,15 @@ def install(
             in :func:`broadcast_from_rank_zero`, which must follow either way).
         peers: the sharded residencies of the optimizer's other domains ([Note: several sharded
             domains]); the residency is chosen here, and only here ([Note: residency]).
+
+    Raises:
+        ConfigError: the plan places a buffer role in host memory beside parameters on an
+            accelerator, which the step does not execute yet ([Note: residences]).
     """
     params, shard_rank, device = registry.params, groups.shard_rank, registry.device
+    if device.type not in ("cpu", "meta") and not zp.residences.all_on_device:
+        roles = ", ".join(role.value for role in zp.residences.host)
+        raise ConfigError(_HOST_BESIDE_DEVICE.format(roles=roles, device=device))
     if zp.stage is Stage.PARAMETERS:
         settle = None
         if from_rank_zero and groups.topology.world_size > 1:
@@ -107,7 +123,7 @@ def install(
     else:
         flat = build_flat_buffers(zp, params, shard_rank, device)
         buffers = flat
-    inner = build_inner(zp, buffers, shard_rank, optimizer_class, param_groups)
+    inner = build_inner(zp, buffers, shard_rank, optimizer_class, param_groups, device)
     reduction = reduction_for(zp, groups, log)  # [Note: policies chosen once]
     sync = GradSync(
         zp=zp,

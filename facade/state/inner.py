@@ -4,7 +4,10 @@ It sees one tensor per :class:`~zeroplan.core.InnerTensor` of the plan: views
 of the rank's master shard (flat windows for elementwise optimizers, whole
 parameters otherwise), grouped exactly like the user's param groups, so group
 ``g`` of the inner optimizer carries the hyper-parameters of the user's group
-``g``.
+``g``. ``torch.optim`` makes its state beside the tensors it steps, so the
+state lives where the masters do; the plan places both together
+([Note: residences]) and :func:`build_inner` checks the masters are where the
+plan puts the optimizer state.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zeroplan.core import ConfigError, ConfigTypeError, InnerTensor, ZeroPlan
+from zeroplan.core import BufferRole, ConfigError, ConfigTypeError, InnerTensor, PlanInvariantError, ZeroPlan
+from zeroplan.facade.mechanisms.buffer_devices import device_for
 from zeroplan.facade.params.buffers import SpaceBuffers
 
 __all__ = [
@@ -122,10 +126,22 @@ def build_inner(
     shard_rank: int,
     optimizer_class: type[torch.optim.Optimizer],
     groups: Sequence[dict[str, Any]],
+    device: torch.device,
 ) -> Inner:
-    """Create the inner optimizer over views of this rank's master shards."""
+    """Create the inner optimizer over views of this rank's master shards (parameters on ``device``).
+
+    Raises:
+        PlanInvariantError: a master is not where the plan places the optimizer state (which
+            ``torch.optim`` makes beside it).
+    """
     specs = zp.inner_tensors(shard_rank)
     tensors = tuple(buffers[t.space].master_window(t.shard_span).view(t.shape) for t in specs)
+    state = device_for(zp, BufferRole.OPTIMIZER_STATE, device).device
+    for tensor in tensors:
+        if tensor.device != state:
+            raise PlanInvariantError(
+                f"a master on {tensor.device} would keep its optimizer state off {state}"
+            )
     per_group: list[list[torch.Tensor]] = [[] for _ in groups]
     for spec, tensor in zip(specs, tensors, strict=True):
         per_group[spec.group].append(tensor)
