@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 FACADE = Path(__file__).resolve().parents[2] / "facade"
-HOME = FACADE / "runtime" / "collectives.py"
+HOME = FACADE / "mechanisms" / "collectives.py"
 USER_CODE = (FACADE / "cli" / "demo" / "train.py",)
 
 #: Names of torch.distributed that move data or synchronize ranks (not queries such as get_rank).
