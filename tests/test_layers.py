@@ -82,3 +82,20 @@ def test_every_package_is_installed():
         for init in (ROOT / folder).rglob("__init__.py")
     }
     assert found == listed
+
+
+def test_one_module_per_file_name_and_one_class_per_name():
+    # A newcomer finds a module by its file name and a class by its name ([Note: facade layers]).
+    import ast
+    from collections import Counter
+
+    paths = list(modules().values())
+    names = Counter(p.name for p in paths if p.name != "__init__.py")
+    assert [n for n, c in names.items() if c > 1] == []
+    classes = Counter(
+        node.name
+        for p in paths
+        for node in ast.parse(p.read_text(encoding="utf-8")).body
+        if isinstance(node, ast.ClassDef)
+    )
+    assert [n for n, c in classes.items() if c > 1] == []

@@ -41,7 +41,7 @@ class GPTConfig(NamedTuple):
     qkv_bias: bool = False
 
 
-class Block(nn.Module):
+class DemoBlock(nn.Module):
     """A pre-norm transformer block: causal self-attention, then a GELU MLP."""
 
     def __init__(self, config: GPTConfig) -> None:
@@ -74,7 +74,7 @@ class DemoGPT(nn.Module):
         self.config = config
         self.tok = nn.Embedding(config.vocab, config.width)
         self.pos = nn.Embedding(config.context, config.width)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.blocks = nn.ModuleList(DemoBlock(config) for _ in range(config.layers))
         self.ln = nn.LayerNorm(config.width)
         self.head = nn.Linear(config.width, config.vocab, bias=False)
         for name, param in self.named_parameters():  # GPT-2 style: scaled residual projections
