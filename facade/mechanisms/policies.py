@@ -6,8 +6,8 @@ reduction) is a policy object picked here from the plan (``ZeroPlan.reduction``,
 ``ZeroPlan.gather``, which core derives from ``deterministic``, ``grad_wire``
 and ``param_wire``), then asked by the modules that run a step. No other
 facade module branches on ``deterministic`` or a wire codec (a test reads
-the source to keep it so). A new mode
-is a new policy class and one row of a table below.
+the source to keep it so). A new mode is a new policy class and one row of a
+table below.
 """
 
 from __future__ import annotations
