@@ -44,7 +44,7 @@ from zeroplan.core.errors import (
 )
 from zeroplan.core.experts import ExpertSplit, expert_domains
 from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_gather, two_hop_send
-from zeroplan.core.host_link import HostLink, host_link
+from zeroplan.core.host_traffic import HostLink, host_link
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
 from zeroplan.core.memory import MemoryReport, RankReport, accumulation_bytes, memory_report
 from zeroplan.core.offload import Offload, offload_residences

@@ -51,7 +51,7 @@ from zeroplan.core.allocation import BufferRole, allocation, held_roles
 from zeroplan.core.deterministic import exact_norm_transient, partial_sums_held
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import ConfigError, require
-from zeroplan.core.host_link import HostLink, host_link
+from zeroplan.core.host_traffic import HostLink, host_link
 from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, step_peak
 from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.residence import Residence

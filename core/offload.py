@@ -21,7 +21,7 @@ their own masters; stage 1 reduces a rank-major gradient shard in place in the
 full gradient buffer), a host placement gives it a buffer of its own
 (``ZeroPlan.master_in_params``, ``ZeroPlan.reduces_in_place``), counted in
 host memory. The bytes each step moves over the host link each way are
-planned by :func:`zeroplan.core.host_link.host_link`; ``memory_report`` shows
+planned by :func:`zeroplan.core.host_traffic.host_link`; ``memory_report`` shows
 them with the device and host peaks. The facade does not execute host
 residence beside an accelerator yet.
 """

@@ -8,8 +8,8 @@ copies each step:
 * device→host: each bucket's reduced gradient shard, when ``GRAD_SHARD`` lives
   in host memory (the reduction runs in the device's staging arena; one copy
   per bucket that has a piece on the rank, in the gradient shard's dtype);
-* host→device: the updated parameters (the rank's shard, in the parameter
-  dtype, once after the step) when ``MASTER`` lives in host memory and the
+* host→device: the updated parameters (the rank's piece of each bucket, in the
+  parameter dtype, as the step finishes it) when ``MASTER`` lives in host memory and the
   parameters on the device; at stage 3 with ``PARAM_SHARD`` in host memory,
   the shard of each block before its gather instead: before the forward, and
   again before the backward when the plan reshards after the forward.
@@ -66,9 +66,10 @@ def host_link(zp: ZeroPlan, shard_rank: int) -> HostLink:
                 if numel:
                     to_device += times * numel * DTYPE_ITEMSIZE[space.dtype]
                     up += times
-    elif BufferRole.MASTER in host and params not in host:
-        for space in spaces:
-            if space.shard_numel[shard_rank]:
-                to_device += space.shard_numel[shard_rank] * DTYPE_ITEMSIZE[space.dtype]
+    elif BufferRole.MASTER in host and params not in host:  # bucket by bucket, as each is stepped
+        for bucket in zp.buckets.buckets:
+            piece = bucket.piece_of(shard_rank)
+            if piece is not None and piece.shard_span.numel:
+                to_device += piece.shard_span.numel * DTYPE_ITEMSIZE[spaces[bucket.space].dtype]
                 up += 1
     return HostLink(to_host, to_device, down, up)
