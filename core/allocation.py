@@ -26,8 +26,8 @@ where those live is ``zp.residences.of(BufferRole.STAGING)`` and
   of its own for bf16/fp16, else a view of ``PARAM_SHARD``), ``GRAD_SHARD``,
   and one ``BLOCK`` per block of the plan, allocated only while gathered.
 
-A role placed apart from the buffer it would view (host memory, [Note: offload,
-planned]) is a buffer of its own instead (``ZeroPlan.own_master``,
+A role placed apart from the buffer it would view (host memory,
+[Note: offload, planned]) is a buffer of its own instead (``ZeroPlan.own_master``,
 ``ZeroPlan.reduces_in_place``).
 """
 

@@ -15,8 +15,8 @@ then needs the least memory (the busiest rank), then has the lower stage, the
 optimizer as given, and the smaller shard group. Stage 3 sends more than
 stages 1 and 2, so it is chosen only when they do not fit.
 
-When nothing fits on the device, it assesses CPU offload too ([Note: offload,
-planned]): ``offload="optimizer"`` at every stage and ``offload="all"`` at
+When nothing fits on the device, it assesses CPU offload too
+([Note: offload, planned]): ``offload="optimizer"`` at every stage and ``offload="all"`` at
 stage 3, the masters, optimizer state and gradient shard (and the parameter
 shards) in host memory. These options come after every other: among them, the
 one that moves fewer bytes over the host link (``"optimizer"``) first.
