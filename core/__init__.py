@@ -44,8 +44,10 @@ from zeroplan.core.errors import (
 )
 from zeroplan.core.experts import ExpertSplit, expert_domains
 from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_gather, two_hop_send
+from zeroplan.core.host_traffic import HostLink, host_link
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
 from zeroplan.core.memory import MemoryReport, RankReport, accumulation_bytes, memory_report
+from zeroplan.core.offload import Offload, offload_residences
 from zeroplan.core.optim.implementations import Implementation, resolve_implementation
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
 from zeroplan.core.optim.step_tables import step_temporaries
@@ -129,6 +131,10 @@ __all__ = [
     "BufferRole",
     "Residence",
     "Residences",
+    "Offload",
+    "offload_residences",
+    "HostLink",
+    "host_link",
     "StepPeak",
     "backward_peak",
     "grad_shard_dtype",

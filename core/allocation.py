@@ -25,6 +25,10 @@ where those live is ``zp.residences.of(BufferRole.STAGING)`` and
 * stage 3: ``PARAM_SHARD`` (the rank's pieces of every block), ``MASTER`` (fp32
   of its own for bf16/fp16, else a view of ``PARAM_SHARD``), ``GRAD_SHARD``,
   and one ``BLOCK`` per block of the plan, allocated only while gathered.
+
+A role placed apart from the buffer it would view (host memory,
+[Note: offload, planned]) is a buffer of its own instead (``ZeroPlan.own_master``,
+``ZeroPlan.reduces_in_place``).
 """
 
 from __future__ import annotations
@@ -182,7 +186,7 @@ def allocation(zp: ZeroPlan, shard_rank: int, *, blocks: bool = True) -> Allocat
     for space in zp.partition.spaces:
         shard = space.shard_numel[shard_rank]
         dtype, master = space.dtype, master_dtype(space.dtype)
-        own_master = master != dtype
+        own_master = zp.own_master(space)
         buffers: list[BufferSpec] = []
         if zp.stage is Stage.PARAMETERS:
             buffers.append(BufferSpec(R.PARAM_SHARD, shard, dtype, residence=where(R.PARAM_SHARD)))
@@ -210,7 +214,7 @@ def allocation(zp: ZeroPlan, shard_rank: int, *, blocks: bool = True) -> Allocat
         if zp.stage is Stage.OPTIMIZER:
             buffers.append(BufferSpec(R.FULL_GRADS, full, dtype, residence=where(R.FULL_GRADS)))
         grad_shard = where(R.GRAD_SHARD)
-        if zp.stage is Stage.OPTIMIZER and region is not None:  # reduced in place
+        if zp.reduces_in_place(space):
             buffers.append(
                 BufferSpec(R.GRAD_SHARD, region.numel, dtype, R.FULL_GRADS, region, residence=grad_shard)
             )

@@ -33,7 +33,7 @@ from zeroplan.core.buckets import Bucket, Piece
 from zeroplan.core.comm import Collective
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.partition import Space
-from zeroplan.core.planner import ReductionKind, Stage, ZeroPlan
+from zeroplan.core.planner import ReductionKind, ZeroPlan
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.wire import replica_parts, wire_payload_bytes, wire_scale_bytes
 
@@ -128,11 +128,11 @@ def grad_shard_dtype(zp: ZeroPlan, space: Space) -> str:
     """The dtype of a rank's reduced-gradient shard of ``space``.
 
     Stage 1 with a rank-major layout reduces in place into the rank's region
-    of the full gradient buffer (the space's dtype); otherwise the shard is a
+    of the full gradient buffer (the space's dtype, ``ZeroPlan.reduces_in_place``); otherwise the shard is a
     tensor of its own in the master dtype, so bf16/fp16 gradients are reduced
     straight into fp32 and the step needs no copy.
     """
-    if zp.stage is Stage.OPTIMIZER and space.shard_is_region:
+    if zp.reduces_in_place(space):
         return space.dtype
     return master_dtype(space.dtype)
 

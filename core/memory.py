@@ -23,7 +23,9 @@ the facade's measured accounting can be compared with it exactly:
 
 ``total_bytes`` sums these, all persistent; ``host_bytes`` is the part the
 plan places in host memory ([Note: residences]; none by default) and
-``device_bytes`` the rest, on the parameters' device. ``peak_bytes`` is what the rank
+``device_bytes`` the rest, on the parameters' device; with roles in host memory
+the report also gives the device's and the host's share of the peak and the
+bytes per step over the host link ([Note: offload, planned]). ``peak_bytes`` is what the rank
 holds at the step's peak: ``total_bytes`` plus the transient memory of the
 backward (autograd's gradients not staged yet; at stage 3, gathered blocks) or
 of the step (the inner optimizer's temporaries; at stage 1 with bf16/fp16
@@ -49,6 +51,7 @@ from zeroplan.core.allocation import BufferRole, allocation, held_roles
 from zeroplan.core.deterministic import exact_norm_transient, partial_sums_held
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import ConfigError, require
+from zeroplan.core.host_traffic import HostLink, host_link
 from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, step_peak
 from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.residence import Residence
@@ -70,6 +73,14 @@ class RankReport:
         step_transient_bytes: transient bytes at the peak inside ``step()``.
         peak_bytes: persistent bytes (``total_bytes``) plus the larger transient.
         peak_phase: where the peak happens.
+        host_link: with roles in host memory, the bytes and copies per step between host and
+            device, each way ([Note: offload, planned]); ``None`` with everything on the device.
+        step_on_host: whether the inner optimizer steps in host memory (its masters live there), so
+            the step's transients are host memory, not the device's.
+        device_peak_bytes: the device's share of the peak: ``device_bytes`` plus the backward's
+            transients and, unless the step runs on the host, the step's.
+        host_peak_bytes: the host memory the rank needs at its peak: ``host_bytes``, plus the
+            step's transients when it runs on the host.
     """
 
     rank: int
@@ -83,11 +94,15 @@ class RankReport:
     backward_transient_bytes: int = 0
     step_transient_bytes: int = 0
     host_bytes: int = 0
+    host_link: HostLink | None = None
+    step_on_host: bool = False
     total_bytes: int = field(init=False)
     device_bytes: int = field(init=False)
     comm_bytes_per_step: int = field(init=False)
     peak_bytes: int = field(init=False)
     peak_phase: PeakPhase = field(init=False)
+    device_peak_bytes: int = field(init=False)
+    host_peak_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         parts = (
@@ -110,10 +125,14 @@ class RankReport:
         transient = StepPeak(self.backward_transient_bytes, self.step_transient_bytes)
         object.__setattr__(self, "peak_bytes", sum(parts[:5]) + transient.bytes)
         object.__setattr__(self, "peak_phase", transient.phase)
+        step = self.step_transient_bytes
+        device_transient = max(self.backward_transient_bytes, 0 if self.step_on_host else step)
+        object.__setattr__(self, "device_peak_bytes", self.device_bytes + device_transient)
+        object.__setattr__(self, "host_peak_bytes", self.host_bytes + (step if self.step_on_host else 0))
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready mapping (the CLI's ``--json`` per-rank record)."""
-        return {
+        record: dict[str, Any] = {
             "rank": self.rank,
             "shard_rank": self.shard_rank,
             "params_bytes": self.params_bytes,
@@ -138,6 +157,12 @@ class RankReport:
                 for c in self.comm
             ],
         }
+        if self.host_link is not None:  # keys of offload only: plans on the device keep their documents
+            record["device_peak_bytes"] = self.device_peak_bytes
+            record["host_peak_bytes"] = self.host_peak_bytes
+            record["step_on_host"] = self.step_on_host
+            record["host_link"] = self.host_link._asdict()
+        return record
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -270,6 +295,9 @@ def memory_report(
         per_shard = [_rank_memory(zp, s, staging[s], frozen, state_of) for s in range(n)]
     transients = step_peak(zp, backward=backward, tensors=tensors or None)
     traffic = step_traffic(zp, clipping)
+    offloaded = zp.stage is not Stage.DDP and not zp.residences.all_on_device
+    links = [host_link(zp, s) for s in range(n)] if offloaded else [None] * n
+    step_on_host = offloaded and zp.residences.of(BufferRole.MASTER) is Residence.HOST
     ranks = []
     for rank in range(topo.world_size):
         s = topo.shard_rank(rank)
@@ -291,6 +319,8 @@ def memory_report(
                 backward_transient_bytes=transients[s].backward,
                 step_transient_bytes=step_transient,
                 host_bytes=memory.host,
+                host_link=links[s],
+                step_on_host=step_on_host,
             )
         )
     return MemoryReport(

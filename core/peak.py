@@ -211,7 +211,7 @@ def _copies_bytes(zp: ZeroPlan, shard_rank: int) -> int:
     copies = 0
     if zp.stage is Stage.OPTIMIZER:
         for space in zp.partition.spaces:
-            if space.dtype in LOW_PRECISION and space.shard_is_region:
+            if space.dtype in LOW_PRECISION and zp.reduces_in_place(space):
                 copies += space.extent(shard_rank) * DTYPE_ITEMSIZE[master_dtype(space.dtype)]
     return copies
 

@@ -27,6 +27,7 @@ from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.layout import build_partition
+from zeroplan.core.offload import Offload, offload_residences
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.options import StepOptions
 from zeroplan.core.partition import PartitionPlan
@@ -356,7 +357,8 @@ class ZeroPlan:
         }[self.reduction]
 
     def _check_residences(self, where: Residences) -> None:
-        """Refuse a placement that splits a view from its buffer ([Note: residences])."""
+        """Refuse a placement that cannot work ([Note: residences]); a role placed apart from the buffer
+        it would view gets a buffer of its own ([Note: offload, planned])."""
         check_config(isinstance(where, Residences), f"residences must be a Residences, got {where!r}")
         if where.all_on_device:
             return
@@ -372,29 +374,6 @@ class ZeroPlan:
             f"on the {where.of(R.MASTER).value}; the inner optimizer makes its state beside the masters it "
             "steps, so place both in host memory or neither",
         )
-        params = R.PARAM_SHARD if self.stage is Stage.PARAMETERS else R.FULL_PARAMS
-        for space in self.partition.spaces:
-            if self.master_in_params(space):
-                check_config(
-                    where.of(R.MASTER) is where.of(params),
-                    f"residences: the {space.dtype} parameters are their own master (stepped in place in "
-                    f"{params.value}), so master must live where {params.value} does; place both in host "
-                    "memory or neither (bf16/fp16 parameters get an fp32 master of their own)",
-                )
-            if self.stage is Stage.PARAMETERS and master_dtype(space.dtype) == space.dtype:
-                check_config(
-                    where.of(R.MASTER) is where.of(R.PARAM_SHARD),
-                    f"residences: stage 3 steps the {space.dtype} shard in place (param_shard is their "
-                    "master), so master must live where param_shard does; place both in host memory or "
-                    "neither",
-                )
-            if self.stage is Stage.OPTIMIZER and space.shard_is_region:
-                check_config(
-                    where.of(R.GRAD_SHARD) is where.of(R.FULL_GRADS),
-                    "residences: stage 1 reduces a rank's gradient shard in place when it is one region of "
-                    "full_grads (a rank-major layout), so grad_shard must live where full_grads does; place "
-                    "both in host memory or neither",
-                )
 
     def _check_param_wire(self, codec: WireCodec) -> None:
         """Refuse a parameter wire the plan cannot keep exact masters under ([Note: wire formats])."""
@@ -492,9 +471,61 @@ class ZeroPlan:
         an interleaved one, one piece per block, so elementwise windows are
         cut where one piece does not follow the last in the buffer
         (:meth:`inner_tensors`). Stage 3 steps its own shard tensor, and
-        bf16/fp16 parameters get a separate fp32 master.
+        bf16/fp16 parameters get a separate fp32 master. Masters placed apart
+        from the parameters (host memory, [Note: offload, planned]) are a
+        buffer of their own.
         """
-        return self.stage in (Stage.OPTIMIZER, Stage.GRADIENTS) and master_dtype(space.dtype) == space.dtype
+        return (
+            self.stage in (Stage.OPTIMIZER, Stage.GRADIENTS)
+            and master_dtype(space.dtype) == space.dtype
+            and self.residences.of(BufferRole.MASTER) is self.residences.of(BufferRole.FULL_PARAMS)
+        )
+
+    def own_master(self, space: Space) -> bool:
+        """Whether the rank's masters of ``space`` are a buffer of their own (not a view of parameters).
+
+        bf16/fp16 parameters get fp32 masters; fp32 ones are stepped in place
+        (stages 1-2: :meth:`master_in_params`; stage 3: the parameter shard)
+        unless the masters live apart from them ([Note: offload, planned]).
+        """
+        if self.stage is Stage.PARAMETERS:
+            where = self.residences.of
+            return master_dtype(space.dtype) != space.dtype or where(BufferRole.MASTER) is not where(
+                BufferRole.PARAM_SHARD
+            )
+        return not self.master_in_params(space)
+
+    def split_views(self) -> tuple[BufferRole, ...]:
+        """The roles the placement gives a buffer of their own where they would view another.
+
+        Empty with everything on the device ([Note: offload, planned]): fp32
+        masters apart from the parameters, a stage-1 gradient shard apart from
+        the full gradients.
+        """
+        split = set()
+        for space in self.partition.spaces:
+            if (
+                self.stage is not Stage.DDP
+                and master_dtype(space.dtype) == space.dtype
+                and self.own_master(space)
+            ):
+                split.add(BufferRole.MASTER)
+            if self.stage is Stage.OPTIMIZER and space.shard_is_region and not self.reduces_in_place(space):
+                split.add(BufferRole.GRAD_SHARD)
+        return tuple(role for role in BufferRole if role in split)
+
+    def reduces_in_place(self, space: Space) -> bool:
+        """Whether the rank's gradient shard of ``space`` is its region of the full gradient buffer.
+
+        Stage 1 with a rank-major layout reduces in place, unless the gradient
+        shard lives apart from the full gradients ([Note: offload, planned]).
+        """
+        where = self.residences.of
+        return (
+            self.stage is Stage.OPTIMIZER
+            and space.shard_is_region
+            and where(BufferRole.GRAD_SHARD) is where(BufferRole.FULL_GRADS)
+        )
 
     def inner_tensors(self, shard_rank: int) -> tuple[InnerTensor, ...]:
         """What the inner optimizer steps on shard rank ``shard_rank``.
@@ -700,6 +731,7 @@ def plan(
     param_wire: WireCodec | str | None = None,
     options: StepOptions | None = None,
     residences: Residences = ALL_ON_DEVICE,
+    offload: Offload | str | None = None,
 ) -> ZeroPlan:
     """Plan a sharded optimizer for ``specs`` on ``topology``.
 
@@ -728,6 +760,8 @@ def plan(
         options: how the plan executes in a step (``None``: the defaults,
             see [Note: plan options]).
         residences: where each buffer role lives ([Note: residences]); all on the device by default.
+        offload: ``"none"`` (``None``), ``"optimizer"`` or ``"all"``: the placement of CPU
+            offload ([Note: offload, planned]), instead of ``residences``.
 
     Raises:
         ConfigError: any argument is invalid (the message says how to fix it).
@@ -740,6 +774,13 @@ def plan(
     """
     specs = check_specs(specs)
     check_config(stage in tuple(Stage), f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if Offload.parse(offload) is not Offload.NONE:
+        check_config(
+            residences == ALL_ON_DEVICE,
+            f"pass offload={Offload.parse(offload).value!r} or residences={residences!r}, not both: the "
+            "offload mode is a placement of its own",
+        )
+        residences = offload_residences(offload, stage)
     if isinstance(optimizer, str):
         optimizer = describe_optimizer(optimizer)
     groups = 1 + max((s.group for s in specs), default=0)

@@ -302,8 +302,15 @@ def test_recommend_with_traced_activations_chooses_the_micro_batch_too(tmp_path)
     exact = traced_step_peak(best, trace_of(2, best))
     assert advice["best"]["exact"] and advice["best"]["need_bytes"] == max(p.peak_bytes for p in exact)
     tight = zeroplan(*args[:-3], "--device-memory", "9MiB", "--recommend", "--json")
-    assert tight.returncode == 1  # nothing fits even at micro-batch 1
-    assert json.loads(tight.stdout)["recommendation"]["tried_micro_batches"] == [4, 2]
+    assert tight.returncode == 0  # nothing fits on the device even at micro-batch 1: CPU offload does
+    offloaded = json.loads(tight.stdout)["recommendation"]
+    assert (offloaded["micro_batch"], offloaded["tried_micro_batches"]) == (1, [4, 2])
+    assert (
+        offloaded["best"]["offload"] == "optimizer" and "nothing fits without offload" in offloaded["reason"]
+    )
+    tighter = zeroplan(*args[:-3], "--device-memory", "2MiB", "--recommend", "--json")
+    assert tighter.returncode == 1  # nothing fits even at micro-batch 1 with offload
+    assert json.loads(tighter.stdout)["recommendation"]["tried_micro_batches"] == [4, 2]
 
 
 @needs_transformers
@@ -434,3 +441,29 @@ def test_seq_len_needs_model_dimensions(tmp_path):
         zeroplan("--hf-config", str(config), "--seq-len", "128"),
         "the config has no num_attention_heads / n_head / num_heads",
     )
+
+
+def test_the_recommender_considers_offload_only_when_nothing_fits_on_the_device():
+    """[Note: offload, planned]: columns of offload after the stages', and a choice with offload."""
+    args = (
+        "--preset",
+        "gpt2",
+        "--world",
+        "2",
+        "--dtype",
+        "bf16",
+        "--activation-bytes",
+        "100M",
+        "--recommend",
+    )
+    roomy = zeroplan(*args, "--device-memory", "2GiB", "--json")
+    assert all("offload" not in o for o in json.loads(roomy.stdout)["recommendation"]["options"])
+    table = zeroplan(*args, "--device-memory", "400MiB")
+    document = json.loads(zeroplan(*args, "--device-memory", "400MiB", "--json").stdout)["recommendation"]
+    assert table.returncode == 0, table.stderr
+    assert document["best"]["offload"] == "all" and document["best"]["stage"] == 3
+    assert {o.get("offload", "none") for o in document["options"]} == {"none", "optimizer", "all"}
+    assert not any(o["fits"] for o in document["options"] if "offload" not in o)
+    text = " ".join(table.stdout.split())
+    assert "stage 3, offload optimizer" in text and "stage 3, offload all" in text
+    assert "offload all: fits with" in text and "nothing fits without offload" in text

@@ -16,6 +16,7 @@ from zeroplan.core import (
     Topology,
     accumulation_bytes,
     describe_optimizer,
+    host_link,
     memory_report,
     plan,
     preset_specs,
@@ -580,3 +581,62 @@ def test_plan_never_imports_torch(args):
     out = plan_in_process(args)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 0] []"
+
+
+# ----------------------------------------------------------------- offload, planned
+def test_offload_optimizer_shows_device_and_host_bytes_and_the_host_link():
+    """[Note: offload, planned]: the table and the JSON give what ``memory_report`` plans."""
+    args = ("--preset", "gpt2", "--world", "4", "--stage", "2", "--dtype", "bf16", "--offload", "optimizer")
+    table, document = zeroplan(*args), json.loads(zeroplan(*args, "--json").stdout)
+    assert table.returncode == 0, table.stderr
+    specs = preset_specs("gpt2", dtype="bf16")
+    expected = memory_report(plan(specs, Topology(world_size=4), stage=2, offload="optimizer")).ranks[0]
+    rank = document["ranks"][0]
+    assert document["offload"] == "optimizer"
+    assert {
+        k: document["residences"][k] for k in ("grad_shard", "master", "optimizer_state")
+    } == dict.fromkeys(("grad_shard", "master", "optimizer_state"), "host")
+    assert (rank["device_bytes"], rank["host_bytes"]) == (expected.device_bytes, expected.host_bytes)
+    assert rank["device_peak_bytes"] == expected.device_peak_bytes and rank["step_on_host"]
+    assert rank["host_link"] == expected.host_link._asdict()
+    text = " ".join(table.stdout.split())
+    assert "offload optimizer" in text
+    for label, value in (
+        ("rank 0 host GiB", expected.host_bytes),
+        ("step's device peak GiB", expected.device_peak_bytes),
+        (f"to host per step GiB ({expected.host_link.to_host_copies:,} copies)", expected.host_link.to_host),
+        (
+            f"to device per step GiB ({expected.host_link.to_device_copies:,} copies)",
+            expected.host_link.to_device,
+        ),
+    ):
+        assert re.search(rf"{re.escape(label)}\s+│\s+{value / 2**30:,.3f}", table.stdout), label
+
+
+def test_offload_without_it_leaves_the_document_as_it_was():
+    args = ("--preset", "gpt2", "--world", "4", "--json")
+    plain, none = json.loads(zeroplan(*args).stdout), json.loads(zeroplan(*args, "--offload", "none").stdout)
+    assert "offload" not in plain and "host_link" not in plain["ranks"][0]
+    plain.pop("planning_seconds"), none.pop("planning_seconds")
+    assert plain == none
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--stage", "2", "--offload", "all"), "offload='all' needs stage 3"),
+        (("--stage", "0", "--offload", "optimizer"), "needs stage 1, 2 or 3"),
+    ],
+)
+def test_offload_that_cannot_work_is_refused(extra, message):
+    out = zeroplan("--preset", "gpt2", "--world", "4", *extra)
+    assert out.returncode != 0 and message in out.stderr
+
+
+def test_offload_all_at_stage_3_moves_the_parameter_shards_too():
+    document = json.loads(
+        zeroplan("--preset", "gpt2", "--world", "4", "--stage", "3", "--offload", "all", "--json").stdout
+    )
+    assert document["residences"]["param_shard"] == "host" and document["residences"]["block"] == "device"
+    zp = plan(preset_specs("gpt2", dtype="bf16"), Topology(world_size=4), stage=3, offload="all")
+    assert document["ranks"][0]["host_link"] == host_link(zp, 0)._asdict()  # the shard, twice a step

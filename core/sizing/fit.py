@@ -18,9 +18,11 @@ step's peak] in :mod:`zeroplan.core.peak` for the transients):
   (:attr:`~zeroplan.core.memory.RankReport.step_transient_bytes`: the inner
   optimizer's temporaries). The backward has freed the activations by then.
 
-A rank fits when the larger, its *need*, is at most the device's memory. That
-memory is what the allocator may hand out: the CUDA context, NCCL's buffers and
-fragmentation are not planned, so leave some room. Stage 0 (DDP) and stage 3
+Buffers the plan places in host memory ([Note: offload, planned]) need none of
+the device's, nor does a step that runs on the host. A rank fits when the
+larger, its *need*, is at most the device's memory. That memory is what the
+allocator may hand out: the CUDA context, NCCL's buffers and fragmentation are
+not planned, so leave some room. Stage 0 (DDP) and stage 3
 peaks are estimates (see :func:`~zeroplan.core.peak.step_peak`).
 """
 
@@ -203,12 +205,12 @@ def fit_report(report: MemoryReport, *, activation_bytes: int, device_bytes: int
     check_device_bytes(device_bytes)
     ranks = []
     for r in report.ranks:
-        persistent = r.total_bytes
+        persistent = r.device_bytes  # host-resident roles ([Note: offload, planned]) need no device memory
         ranks.append(
             RankFit(
                 rank=r.rank,
                 backward_bytes=persistent + r.backward_transient_bytes + activation_bytes,
-                step_bytes=persistent + r.step_transient_bytes,
+                step_bytes=persistent + (0 if r.step_on_host else r.step_transient_bytes),
                 device_bytes=device_bytes,
             )
         )

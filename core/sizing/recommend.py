@@ -15,6 +15,12 @@ then needs the least memory (the busiest rank), then has the lower stage, the
 optimizer as given, and the smaller shard group. Stage 3 sends more than
 stages 1 and 2, so it is chosen only when they do not fit.
 
+When nothing fits on the device, it assesses CPU offload too
+([Note: offload, planned]): ``offload="optimizer"`` at every stage and ``offload="all"`` at
+stage 3, the masters, optimizer state and gradient shard (and the parameter
+shards) in host memory. These options come after every other: among them, the
+one that moves fewer bytes over the host link (``"optimizer"``) first.
+
 With traced activations (``trace``: [Note: traced activations]) each
 configuration's need is its step's timeline ([Note: one timeline],
 :func:`~zeroplan.core.sizing.trace.traced_fit`), not the activations' peak added
@@ -39,7 +45,8 @@ from functools import partial
 from typing import Any
 
 from zeroplan.core.errors import ConfigError, check_config, require
-from zeroplan.core.memory import memory_report
+from zeroplan.core.memory import MemoryReport, memory_report
+from zeroplan.core.offload import Offload
 from zeroplan.core.optim.implementations import Implementation
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.planner import Stage, ZeroPlan, plan
@@ -88,6 +95,8 @@ class Option:
         exact: its fit is exact: read off a step traced with its own plan, or off one traced
             without a plan where that is exact (with the formula or given activation bytes: the
             backward's transient and the activations are added, an estimate, ``False``).
+        offload: its CPU offload mode (``"none"``, ``"optimizer"``, ``"all"``; [Note: offload, planned]).
+        host_link_bytes: with offload, the busiest rank's bytes per step over the host link, both ways.
     """
 
     fit: FitReport
@@ -95,22 +104,37 @@ class Option:
     implementation: Implementation
     fused: bool = False
     exact: bool = False
+    offload: str = Offload.NONE.value
+    host_link_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offload", Offload.parse(self.offload).value)
 
     @property
     def label(self) -> str:
-        """``"stage 2 with shard groups of 8"``, with ``AdamW(fused=True)`` when fused was added."""
+        """``"stage 2 with shard groups of 8"``, with ``AdamW(fused=True)`` when fused was added and
+        ``offload optimizer`` with CPU offload."""
         text = f"{stage_label(self.fit.stage)} with shard groups of {self.fit.shard_size}"
-        return f"{text}, {self.optimizer}(fused=True)" if self.fused else text
+        text = f"{text}, {self.optimizer}(fused=True)" if self.fused else text
+        return text if self.offload == Offload.NONE.value else f"{text}, offload {self.offload}"
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready mapping."""
-        return {
+        """JSON-ready mapping (``offload`` only for an option with offload)."""
+        record = {
             **self.fit.as_dict(),
             "optimizer": self.optimizer,
             "implementation": self.implementation.value,
             "fused": self.fused,
             "exact": self.exact,
         }
+        if self.offload != Offload.NONE.value:
+            record["offload"] = self.offload
+            record["host_link_bytes"] = self.host_link_bytes
+        return record
+
+
+#: Offload modes in the recommender's order of preference: fewer bytes over the host link first.
+_OFFLOADS = tuple(m.value for m in (Offload.NONE, Offload.OPTIMIZER, Offload.ALL))
 
 
 def _cost(option: Option, least_traffic: int) -> tuple[int, ...]:
@@ -118,6 +142,8 @@ def _cost(option: Option, least_traffic: int) -> tuple[int, ...]:
     same = option.fit.comm_bytes_per_step <= least_traffic * (1 + TRAFFIC_TOLERANCE)
     return (
         0 if same else option.fit.comm_bytes_per_step,
+        _OFFLOADS.index(option.offload),
+        option.host_link_bytes,
         option.fit.need_bytes,
         option.fit.stage,
         int(option.fused),
@@ -159,6 +185,9 @@ def _explain(best: Option | None, options: Sequence[Option], device: int, activa
         text += f"; fused=True saves {gib(saved)} over {same_place[0].implementation.value}"
     elif same_place:
         text += f"; fused=True does not lower its peak ({fit.worst.phase.value})"
+    if best.offload != Offload.NONE.value:
+        text += "; nothing fits without offload"
+    options = [o for o in options if o.offload == best.offload]
     least = min(o.fit.comm_bytes_per_step for o in options if o.fit.fits)
     for stage in sorted({o.fit.stage for o in options} - {fit.stage}):
         mine = [o for o in options if o.fit.stage == stage]
@@ -262,6 +291,7 @@ def recommend(
     stages: Sequence[int] = (1, 2, 3),
     trace: ActivationTrace | None = None,
     confirm: Callable[[ZeroPlan], ActivationTrace] | None = None,
+    offload: bool = True,
     **plan_options: Any,
 ) -> Recommendation:
     """The cheapest configuration of ``specs`` on ``world_size`` ranks that fits each device.
@@ -283,6 +313,7 @@ def recommend(
         confirm: with ``trace``, traces the same micro-batch with a configuration's plan: called
             for the cheapest that fits while its fit is not exact, until the cheapest is (a fit
             traced without a plan may be under at stage 3: [Note: the cheapest configuration]).
+        offload: when nothing fits, assess CPU offload too ([Note: offload, planned]).
         **plan_options: more arguments of :func:`~zeroplan.core.planner.plan`
             (``strategy``, ``alignment``, ``bucket_bytes``, ``loss_scaling``, ...).
 
@@ -300,8 +331,10 @@ def recommend(
         fused=True saves 64.0 MiB over foreach;
         stage 1 does not fit (needs 1.05 GiB at the least, with shard groups of 4);
         stage 3 fits but sends 576.0 MiB per step (shard groups of 4)
-        >>> recommend(specs, 4, device_bytes=2**29, activation_bytes=2**26).reason
+        >>> recommend(specs, 4, device_bytes=2**29, activation_bytes=2**26, offload=False).reason
         'nothing fits in 512.0 MiB: the least any configuration needs is 816.0 MiB (stage 3 ...'
+        >>> recommend(specs, 4, device_bytes=2**29, activation_bytes=2**26).best.label
+        'stage 2 with shard groups of 4, offload optimizer'
     """
     check_config(
         all(s in (Stage.OPTIMIZER, Stage.GRADIENTS, Stage.PARAMETERS) for s in stages) and stages,
@@ -324,27 +357,35 @@ def recommend(
             variants.append((describe_optimizer(optimizer, {**(settings or {}), "fused": True}), True))
         except ConfigError:
             pass  # no fused kernel for this optimizer (or settings that exclude it)
-    options = []
-    for stage in stages:
-        for shard in shard_sizes(world_size):
-            for spec, fused in variants:
-                zp = _plan_of(specs, world_size, stage, shard, spec, ranks_per_node, plan_options)
-                exact = False
-                if trace is None:
-                    fit = fit_report(
-                        memory_report(zp), activation_bytes=activation_bytes, device_bytes=device_bytes
+    options: list[Option] = []
+    modes = [Offload.NONE]
+    while modes:
+        mode = modes.pop(0)
+        for stage in stages:
+            if mode is Offload.ALL and stage != Stage.PARAMETERS:
+                continue
+            for shard in shard_sizes(world_size):
+                for spec, fused in variants:
+                    zp = _plan_of(specs, world_size, stage, shard, spec, ranks_per_node, plan_options, mode)
+                    exact = False
+                    report = memory_report(zp) if trace is None or mode is not Offload.NONE else None
+                    if report is not None and trace is None:
+                        fit = fit_report(report, activation_bytes=activation_bytes, device_bytes=device_bytes)
+                    else:
+                        fit, exact = traced_fit(zp, trace, device_bytes=device_bytes)
+                    options.append(
+                        Option(
+                            fit=fit,
+                            optimizer=spec.name,
+                            implementation=spec.implementation,
+                            fused=fused,
+                            exact=exact,
+                            offload=mode.value,
+                            host_link_bytes=0 if report is None else _host_link_bytes(report),
+                        )
                     )
-                else:
-                    fit, exact = traced_fit(zp, trace, device_bytes=device_bytes)
-                options.append(
-                    Option(
-                        fit=fit,
-                        optimizer=spec.name,
-                        implementation=spec.implementation,
-                        fused=fused,
-                        exact=exact,
-                    )
-                )
+        if mode is Offload.NONE and offload and not any(o.fit.fits for o in options):
+            modes = [Offload.OPTIMIZER, Offload.ALL]  # nothing fits on the device: [Note: offload, planned]
     if trace is not None and confirm is not None:
         _confirm(options, confirm, specs, world_size, settings, ranks_per_node, plan_options)
     return Recommendation(
@@ -353,6 +394,11 @@ def recommend(
         options=tuple(options),
         traced=trace is not None,
     )
+
+
+def _host_link_bytes(report: MemoryReport) -> int:
+    """The busiest rank's bytes per step over the host link, both ways (0 with nothing offloaded)."""
+    return max((sum(r.host_link[:2]) for r in report.ranks if r.host_link is not None), default=0)
 
 
 def _confirm(
@@ -395,9 +441,11 @@ def _plan_of(
     spec: OptimizerSpec,
     ranks_per_node: int | None,
     plan_options: Mapping[str, Any],
+    offload: Offload = Offload.NONE,
 ) -> ZeroPlan:
     topology = Topology(world_size=world_size, shard_size=shard, ranks_per_node=ranks_per_node)
-    return plan(specs, topology, stage=stage, optimizer=spec, **plan_options)
+    extra = {} if offload is Offload.NONE else {"offload": offload}
+    return plan(specs, topology, stage=stage, optimizer=spec, **plan_options, **extra)
 
 
 def option_plan(
@@ -414,7 +462,14 @@ def option_plan(
     extra = {"fused": True} if option.fused else {}
     spec = describe_optimizer(option.optimizer, {**(settings or {}), **extra})
     return _plan_of(
-        specs, world_size, option.fit.stage, option.fit.shard_size, spec, ranks_per_node, plan_options
+        specs,
+        world_size,
+        option.fit.stage,
+        option.fit.shard_size,
+        spec,
+        ranks_per_node,
+        plan_options,
+        Offload(option.offload),
     )
 
 
@@ -436,7 +491,8 @@ def recommend_micro_batch(
         trace_of: traces the activations of a micro-batch of that many sequences, without a plan
             (``None``: once per micro-batch assessed, largest first) or with one (to confirm the
             cheapest configuration that fits, as :func:`recommend`'s ``confirm``).
-        **options: :func:`recommend`'s other arguments.
+        **options: :func:`recommend`'s other arguments (``offload`` is assessed at micro-batch 1
+            only: a smaller micro-batch is preferred to CPU offload).
 
     Example:
         >>> from zeroplan.core import specs_from_shapes
@@ -460,10 +516,11 @@ def recommend_micro_batch(
     )
     tried: list[int] = []
     batch = micro_batch
+    offload = options.pop("offload", True)  # a last resort, after the halvings: at micro-batch 1
     while True:
         advice = recommend(
             specs, world_size, device_bytes=device_bytes, trace=trace_of(batch, None),
-            confirm=partial(trace_of, batch), **options,
+            confirm=partial(trace_of, batch), offload=offload and batch == 1, **options,
         )  # fmt: skip
         if advice.best is not None or batch == 1:
             return replace(advice, micro_batch=batch, tried=tuple(tried))

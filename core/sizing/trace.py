@@ -179,7 +179,7 @@ class TracedPeak(NamedTuple):
         rank: the world rank.
         peak_bytes: the most bytes alive at once over the step.
         phase: ``"forward"``, ``"backward"`` or ``"step"``.
-        persistent: what the rank holds between steps: the plan's ``total_bytes`` and the model's
+        persistent: what the rank holds between steps: the plan's ``device_bytes`` and the model's
             buffers (``ActivationTrace.buffer_bytes``).
         activations: activation bytes alive at the peak.
         gradients: autograd gradients not staged yet at the peak.
@@ -273,12 +273,12 @@ def _traced_peaks(zp: ZeroPlan, trace: ActivationTrace) -> tuple[tuple[TracedPea
         gathered = gathered_bytes(zp)
     out = []
     for r in report.ranks:
-        persistent = r.total_bytes + trace.buffer_bytes
+        persistent = r.device_bytes + trace.buffer_bytes  # host-resident roles: none of it
         candidates = [
             (persistent + trace.forward_peak_bytes + gathered, "forward", trace.forward_peak_bytes, 0),
             (persistent + trace.peak_bytes + waiting + gathered, "backward", trace.peak_bytes, waiting),
             (persistent + arrival[0] + gathered, "backward", arrival[1], arrival[2]),
-            (persistent + r.step_transient_bytes, "step", 0, 0),
+            (persistent + (0 if r.step_on_host else r.step_transient_bytes), "step", 0, 0),
         ]
         peak, phase, activations, gradients = max(candidates, key=lambda c: c[0])
         exact = gathered == 0 and waiting == 0

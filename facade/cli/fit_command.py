@@ -368,20 +368,25 @@ def grid(advice: Recommendation) -> Any:
     """A rich table: for each shard size (rows) and stage (columns), the need and whether it fits."""
     from rich.table import Table
 
-    stages = sorted({o.fit.stage for o in advice.options})
+    # Stages without offload first, then (only when nothing fitted without it) each offload mode's.
+    modes = ("none", "optimizer", "all")
+    columns = sorted({(modes.index(o.offload), o.fit.stage) for o in advice.options})
     device = gib(advice.device_bytes)
     unit, scale = ("GiB", 2**30) if advice.device_bytes >= 2**30 else ("MiB", 2**20)
     what = "the traced step" if advice.traced else "activations"
     batch = f", micro-batch {advice.micro_batch}" if advice.micro_batch is not None else ""
     table = Table(title=f"need per rank with {what} ({unit}) by stage and shard size, device {device}{batch}")
     table.add_column("shard size", justify="right")
-    for stage in stages:
-        table.add_column(f"stage {stage}", justify="right")
-    cells: dict[tuple[int, int], str] = {}
+    for mode, stage in columns:
+        offload = f", offload {modes[mode]}" if mode else ""
+        table.add_column(f"stage {stage}{offload}", justify="right")
+    cells: dict[tuple[int, int, int], str] = {}
     for o in advice.options:
         if not o.fused:  # the optimizer as given; fused=True is in the reason
             mark = "fits" if o.fit.fits else "no"
-            cells[o.fit.shard_size, o.fit.stage] = f"{o.fit.need_bytes / scale:,.2f} {mark}"
-    for shard in sorted({k for k, _ in cells}):
-        table.add_row(str(shard), *(cells.get((shard, s), "") for s in stages))
+            cells[o.fit.shard_size, modes.index(o.offload), o.fit.stage] = (
+                f"{o.fit.need_bytes / scale:,.2f} {mark}"
+            )
+    for shard in sorted({k for k, _, _ in cells}):
+        table.add_row(str(shard), *(cells.get((shard, m, s), "") for m, s in columns))
     return table

@@ -36,6 +36,7 @@ from zeroplan.core import (
     DomainsReport,
     FitReport,
     MemoryReport,
+    Offload,
     ParamSpec,
     RankReport,
     Recommendation,
@@ -127,6 +128,15 @@ def register(sub: Any) -> None:
         help="backward passes per rank per step (G/W with --deterministic): report the gradients "
         "held between them (default 1)",
     )
+    p.add_argument(
+        "--offload",
+        choices=[m.value for m in Offload],
+        default="none",
+        help="CPU offload, planned ([Note: offload, planned]): optimizer puts the fp32 masters, the "
+        "optimizer state and the fp32 gradient shard in host memory (stages 1-3); all puts the "
+        "parameter shards there too (stage 3). Shows device and host bytes, the device peak and "
+        "bytes per step over the host link (default none)",
+    )
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON document")
     p.add_argument("--rows", type=int, default=16, help="most rank rows in the table (default 16)")
     p.add_argument(
@@ -158,6 +168,7 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
         "param_wire": None
         if args.gather_dtype == "param"
         else WireCodec(args.gather_dtype, block=args.wire_block),
+        **({} if args.offload == Offload.NONE.value else {"offload": args.offload}),
     }
 
 
@@ -179,6 +190,11 @@ def run(args: argparse.Namespace) -> int:
     if args.rows < 1:
         raise ConfigError(f"--rows must be >= 1, got {args.rows}")
     if args.expert_parallel != 1:
+        if args.offload != Offload.NONE.value:
+            raise ConfigError(
+                f"--offload {args.offload} with --expert-parallel is not planned yet: plan the model "
+                "without --expert-parallel, or without --offload"
+            )
         return _run_experts(args)
     settings = fitting.fit_settings(args)  # checked before planning: see [Note: fit options]
     specs, source = _specs(args)
@@ -218,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
             splits_params=zp.partition.splits_params,
             planning_seconds=round(elapsed, 4),
         )
+        if args.offload != Offload.NONE.value:  # [Note: offload, planned]; absent without offload
+            document["offload"] = args.offload
         fitting.update_document(document, settings, fit, advice)
         if step_trace is not None:
             document["traced_step"] = [p._asdict() for p in traced_step_peak(zp, step_trace)]
@@ -228,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
     layout += ", deterministic" if zp.deterministic else ""
     layout += f", gradients sent as {args.reduce_dtype}" if zp.grad_wire is not None else ""
     layout += f", parameters gathered as {args.gather_dtype}" if zp.param_wire is not None else ""
+    layout += f", offload {args.offload}" if args.offload != Offload.NONE.value else ""
     _print_table(
         report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), layout, elapsed, args.rows, fit
     )
@@ -562,6 +581,15 @@ def _where_table(report: MemoryReport) -> Any:
     table.add_section()
     table.add_row("rank 0 device GiB", _gib(r.device_bytes))
     table.add_row("rank 0 host GiB", _gib(r.host_bytes))
+    if r.host_link is not None:  # [Note: offload, planned] in zeroplan.core.offload
+        table.add_section()
+        table.add_row("step's device peak GiB", _gib(r.device_peak_bytes))
+        table.add_row("host memory at the step GiB", _gib(r.host_peak_bytes))
+        table.add_row("host memory pinned on a GPU", "yes")
+        table.add_row("step runs on", "host" if r.step_on_host else "device")
+        link = r.host_link
+        table.add_row(f"to host per step GiB ({link.to_host_copies:,} copies)", _gib(link.to_host))
+        table.add_row(f"to device per step GiB ({link.to_device_copies:,} copies)", _gib(link.to_device))
     return table
 
 

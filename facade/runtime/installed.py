@@ -39,6 +39,13 @@ _HOST_BESIDE_DEVICE = (
     "(residences=Residences(), the default), or keep the parameters on the CPU, whose memory is the host's"
 )
 
+#: A role given a buffer of its own by its placement ([Note: offload, planned]) is planned, not executed yet.
+_SPLIT_VIEWS = (
+    "the plan gives {roles} a buffer of its own in host memory where it would otherwise be a view of "
+    "a device buffer (CPU offload, planned); the step does not execute that yet: plan those roles "
+    "where the buffer they view lives (residences=Residences(), the default)"
+)
+
 
 class Installed(NamedTuple):
     """What one plan is executed with on this rank (see [Note: optimizer parts]).
@@ -108,12 +115,16 @@ def install(
 
     Raises:
         ConfigError: the plan places a buffer role in host memory beside parameters on an
-            accelerator, which the step does not execute yet ([Note: residences]).
+            accelerator, or gives a role a host buffer of its own where it would view a device
+            buffer, which the step does not execute yet ([Note: residences]).
     """
     params, shard_rank, device = registry.params, groups.shard_rank, registry.device
     if device.type not in ("cpu", "meta") and not zp.residences.all_on_device:
         roles = ", ".join(role.value for role in zp.residences.host)
         raise ConfigError(_HOST_BESIDE_DEVICE.format(roles=roles, device=device))
+    if zp.split_views():
+        roles = ", ".join(role.value for role in zp.split_views())
+        raise ConfigError(_SPLIT_VIEWS.format(roles=roles))
     if zp.stage is Stage.PARAMETERS:
         settle = None
         if from_rank_zero and groups.topology.world_size > 1:

@@ -101,15 +101,27 @@ def test_held_roles_are_what_a_rank_of_the_stage_holds():
     ("stage", "dtype", "host", "kwargs", "message"),
     [
         (2, "bf16", ("master",), {}, "the inner optimizer makes its state beside the masters"),
-        (2, "float32", ("master", "optimizer_state"), {}, "float32 parameters are their own master"),
-        (3, "float32", ("master", "optimizer_state"), {}, "param_shard is their master"),
-        (1, "bf16", ("grad_shard",), {"layout": "rank_major"}, "one region of full_grads"),
         (0, "bf16", ("staging",), {}, "stage-0 \\(DDP\\) plan allocates nothing"),
     ],
 )
-def test_a_placement_that_splits_a_view_from_its_buffer_is_refused(stage, dtype, host, kwargs, message):
+def test_a_placement_that_cannot_work_is_refused(stage, dtype, host, kwargs, message):
     with pytest.raises(ConfigError, match=message):
         _plan(stage, dtype=dtype, host=host, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("stage", "dtype", "host", "kwargs", "role"),
+    [
+        (2, "float32", ("master", "optimizer_state"), {}, R.MASTER),
+        (1, "float32", ("master", "optimizer_state"), {"layout": "rank_major"}, R.MASTER),
+        (3, "float32", ("master", "optimizer_state"), {}, R.MASTER),
+        (1, "bf16", ("grad_shard",), {"layout": "rank_major"}, R.GRAD_SHARD),
+    ],
+)
+def test_a_role_placed_apart_from_the_buffer_it_would_view_gets_its_own(stage, dtype, host, kwargs, role):
+    zp = _plan(stage, dtype=dtype, host=host, **kwargs)  # [Note: offload, planned]
+    spec = allocation(zp, 0).spaces[0][role]
+    assert spec.view_of is None and spec.residence is Residence.HOST and spec.nbytes > 0
 
 
 def test_placements_that_split_nothing_are_planned():

@@ -62,3 +62,20 @@ def test_host_residence_beside_an_accelerator_is_refused_until_offload_executes_
             log=None,
         )  # type: ignore[arg-type]
     assert zp.residences.of(BufferRole.STAGING) is Residence.HOST
+
+
+def test_a_host_buffer_of_its_own_is_refused_until_offload_executes_it():
+    """[Note: offload, planned]: fp32 masters in host memory are a copy the step does not make yet."""
+    from zeroplan.facade.runtime.installed import install
+
+    zp = plan(specs_from_shapes([(8,)]), Topology(world_size=1), stage=2, offload="optimizer")
+    assert zp.split_views() == (BufferRole.MASTER,)
+
+    class Registry:
+        params, device = (), torch.device("cpu")
+
+    class Groups:
+        shard_rank = 0
+
+    with pytest.raises(ConfigError, match="gives master a buffer of its own in host memory"):
+        install(zp, Registry(), Groups(), torch.optim.SGD, [], admit=bool, log=None)  # type: ignore[arg-type]

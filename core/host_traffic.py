@@ -1,0 +1,75 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# Bytes a step moves between host memory and the device, each way, read off the plan's placement.
+"""Bytes over the host link per step: :class:`HostLink`, :func:`host_link`.
+
+What a rank of a plan with roles in host memory ([Note: offload, planned])
+copies each step:
+
+* device→host: each bucket's reduced gradient shard, when ``GRAD_SHARD`` lives
+  in host memory (the reduction runs in the device's staging arena; one copy
+  per bucket that has a piece on the rank, in the gradient shard's dtype);
+* host→device: the updated parameters (the rank's piece of each bucket, in the
+  parameter dtype, as the step finishes it) when ``MASTER`` lives in host memory and the
+  parameters on the device; at stage 3 with ``PARAM_SHARD`` in host memory,
+  the shard of each block before its gather instead: before the forward, and
+  again before the backward when the plan reshards after the forward.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from zeroplan.core.arena import grad_shard_dtype
+from zeroplan.core.dtypes import DTYPE_ITEMSIZE
+from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.residence import BufferRole, Residence
+
+__all__ = ["HostLink", "host_link"]
+
+
+class HostLink(NamedTuple):
+    """Bytes and copies over the host link per step, each way, of one shard rank."""
+
+    to_host: int = 0
+    to_device: int = 0
+    to_host_copies: int = 0
+    to_device_copies: int = 0
+
+
+def host_link(zp: ZeroPlan, shard_rank: int) -> HostLink:
+    """What shard rank ``shard_rank`` of ``zp`` copies between host and device per step.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> specs = specs_from_shapes([(64,)], dtype="bf16")
+        >>> zp = plan(specs, Topology(world_size=2), alignment=8, offload="optimizer")
+        >>> host_link(zp, 0)   # 32 fp32 gradients down, 32 bf16 parameters up
+        HostLink(to_host=128, to_device=64, to_host_copies=1, to_device_copies=1)
+    """
+    if zp.stage is Stage.DDP or zp.residences.all_on_device:
+        return HostLink()
+    host = {role for role in BufferRole if zp.residences.of(role) is Residence.HOST}
+    to_host = to_device = down = up = 0
+    spaces = zp.partition.spaces
+    if BufferRole.GRAD_SHARD in host:
+        for bucket in zp.buckets.buckets:
+            piece = bucket.piece_of(shard_rank)
+            if piece is not None and piece.shard_span.numel:
+                to_host += piece.shard_span.numel * DTYPE_ITEMSIZE[grad_shard_dtype(zp, spaces[bucket.space])]
+                down += 1
+    params = BufferRole.PARAM_SHARD if zp.stage is Stage.PARAMETERS else BufferRole.FULL_PARAMS
+    if zp.stage is Stage.PARAMETERS and params in host and BufferRole.BLOCK not in host:
+        times = 2 if zp.options.reshard_after_forward else 1
+        for space in spaces:
+            for block in zp.gather_blocks(space):  # [Note: gather blocks]
+                numel = block.pieces[shard_rank]
+                if numel:
+                    to_device += times * numel * DTYPE_ITEMSIZE[space.dtype]
+                    up += times
+    elif BufferRole.MASTER in host and params not in host:  # bucket by bucket, as each is stepped
+        for bucket in zp.buckets.buckets:
+            piece = bucket.piece_of(shard_rank)
+            if piece is not None and piece.shard_span.numel:
+                to_device += piece.shard_span.numel * DTYPE_ITEMSIZE[spaces[bucket.space].dtype]
+                up += 1
+    return HostLink(to_host, to_device, down, up)
