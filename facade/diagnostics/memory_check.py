@@ -66,6 +66,7 @@ def _advice(configured: Configured, available: int) -> str:
             optimizer=settings.optimizer_name,
             settings=groups[0] if groups else None,  # the implementation (fused, foreach) of the first group
             stages=(1, 2),
+            offload=False,  # ZeroOptimizer does not execute offload yet: advise only what it runs
             **settings.plan_options(),
         )
     except ConfigError as exc:  # e.g. an optimizer zeroplan has no description of
