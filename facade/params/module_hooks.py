@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from zeroplan.facade.mechanisms.dynamo import between_graphs, compiled_blocks
+from zeroplan.facade.mechanisms.dynamo import compiled_blocks, hook_between_graphs
 from zeroplan.facade.params.blocks import BlockKey, Blocks
 
 __all__ = ["ForwardHooks", "in_backward"]
@@ -92,8 +92,8 @@ class ForwardHooks:
         """Hook ``model``'s modules; replaces an earlier attachment."""
         self.detach()
         # [Note: hooks under torch.compile]: dynamo runs zeroplan's hooks as they are, never traced.
-        begin, end = between_graphs(self._begin), between_graphs(self._end)
-        enter, exit_ = between_graphs(self._enter), between_graphs(self._exit)
+        begin, end = hook_between_graphs(self._begin), hook_between_graphs(self._end)
+        enter, exit_ = hook_between_graphs(self._enter), hook_between_graphs(self._exit)
         self._handles.append(model.register_forward_pre_hook(begin, prepend=True))
         blocks, inside = compiled_blocks(model)
         for module in model.modules():
