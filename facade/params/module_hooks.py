@@ -84,6 +84,7 @@ class ForwardHooks:
     def _reset(self) -> None:
         self._done: set[int] = set()
         self._running: dict[int, int] = {}
+        self._waiting = {key: len(users) for key, users in self._users.items()}  # users not done yet
         self._visited: set[BlockKey] = set()
         self._pinned: set[BlockKey] = set()
 
@@ -161,31 +162,37 @@ class ForwardHooks:
         if self._depth == 0 and not in_backward():  # a submodule called on its own
             self._begin(module, args)
             self._opened_by.append(id(module))
-        keys = self._modules.get(id(module), ())
-        for key in keys:
-            self._visited.add(key)
-            self._blocks.ensure(key)
+        mid = id(module)
+        keys = self._modules.get(mid, ())
         if keys:
-            self._blocks.prefetch(keys[-1], 1, self._visited)
-        self._running[id(module)] = self._running.get(id(module), 0) + 1
+            visited, blocks = self._visited, self._blocks
+            for key in keys:
+                visited.add(key)
+                blocks.ensure(key)
+            blocks.prefetch(keys[-1], 1, visited)
+        self._running[mid] = self._running.get(mid, 0) + 1
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._running[id(module)] = self._running.get(id(module), 1) - 1
-        self._done.add(id(module))
+        mid = id(module)
+        running = self._running[mid] = self._running.get(mid, 1) - 1
+        keys = self._modules.get(mid, ())
+        if mid not in self._done:
+            self._done.add(mid)
+            for key in keys:  # its first run in this forward: one user fewer to wait for
+                self._waiting[key] = self._waiting.get(key, 1) - 1
         # In backward (activation checkpointing recomputes forwards) blocks wait for their gradients.
-        if self.reshard_after_forward and self._may_free() and not in_backward():
-            self._free_finished(module)
-        if self._opened_by and self._opened_by[-1] == id(module) and self._running[id(module)] == 0:
+        if keys and self.reshard_after_forward and self._may_free() and not in_backward():
+            self._free_finished(keys)
+        if self._opened_by and self._opened_by[-1] == mid and running == 0:
             self._opened_by.pop()
             self._end(module, args, output)
 
-    def _free_finished(self, module: torch.nn.Module) -> None:
-        """Free the blocks of ``module`` whose every module has run (and none runs now)."""
-        for key in self._modules.get(id(module), ()):
-            users = self._users.get(key, set())
+    def _free_finished(self, keys: list[BlockKey]) -> None:
+        """Free the blocks ``keys`` whose every module has run (and none runs now)."""
+        for key in keys:
             if (
-                key not in self._pinned
-                and users <= self._done
-                and not any(self._running.get(u) for u in users)
+                self._waiting.get(key, 0) <= 0
+                and key not in self._pinned
+                and not any(self._running.get(u) for u in self._users.get(key, ()))
             ):
                 self._blocks.free(key)
