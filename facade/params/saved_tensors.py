@@ -46,7 +46,8 @@ class SavedView:
         self.owner = owner
         # A parameter is counted among the members already (an unknown one viewing the block would be
         # left uncounted: then the block moves rather than frees, the safe side).
-        if type(tensor) is not torch.nn.Parameter and not isinstance(tensor, torch.nn.Parameter):
+        # A plain tensor first: ``isinstance`` on ``Parameter`` runs its metaclass's Python check.
+        if type(tensor) is torch.Tensor or not isinstance(tensor, torch.nn.Parameter):
             entry.saved[id(tensor)] = entry.saved.get(id(tensor), 0) + 1
 
     def __del__(self) -> None:
