@@ -13,6 +13,9 @@ A model compiled whole (``torch.compile(model)``) or per block still runs
 zeroplan's module hooks and its parameters' first-use waits (``on_use`` of the
 ``DeferredParameter`` classes), but never inside a graph: they are wrapped in
 ``torch.compiler.disable``, so dynamo calls them as they are, between graphs.
+The module hooks, hundreds of calls a step, reach that wrapper only while dynamo
+traces them (``hook_between_graphs``): eager, its cost per call would be
+several times the hook's own.
 Traced, they would put the blocks' state (a Python enum per block) in the
 guards, and each step's new state would recompile them, up to dynamo's
 recompile limit, orders of magnitude slower than eager (measured in
