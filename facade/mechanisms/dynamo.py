@@ -38,7 +38,7 @@ BETWEEN_GRAPHS = (
     "(zeroplan docs/compile.md)"
 )
 
-__all__ = ["BETWEEN_GRAPHS", "between_graphs", "compiled_blocks", "import_dynamo"]
+__all__ = ["BETWEEN_GRAPHS", "between_graphs", "compiled_blocks", "hook_between_graphs", "import_dynamo"]
 
 
 def import_dynamo() -> None:
@@ -68,3 +68,23 @@ def between_graphs(fn: _F) -> _F:
     """``fn``, run as it is under ``torch.compile`` ([Note: hooks under torch.compile]), with the reason."""
     import_dynamo()
     return importlib.import_module("torch").compiler.disable(fn, recursive=True, reason=BETWEEN_GRAPHS)
+
+
+def hook_between_graphs(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` as a hook called hundreds of times a step: eager, it is called as it is; under dynamo's
+    trace, through :func:`between_graphs` (its graph break, with the reason).
+
+    ``torch.compiler.disable``'s wrapper costs microseconds per call even when nothing compiles (it
+    swaps the frame evaluation callback around every call); a check of ``is_compiling`` costs a
+    tenth of one. Dynamo traces this function and constant-folds the check, so a compiled model
+    meets the disabled wrapper exactly where it met it before ([Note: hooks under torch.compile]).
+    """
+    disabled = between_graphs(fn)
+    is_compiling = importlib.import_module("torch").compiler.is_compiling
+
+    def hook(*args: Any) -> None:
+        if is_compiling():
+            return disabled(*args)
+        return fn(*args)
+
+    return hook

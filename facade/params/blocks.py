@@ -132,7 +132,8 @@ class Blocks(abc.ABC):
         self.log = CommLog()
         self.entries = entries
         self._key_of: dict[int, BlockKey] = {}  # id(param) -> its block
-        self._storage: dict[int, BlockKey] = {}  # storage address (StorageImpl) -> block
+        self.by_storage: dict[int, BlockKey] = {}
+        """Storage address (``StorageImpl``) -> block: what a saved tensor views (``saved_tensors``)."""
         managed = set(zp.trainable_indices)
         for s in sorted({key[0] for key in entries}):
             for index, (k, local) in block_positions(zp.partition.spaces[s]).items():
@@ -152,7 +153,7 @@ class Blocks(abc.ABC):
 
     def key_of_storage(self, storage: int) -> BlockKey | None:
         """The block whose buffer has the storage at address ``storage`` (``StorageImpl``)."""
-        return self._storage.get(storage)
+        return self.by_storage.get(storage)
 
     def members(self) -> Iterator[torch.Tensor]:
         """Every parameter of every block."""
@@ -267,7 +268,7 @@ class BlockTable(Blocks):
         self._groups = groups
         self.log = log
         for entry in entries.values():
-            self._storage[entry.buffer.untyped_storage()._cdata] = entry.key
+            self.by_storage[entry.buffer.untyped_storage()._cdata] = entry.key
             self._set_class(entry, ShardedParameter)  # built sharded (``build_block_buffers``)
 
     def _set_class(self, entry: BlockEntry, cls: type) -> None:
@@ -317,14 +318,14 @@ class BlockTable(Blocks):
 
     def _rehome(self, entry: BlockEntry) -> None:
         """Move the block's buffer and parameters to empty storage; the old one stays with its holders."""
-        del self._storage[entry.buffer.untyped_storage()._cdata]
+        del self.by_storage[entry.buffer.untyped_storage()._cdata]
         # Moving a parameter's storage reads none of its values: no member, whatever its class, gathers.
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             entry.buffer.set_(torch.empty_like(entry.buffer))  # the same tensor (the buffers' tuple holds it)
             for p, local in zip(entry.members, entry.offsets, strict=True):
                 p.data = entry.buffer[local : local + p.numel()].view(p.shape)
         storage = entry.buffer.untyped_storage()
-        self._storage[storage._cdata] = entry.key
+        self.by_storage[storage._cdata] = entry.key
         storage.resize_(0)
 
     def release(self) -> None:
@@ -378,7 +379,7 @@ class TracedBlocks(Blocks):
         super().__init__(zp, params, entries)
         for entry in entries.values():
             for p in entry.members:
-                self._storage[p.untyped_storage()._cdata] = entry.key
+                self.by_storage[p.untyped_storage()._cdata] = entry.key
         self._rooms = {
             key: self.gather.room(zp.partition.spaces[key[0]], entry.block) for key, entry in entries.items()
         }

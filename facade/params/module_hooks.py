@@ -13,6 +13,9 @@ A model compiled whole (``torch.compile(model)``) or per block still runs
 zeroplan's module hooks and its parameters' first-use waits (``on_use`` of the
 ``DeferredParameter`` classes), but never inside a graph: they are wrapped in
 ``torch.compiler.disable``, so dynamo calls them as they are, between graphs.
+The module hooks, hundreds of calls a step, reach that wrapper only while dynamo
+traces them (``hook_between_graphs``): eager, its cost per call would be
+several times the hook's own.
 Traced, they would put the blocks' state (a Python enum per block) in the
 guards, and each step's new state would recompile them, up to dynamo's
 recompile limit, orders of magnitude slower than eager (measured in
@@ -45,7 +48,7 @@ from typing import Any
 
 import torch
 
-from zeroplan.facade.mechanisms.dynamo import between_graphs, compiled_blocks
+from zeroplan.facade.mechanisms.dynamo import compiled_blocks, hook_between_graphs
 from zeroplan.facade.params.blocks import BlockKey, Blocks
 
 __all__ = ["ForwardHooks", "in_backward"]
@@ -84,6 +87,7 @@ class ForwardHooks:
     def _reset(self) -> None:
         self._done: set[int] = set()
         self._running: dict[int, int] = {}
+        self._waiting = {key: len(users) for key, users in self._users.items()}  # users not done yet
         self._visited: set[BlockKey] = set()
         self._pinned: set[BlockKey] = set()
 
@@ -92,8 +96,8 @@ class ForwardHooks:
         """Hook ``model``'s modules; replaces an earlier attachment."""
         self.detach()
         # [Note: hooks under torch.compile]: dynamo runs zeroplan's hooks as they are, never traced.
-        begin, end = between_graphs(self._begin), between_graphs(self._end)
-        enter, exit_ = between_graphs(self._enter), between_graphs(self._exit)
+        begin, end = hook_between_graphs(self._begin), hook_between_graphs(self._end)
+        enter, exit_ = hook_between_graphs(self._enter), hook_between_graphs(self._exit)
         self._handles.append(model.register_forward_pre_hook(begin, prepend=True))
         blocks, inside = compiled_blocks(model)
         for module in model.modules():
@@ -161,31 +165,37 @@ class ForwardHooks:
         if self._depth == 0 and not in_backward():  # a submodule called on its own
             self._begin(module, args)
             self._opened_by.append(id(module))
-        keys = self._modules.get(id(module), ())
-        for key in keys:
-            self._visited.add(key)
-            self._blocks.ensure(key)
+        mid = id(module)
+        keys = self._modules.get(mid, ())
         if keys:
-            self._blocks.prefetch(keys[-1], 1, self._visited)
-        self._running[id(module)] = self._running.get(id(module), 0) + 1
+            visited, blocks = self._visited, self._blocks
+            for key in keys:
+                visited.add(key)
+                blocks.ensure(key)
+            blocks.prefetch(keys[-1], 1, visited)
+        self._running[mid] = self._running.get(mid, 0) + 1
 
     def _exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        self._running[id(module)] = self._running.get(id(module), 1) - 1
-        self._done.add(id(module))
+        mid = id(module)
+        running = self._running[mid] = self._running.get(mid, 1) - 1
+        keys = self._modules.get(mid, ())
+        if mid not in self._done:
+            self._done.add(mid)
+            for key in keys:  # its first run in this forward: one user fewer to wait for
+                self._waiting[key] = self._waiting.get(key, 1) - 1
         # In backward (activation checkpointing recomputes forwards) blocks wait for their gradients.
-        if self.reshard_after_forward and self._may_free() and not in_backward():
-            self._free_finished(module)
-        if self._opened_by and self._opened_by[-1] == id(module) and self._running[id(module)] == 0:
+        if keys and self.reshard_after_forward and self._may_free() and not in_backward():
+            self._free_finished(keys)
+        if self._opened_by and self._opened_by[-1] == mid and running == 0:
             self._opened_by.pop()
             self._end(module, args, output)
 
-    def _free_finished(self, module: torch.nn.Module) -> None:
-        """Free the blocks of ``module`` whose every module has run (and none runs now)."""
-        for key in self._modules.get(id(module), ()):
-            users = self._users.get(key, set())
+    def _free_finished(self, keys: list[BlockKey]) -> None:
+        """Free the blocks ``keys`` whose every module has run (and none runs now)."""
+        for key in keys:
             if (
-                key not in self._pinned
-                and users <= self._done
-                and not any(self._running.get(u) for u in users)
+                self._waiting.get(key, 0) <= 0
+                and key not in self._pinned
+                and not any(self._running.get(u) for u in self._users.get(key, ()))
             ):
                 self._blocks.free(key)

@@ -46,7 +46,8 @@ class SavedView:
         self.owner = owner
         # A parameter is counted among the members already (an unknown one viewing the block would be
         # left uncounted: then the block moves rather than frees, the safe side).
-        if not isinstance(tensor, torch.nn.Parameter):
+        # A plain tensor first: ``isinstance`` on ``Parameter`` runs its metaclass's Python check.
+        if type(tensor) is torch.Tensor or not isinstance(tensor, torch.nn.Parameter):
             entry.saved[id(tensor)] = entry.saved.get(id(tensor), 0) + 1
 
     def __del__(self) -> None:
@@ -60,16 +61,17 @@ class SavedView:
 def pack(owner: ViewsBlocks, peers: Sequence[ViewsBlocks], tensor: torch.Tensor) -> Any:
     """What autograd keeps of ``tensor``: a :class:`SavedView` if it views a block of ``owner``, or of
     one of its ``peers`` while their forward is open ([Note: several sharded domains]); else itself."""
-    if tensor.layout is not torch.strided or tensor.device.type == "meta":
+    if tensor.layout is not torch.strided or tensor.is_meta:
         return tensor  # sparse and meta tensors never view a block
     storage = tensor.untyped_storage()._cdata
     view = owner.view_of(tensor, storage, own=True)
     if view is not None:
         return view
-    for peer in peers:
-        view = peer.view_of(tensor, storage, own=False) if peer is not owner else None
-        if view is not None:
-            return view
+    if len(peers) > 1:  # the owner alone has no peer to ask
+        for peer in peers:
+            view = peer.view_of(tensor, storage, own=False) if peer is not owner else None
+            if view is not None:
+                return view
     return tensor
 
 

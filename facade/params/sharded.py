@@ -72,7 +72,7 @@ import torch
 from zeroplan.core import ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog
 from zeroplan.facade.params import saved_tensors
-from zeroplan.facade.params.blocks import OWNERS, BlockKey, Blocks
+from zeroplan.facade.params.blocks import OWNERS, BlockKey, Blocks, BlockState
 from zeroplan.facade.params.buffers import BlockBuffers
 from zeroplan.facade.params.module_hooks import ForwardHooks, in_backward
 from zeroplan.facade.params.saved_tensors import SavedView
@@ -254,6 +254,7 @@ class ShardedParams:
     def _begin_pass(self) -> None:
         """A new forward began: forget the last backward's progress."""
         self._visited_backward: set[BlockKey] = set()
+        self._brought: set[BlockKey] = set()  # blocks a saved tensor was brought back from
         self._arrived: dict[BlockKey, int] = {}
 
     def _saved_tensor_hooks(self) -> contextlib.AbstractContextManager[None]:
@@ -265,12 +266,15 @@ class ShardedParams:
     def view_of(self, tensor: torch.Tensor, storage: int, *, own: bool) -> SavedView | None:
         """A saved view of ``tensor`` if it views one of this instance's blocks (a peer's: only while
         this instance's own forward is open, [Note: several sharded domains])."""
-        key = self._blocks.key_of_storage(storage) if own or self._hooks.in_forward else None
+        key = self._blocks.by_storage.get(storage) if own or self._hooks.in_forward else None
         return None if key is None else SavedView(tensor, self._blocks.entries[key], self)
 
     def bring_back(self, packed: SavedView) -> torch.Tensor:
         """Gather the block of a saved tensor autograd needs now (and prefetch the one before)."""
         key = packed.key
+        if key in self._brought and self._backward_queued and packed.entry.state is BlockState.GATHERED:
+            return packed.tensor  # brought back already in this backward: nothing left to do
+        self._brought.add(key)
         self._visited_backward.add(key)
         self._queue_end_of_backward()
         self._blocks.ensure(key)
@@ -279,7 +283,8 @@ class ShardedParams:
 
     def gradient_arrived(self, param: torch.Tensor) -> None:
         """A trainable parameter's gradient accumulated: free its block once all of the block's did."""
-        self._queue_end_of_backward()
+        if not self._backward_queued:
+            self._queue_end_of_backward()
         key = self._blocks.key_of(param)
         if key is None:
             return
