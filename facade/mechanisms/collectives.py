@@ -133,6 +133,7 @@ __all__ = [
     "on_side_stream",
     "exchange_replicas",
     "gather_replicas",
+    "room_view",
     "start_block_gather",
     "start_bucket_reduce",
     "start_encoded_block_gather",
@@ -563,7 +564,7 @@ def gather_replicas(mine: torch.Tensor, gathered: torch.Tensor, groups: ProcessG
     _start(gather, _as_bytes_if_fp8(gathered), _as_bytes_if_fp8(mine)).finish(home_waits=False)
 
 
-def _room(raw: torch.Tensor, span: Span, dtype: torch.dtype) -> torch.Tensor:
+def room_view(raw: torch.Tensor, span: Span, dtype: torch.dtype) -> torch.Tensor:
     """The bytes ``span`` of a staging buffer ``raw`` as ``dtype`` ([Note: wire formats])."""
     return raw[span.as_slice()].view(dtype)
 
@@ -756,8 +757,8 @@ def _slot(
     """Rank ``rank``'s encoded elements and scales (none unscaled) in a gather's room."""
     scales = room.scales[rank]
     return (
-        _room(raw, room.payloads[rank], wire_dtype(codec)),
-        _room(raw, scales, torch.float32) if scales.numel else raw.new_empty(0, dtype=torch.float32),
+        room_view(raw, room.payloads[rank], wire_dtype(codec)),
+        room_view(raw, scales, torch.float32) if scales.numel else raw.new_empty(0, dtype=torch.float32),
     )
 
 

@@ -41,7 +41,6 @@ import torch.distributed as dist
 from zeroplan.core import Bucket, Collective, ConfigError, StagingLayout, ZeroPlan
 from zeroplan.core.arena import WireRooms
 from zeroplan.core.deterministic import tree_steps
-from zeroplan.core.span import Span
 from zeroplan.core.wire import WireCodec, replica_parts
 from zeroplan.facade.mechanisms.accumulation import MicroBatchSums
 from zeroplan.facade.mechanisms.collectives import (
@@ -50,6 +49,7 @@ from zeroplan.facade.mechanisms.collectives import (
     all_reduce_shard,
     exchange_replicas,
     gather_replicas,
+    room_view,
     start_bucket_reduce,
     start_piece_exchange,
     start_replica_reduce,
@@ -309,11 +309,6 @@ _EXPERT_GROUPS = (
 )
 
 
-def _room(raw: torch.Tensor, span: Span, dtype: torch.dtype) -> torch.Tensor:
-    """The bytes ``span`` of a staging buffer ``raw`` as ``dtype`` ([Note: wire formats])."""
-    return raw[span.as_slice()].view(dtype)
-
-
 def start_encoded_reduce(
     staging: torch.Tensor,
     output: torch.Tensor | None,
@@ -342,13 +337,13 @@ def start_encoded_reduce(
     grads = staging[: bucket.numel]
     piece = bucket.piece_of(s)
     own = grads[piece.staging_span.as_slice()] if piece is not None else grads[:0]
-    sums = _room(raw, rooms.sums, torch.float32)
+    sums = room_view(raw, rooms.sums, torch.float32)
     parts: list[Pending] = []
     if n > 1:
-        send, received = _room(raw, rooms.send, dtype), _room(raw, rooms.received, dtype)
+        send, received = room_view(raw, rooms.send, dtype), room_view(raw, rooms.received, dtype)
         send_scales, received_scales = (
-            _room(raw, rooms.send_scales, torch.float32),
-            _room(raw, rooms.received_scales, torch.float32),
+            room_view(raw, rooms.send_scales, torch.float32),
+            room_view(raw, rooms.received_scales, torch.float32),
         )
         encode_pieces(grads, sizes, codec, send, send_scales, sums[: bucket.numel])
         parts.append(start_piece_exchange(send, received, sizes, groups, log))
@@ -375,11 +370,11 @@ def _encoded_sum(
     n, r = groups.topology.shard_size, groups.topology.replica_size
     dtype = wire_dtype(codec)
 
-    sums = _room(raw, rooms.sums, torch.float32)[: n * mine]
+    sums = room_view(raw, rooms.sums, torch.float32)[: n * mine]
     if n > 1:
         decode_slots(
-            _room(raw, rooms.received, dtype),
-            _room(raw, rooms.received_scales, torch.float32),
+            room_view(raw, rooms.received, dtype),
+            room_view(raw, rooms.received_scales, torch.float32),
             codec,
             sums,
             n,
@@ -416,12 +411,12 @@ def _encoded_replica_sum(
     blocks = [-(-p // codec.block) if blockwise else 0 for p in parts]
     slot_blocks = blocks[0]
     send, send_scales = (
-        _room(raw, rooms.replica_send, dtype),
-        _room(raw, rooms.replica_send_scales, torch.float32),
+        room_view(raw, rooms.replica_send, dtype),
+        room_view(raw, rooms.replica_send_scales, torch.float32),
     )
-    slots = _room(raw, rooms.replica_received, dtype)
-    slot_scales = _room(raw, rooms.replica_received_scales, torch.float32)
-    sums = _room(raw, rooms.replica_sums, torch.float32)
+    slots = room_view(raw, rooms.replica_received, dtype)
+    slot_scales = room_view(raw, rooms.replica_received_scales, torch.float32)
+    sums = room_view(raw, rooms.replica_sums, torch.float32)
 
     encode_pieces(total, list(parts), codec, send, send_scales, sums[: total.numel()])
     exchange_replicas(send, slots[: r * mine], list(parts), groups, log)
