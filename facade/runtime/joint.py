@@ -46,13 +46,12 @@ from zeroplan.core import (
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory
 from zeroplan.facade.mechanisms.agreement import verdicts
 from zeroplan.facade.mechanisms.collectives import CommLog, all_reduce
+from zeroplan.facade.mechanisms.reduction import finish_norm, norm_op
 from zeroplan.facade.runtime.domain import DomainRuntime, same_ranks
 from zeroplan.facade.runtime.lifecycle import (
     VERDICT_LENGTH,
     Phase,
     StepContext,
-    finish_norm,
-    norm_op,
     norm_type_of,
 )
 from zeroplan.facade.runtime.registry import ParamRegistry

@@ -61,7 +61,7 @@ from zeroplan.facade.mechanisms.collectives import (
     to_device,
 )
 from zeroplan.facade.mechanisms.gathering import PlainGather
-from zeroplan.facade.mechanisms.reduction import finish_norm, local_norm, norm_op
+from zeroplan.facade.mechanisms.reduction import local_norm
 from zeroplan.facade.params.buffers import SpaceBuffers, param_views, write_pieces
 from zeroplan.facade.runtime.installed import Installed
 from zeroplan.facade.state.inner import hyperparameter_digest, sync_hyperparameters
@@ -72,8 +72,6 @@ __all__ = [
     "StepContext",
     "StepLifecycle",
     "StepRecord",
-    "finish_norm",
-    "norm_op",
     "norm_type_of",
 ]
 
@@ -268,7 +266,7 @@ class StepLifecycle:
         """This rank's part of the gradient norm (after :meth:`reduce`): the sum of ``|g|^p``, or the max.
 
         Its shard's elements only; summing (or maxing) it over the shard group
-        gives the domain's norm to the ``p``; :func:`finish_norm` takes the root.
+        gives the domain's norm to the ``p``; ``reduction.finish_norm`` takes the root.
         """
         return local_norm(self._parts(inst), norm_type, inst.device)
 
