@@ -44,6 +44,7 @@ from zeroplan.core.errors import (
 )
 from zeroplan.core.experts import ExpertSplit, expert_domains
 from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_gather, two_hop_send
+from zeroplan.core.host_step import StepUnit, UpCopy, publishes_via_host_cast, step_units
 from zeroplan.core.host_traffic import HostLink, host_link
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
 from zeroplan.core.memory import MemoryReport, RankReport, accumulation_bytes, memory_report
@@ -134,7 +135,11 @@ __all__ = [
     "Offload",
     "offload_residences",
     "HostLink",
+    "StepUnit",
+    "UpCopy",
     "host_link",
+    "publishes_via_host_cast",
+    "step_units",
     "StepPeak",
     "backward_peak",
     "grad_shard_dtype",

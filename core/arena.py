@@ -34,6 +34,7 @@ from zeroplan.core.comm import Collective
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.partition import Space
 from zeroplan.core.planner import ReductionKind, ZeroPlan
+from zeroplan.core.residence import BufferRole
 from zeroplan.core.span import Span, round_up
 from zeroplan.core.wire import replica_parts, wire_payload_bytes, wire_scale_bytes
 
@@ -137,6 +138,17 @@ def grad_shard_dtype(zp: ZeroPlan, space: Space) -> str:
     return master_dtype(space.dtype)
 
 
+def lands_apart(zp: ZeroPlan) -> bool:
+    """Whether the gradient shard lives apart from the staging arena ([Note: offload, executed]).
+
+    A reduction then sums into room of the staging arena (as for a cast) and the
+    sum is copied over the host link into the shard: a collective writes into
+    the memory of the device it runs on.
+    """
+    where = zp.residences.of
+    return where(BufferRole.GRAD_SHARD) is not where(BufferRole.STAGING)
+
+
 def staging_layout(zp: ZeroPlan, bucket: Bucket, shard_rank: int) -> StagingLayout:
     """Shard rank ``shard_rank``'s staging buffer of ``bucket`` (see :class:`StagingLayout`).
 
@@ -159,7 +171,7 @@ def _piece_layout(zp: ZeroPlan, bucket: Bucket, piece: Piece | None) -> StagingL
     if kind is ReductionKind.CANONICAL:
         return _deterministic_layout(zp, bucket, piece)
     space = zp.partition.spaces[bucket.space]
-    cast = grad_shard_dtype(zp, space) != space.dtype
+    cast = grad_shard_dtype(zp, space) != space.dtype or lands_apart(zp)
     if zp.exchanges(bucket.collective):
         # The rank's own piece is never sent: a sum to be cast lands in it, in place.
         received = Span(bucket.numel, bucket.numel + (zp.topology.shard_size - 1) * piece.shard_span.numel)

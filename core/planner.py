@@ -31,7 +31,7 @@ from zeroplan.core.offload import Offload, offload_residences
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.options import StepOptions
 from zeroplan.core.partition import PartitionPlan
-from zeroplan.core.residence import ALL_ON_DEVICE, BufferRole, Residences
+from zeroplan.core.residence import ALL_ON_DEVICE, BufferRole, Residence, Residences
 from zeroplan.core.runs import rank_windows
 from zeroplan.core.space import Block, Space
 from zeroplan.core.span import Span
@@ -569,6 +569,8 @@ class ZeroPlan:
                     for a, b in pairwise(space.pieces_of(shard_rank))
                     if a.buffer_span.stop != b.buffer_span.start
                 ]
+            if self.steps_on_host:  # [Note: offload, executed]: a window per bucket, stepped as it lands
+                cuts = sorted({*cuts, *self._bucket_starts(space.index, shard_rank)})
             start = 0
             # Zero-size fragments hold nothing; the others, in shard order, form maximal runs.
             held = (f for f in frags if f.param_span.stop > f.param_span.start)
@@ -587,6 +589,21 @@ class ZeroPlan:
                 start = stop
         return tuple(tensors)
 
+    @property
+    def steps_on_host(self) -> bool:
+        """Whether the inner optimizer steps in host memory ([Note: offload, executed])."""
+        return self.residences.of(BufferRole.MASTER) is Residence.HOST
+
+    def _bucket_starts(self, space: int, shard_rank: int) -> list[int]:
+        """Where each bucket's piece of ``space`` starts in shard rank ``shard_rank``'s shard."""
+        starts = []
+        for bucket in self.buckets.buckets:
+            if bucket.space == space:
+                piece = bucket.piece_of(shard_rank)
+                if piece is not None and piece.shard_span.numel:
+                    starts.append(piece.shard_span.start)
+        return starts
+
     def inner_tensors_by_rank(self) -> tuple[tuple[InnerTensor, ...], ...]:
         """:meth:`inner_tensors` of every shard rank.
 
@@ -598,9 +615,13 @@ class ZeroPlan:
         """
         n = self.topology.shard_size
         spaces = self.partition.spaces
-        compact = bool(spaces) and all(
-            space.block_runs and not (self.master_in_params(space) and not space.shard_is_region)
-            for space in spaces
+        compact = (
+            bool(spaces)
+            and not self.steps_on_host
+            and all(
+                space.block_runs and not (self.master_in_params(space) and not space.shard_is_region)
+                for space in spaces
+            )
         )
         if not (compact and self.elementwise):
             return tuple(map(self.inner_tensors, range(n)))

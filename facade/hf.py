@@ -109,6 +109,7 @@ ZERO_SETTINGS = frozenset(
         "max_inflight_buckets",
         "collectives",
         "reshard_after_forward",
+        "offload",
     }
 )
 

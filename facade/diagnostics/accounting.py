@@ -7,9 +7,10 @@ from typing import NamedTuple
 
 import torch
 
+from zeroplan.core import BufferRole, Residence, Stage
 from zeroplan.facade.runtime.installed import Installed
 
-__all__ = ["MeasuredMemory", "measure"]
+__all__ = ["MeasuredMemory", "measure", "measure_residences"]
 
 
 class MeasuredMemory(NamedTuple):
@@ -46,7 +47,28 @@ def measure(installed: Installed, params: Sequence[torch.Tensor]) -> MeasuredMem
     return MeasuredMemory(
         params_bytes=sum(b.param_bytes for b in buffers) + frozen,
         grads_bytes=_storage_bytes([t for b in buffers for t in (b.grads, b.grad_shard) if t is not None]),
-        master_bytes=sum(_nbytes(b.master_copy) for b in buffers if b.carries_master),
+        master_bytes=sum(_nbytes(b.master) for b in buffers if b.owns_master),
         optimizer_state_bytes=state,
         buffer_bytes=installed.sync.staging_bytes,
     )
+
+
+def measure_residences(installed: Installed, params: Sequence[torch.Tensor]) -> dict[Residence, int]:
+    """The bytes :func:`measure` counts, split by where the plan places each buffer's role
+    ([Note: residences]): host memory and the device counted apart, also on the CPU, where they
+    are one memory. Frozen parameters live on the device."""
+    where = installed.zp.residences.of
+    held = measure(installed, params)
+    sharded = installed.zp.stage is Stage.PARAMETERS
+    out = dict.fromkeys(Residence, 0)
+    buffers = installed.buffers
+    managed = sum(b.param_bytes for b in buffers)
+    out[where(BufferRole.PARAM_SHARD if sharded else BufferRole.FULL_PARAMS)] += managed
+    out[Residence.DEVICE] += held.params_bytes - managed  # frozen parameters stay where they are
+    full_grads = _storage_bytes([b.grads for b in buffers if b.grads is not None])
+    out[where(BufferRole.FULL_GRADS)] += full_grads
+    out[where(BufferRole.GRAD_SHARD)] += held.grads_bytes - full_grads
+    out[where(BufferRole.MASTER)] += held.master_bytes
+    out[where(BufferRole.OPTIMIZER_STATE)] += held.optimizer_state_bytes
+    out[where(BufferRole.STAGING)] += held.buffer_bytes
+    return out

@@ -141,6 +141,7 @@ __all__ = [
     "start_replica_reduce",
     "to_device",
     "wait_for_mark",
+    "wait_on_host",
 ]
 
 _REDUCE_TAG = 0x5A01
@@ -270,6 +271,17 @@ def wait_for_mark(device: torch.device, mark: StreamMark | None) -> None:
     side = _side(device)
     if side is not None and mark is not None:
         torch.cuda.current_stream(side.device).wait_event(mark)
+
+
+def wait_on_host(device: torch.device) -> None:
+    """The host waits until everything queued on ``device``'s side stream so far ran; nothing off CUDA.
+
+    A host synchronisation: only where the host reads what the side stream wrote into host memory
+    (gradients copied to host memory, [Note: offload, executed] in ``zeroplan.core.host_step``).
+    """
+    side = _side(device)
+    if side is not None:
+        side.synchronize()
 
 
 def _await_release(held: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:

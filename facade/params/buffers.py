@@ -86,7 +86,7 @@ class SpaceBuffers:
     its pieces of ``params`` in place.
     """
 
-    __slots__ = ("extent", "grad_shard", "master", "shard_rank", "space")
+    __slots__ = ("extent", "grad_shard", "master", "owns_master", "shard_rank", "space")
 
     def __init__(
         self,
@@ -96,12 +96,17 @@ class SpaceBuffers:
         master: torch.Tensor | None,
         extent: int,
         shard_rank: int,
+        owns_master: bool,
     ) -> None:
         self.space = space
         self.grad_shard = grad_shard
         self.master = master
         self.extent = extent
         self.shard_rank = shard_rank
+        self.owns_master = owns_master
+        """Whether the master is a buffer of its own (``ZeroPlan.own_master``), which values are copied
+        into and out of: fp32 copies of bf16/fp16 parameters, or masters placed apart from fp32
+        parameters ([Note: offload, planned])."""
 
     #: Stage 1's full gradient buffer (parameter ``.grad`` are views of it); ``None`` elsewhere.
     grads: torch.Tensor | None = None
@@ -135,6 +140,12 @@ class SpaceBuffers:
     @property
     def param_bytes(self) -> int:
         """Bytes of parameters held between steps: the full buffer, or the shard at stage 3."""
+        raise NotImplementedError
+
+    @property
+    def param_target(self) -> torch.Tensor:
+        """Where the rank's updated values go: the full parameter buffer (stages 1-2; the rank's
+        pieces of it), or the parameter shard (stage 3)."""
         raise NotImplementedError
 
     def master_window(self, span: Span) -> torch.Tensor:
@@ -178,6 +189,11 @@ class FlatBuffers(SpaceBuffers):
         """Bytes of the full parameter buffer."""
         return self.params.untyped_storage().nbytes()
 
+    @property
+    def param_target(self) -> torch.Tensor:
+        """The full parameter buffer, where the rank's pieces take its updated values."""
+        return self.params
+
     def master_window(self, span: Span) -> torch.Tensor:
         """Elements ``span`` of the rank's master, as a view: of ``master``, or of its run of ``params``."""
         if self.master is not None:
@@ -194,13 +210,13 @@ class FlatBuffers(SpaceBuffers):
 
     def load_master(self) -> None:
         """Copy the rank's pieces of the parameters into a separate master."""
-        if self.carries_master:
-            read_pieces(self.params, self.space, self.shard_rank, self.master_copy)
+        if self.owns_master and self.master is not None:
+            read_pieces(self.params, self.space, self.shard_rank, self.master)
 
     def publish_master(self) -> None:
         """Copy a separate master into the rank's pieces of the parameters (cast)."""
-        if self.carries_master:
-            write_pieces(self.master_copy, self.params, self.space, self.shard_rank)
+        if self.owns_master and self.master is not None:
+            write_pieces(self.master, self.params, self.space, self.shard_rank)
 
     def settle_from_rank_zero(self, broadcast: Callable[[torch.Tensor], None]) -> None:
         """Take rank 0's full buffer, then the master from it."""
@@ -220,6 +236,7 @@ class FlatBuffers(SpaceBuffers):
         (encoded and decoded), and that is compared instead.
         """
         if not self.carries_master:
+            self.load_master()  # an fp32 master of its own takes the parameters' values exactly
             return
         full, master = self.params, self.master_copy
         if published is not None:
@@ -253,19 +270,24 @@ class BlockBuffers(SpaceBuffers):
         """Bytes of the shard (the blocks are the step's transients)."""
         return self.shard.untyped_storage().nbytes()
 
+    @property
+    def param_target(self) -> torch.Tensor:
+        """The parameter shard, which takes the rank's updated values."""
+        return self.shard
+
     def shard_values(self) -> torch.Tensor:
         """The rank's shard of the parameters, a view."""
         return self.shard[: self.extent]
 
     def load_master(self) -> None:
         """Copy the shard into a separate master."""
-        if self.carries_master:
-            self.master_copy.copy_(self.shard)
+        if self.owns_master and self.master is not None:
+            self.master.copy_(self.shard)
 
     def publish_master(self) -> None:
         """Copy a separate master into the shard (cast)."""
-        if self.carries_master:
-            self.shard.copy_(self.master_copy)
+        if self.owns_master and self.master is not None:
+            self.shard.copy_(self.master)
 
     def settle_from_rank_zero(self, broadcast: Callable[[torch.Tensor], None]) -> None:
         """Nothing: construction took rank 0's values block by block (``build_block_buffers``)."""
@@ -403,6 +425,7 @@ def build_flat_buffers(
             master=master,
             extent=space.extent(shard_rank),
             shard_rank=shard_rank,
+            owns_master=master_spec is not None and master_spec.view_of is None,
         )
         buf.load_master()
         result.append(buf)
@@ -465,6 +488,7 @@ def _stage3_buffers(
         master=master,
         extent=space.extent(shard_rank),
         shard_rank=shard_rank,
+        owns_master=planned[BufferRole.MASTER].view_of is None,
         blocks=tuple(blocks),
         shard=shard,
     )

@@ -271,10 +271,11 @@ class ParamGather:
         else:  # nothing written since the last look: the versions just read are the settled ones
             self._settled = versions
 
-    def start_param_sync(self, log: CommLog) -> None:
-        """Publish this rank's updated shards and start every block's gather; finished unless overlapping."""
+    def start_param_sync(self, log: CommLog, *, published: bool = False) -> None:
+        """Publish this rank's updated shards (unless the step did, ``published``) and start every
+        block's gather; finished unless overlapping."""
         self.finish_param_sync()
-        for buf in self._buffers:
+        for buf in () if published else self._buffers:
             buf.publish_master()
         for buf in self._buffers:
             for k, pending in self._gather.start_space(buf.params, buf.space, self._groups, log).items():

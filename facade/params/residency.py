@@ -31,8 +31,9 @@ __all__ = ["Residency"]
 class Residency(Protocol):
     """What a domain asks of its parameters' residency ([Note: residency])."""
 
-    def start_param_sync(self, log: CommLog) -> None:
-        """After the inner step: publish this rank's updated shard (gathers may stay in flight)."""
+    def start_param_sync(self, log: CommLog, *, published: bool = False) -> None:
+        """After the inner step: publish this rank's updated shard (gathers may stay in flight);
+        ``published``: the step already wrote it into the parameters (a host step)."""
 
     def finish_param_sync(self) -> None:
         """Complete what ``start_param_sync`` left in flight."""

@@ -193,11 +193,12 @@ class ShardedParams:
         return self._blocks.held_bytes()
 
     # ------------------------------------------------------- the step's calls
-    def start_param_sync(self, log: CommLog) -> None:
-        """After the inner optimizer stepped: free the (stale) blocks, write masters into the shards."""
+    def start_param_sync(self, log: CommLog, *, published: bool = False) -> None:
+        """After the inner optimizer stepped: free the (stale) blocks, write masters into the shards
+        (unless the step did, ``published``)."""
         del log  # the next forward gathers, into the log of its own step
         self.shard_all()
-        for buf in self._buffers:
+        for buf in () if published else self._buffers:
             buf.publish_master()
 
     def finish_param_sync(self) -> None:

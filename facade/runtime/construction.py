@@ -60,6 +60,7 @@ class Request:
     reduce_dtype: Any = None
     gather_dtype: Any = None
     wire_block: int = DEFAULT_WIRE_BLOCK
+    offload: Any = None
 
     def configure(self, item: DomainInput, first: bool) -> Configured:
         """Validate the request for one domain (shard groups and nodes are the data domain's only).
@@ -87,6 +88,7 @@ class Request:
             grad_wire=grad_wire(self.reduce_dtype, self.wire_block),
             param_wire=param_wire(self.gather_dtype, self.wire_block),
             options=self.options if first else dataclasses.replace(self.options, overlap_grad_reduce=False),
+            offload=self.offload,
         )
 
 

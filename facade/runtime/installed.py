@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import ConfigError, Stage, ZeroPlan
+from zeroplan.core import BufferRole, ConfigError, Stage, ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog, broadcast
 from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.policies import reduction_for
@@ -29,21 +29,26 @@ from zeroplan.facade.params.sharded import Peers, ShardedParams
 from zeroplan.facade.runtime.grad_sync import GradSync
 from zeroplan.facade.runtime.registry import ParamRegistry
 from zeroplan.facade.state.inner import Inner, build_inner
+from zeroplan.facade.state.stepping import Stepping, stepping_for
 
 __all__ = ["Installed", "broadcast_from_rank_zero", "broadcast_values", "install"]
 
-#: Host residence beside an accelerator is planned, not executed yet ([Note: residences]).
+#: What a step moves between host memory and an accelerator ([Note: offload, executed]): the roles of
+#: the offload modes. A collective's buffers (staging, full parameters and gradients, blocks, rooms)
+#: live where it runs.
+_HOST_ROLES = frozenset(
+    (BufferRole.PARAM_SHARD, BufferRole.GRAD_SHARD, BufferRole.MASTER, BufferRole.OPTIMIZER_STATE)
+)
 _HOST_BESIDE_DEVICE = (
-    "the plan places {roles} in host memory, but the step does not move buffers between host memory "
-    "and {device} yet (CPU offload is planned, not executed): plan every buffer role on the device "
-    "(residences=Residences(), the default), or keep the parameters on the CPU, whose memory is the host's"
+    "the plan places {roles} in host memory beside parameters on {device}, but the collectives that "
+    "use those buffers run on the device: place only the roles offload places in host memory "
+    "(param_shard, grad_shard, master, optimizer_state), e.g. ZeroOptimizer(..., offload='optimizer')"
 )
 
-#: A role given a buffer of its own by its placement ([Note: offload, planned]) is planned, not executed yet.
-_SPLIT_VIEWS = (
-    "the plan gives {roles} a buffer of its own in host memory where it would otherwise be a view of "
-    "a device buffer (CPU offload, planned); the step does not execute that yet: plan those roles "
-    "where the buffer they view lives (residences=Residences(), the default)"
+_GRADS_APART = (
+    "the plan places the gradient shard on the {grads} and the masters apart from it, beside parameters "
+    "on {device}: the inner optimizer reads its gradients beside the masters it steps; place both in "
+    "host memory or neither (offload='optimizer' places both)"
 )
 
 
@@ -67,6 +72,8 @@ class Installed(NamedTuple):
             still runs on NCCL, which takes no CPU tensor), and so does each buffer the
             plan places on the device; the others in host memory
             ([Note: residences], ``mechanisms.buffer_devices``).
+        stepping: where the inner optimizer steps: on the device, or on the host bucket by
+            bucket ([Note: offload, executed]); chosen once, here.
     """
 
     zp: ZeroPlan
@@ -78,6 +85,7 @@ class Installed(NamedTuple):
     residency: Residency
     links: tuple[tuple[int, int], ...]
     device: torch.device
+    stepping: Stepping
 
     def detached(self, params: Sequence[torch.Tensor]) -> int | None:
         """The first trainable parameter whose ``.data`` no longer lives where this plan put it.
@@ -114,17 +122,17 @@ def install(
             domains]); the residency is chosen here, and only here ([Note: residency]).
 
     Raises:
-        ConfigError: the plan places a buffer role in host memory beside parameters on an
-            accelerator, or gives a role a host buffer of its own where it would view a device
-            buffer, which the step does not execute yet ([Note: residences]).
+        ConfigError: the plan places a buffer a collective uses in host memory beside parameters
+            on an accelerator ([Note: offload, executed]).
     """
     params, shard_rank, device = registry.params, groups.shard_rank, registry.device
-    if device.type not in ("cpu", "meta") and not zp.residences.all_on_device:
-        roles = ", ".join(role.value for role in zp.residences.host)
+    where = zp.residences.of
+    apart = [role for role in zp.residences.host if role not in _HOST_ROLES]
+    if device.type not in ("cpu", "meta") and apart:
+        roles = ", ".join(role.value for role in apart)
         raise ConfigError(_HOST_BESIDE_DEVICE.format(roles=roles, device=device))
-    if zp.split_views():
-        roles = ", ".join(role.value for role in zp.split_views())
-        raise ConfigError(_SPLIT_VIEWS.format(roles=roles))
+    if device.type not in ("cpu", "meta") and where(BufferRole.GRAD_SHARD) is not where(BufferRole.MASTER):
+        raise ConfigError(_GRADS_APART.format(grads=where(BufferRole.GRAD_SHARD).value, device=device))
     if zp.stage is Stage.PARAMETERS:
         settle = None
         if from_rank_zero and groups.topology.world_size > 1:
@@ -169,6 +177,7 @@ def install(
         residency=residency,
         links=links,
         device=registry.device,
+        stepping=stepping_for(zp, buffers, shard_rank, device),
     )
 
 

@@ -210,6 +210,7 @@ class StepLifecycle:
             )
         inst.residency.finish_param_sync()  # the last step's gathers, if no forward waited for them all
         inst.sync.finish_grad_sync()
+        inst.stepping.landed()  # gradients in host memory: the host waits for their copies
         flags, self._local = _start_agreement(inst, ctx, self.log)
         if not self.master_grads:  # averaged once per step, kept if the verdict refuses the step
             self.master_grads = [_averaged(buf, ctx.divisor) for buf in inst.buffers]
@@ -274,7 +275,7 @@ class StepLifecycle:
         """Scale the master gradients so a norm of ``total`` becomes at most ``max_norm`` (``-> CLIPPED``)."""
         coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for grad in self.master_grads:
-            grad.mul_(coefficient.to(grad.dtype))
+            grad.mul_(coefficient.to(device=grad.device, dtype=grad.dtype))  # masters in host memory
         self.clipped = True
         self.phase = Phase.CLIPPED
 
@@ -291,7 +292,7 @@ class StepLifecycle:
         if applied:
             inner = inst.inner.optimizer
             sync_hyperparameters(ctx.param_groups, inner.param_groups)
-            inner.step(**kwargs)
+            inst.stepping.step(inst.inner, kwargs)  # on the device, or the host ([Note: offload, executed])
             sync_hyperparameters(inner.param_groups, ctx.param_groups)
             self.phase = Phase.STEPPED
             self.publish(inst)
@@ -304,7 +305,7 @@ class StepLifecycle:
 
     def publish(self, inst: Installed) -> None:
         """Write updated shards into the parameter buffers and gather them (see [Note: parameter gather])."""
-        inst.residency.start_param_sync(self.log)
+        inst.residency.start_param_sync(self.log, published=inst.stepping.publishes)
 
     def release(self, inst: Installed) -> None:
         """Drop the master gradients and this step's reduction progress (``-> IDLE``)."""

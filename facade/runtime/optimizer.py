@@ -107,6 +107,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             bucket size, for canonical micro-batches ([Note: deterministic mode] in
             ``zeroplan.core.deterministic``): a power-of-two world, sums in fixed
             orders, an exact clip norm.
+        offload: CPU offload ([Note: offload, executed] in ``zeroplan.core.host_step``):
+            ``None``/``"none"``; ``"optimizer"`` (stages 1-3: fp32 masters, optimizer state and
+            the fp32 gradient shard in host memory, pinned beside a GPU; the inner optimizer
+            steps on the CPU, bucket by bucket, each bucket's parameters going back to the
+            device while the next is stepped); ``"all"`` (stage 3: the parameter shards too).
         **optimizer_defaults: hyper-parameters of the inner optimizer (``lr``, ...).
 
     Raises:
@@ -146,6 +151,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reduce_dtype: str | torch.dtype | None = None,
         gather_dtype: str | torch.dtype | None = None,
         wire_block: int = DEFAULT_WIRE_BLOCK,
+        offload: str | None = None,
         **optimizer_defaults: Any,
     ) -> None:
         self._initialized = False
@@ -174,6 +180,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             reduce_dtype=reduce_dtype,
             gather_dtype=gather_dtype,
             wire_block=wire_block,
+            offload=offload,
         )
         agreed = construction.agree(params, world, request)
         # Nothing below can fail for a user reason: state changes start here.

@@ -27,7 +27,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import ConfigError, ParamSpec, StepOptions, Topology, ZeroPlan, describe_optimizer, plan
+from zeroplan.core import (
+    ConfigError,
+    Offload,
+    ParamSpec,
+    StepOptions,
+    Topology,
+    ZeroPlan,
+    describe_optimizer,
+    plan,
+)
 from zeroplan.core.errors import ConfigTypeError
 from zeroplan.core.wire import WireCodec, WireFormat
 from zeroplan.facade.runtime.inputs import ParamList, collect_params, describe_params
@@ -127,6 +136,7 @@ class PlanSettings:
     grad_wire: WireCodec | None = None
     param_wire: WireCodec | None = None
     options: StepOptions = dataclasses.field(default_factory=StepOptions)
+    offload: Offload = Offload.NONE
 
     @property
     def optimizer_name(self) -> str:
@@ -171,6 +181,7 @@ class PlanSettings:
             "deterministic": self.deterministic,
             "grad_wire": self.grad_wire,
             "param_wire": self.param_wire,
+            "offload": self.offload,
         }
 
 
@@ -210,6 +221,7 @@ def configure(
     grad_wire: WireCodec | None = None,
     param_wire: WireCodec | None = None,
     options: StepOptions | None = None,
+    offload: Offload | str | None = None,
 ) -> Configured:
     """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
 
@@ -233,6 +245,7 @@ def configure(
         raise ConfigError(f"ranks_per_node must be an int >= 1 or None, got {ranks_per_node!r}")
     if type(deterministic) is not bool:
         raise ConfigTypeError(f"deterministic must be True or False, got {deterministic!r}")
+    offloaded = Offload.parse(offload)  # [Note: offload, executed]
     world_size = dist.get_world_size(world)
     if collectives == "auto":
         collectives = "gloo" if dist.get_backend(world) == "gloo" else "min_bytes"
@@ -253,6 +266,7 @@ def configure(
         grad_wire=grad_wire,
         param_wire=param_wire,
         options=StepOptions() if options is None else options,
+        offload=offloaded,
     )
     return Configured(mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs))
 

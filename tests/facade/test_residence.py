@@ -2,7 +2,7 @@
 
 On the CPU host memory is the device's, so a plan with roles in host memory allocates them on the
 CPU and steps bit-identically to the default plan; its report moves their bytes from the device
-to the host. Beside an accelerator the step refuses such a plan until offload executes it.
+to the host. Beside an accelerator only offload's roles may live in host memory.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def test_roles_in_host_memory_on_the_cpu_step_as_the_default_plan(pools, stage):
     ):
         assert all(r["equal"]), r["equal"]
         assert r["host"] == HOST[stage] and r["devices"] == ["cpu"]
-        assert r["host_bytes"] > 0 and r["device_bytes"] == r["default_device_bytes"] - r["host_bytes"]
+        assert 0 <= r["more_state_bytes"] < 100, r
+        assert r["host_bytes"] > 0
+        assert r["device_bytes"] == r["default_device_bytes"] - r["host_bytes"] + r["more_state_bytes"]
 
 
 def test_a_residence_is_a_device_and_host_memory_is_pinned_beside_cuda():
@@ -40,7 +42,9 @@ def test_a_residence_is_a_device_and_host_memory_is_pinned_beside_cuda():
     assert buffer_device(Residence.HOST, cuda) == BufferDevice(cpu, True)
 
 
-def test_host_residence_beside_an_accelerator_is_refused_until_offload_executes_it():
+def test_a_collectives_buffer_in_host_memory_beside_an_accelerator_is_refused():
+    """[Note: offload, executed]: offload's roles may live in host memory beside a GPU; the buffers
+    collectives run on may not."""
     from zeroplan.facade.runtime.installed import install
 
     zp = plan(specs_from_shapes([(8,)]), Topology(world_size=1), residences=Residences(host=("staging",)))
@@ -51,31 +55,21 @@ def test_host_residence_beside_an_accelerator_is_refused_until_offload_executes_
     class Groups:
         shard_rank = 0
 
-    with pytest.raises(ConfigError, match="places staging in host memory, but the step does not move"):
-        install(
-            zp,
-            Registry(),
-            Groups(),
-            torch.optim.SGD,
-            [],
-            admit=bool,
-            log=None,
-        )  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="places staging in host memory beside parameters on cuda:0"):
+        install(zp, Registry(), Groups(), torch.optim.SGD, [], admit=bool, log=None)  # type: ignore[arg-type]
     assert zp.residences.of(BufferRole.STAGING) is Residence.HOST
 
 
-def test_a_host_buffer_of_its_own_is_refused_until_offload_executes_it():
-    """[Note: offload, planned]: fp32 masters in host memory are a copy the step does not make yet."""
+def test_gradients_apart_from_the_masters_beside_an_accelerator_are_refused():
     from zeroplan.facade.runtime.installed import install
 
-    zp = plan(specs_from_shapes([(8,)]), Topology(world_size=1), stage=2, offload="optimizer")
-    assert zp.split_views() == (BufferRole.MASTER,)
+    zp = plan(specs_from_shapes([(8,)]), Topology(world_size=1), residences=Residences(host=("grad_shard",)))
 
     class Registry:
-        params, device = (), torch.device("cpu")
+        params, device = (), torch.device("cuda", 0)
 
     class Groups:
         shard_rank = 0
 
-    with pytest.raises(ConfigError, match="gives master a buffer of its own in host memory"):
+    with pytest.raises(ConfigError, match="gradient shard on the host and the masters apart from it"):
         install(zp, Registry(), Groups(), torch.optim.SGD, [], admit=bool, log=None)  # type: ignore[arg-type]

@@ -1,0 +1,144 @@
+# zeroplan.core — pure planning: no torch, no I/O.
+# The offloaded step in units, one per bucket: what the CPU steps and what goes back to the device.
+"""The step of a plan whose masters live in host memory, bucket by bucket: :func:`step_units`.
+
+[Note: offload, executed]
+With ``offload="optimizer"`` or ``"all"`` ([Note: offload, planned]) the
+facade runs the step like this, on CPU and CUDA alike (on the CPU host memory
+is the device's, and every copy below is a copy within it):
+
+1. Backward. Each bucket is reduced in the device's staging arena, into room
+   of its own (``arena.lands_apart``: a collective writes the memory of its
+   device), and when it completes (on the side stream) its sum is copied into
+   the host gradient shard, asynchronously into pinned memory.
+2. ``step()``. The host waits once for the last of those copies (the plan's
+   one host synchronisation per step; clipping reads the norm on the host as
+   well), checks overflow, clips, and then steps the inner optimizer unit by
+   unit (:func:`step_units`): a unit is the inner tensors whose gradients
+   the same bucket completed, in the order the buckets landed (the plan
+   cuts elementwise windows where buckets start, ``ZeroPlan.inner_tensors``).
+   Each unit's updated values go back to the device at once, asynchronously,
+   while the CPU steps the next unit: bf16/fp16 parameters are cast on the
+   host into the unit's own gradient elements (consumed by then, so no room
+   is added; half their bytes hold the cast), fp32 ones go as they are.
+3. The gathers (stages 1-2) start once every unit is back on the device; at
+   stage 3 each block's gather reads the shard where it lives (``all``: host
+   memory, copied to the device just before the gather).
+
+Each unit steps by one call of the inner optimizer with the other tensors'
+gradients unset, which ``torch.optim`` skips; an elementwise optimizer's
+result is the same as one call over all tensors, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zeroplan.core.dtypes import master_dtype
+from zeroplan.core.errors import PlanInvariantError
+from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.residence import BufferRole
+from zeroplan.core.span import Span
+
+__all__ = ["StepUnit", "UpCopy", "publishes_via_host_cast", "step_units"]
+
+
+@dataclass(frozen=True, slots=True)
+class UpCopy:
+    """Elements of the rank's master that go back to the parameters after a unit is stepped.
+
+    Attributes:
+        space: the dtype space.
+        shard_span: the elements, in the rank's shard (and master).
+        target_span: where they land: in the full parameter buffer (stages 1-2),
+            or in the parameter shard (stage 3, equal to ``shard_span``).
+    """
+
+    space: int
+    shard_span: Span
+    target_span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class StepUnit:
+    """Inner tensors stepped together once a bucket's gradients landed in host memory.
+
+    Attributes:
+        bucket: the bucket (launch order) whose landing completes the unit's gradients.
+        tensors: indices into ``ZeroPlan.inner_tensors(shard_rank)``.
+        copies: what goes back to the parameters after the unit is stepped.
+    """
+
+    bucket: int
+    tensors: tuple[int, ...]
+    copies: tuple[UpCopy, ...]
+
+
+def step_units(zp: ZeroPlan, shard_rank: int) -> tuple[StepUnit, ...]:
+    """The units shard rank ``shard_rank`` of ``zp`` steps, in the order their buckets land.
+
+    A tensor belongs to the unit of the last bucket (in launch order) that
+    holds any of its elements. Empty unless the plan steps in host memory
+    (``ZeroPlan.steps_on_host``).
+
+    Raises:
+        PlanInvariantError: an inner tensor no bucket covers.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(64,), (64,)], dtype="bf16"), Topology(world_size=2),
+        ...     alignment=8, bucket_bytes=128, offload="optimizer")
+        >>> [(u.bucket, u.tensors) for u in step_units(zp, 0)]
+        [(0, (1,)), (1, (0,))]
+    """
+    if not zp.steps_on_host:
+        return ()
+    tensors = zp.inner_tensors(shard_rank)
+    # Per space, the rank's bucket pieces: (start, stop, launch index), in shard order.
+    pieces: dict[int, list[tuple[int, int, int]]] = {}
+    for bucket in zp.buckets.buckets:
+        piece = bucket.piece_of(shard_rank)
+        if piece is not None and piece.shard_span.numel:
+            pieces.setdefault(bucket.space, []).append(
+                (piece.shard_span.start, piece.shard_span.stop, bucket.index)
+            )
+    members: dict[int, list[int]] = {}
+    for t, tensor in enumerate(tensors):
+        span = tensor.shard_span
+        last = max(
+            (b for start, stop, b in pieces.get(tensor.space, ()) if start < span.stop and span.start < stop),
+            default=None,
+        )
+        if last is None:
+            raise PlanInvariantError(f"inner tensor {t} ({span} of space {tensor.space}) is in no bucket")
+        members.setdefault(last, []).append(t)
+    units = []
+    for b, ts in sorted(members.items()):
+        copies = [c for t in ts for c in _up_copies(zp, shard_rank, tensors[t].space, tensors[t].shard_span)]
+        units.append(StepUnit(b, tuple(ts), tuple(copies)))
+    return tuple(units)
+
+
+def _up_copies(zp: ZeroPlan, shard_rank: int, space: int, span: Span) -> list[UpCopy]:
+    """``span`` of the rank's shard of ``space`` as copies into where the parameters live."""
+    if zp.stage is Stage.PARAMETERS:
+        return [UpCopy(space, span, span)]
+    copies = []
+    for piece in zp.partition.spaces[space].pieces_of(shard_rank):
+        part = piece.shard_span.intersect(span)
+        if part is not None:
+            shift = piece.buffer_span.start - piece.shard_span.start
+            copies.append(UpCopy(space, part, part.shift(shift)))
+    return copies
+
+
+def publishes_via_host_cast(zp: ZeroPlan, space: int) -> bool:
+    """Whether a unit's values are cast on the host before they go to parameters elsewhere.
+
+    bf16/fp16 parameters apart from their (fp32, host) masters: cast into the
+    unit's gradient elements, then copied ([Note: offload, executed]).
+    """
+    target = BufferRole.PARAM_SHARD if zp.stage is Stage.PARAMETERS else BufferRole.FULL_PARAMS
+    where = zp.residences.of
+    s = zp.partition.spaces[space]
+    return master_dtype(s.dtype) != s.dtype and where(BufferRole.MASTER) is not where(target)

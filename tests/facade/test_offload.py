@@ -1,0 +1,39 @@
+"""CPU offload, executed ([Note: offload, executed] in ``zeroplan.core.host_step``).
+
+On the CPU the offloaded step runs the path it runs beside a GPU, with host memory the device's: it
+must equal the same run without offload bit for bit, and hold the bytes its plan places on each side.
+"""
+
+from __future__ import annotations
+
+import scenarios_offload
+
+CASES = [
+    {"stage": 1},
+    {"stage": 2},
+    {"stage": 3},
+    {"stage": 1, "dtype": "bf16", "layout": "rank_major"},
+    {"stage": 2, "dtype": "bf16", "clip": 0.5},
+    {"stage": 3, "dtype": "bf16", "offload": "all"},
+    {"stage": 3, "offload": "all", "reshard_after_forward": False},
+    {"stage": 2, "dtype": "fp16", "loss_scale": "dynamic", "clip": 1.0},
+    {"stage": 2, "optimizer": "sgd"},
+    {"stage": 2, "optimizer": "adafactor", "dtype": "bf16"},
+]
+
+
+def test_an_offloaded_run_equals_the_run_without_offload_bit_for_bit(pools):
+    for rows in pools(2).run(scenarios_offload.offloaded_against_default, {"cases": CASES}):
+        for case, r in zip(CASES, rows, strict=True):
+            assert all(r["equal"]) and r["state"], (case, r)
+            assert r["stepping"] == "HostStep" and r["units"] > 1, (case, r)
+            assert r["scales"][0] == r["scales"][1], (case, r)
+            assert ("param_shard" in r["host"]) == (case.get("offload") == "all"), (case, r)
+
+
+def test_held_bytes_are_the_planned_host_and_device_bytes(pools):
+    cases = [{"stage": 1, "dtype": "bf16"}, {"stage": 2}, {"stage": 3, "dtype": "bf16", "offload": "all"}]
+    for rows in pools(2).run(scenarios_offload.host_bytes_measured, {"cases": cases}):
+        for case, r in zip(cases, rows, strict=True):
+            assert r["held"] == r["planned"], (case, r)
+            assert r["planned"][0] > 0, (case, r)
