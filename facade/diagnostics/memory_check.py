@@ -1,15 +1,16 @@
 """Does the plan's peak fit the device? Checked once, at construction, before any buffer is allocated.
 
 [Note: device memory check]
-On CUDA, ``ZeroOptimizer`` compares the plan's ``peak_bytes`` for this rank
-(see [Note: the step's peak] in ``zeroplan.core.peak``) with what the rank
+On CUDA, ``ZeroOptimizer`` compares the device's share of the plan's peak for
+this rank (``device_peak_bytes``: what the plan places in host memory, CPU
+offload, is not the device's; see [Note: the step's peak] in ``zeroplan.core.peak``) with what the rank
 can use: the device's free memory, plus what torch's caching allocator holds
 unused, plus the bytes its parameters already hold (the flat buffers take their
 place). Activations are not planned, so a plan that fits here may still run out
 of memory in the forward; one that does not fit here certainly will. The
 message names the largest part of the peak and the cheapest other
 configuration that fits (stage, shard group size, a fused
-inner optimizer). It is a warning, or, with ``strict_memory=True``, a
+inner optimizer; offload where nothing fits without it). It is a warning, or, with ``strict_memory=True``, a
 ``ConfigError`` raised on every rank (inside the plan agreement). CPU memory
 is shared by the ranks of a host and is not checked.
 """
@@ -66,8 +67,8 @@ def _advice(configured: Configured, available: int) -> str:
             optimizer=settings.optimizer_name,
             settings=groups[0] if groups else None,  # the implementation (fused, foreach) of the first group
             stages=(1, 2),
-            offload=False,  # ZeroOptimizer does not execute offload yet: advise only what it runs
-            **settings.plan_options(),
+            # Offload is advised where nothing fits without it ([Note: offload, executed]).
+            **{k: v for k, v in settings.plan_options().items() if k != "offload"},
         )
     except ConfigError as exc:  # e.g. an optimizer zeroplan has no description of
         return f"no advice on other configurations ({exc})"
@@ -87,11 +88,11 @@ def device_memory_problem(zp: ZeroPlan, configured: Configured, rank: int) -> st
     held = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in registry.params}
     available = free + sum(held.values())
     report = memory_report(zp).ranks[rank]
-    if report.peak_bytes <= available:
+    if report.device_peak_bytes <= available:  # what the plan places in host memory is not the device's
         return None
     part, nbytes = _largest_part(report)
     advice = _advice(configured, available)
-    peak, phase = gib(report.peak_bytes), report.peak_phase.value
+    peak, phase = gib(report.device_peak_bytes), report.peak_phase.value
     return (
         f"rank {rank}: the plan's peak is {peak} (in the {phase}, before activations), but "
         f"{gib(available)} of {device} are available to it; the largest part is the {part} "

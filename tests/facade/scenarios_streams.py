@@ -40,6 +40,9 @@ class FakeStream:
     def wait_event(self, mark: FakeMark) -> None:
         self.log.append((self.name, "waits for mark", f"{mark.stream}:{mark.number}"))
 
+    def synchronize(self) -> None:
+        self.log.append(("host", "waits for", self.name))
+
 
 class FakeCuda:
     """A compute and a side stream, and the current-stream stack ``torch.cuda.stream`` would keep."""
@@ -106,4 +109,66 @@ def bucket_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
         "backward": fake.log[in_forward:in_backward],
         "step": fake.log[in_backward:in_step],
         "buckets": len(opt.plan.buckets.buckets),
+    }
+
+
+@contextlib.contextmanager
+def logged_copies(fake: FakeCuda) -> Any:
+    """Log every asynchronous copy (``non_blocking=True``) with the stream it is queued on."""
+    copy, foreach = torch.Tensor.copy_, torch._foreach_copy_
+
+    def logged_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if non_blocking:
+            fake.log.append((fake.stack[-1].name, "copies", "1"))
+        return copy(self, src, non_blocking)
+
+    def logged_foreach(targets: Any, sources: Any, non_blocking: bool = False) -> None:
+        if non_blocking:
+            fake.log.append((fake.stack[-1].name, "copies", str(len(targets))))
+        foreach(targets, sources, non_blocking=non_blocking)
+
+    torch.Tensor.copy_ = logged_copy  # type: ignore[method-assign]
+    torch._foreach_copy_ = logged_foreach  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.Tensor.copy_, torch._foreach_copy_ = copy, foreach  # type: ignore[method-assign]
+
+
+def offload_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """One offloaded step's log: the gradients' copies to host memory during backward, the host's
+    wait, each unit stepped on the host and its copy back ([Note: offload, executed])."""
+    from zeroplan.core import host_link, step_units
+
+    torch.manual_seed(0)
+    model = make_model(dtype=DTYPES[cfg.get("dtype", "fp32")])
+    opt = make_optimizer(
+        model, stage=cfg["stage"], hyper={"lr": 1e-3}, offload=cfg.get("offload", "optimizer")
+    )
+    opt.attach(model)
+    inner = opt.installed.inner.optimizer
+    with fake_cuda() as fake, logged_copies(fake):
+        step_inner = inner.step
+
+        def logged_step(*args: Any, **kwargs: Any) -> Any:
+            fake.log.append(("host", "steps a unit"))
+            return step_inner(*args, **kwargs)
+
+        inner.step = logged_step  # type: ignore[method-assign]
+        for step in range(2):
+            loss = loss_of(model, *batch(step, rank))
+            in_forward = len(fake.log)
+            loss.backward()
+            in_backward = len(fake.log)
+            opt.step()
+            in_step = len(fake.log)
+            opt.zero_grad()
+        opt.wait_for_params()
+    shard_rank = opt.installed.groups.shard_rank
+    link = host_link(opt.plan, shard_rank)
+    return {
+        "backward": fake.log[in_forward:in_backward],
+        "step": fake.log[in_backward:in_step],
+        "to_host_copies": link.to_host_copies,
+        "units": len(step_units(opt.plan, shard_rank)),
     }

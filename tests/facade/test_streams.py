@@ -66,3 +66,26 @@ def test_a_first_reader_on_another_stream_makes_the_home_stream_wait():
         fake.log.clear()
         quiet.finish()  # read on its own stream: nothing more to wait for
         assert fake.log == [("compute", "completes a collective")]
+
+
+@pytest.mark.parametrize("cfg", [{"stage": 2, "dtype": "bf16"}, {"stage": 1}, {"stage": 3, "offload": "all"}])
+def test_offloaded_copies_run_on_the_side_stream_in_bucket_order(pools, cfg):
+    """[Note: offload, executed]: each bucket's sum goes to host memory on the side stream as it
+    completes; the host waits once; each unit is stepped, then its copy back is queued on the side
+    stream before the next unit steps; the compute stream waits for the last copy."""
+    for r in pools(2).run(scenarios_streams.offload_streams, cfg):
+        backward, step = r["backward"], r["step"]
+        waits = [i for i, e in enumerate(step) if e == ("host", "waits for", "side")]
+        assert len(waits) == 1, step  # one host synchronisation per step
+        # Every bucket's copy to host memory is queued on the side stream, before the host's wait.
+        down = [e for e in backward + step[: waits[0]] if e[1] == "copies"]
+        assert down == [("side", "copies", "1")] * r["to_host_copies"], down
+        assert r["to_host_copies"] > 1 and sum(e[1] == "copies" for e in backward) > 0, backward
+        units = [i for i, e in enumerate(step) if e == ("host", "steps a unit")]
+        assert len(units) == r["units"] > 1 and waits[0] < units[0], step
+        ups = [i for i, e in enumerate(step) if e[:2] == ("side", "copies") and i > units[0]]
+        assert len(ups) == len(units), step
+        for unit, up, following in zip(units, ups, [*units[1:], len(step)], strict=True):
+            assert unit < up < following, step  # copied back before the next unit steps
+        join = step.index(("compute", "waits for", "side"), ups[-1])
+        assert all(e[1] != "completes a collective" or e[0] == "side" for e in step[ups[-1] : join]), step
