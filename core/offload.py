@@ -22,8 +22,8 @@ full gradient buffer), a host placement gives it a buffer of its own
 (``ZeroPlan.master_in_params``, ``ZeroPlan.reduces_in_place``), counted in
 host memory. The bytes each step moves over the host link each way are
 planned by :func:`zeroplan.core.host_traffic.host_link`; ``memory_report`` shows
-them with the device and host peaks. The facade does not execute host
-residence beside an accelerator yet.
+them with the device and host peaks. How the facade executes it:
+[Note: offload, executed] in ``zeroplan.core.host_step``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ residence, everything on the device by default; the plan holds it
 (``ZeroPlan.residences``), the allocation plan labels each buffer with it
 ([Note: allocation plan]), ``memory_report`` sums device and host bytes apart
 and the facade allocates each role where it says (``facade.mechanisms.buffer_devices``).
-It is the seam CPU offload will use; nothing plans host residence by default.
+CPU offload places roles there ([Note: offload, planned]; how the facade runs
+it: [Note: offload, executed]); nothing plans host residence by default.
 
 A buffer that is a view of another lives where that one does: the plan refuses
 a placement that would split them (``ZeroPlan`` validates it), and the inner

@@ -40,7 +40,7 @@ from zeroplan.core import (
 from zeroplan.core.errors import ConfigTypeError
 from zeroplan.core.wire import WireCodec, WireFormat
 from zeroplan.facade.runtime.inputs import ParamList, collect_params, describe_params
-from zeroplan.facade.state.inner import check_hyperparameters, check_keywords
+from zeroplan.facade.state.inner import check_hyperparameters, check_keywords, host_kernel
 
 __all__ = ["Configured", "ParamRegistry", "PlanSettings", "configure", "scale_mode"]
 
@@ -155,7 +155,8 @@ class PlanSettings:
 
     def plan(self, registry: ParamRegistry, groups: Sequence[dict[str, Any]]) -> ZeroPlan:
         """The plan of ``registry`` with the hyper-parameters of ``groups`` (pure: changes nothing)."""
-        device = registry.device.type  # the inner optimizer steps buffers on the parameters' device
+        # The inner optimizer steps where the masters live: the parameters' device, or the CPU.
+        device = "cpu" if self.offload is not Offload.NONE else registry.device.type
         optimizers = tuple(
             describe_optimizer(self.planned_name, g, strict=False, device=device) for g in groups
         )
@@ -246,6 +247,8 @@ def configure(
     if type(deterministic) is not bool:
         raise ConfigTypeError(f"deterministic must be True or False, got {deterministic!r}")
     offloaded = Offload.parse(offload)  # [Note: offload, executed]
+    if offloaded is not Offload.NONE:
+        host_kernel(optimizer_class, groups)  # the step runs on the CPU: its fused kernel, if any
     world_size = dist.get_world_size(world)
     if collectives == "auto":
         collectives = "gloo" if dist.get_backend(world) == "gloo" else "min_bytes"

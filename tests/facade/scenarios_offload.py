@@ -8,18 +8,31 @@ without offload bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 import optree
 import torch
-from factory import make_optimizer
+from factory import OPTIMIZERS, make_optimizer
 from models import DTYPES, batch, loss_of, make_model
 
 from zeroplan.core import Residence, memory_report, step_units
+from zeroplan.facade import checkpoint
 from zeroplan.facade.diagnostics.accounting import measure_residences
 
 #: Settings a case may carry besides ``stage``, ``dtype``, ``offload``, ``clip`` and ``steps``.
-_SETTINGS = ("loss_scale", "deterministic", "shard", "layout", "optimizer", "reshard_after_forward")
+_SETTINGS = (
+    "loss_scale",
+    "deterministic",
+    "shard",
+    "layout",
+    "optimizer",
+    "reshard_after_forward",
+    "reduce_dtype",
+    "gather_dtype",
+    "wire_block",
+)
 
 
 def _pair(cfg: dict[str, Any]) -> tuple[list[Any], list[Any]]:
@@ -27,23 +40,38 @@ def _pair(cfg: dict[str, Any]) -> tuple[list[Any], list[Any]]:
     dtype = DTYPES[cfg.get("dtype", "fp32")]
     models = [make_model(dtype=dtype) for _ in range(2)]
     settings = {k: cfg[k] for k in _SETTINGS if k in cfg}
-    opts = [
-        make_optimizer(models[0], stage=cfg["stage"], **settings),
-        make_optimizer(models[1], stage=cfg["stage"], offload=cfg.get("offload", "optimizer"), **settings),
-    ]
+    offloaded = make_optimizer(
+        models[1], stage=cfg["stage"], offload=cfg.get("offload", "optimizer"), **settings
+    )
+    # The run without offload steps with the kernel the offloaded one chose (fused on the CPU, where
+    # the class has one: state.inner.host_kernel), so that both run the same arithmetic.
+    hyper = _same_kernel(offloaded, cfg.get("optimizer", "adamw"))
+    opts = [make_optimizer(models[0], stage=cfg["stage"], hyper=hyper, **settings), offloaded]
     if cfg["stage"] == 3:
         for m, opt in zip(models, opts, strict=True):
             opt.attach(m)
     return models, opts
 
 
+def _same_kernel(offloaded: Any, optimizer: str) -> dict[str, Any]:
+    """The scenarios' hyper-parameters of ``optimizer`` with the kernel the offloaded optimizer chose
+    (fused on the CPU where the class has one: ``state.inner.host_kernel``), so that a run without
+    offload runs the same arithmetic."""
+    chosen = offloaded.param_groups[0]
+    kernel = {k: chosen[k] for k in ("fused", "foreach") if chosen.get(k) is not None}
+    return {**OPTIMIZERS[optimizer].hyper, **kernel}
+
+
 def _train(rank: int, models: list[Any], opts: list[Any], cfg: dict[str, Any]) -> list[bool]:
     """Train both side by side; per step, whether their parameters are bit-identical."""
     equal = []
+    micro = cfg.get("accumulate", 1)
     for step in range(cfg.get("steps", 3)):
-        tokens, targets = batch(step, rank)
         for m, opt in zip(models, opts, strict=True):
-            opt.backward(loss_of(m, tokens, targets))
+            for k in range(micro):  # no_sync() around all but the last micro-batch
+                tokens, targets = batch(step * micro + k, rank)
+                with opt.no_sync() if k < micro - 1 else contextlib.nullcontext():
+                    opt.backward(loss_of(m, tokens, targets))
             if cfg.get("clip"):
                 opt.clip_grad_norm_(cfg["clip"])
             opt.step()
@@ -77,6 +105,7 @@ def offloaded_against_default(rank: int, world: int, cfg: dict[str, Any]) -> lis
                 "host": [role.value for role in opts[1].plan.residences.host],
                 "stepping": type(installed.stepping).__name__,
                 "scales": [opt.loss_scale for opt in opts],
+                "fused": opts[1].installed.inner.optimizer.param_groups[0].get("fused"),
             }
         )
     return results
@@ -100,3 +129,65 @@ def host_bytes_measured(rank: int, world: int, cfg: dict[str, Any]) -> list[dict
             }
         )
     return results
+
+
+def _consolidated(opt: Any) -> dict[str, Any]:
+    return opt.consolidated_state_dict(to_rank=0)
+
+
+def save_offloaded(rank: int, world: int, cfg: dict[str, Any], root: str) -> None:
+    """Train an offloaded optimizer 3 steps and save a checkpoint; rank 0 keeps the consolidated
+    state and the parameters beside it."""
+    model = make_model(dtype=DTYPES[cfg.get("dtype", "fp32")])
+    opt = make_optimizer(model, stage=cfg["stage"], offload=cfg.get("offload", "optimizer"))
+    if cfg["stage"] == 3:
+        opt.attach(model)
+    for step in range(3):
+        opt.backward(loss_of(model, *batch(step, rank)))
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(opt, root)
+    consolidated = _consolidated(opt)
+    with opt.gathered_params():
+        params = [p.detach().clone() for p in model.parameters()]
+    if rank == 0:
+        torch.save({"consolidated": consolidated, "params": params}, os.path.join(root, "reference.pt"))
+
+
+def load_with_and_without_offload(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, Any]:
+    """Load the checkpoint at this world into an optimizer without offload and one with it: both
+    hold the saved state bit for bit, and train on bit-identically."""
+    dtype = DTYPES[cfg.get("dtype", "fp32")]
+    models = [make_model(dtype=dtype, seed=123) for _ in range(2)]
+    offloaded = make_optimizer(
+        models[1], stage=cfg["load_stage"], offload=cfg.get("load_offload", "optimizer")
+    )
+    opts = [
+        make_optimizer(models[0], stage=cfg["load_stage"], hyper=_same_kernel(offloaded, "adamw")),
+        offloaded,
+    ]
+    for m, opt in zip(models, opts, strict=True):
+        if cfg["load_stage"] == 3:
+            opt.attach(m)
+        checkpoint.load(opt, root)
+    states = [_consolidated(opt) for opt in opts]
+    result: dict[str, Any] = {}
+    if rank == 0:
+        reference = torch.load(os.path.join(root, "reference.pt"), weights_only=True)
+        result["state_same"] = [_tree_equal(reference["consolidated"], s) for s in states]
+        gathered = []
+        for m, opt in zip(models, opts, strict=True):
+            with opt.gathered_params():
+                gathered.append([p.detach().clone() for p in m.parameters()])
+        result["params_same"] = [_tree_equal(reference["params"], g) for g in gathered]
+    result["equal"] = _train(rank, models, opts, {"steps": 2})
+    return result
+
+
+def _tree_equal(a: Any, b: Any) -> bool:
+    """Two trees of the same structure, tensors bit for bit."""
+    leaves_a, spec_a = optree.tree_flatten(a)
+    leaves_b, spec_b = optree.tree_flatten(b)
+    return spec_a == spec_b and all(
+        torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
