@@ -33,7 +33,7 @@ import enum
 from zeroplan.core.errors import ConfigError
 from zeroplan.core.residence import ALL_ON_DEVICE, BufferRole, Residences
 
-__all__ = ["Offload", "offload_residences"]
+__all__ = ["Offload", "offload_name", "offload_residences"]
 
 
 class Offload(enum.Enum):
@@ -100,3 +100,22 @@ def offload_residences(mode: Offload | str | None, stage: int) -> Residences:
             )
         return Residences(host=(BufferRole.PARAM_SHARD, *OPTIMIZER_ROLES))
     return Residences(host=OPTIMIZER_ROLES)
+
+
+def offload_name(where: Residences, stage: int) -> str | tuple[str, ...]:
+    """The offload mode that places roles as ``where`` does at ``stage`` (its name, as the user gave
+    it), or the roles in host memory when no mode does.
+
+    Example:
+        >>> offload_name(offload_residences("optimizer", 2), 2), offload_name(ALL_ON_DEVICE, 2)
+        ('optimizer', 'none')
+        >>> offload_name(Residences(host=("staging",)), 2)
+        ('staging',)
+    """
+    for mode in Offload:
+        try:
+            if offload_residences(mode, stage) == where:
+                return mode.value
+        except ConfigError:
+            continue
+    return tuple(role.value for role in where.host)

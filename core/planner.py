@@ -27,7 +27,7 @@ from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.errors import ConfigError, check_config
 from zeroplan.core.fingerprint import digest
 from zeroplan.core.layout import build_partition
-from zeroplan.core.offload import Offload, offload_residences
+from zeroplan.core.offload import Offload, offload_name, offload_residences
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer
 from zeroplan.core.options import StepOptions
 from zeroplan.core.partition import PartitionPlan
@@ -683,7 +683,7 @@ class ZeroPlan:
             "gather_dtype": None if param is None else param.format.value,
             "wire_block": tuple(w.block for w in (grad, param) if w is not None) or None,
             **{f.name: getattr(self.options, f.name) for f in dataclasses.fields(StepOptions)},
-            "residences": tuple(r.value for r in self.residences.host) or None,
+            "offload": offload_name(self.residences, int(self.stage)),  # or the roles, if no mode
         }
 
     def fingerprint(self) -> str:

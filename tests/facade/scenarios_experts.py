@@ -44,7 +44,7 @@ def _optimizer(model: moe.MoELM, ep_dp: Any, cfg: dict[str, Any]) -> Any:
     name = cfg.get("optimizer", "adamw")
     cls, hyper = OPTIMIZERS[name]
     keys = ("stage", "loss_scale", "shard", "collectives", "overlap_grad_reduce", "reshard_after_forward")
-    keys += ("reduce_dtype", "gather_dtype")  # [Note: wire formats]: every domain's
+    keys += ("reduce_dtype", "gather_dtype", "offload")  # [Note: wire formats], offload: every domain's
     if "reduce_dtype" in cfg or "gather_dtype" in cfg:
         cfg = {**cfg, "wire_block": 16}  # dividing make_optimizer's alignment
         keys += ("wire_block",)
@@ -135,6 +135,7 @@ def matches_reference(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, A
         "param_err": param_err,
         "norm_err": norm_err,
         "domains": [d.name for d in opt.domains],
+        "stepping": [type(d.installed.stepping).__name__ for d in opt.domains],
         "expert_world": opt.domains[1].settings.topology.world_size,
         "skipped": opt.last_step_skipped,
         "held_after_forward": max(held_after_forward),

@@ -191,3 +191,23 @@ def _tree_equal(a: Any, b: Any) -> bool:
     return spec_a == spec_b and all(
         torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in zip(leaves_a, leaves_b, strict=True)
     )
+
+
+def refused(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Construct with ``case`` (its settings on rank 1 only, with ``one_rank``): the error, and
+    whether the parameters kept their values and storage."""
+    model = make_model()
+    before = [(p.detach().clone(), p.data_ptr()) for p in model.parameters()]
+    settings = {k: v for k, v in case.items() if k != "one_rank"}
+    if case.get("one_rank") and rank != 1:
+        settings.pop("offload", None)
+    try:
+        make_optimizer(model, **settings)
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    unchanged = all(
+        torch.equal(p.detach(), v) and p.data_ptr() == ptr
+        for p, (v, ptr) in zip(model.parameters(), before, strict=True)
+    )
+    return {"error": error, "unchanged": unchanged}

@@ -25,6 +25,9 @@ REFERENCE_CASES = [
     {"stage": 3, "clip": 0.05},  # one ShardedParams per domain, attached to the same model
     {"stage": 3, "clip": 0.05, "micro": 2, "loss_scale": "dynamic", "reshard_after_forward": False},
     {"stage": 3, "dtype": "bf16", "clip": 0.05, "shard": 2},
+    # CPU offload in both domains ([Note: offload, executed]), MiCS for the dense parameters
+    {"stage": 2, "offload": "optimizer", "shard": 2, "clip": 0.05, "loss_scale": "dynamic"},
+    {"stage": 3, "offload": "all", "dtype": "bf16", "clip": 0.05},
     # wire formats in both domains: int8 / fp8 gradients and parameters, added in fp32. SGD: AdamW
     # would step every element by about lr whatever its (rounded) gradient, far from the reference
     {"stage": 2, "dtype": "bf16", "optimizer": "sgd", "reduce_dtype": "int8", "gather_dtype": "int8"},
@@ -46,6 +49,7 @@ def test_moe_matches_the_unsharded_optimizer(pools, cfg):
         tolerance = 0.1  # largest gradient per element, times lr 0.1 with momentum, over three steps
     for r in pools(4).run(scenarios_experts.matches_reference, cfg):
         assert r["domains"] == ["data", "experts"] and r["expert_world"] == 2
+        assert r["stepping"] == ["HostStep" if "offload" in cfg else "DeviceStep"] * 2, r["stepping"]
         assert max(r["param_err"]) < tolerance, r["param_err"]
         assert max(r["norm_err"]) < tolerance, r["norm_err"]
         assert not r["skipped"]

@@ -62,3 +62,23 @@ def test_a_checkpoint_moves_between_offloaded_and_plain_runs_at_another_world(po
     results = pools(loaded["world"]).run(scenarios_offload.load_with_and_without_offload, cfg, str(tmp_path))
     assert results[0]["state_same"] == [True, True] and results[0]["params_same"] == [True, True], results[0]
     assert all(all(r["equal"]) for r in results), results
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ({"stage": 2, "offload": "all"}, "offload='all' needs stage 3"),
+        (
+            {"stage": 2, "offload": "disk"},
+            "'disk' is not an offload mode; use one of 'none', 'optimizer', 'all'",
+        ),
+        (
+            {"stage": 2, "offload": "optimizer", "one_rank": True},
+            "different offload: 'none' on rank 0, 'optimizer' on rank 1",
+        ),
+    ],
+)
+def test_what_does_not_combine_is_refused_on_every_rank_and_changes_nothing(pools, case, message):
+    for r in pools(2).run(scenarios_offload.refused, case):
+        assert r["error"] is not None and r["unchanged"], r
+        assert r["error"].startswith(("ConfigError", "IncompatiblePlanError")) and message in r["error"], r
