@@ -7,11 +7,13 @@ the inner optimizer, the cast of the updated masters into bf16 and their copy in
 It is compared with
 
 * the **bound** the machine allows: the bytes the step must move over the memory bus, divided by
-  the copy bandwidth measured in the same round (``dst.copy_(src)`` of 256 MiB: read + write).
-  An AdamW step reads the master, the gradient and both moments and writes the master and both
-  moments: 28 bytes per element; the offloaded bf16 step also reads the master again and writes
-  its bf16 cast (6), then copies the cast into the parameters (read 2 + write 2): 38 bytes per
-  element;
+  the bandwidth measured in the same round by ``a.add_(b)`` on 256 MiB tensors (reads both, writes
+  ``a`` in place, as the optimizer's updates do; a plain copy also pays the read of the lines it
+  writes). An AdamW step reads the master, the gradient and both moments and writes the master and
+  both moments: 28 bytes per element. ZeroOptimizer's step also divides the summed gradient (read
+  and write, 8) and writes the masters into the bf16 parameters (read 4, write 2): 42 bytes; the
+  offloaded step casts into host room, then copies it into the parameters (read 2, write 2 more):
+  46 bytes per element;
 * ``torch.optim.AdamW`` on the same number of fp32 elements, shaped as the model's parameters
   (for-loop, the CPU default, and ``fused=True``), gradients set, step alone;
 * ``ZeroOptimizer`` without offload on the same bf16 model (on the CPU: the same memory);
@@ -53,7 +55,7 @@ from step_time import run_fresh
 
 #: name -> what it times.
 CONFIGS = {
-    "copy": "dst.copy_(src), 256 MiB fp32: the machine's copy bandwidth (read + write)",
+    "bandwidth": "a.add_(b), 256 MiB fp32 each: the machine's bandwidth (2 reads, 1 write in place)",
     "adamw": "torch.optim.AdamW (for-loop, the CPU default) on fp32 tensors of the model's shapes",
     "adamw_fused": "torch.optim.AdamW(fused=True) on the same",
     "zero": "ZeroOptimizer(AdamW, stage=2) on the bf16 model, no offload",
@@ -61,8 +63,8 @@ CONFIGS = {
     "zero_offload_fused": "the same with AdamW(fused=True) as the inner optimizer",
     "fsdp2_offload": "FSDP2 per layer, CPUOffloadPolicy, bf16 compute (fp32 sharded params) + AdamW",
 }
-#: Bytes an AdamW step moves per element (see the module docstring).
-ADAMW_BYTES, OFFLOAD_BYTES = 28, 38
+#: Bytes per element each configuration's step must move (see the module docstring).
+BYTES = {"adamw": 28, "zero": 42, "zero_offload": 46, "fsdp2": 28}
 
 
 def _model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
@@ -89,11 +91,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, config: 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
     try:
         numel = args.width * args.width * args.layers
-        if config == "copy":
-            src, dst = torch.ones(2**26), torch.empty(2**26)
-            times = _time(lambda: dst.copy_(src), lambda: None, args)
+        if config == "bandwidth":
+            a, b = torch.ones(2**26), torch.ones(2**26)
+            times = _time(lambda: a.add_(b), lambda: None, args)
             queue.put(
-                {"median_s": statistics.median(times), "bandwidth": 2 * src.nbytes / statistics.median(times)}
+                {"median_s": statistics.median(times), "bandwidth": 3 * a.nbytes / statistics.median(times)}
             )
             return
         if config.startswith("adamw"):
@@ -156,8 +158,8 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     configs = [c for c in args.only.split(",") if c]
-    if "copy" not in configs:
-        configs.insert(0, "copy")  # the bound needs it, from the same rounds
+    if "bandwidth" not in configs:
+        configs.insert(0, "bandwidth")  # the bound needs it, from the same rounds
     rounds = []
     for r in range(args.rounds):
         order = configs[r % len(configs) :] + configs[: r % len(configs)]
@@ -166,12 +168,14 @@ def main() -> None:
         line = ", ".join(f"{c} {m['median_s'] * 1e3:.1f}" for c, m in measured.items())
         print(f"round {r + 1}: {line} ms", file=sys.stderr)
     numel = args.width * args.width * args.layers
-    bandwidths = [m["copy"]["bandwidth"] for m in rounds]
+    bandwidths = [m["bandwidth"]["bandwidth"] for m in rounds]
     rows: dict[str, Any] = {}
     for c in configs:
-        if c == "copy":
+        if c == "bandwidth":
             continue
-        moved = OFFLOAD_BYTES if c.startswith("zero_offload") else ADAMW_BYTES
+        moved = next(
+            b for prefix, b in sorted(BYTES.items(), key=lambda kv: -len(kv[0])) if c.startswith(prefix)
+        )
         ms = [m[c]["median_s"] * 1e3 for m in rounds]
         bound = [numel * moved / bw * 1e3 for bw in bandwidths]
         ratio = [t / b for t, b in zip(ms, bound, strict=True)]
@@ -186,9 +190,7 @@ def main() -> None:
             "to_adamw": statistics.median(to_adamw) if to_adamw else None,
         }
     bw = statistics.median(bandwidths)
-    print(
-        f"\n{numel / 1e6:.1f}M elements, {args.threads} threads, copy bandwidth {bw / 1e9:.2f} GB/s (median)"
-    )
+    print(f"\n{numel / 1e6:.1f}M elements, {args.threads} threads, bandwidth {bw / 1e9:.2f} GB/s (median)")
     heads = ("step ms", "min-max", "B/elt", "bound ms", "x bound", "x AdamW")
     print(f"{'config':20} " + " ".join(f"{h:>9}" for h in heads))
     for c, row in rows.items():

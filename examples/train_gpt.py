@@ -21,6 +21,8 @@ What it shows, in order of appearance in ``train``:
   rank running its contiguous G/W of them), so the run is bit-identical at any
   power-of-two world size, resumed elsewhere included; it ends by printing a
   sha256 of the parameters and the whole optimizer state.
+* ``--offload optimizer`` (or ``all`` at ``--stage 3``): CPU offload, the step on
+  the CPU bucket by bucket (docs/offload.md).
 * periodic checkpoints (``--ckpt-dir``) with ``zeroplan.facade.checkpoint``, and
   ``--resume`` from the latest one at any world size: the global batch is fixed
   (``--global-batch`` sequences per step, each a function of the step and its
@@ -87,6 +89,13 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         action="store_true",
         help="bit-identical results at any power-of-two world size (ZeroOptimizer(deterministic=True)); "
         "--micro-batches then follows from --canonical-micro-batches and the world",
+    )
+    p.add_argument(
+        "--offload",
+        choices=("none", "optimizer", "all"),
+        default="none",
+        help="CPU offload: masters, optimizer state and gradient shard in host memory, stepped on the CPU "
+        "(optimizer); the parameter shards too (all, --stage 3) (default none)",
     )
     p.add_argument(
         "--canonical-micro-batches",
@@ -209,6 +218,7 @@ def train(args: argparse.Namespace, build: Build = build_gpt) -> float:
         betas=(0.9, 0.95),
         weight_decay=0.1,
         deterministic=args.deterministic,
+        offload=args.offload,
     )
     opt.attach(model)  # stage 3: the forward gathers the parameters it uses (a no-op at stages 1 and 2)
     scheduler = schedule(opt, args)

@@ -108,7 +108,17 @@ def test_resume_continues_the_run_exactly_and_at_another_world_size(runs, tmp_pa
     shutil.copytree(runs["ckpt"], elastic)
     resumed = one_by_one(
         same=("train_gpt.py", *SHORT, "--ckpt-dir", str(runs["ckpt"]), "--resume"),
-        elastic=("train_gpt.py", *SHORT, "--ckpt-dir", str(elastic), "--resume", {"nproc": 1}),
+        # ... on one process, with the optimizer offloaded (its CPU step is fused AdamW)
+        elastic=(
+            "train_gpt.py",
+            *SHORT,
+            "--ckpt-dir",
+            str(elastic),
+            "--resume",
+            "--offload",
+            "optimizer",
+            {"nproc": 1},
+        ),
     )
     _, expected = losses(runs["gpt"])
     for name, out in resumed.items():
@@ -116,7 +126,7 @@ def test_resume_continues_the_run_exactly_and_at_another_world_size(runs, tmp_pa
         assert re.search(r"^step\s+9/12", out.stdout, re.M), (name, out.stdout)
     # Same world: parameters, fp32 masters, AdamW state and the schedule are restored exactly.
     assert losses(resumed["same"])[1] == expected
-    # One process: the same global batches, summed in another order (bf16 rounding).
+    # One process, offloaded: the same global batches, summed in another order (bf16 rounding).
     assert losses(resumed["elastic"])[1] == pytest.approx(expected, rel=1e-2)
     assert "world 1" in resumed["elastic"].stdout
 

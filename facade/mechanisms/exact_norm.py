@@ -62,8 +62,10 @@ def exact_norm(
     step = float(1 << NORM_LIMB_BITS)
     limbs = torch.zeros(NORM_LIMBS, dtype=torch.int64, device=device)
     for part in parts:
+        # Parts in host memory beside a GPU (CPU offload): the scale read once to where they are.
+        here = scale if part.device == scale.device else scale.to(part.device)
         for v in _powers(part, p):
-            v.nan_to_num_(0.0, 0.0, 0.0).mul_(scale)  # exact: a power of two; every value < 2**bits
+            v.nan_to_num_(0.0, 0.0, 0.0).mul_(here)  # exact: a power of two; every value < 2**bits
             for i in range(NORM_LIMBS):
                 whole = v.to(torch.int64)  # the integer part (values are >= 0)
                 limbs[i] += whole.sum()

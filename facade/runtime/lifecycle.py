@@ -330,7 +330,7 @@ class StepLifecycle:
         log = CommLog()  # not part of the step's traffic
         gradients = PlainGather(inst.zp)  # gradients travel as they are, whatever the parameters do
         for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
-            full = grad.new_zeros(buf.space.buffer_numel)
+            full = torch.zeros(buf.space.buffer_numel, dtype=grad.dtype, device=inst.device)  # gathered there
             write_pieces(grad, full, buf.space, inst.groups.shard_rank)
             for pending in gradients.start_space(full, buf.space, inst.groups, log).values():
                 for p in pending:

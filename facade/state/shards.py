@@ -19,9 +19,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import optree
 import torch
 
-from zeroplan.core import ReshardPlan, Space, ZeroPlan
+from zeroplan.core import BufferRole, ReshardPlan, Space, ZeroPlan
+from zeroplan.facade.mechanisms.buffer_devices import device_for
 from zeroplan.facade.mechanisms.collectives import all_gather_objects, broadcast
 from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
@@ -73,7 +75,7 @@ def import_state(zp: ZeroPlan, inner: Inner, state: ShardState, stateful: set[tu
     for spec, tensor in zip(inner.specs, inner.tensors, strict=True):
         if not zp.elementwise:
             if spec.param in state.whole:
-                inner.optimizer.state[tensor] = state.whole[spec.param]
+                inner.optimizer.state[tensor] = _beside(state.whole[spec.param], tensor)
             continue
         if (spec.group, spec.cohort) not in stateful:
             continue
@@ -83,7 +85,16 @@ def import_state(zp: ZeroPlan, inner: Inner, state: ShardState, stateful: set[tu
                 entry[key] = value[spec.shard_span.as_slice()]
         for key, value in state.scalars.get((spec.group, spec.cohort), {}).items():
             entry[key] = tree_clone(value)
-        inner.optimizer.state[tensor] = entry
+        inner.optimizer.state[tensor] = _beside(entry, tensor)
+
+
+def _beside(state: Any, tensor: torch.Tensor) -> Any:
+    """``state`` in host memory where ``tensor`` (a master) is stepped there (CPU offload, [Note:
+    offload, executed]): loaded or moved state may come from the parameters' device. As it is
+    otherwise: torch.optim keeps some scalars (``step``) off the parameters' device on purpose."""
+    if tensor.device.type != "cpu":
+        return state
+    return optree.tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t, state, none_is_leaf=True)
 
 
 def _extents(space: Space) -> list[int]:
@@ -98,19 +109,25 @@ def _move_flat(
     dtype_name: str,
     old_extents: Sequence[int],
     groups: ProcessGroups,
+    device: torch.device,
 ) -> None:
-    """Fill ``target`` (this rank's new shard) from every old rank's ``source`` shard."""
+    """Fill ``target`` (this rank's new shard) from every old rank's ``source`` shard; each shard
+    travels on ``device`` (the collectives' device: shards in host memory beside a GPU, CPU offload,
+    are copied there and back)."""
     n, s = groups.topology.shard_size, groups.shard_rank
     mine = [c for c in reshard.copies if c.dtype == dtype_name and c.dst_rank == s]
     for q in range(n):
         if n == 1:
             buf = source
         elif q == s:
-            buf = source if source is not None else target.new_zeros(old_extents[q])
+            if source is None:
+                buf = torch.zeros(old_extents[q], dtype=target.dtype, device=device)
+            else:
+                buf = source.to(device)
             if old_extents[q]:
                 broadcast(buf, q, groups.shard)
         else:
-            buf = target.new_empty(old_extents[q])
+            buf = torch.empty(old_extents[q], dtype=target.dtype, device=device)
             if old_extents[q]:
                 broadcast(buf, q, groups.shard)
         for c in mine:
@@ -131,10 +148,12 @@ def move_shards(
 ) -> tuple[ShardState, set[tuple[int, int]]]:
     """Move master weights and optimizer state from the old plan to the new one.
 
-    Collective over the shard group. Master weights of the parameters' own
+    Collective over the shard group (on ``device``, the parameters'). Master weights of the parameters' own
     dtype hold the (replicated) parameters' values and need no move. Returns the state in the new shard
-    coordinates and the (group, cohort) pairs that carry state.
+    coordinates, where the new plan keeps its optimizer state ([Note: residences]), and the (group,
+    cohort) pairs that carry state.
     """
+    home = device_for(new_zp, BufferRole.OPTIMIZER_STATE, device).device
     old_spaces = {s.dtype: s for s in old_zp.partition.spaces}
     for new in new_buffers:
         old_space = old_spaces.get(new.space.dtype)
@@ -142,7 +161,7 @@ def move_shards(
             continue  # parameters of the master dtype are their own master: nothing to move
         old = next(b for b in old_buffers if b.space.dtype == new.space.dtype)
         source = old.master_copy[: old.extent]
-        _move_flat(source, new.master_copy, reshard, new.space.dtype, _extents(old_space), groups)
+        _move_flat(source, new.master_copy, reshard, new.space.dtype, _extents(old_space), groups, device)
 
     meta = {
         "flat": {
@@ -156,7 +175,7 @@ def move_shards(
     scalars: dict[tuple[int, int], dict[str, Any]] = {}
     for m in everyone:
         for key, value in m["scalars"].items():
-            scalars.setdefault(key, tree_clone(value, device))
+            scalars.setdefault(key, tree_clone(value, home))
     flat: dict[tuple[int, str], torch.Tensor] = {}
     new_index = {b.space.dtype: i for i, b in enumerate(new_buffers)}
     for (dtype_name, key), state_dtype in flat_kinds:
@@ -164,10 +183,10 @@ def move_shards(
         dtype = torch_dtype(state_dtype)
         source = old_state.flat.get((old_space.index, key))
         if dtype_name not in new_index:
-            target = torch.empty(0, dtype=dtype, device=device)
+            target = torch.empty(0, dtype=dtype, device=home)
         else:
-            target = torch.zeros(new_buffers[new_index[dtype_name]].extent, dtype=dtype, device=device)
-        _move_flat(source, target, reshard, dtype_name, _extents(old_space), groups)
+            target = torch.zeros(new_buffers[new_index[dtype_name]].extent, dtype=dtype, device=home)
+        _move_flat(source, target, reshard, dtype_name, _extents(old_space), groups, device)
         if dtype_name in new_index:
             flat[new_index[dtype_name], key] = target
 
@@ -178,7 +197,7 @@ def move_shards(
         for part in offered:
             for p, st in part.items():
                 if p in mine and new_zp.specs[p].trainable:
-                    whole[p] = tree_clone(st, device)
+                    whole[p] = tree_clone(st, home)
     return ShardState(flat=flat, scalars=scalars, whole=whole), set(scalars) | {
         (new_zp.specs[p].group, new_zp.specs[p].cohort) for p in whole
     }

@@ -67,6 +67,10 @@ def _train(rank: int, models: list[Any], opts: list[Any], cfg: dict[str, Any]) -
     equal = []
     micro = cfg.get("accumulate", 1)
     for step in range(cfg.get("steps", 3)):
+        if cfg.get("replan") and step in (1, 2):  # freeze a trained layer, then unfreeze it: re-planning
+            for m, opt in zip(models, opts, strict=True):
+                m.blocks[1].fc.weight.requires_grad_(step == 2)
+                opt.refresh_trainable()
         for m, opt in zip(models, opts, strict=True):
             for k in range(micro):  # no_sync() around all but the last micro-batch
                 tokens, targets = batch(step * micro + k, rank)

@@ -21,12 +21,20 @@ ALLOWED = {
     ("mechanisms/collectives.py", "to_host"): "HostStaging: copies to the host, none enters a collective",
     ("runtime/construction.py", "check_transport"): "a device-type test, no tensor",
     ("mechanisms/reduction.py", "_transported_by_gloo"): "a device-type test, no tensor",
-    ("runtime/installed.py", "install"): "a device-type test refusing host residence beside an accelerator",
+    (
+        "runtime/installed.py",
+        "install",
+    ): "device-type tests: which roles may live in host memory beside a GPU",
     (
         "mechanisms/buffer_devices.py",
         "buffer_device",
-    ): "host residence: on the CPU only, since install refuses it beside "
-    "an accelerator until offload moves such buffers ([Note: residences])",
+    ): "host residence: offload's roles in pinned host memory beside a GPU, which no collective takes "
+    "(install refuses the buffers collectives run on there; [Note: offload, executed])",
+    ("state/shards.py", "_beside"): "state of masters stepped in host memory moves there: no collective",
+    (
+        "runtime/registry.py",
+        "plan",
+    ): "the inner optimizer described on the CPU where offload steps it: no tensor",
     ("state/parked.py", "gather_parked"): "parked state travels pickled (an object collective)",
     ("state/tree.py", "describe_state"): "scalar state described for an object collective",
     ("state/shards.py", "move_shards"): "scalars and whole-parameter state travel pickled",

@@ -23,6 +23,8 @@ CASES = [
     {"stage": 2, "deterministic": True, "accumulate": 2, "clip": 0.5},
     {"stage": 3, "dtype": "bf16", "deterministic": True},
     {"stage": 1, "accumulate": 3},
+    {"stage": 2, "dtype": "bf16", "replan": True, "steps": 4},  # state moved between plans, kept on the host
+    {"stage": 3, "replan": True, "steps": 4},
     {"stage": 2, "dtype": "bf16", "reduce_dtype": "int8", "gather_dtype": "fp8", "wire_block": 16},
     {"stage": 3, "dtype": "bf16", "offload": "all", "gather_dtype": "int8", "wire_block": 16},
 ]
