@@ -21,9 +21,13 @@ is the device's, and every copy below is a copy within it):
    while the CPU steps the next unit: bf16/fp16 parameters are cast on the
    host into the unit's own gradient elements (consumed by then, so no room
    is added; half their bytes hold the cast), fp32 ones go as they are.
-3. The gathers (stages 1-2) start once every unit is back on the device; at
-   stage 3 each block's gather reads the shard where it lives (``all``: host
-   memory, copied to the device just before the gather).
+3. The gathers (stages 1-2) start as the units arrive: a gather block's
+   collective is launched once every rank has stepped (and sent back) every
+   element of it, which the plan says by bucket (:func:`gather_release`), the
+   same on every rank, so every rank launches the gathers in one order; the
+   others once the last unit is back. At stage 3 each block's gather reads
+   the shard where it lives (``all``: host memory, copied to the device just
+   before the gather).
 
 Each unit steps by one call of the inner optimizer with the other tensors'
 gradients unset, which ``torch.optim`` skips; an elementwise optimizer's
@@ -40,7 +44,11 @@ from zeroplan.core.planner import Stage, ZeroPlan
 from zeroplan.core.residence import BufferRole
 from zeroplan.core.span import Span
 
-__all__ = ["StepUnit", "UpCopy", "publishes_via_host_cast", "step_units"]
+__all__ = ["StepUnit", "UpCopy", "gather_release", "publishes_via_host_cast", "step_units"]
+
+#: Ranks with a piece in a gather block beyond which :func:`gather_release` does not look (the block
+#: then waits for the last unit): a rank-major chunk has one, an interleaved block is its bucket.
+_RELEASE_RANKS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,3 +150,48 @@ def publishes_via_host_cast(zp: ZeroPlan, space: int) -> bool:
     where = zp.residences.of
     s = zp.partition.spaces[space]
     return master_dtype(s.dtype) != s.dtype and where(BufferRole.MASTER) is not where(target)
+
+
+def gather_release(zp: ZeroPlan, space: int) -> tuple[int | None, ...]:
+    """Per gather block of ``space`` (``ZeroPlan.gather_blocks``), the bucket (launch order) after
+    whose unit every rank has stepped all of the block: its gather may start then ([Note: offload,
+    executed]). ``None``: after the last unit (a block held by more than a few ranks whose bucket is
+    not the block itself). Empty unless the plan steps in host memory at stage 1 or 2.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(64,), (64,)], dtype="bf16"), Topology(world_size=2),
+        ...     alignment=8, bucket_bytes=128, offload="optimizer")
+        >>> gather_release(zp, 0)   # the first block is the last bucket to land
+        (1, 0)
+    """
+    if not zp.steps_on_host or zp.stage not in (Stage.OPTIMIZER, Stage.GRADIENTS):
+        return ()
+    s = zp.partition.spaces[space]
+    buckets = [b for b in zp.buckets.buckets if b.space == space]
+    # An interleaved space's buckets are its blocks, in the full buffer's coordinates (rank-major
+    # buckets span the space's own coordinate, its gather blocks the buffer's).
+    same_span = {(b.span.start, b.span.stop): b.index for b in buckets}
+    interleaved = zp.partition.layout != "rank_major"
+    out: list[int | None] = []
+    for block in zp.gather_blocks(s):
+        own = same_span.get((block.span.start, block.span.stop))
+        if own is not None and interleaved:
+            out.append(own)
+            continue
+        holders = []
+        for rank, _ in block.nonempty_pieces():
+            holders.append((rank, block.piece(rank).shard_span))
+            if len(holders) > _RELEASE_RANKS:
+                break
+        if len(holders) > _RELEASE_RANKS:
+            out.append(None)
+            continue
+        last = -1
+        for rank, span in holders:
+            for b in buckets:
+                piece = b.piece_of(rank)
+                if piece is not None and piece.shard_span.intersect(span) is not None:
+                    last = max(last, b.index)
+        out.append(last if last >= 0 else None)
+    return tuple(out)

@@ -18,10 +18,11 @@ From the updated shard to every rank's parameters, in four facade modules
 
 - Stages 1-2: ``params.gather.ParamGather.start_param_sync`` (after the
   step) publishes each space's master into its flat buffer
-  (``FlatBuffers.publish_master``) and calls ``Gather.start_space``, which
-  starts each gather block (``Gather.start_block`` ->
-  ``collectives.start_block_gather``, or ``start_encoded_block_gather``,
-  encoding and decoding by ``wire_codec``). The ``Pending`` handles wait in
+  (``FlatBuffers.publish_master``) and starts each gather block in buffer
+  order (``Gather.start_block`` -> ``collectives.start_block_gather``, or
+  ``start_encoded_block_gather``, encoding and decoding by ``wire_codec``);
+  a host step (CPU offload) has published its units and started the blocks
+  they completed already (``ParamGather.start_released``). The ``Pending`` handles wait in
   ``ParamGather._pending`` until the first read of a block's parameter (its
   ``__torch_function__`` hook, ``ParamGather.wait_for``) or
   ``finish_param_sync``; a user's write is then kept through

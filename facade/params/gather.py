@@ -71,7 +71,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroplan.core import ParamSpec, ZeroPlan
-from zeroplan.facade.mechanisms.collectives import CommLog, Pending
+from zeroplan.core.host_step import gather_release
+from zeroplan.facade.mechanisms.collectives import CommLog, Pending, join_side_stream
 from zeroplan.facade.mechanisms.dynamo import between_graphs, compiled_blocks
 from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.policies import gather_for
@@ -235,6 +236,15 @@ class ParamGather:
         # Under a parameter wire the parameters hold their pieces' decoded values ([Note: wire formats]).
         self._gather = gather_for(zp)  # [Note: gather policy]
         self._published = [self._gather.published(buf.space, groups.shard_rank) for buf in buffers]
+        # A host step releases blocks as its units arrive ([Note: offload, executed]): in this order,
+        # the same on every rank; ``_released`` counts those started in this step.
+        self._releases = sorted(
+            (bucket, b, k)
+            for b, buf in enumerate(buffers)
+            for k, bucket in enumerate(gather_release(zp, buf.space.index))
+            if bucket is not None
+        )
+        self._released = 0
 
     def _versions(self) -> list[int]:
         """Per space, the sum of its parameters' version counters (a loop, not a generator per item)."""
@@ -271,15 +281,43 @@ class ParamGather:
         else:  # nothing written since the last look: the versions just read are the settled ones
             self._settled = versions
 
+    def start_released(self, bucket: int, log: CommLog) -> None:
+        """A host step stepped (and sent back) every unit up to ``bucket``'s: start the gathers of the
+        blocks that leaves complete on every rank ([Note: offload, executed]), after the copies."""
+        releases, first = self._releases, self._released
+        while self._released < len(releases) and releases[self._released][0] <= bucket:
+            _, b, k = releases[self._released]
+            self._released += 1
+            buf = self._buffers[b]
+            if self._released == first + 1:
+                join_side_stream(buf.params.device)  # the gathers read what the side stream copied
+            block = self._zp.gather_blocks(buf.space)[k]
+            pending = self._gather.start_block(buf.params, buf.space, block, self._groups, log)
+            if pending:
+                self._pending[buf.space.index, k] = pending
+
     def start_param_sync(self, log: CommLog, *, published: bool = False) -> None:
         """Publish this rank's updated shards (unless the step did, ``published``) and start every
-        block's gather; finished unless overlapping."""
-        self.finish_param_sync()
+        block's gather not started yet (:meth:`start_released`); finished unless overlapping.
+
+        A host step's blocks start in the release order first (some ranks released fewer during
+        their step: every rank launches the same sequence), then the others in buffer order.
+        """
+        if self._releases:
+            self.start_released(self._releases[-1][0], log)
+        early = {(b, k) for _, b, k in self._releases[: self._released]}
+        self._released = 0
+        if not early:
+            self.finish_param_sync()
         for buf in () if published else self._buffers:
             buf.publish_master()
-        for buf in self._buffers:
-            for k, pending in self._gather.start_space(buf.params, buf.space, self._groups, log).items():
-                self._pending[buf.space.index, k] = pending
+        for b, buf in enumerate(self._buffers):
+            for k, block in enumerate(self._zp.gather_blocks(buf.space)):
+                if (b, k) in early:
+                    continue
+                pending = self._gather.start_block(buf.params, buf.space, block, self._groups, log)
+                if pending:
+                    self._pending[buf.space.index, k] = pending
         if not self._pending:  # nothing to gather (a world of one): the writes are done
             self._settle()
             return

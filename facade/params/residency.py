@@ -35,6 +35,9 @@ class Residency(Protocol):
         """After the inner step: publish this rank's updated shard (gathers may stay in flight);
         ``published``: the step already wrote it into the parameters (a host step)."""
 
+    def start_released(self, bucket: int, log: CommLog) -> None:
+        """A host step stepped every unit up to bucket ``bucket``'s: start what that completes."""
+
     def finish_param_sync(self) -> None:
         """Complete what ``start_param_sync`` left in flight."""
 

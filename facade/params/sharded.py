@@ -201,6 +201,10 @@ class ShardedParams:
         for buf in () if published else self._buffers:
             buf.publish_master()
 
+    def start_released(self, bucket: int, log: CommLog) -> None:
+        """Nothing: stage 3 gathers each block when a forward first uses it."""
+        del bucket, log
+
     def finish_param_sync(self) -> None:
         """Complete every gather in flight (blocks stay gathered)."""
         self._blocks.finish_gathers()

@@ -48,6 +48,7 @@ import contextlib
 import enum
 import math
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -292,7 +293,8 @@ class StepLifecycle:
         if applied:
             inner = inst.inner.optimizer
             sync_hyperparameters(ctx.param_groups, inner.param_groups)
-            inst.stepping.step(inst.inner, kwargs)  # on the device, or the host ([Note: offload, executed])
+            # On the device, or on the host unit by unit, releasing gathers ([Note: offload, executed]).
+            inst.stepping.step(inst.inner, kwargs, partial(inst.residency.start_released, log=self.log))
             sync_hyperparameters(inner.param_groups, ctx.param_groups)
             self.phase = Phase.STEPPED
             self.publish(inst)

@@ -9,7 +9,7 @@ chosen one to wait for the gradients (:meth:`HostStep.landed`) and to step
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -31,8 +31,9 @@ class Stepping(Protocol):
     def landed(self) -> None:
         """Before the step reads a gradient: wait until the reduced gradients are where it reads them."""
 
-    def step(self, inner: Inner, kwargs: dict[str, Any]) -> None:
-        """Step the inner optimizer over every tensor with a gradient."""
+    def step(self, inner: Inner, kwargs: dict[str, Any], release: Callable[[int], None]) -> None:
+        """Step the inner optimizer over every tensor with a gradient; ``release(b)`` tells the
+        residency every unit up to bucket ``b``'s is back where the parameters live."""
 
 
 class DeviceStep:
@@ -43,14 +44,16 @@ class DeviceStep:
     def landed(self) -> None:
         """Nothing: the gradient shard is on the device, after the stream join of the reduction."""
 
-    def step(self, inner: Inner, kwargs: dict[str, Any]) -> None:
+    def step(self, inner: Inner, kwargs: dict[str, Any], release: Callable[[int], None]) -> None:
         """One call of the inner optimizer; the residency publishes the masters afterwards."""
+        del release
         inner.optimizer.step(**kwargs)
 
 
 class _HostUnit(NamedTuple):
     """One unit of a host step: its tensors, and its values' way back (views built once)."""
 
+    bucket: int
     tensors: tuple[int, ...]
     sources: list[torch.Tensor]  # the unit's masters
     rooms: list[torch.Tensor]  # the cast of them on the host, in the unit's own gradient elements
@@ -89,21 +92,23 @@ class HostStep:
                     rooms.append(room)
             if rooms and len(rooms) != len(sources):
                 raise RuntimeError("a unit's copies mix spaces with and without a host cast")
-            self._units.append(_HostUnit(unit.tensors, sources, rooms, targets))
+            self._units.append(_HostUnit(unit.bucket, unit.tensors, sources, rooms, targets))
 
     def landed(self) -> None:
         """The host waits for the gradients' copies into host memory (one synchronisation per step)."""
         wait_on_host(self._device)
 
-    def step(self, inner: Inner, kwargs: dict[str, Any]) -> None:
-        """Step unit by unit, each unit's values sent back while the next steps; the parameters'
-        stream waits for the last copy before anything reads them."""
+    def step(self, inner: Inner, kwargs: dict[str, Any], release: Callable[[int], None]) -> None:
+        """Step unit by unit, each unit's values sent back while the next steps (``release`` starts
+        the gathers they complete); the parameters' stream waits for the last copy before anything
+        reads them."""
         tensors = inner.tensors
         grads = [t.grad for t in tensors]
         for t in tensors:
             t.grad = None
         try:
             for unit in self._units:
+                release(unit.bucket - 1)  # what the units of other ranks completed meanwhile
                 for i in unit.tensors:
                     tensors[i].grad = grads[i]
                 inner.optimizer.step(**kwargs)
@@ -115,6 +120,7 @@ class HostStep:
                     up = unit.rooms
                 with on_side_stream(self._device):
                     torch._foreach_copy_(unit.targets, up, non_blocking=True)
+                release(unit.bucket)
         finally:
             for t, g in zip(tensors, grads, strict=True):
                 t.grad = g

@@ -155,6 +155,13 @@ def offload_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
             return step_inner(*args, **kwargs)
 
         inner.step = logged_step  # type: ignore[method-assign]
+        start = collectives._start
+
+        def logged_start(*args: Any, **kwargs: Any) -> Any:
+            fake.log.append((fake.stack[-1].name, "launches a collective"))
+            return start(*args, **kwargs)
+
+        collectives._start = logged_start  # type: ignore[assignment]
         for step in range(2):
             loss = loss_of(model, *batch(step, rank))
             in_forward = len(fake.log)
@@ -164,6 +171,7 @@ def offload_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
             in_step = len(fake.log)
             opt.zero_grad()
         opt.wait_for_params()
+        collectives._start = start  # type: ignore[assignment]
     shard_rank = opt.installed.groups.shard_rank
     link = host_link(opt.plan, shard_rank)
     return {

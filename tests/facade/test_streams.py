@@ -89,3 +89,10 @@ def test_offloaded_copies_run_on_the_side_stream_in_bucket_order(pools, cfg):
             assert unit < up < following, step  # copied back before the next unit steps
         join = step.index(("compute", "waits for", "side"), ups[-1])
         assert all(e[1] != "completes a collective" or e[0] == "side" for e in step[ups[-1] : join]), step
+        launches = [i for i, e in enumerate(step) if e[1] == "launches a collective" and i > units[0]]
+        if cfg["stage"] < 3:  # gathers start as units complete their blocks, before the last unit steps
+            assert launches and launches[0] < units[-1], step
+            first = launches[0]
+            assert ("compute", "waits for", "side") in step[ups[0] : first], step  # after the copies
+        else:  # the next forward gathers
+            assert launches == [], step
