@@ -10,6 +10,9 @@ One process, one GPU, ``init_process_group("nccl")`` at world 1, the demo GPT
                     ``MixedPrecisionPolicy(param_dtype=bf16)``: fp32 sharded parameters (the masters),
                     bf16 compute and gradient reduction, ``AdamW(fused=True)``
 * ``zero2 fp32``, ``adamw fp32`` (plain ``AdamW(fused=True)`` on an fp32 model), ``fsdp2 fp32``
+* with ``--only``: ``zero2 bf16 offload`` (``offload="optimizer"``: masters, state and gradient shard in
+  pinned host memory, the fused CPU AdamW step bucket by bucket) and ``fsdp2 bf16 offload``
+  (``CPUOffloadPolicy``), side by side with ``zero2 bf16`` and ``fsdp2 bf16`` (``docs/offload.md``)
 
 At world 1 a ZeroOptimizer reduction is a copy, while FSDP2 still runs its
 one-rank all-gathers and reduce-scatters: this measures each method's own
@@ -85,6 +88,7 @@ class Variant:
     kind: str  # "zero", "adamw" or "fsdp2"
     precision: str  # "bf16" or "fp32"
     note: str
+    offload: bool = False  # CPU offload: ZeroOptimizer(offload="optimizer"), FSDP2's CPUOffloadPolicy
 
 
 VARIANTS = (
@@ -95,13 +99,20 @@ VARIANTS = (
     Variant("adamw fp32", "adamw", "fp32", "AdamW, fp32"),
     Variant("fsdp2 fp32", "fsdp2", "fp32", "fully_shard, fp32"),
 )
+#: CPU offload ([Note: offload, executed]): not in the default run (``--only``, or ``--offload``).
+OFFLOAD_VARIANTS = (
+    Variant("zero2 bf16 offload", "zero", "bf16", "stage 2, offload='optimizer': the step on the CPU", True),
+    Variant(
+        "fsdp2 bf16 offload", "fsdp2", "bf16", "fully_shard + CPUOffloadPolicy (pinned), bf16 compute", True
+    ),
+)
 
 
 class Runner:
     """One configuration's model and optimizer; :meth:`step` is the timed unit."""
 
     def __init__(self, variant: Variant, config: GPTConfig, device: torch.device, mesh: Any) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         from zeroplan.facade import ZeroOptimizer
 
@@ -111,15 +122,18 @@ class Runner:
         if variant.kind == "fsdp2":
             self.model = build_model(config, seed=0, device=device)  # fp32: FSDP2 keeps the masters
             policy = MixedPrecisionPolicy(param_dtype=dtype if dtype != torch.float32 else None)
+            pinned = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs an accelerator
+            offload = {"offload_policy": pinned} if variant.offload else {}
             for block in self.model.blocks:
-                fully_shard(block, mesh=mesh, mp_policy=policy)
-            fully_shard(self.model, mesh=mesh, mp_policy=policy)
+                fully_shard(block, mesh=mesh, mp_policy=policy, **offload)
+            fully_shard(self.model, mesh=mesh, mp_policy=policy, **offload)
             self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), **HYPER)
             return
         self.model = build_model(config, seed=0, dtype=dtype, device=device)
         self.params = list(self.model.parameters())
         if variant.kind == "zero":
-            self.optimizer = ZeroOptimizer(self.params, torch.optim.AdamW, stage=2, **HYPER)
+            offload = "optimizer" if variant.offload else None
+            self.optimizer = ZeroOptimizer(self.params, torch.optim.AdamW, stage=2, offload=offload, **HYPER)
         elif dtype == torch.float32:
             self.optimizer = torch.optim.AdamW(self.params, **HYPER)
         else:
@@ -337,12 +351,13 @@ def parse(argv: list[str] | None = None) -> Options:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     variants = VARIANTS
+    every = VARIANTS + OFFLOAD_VARIANTS
     if a.only:
         wanted = [s.strip() for s in a.only.split(",")]
-        unknown = sorted(set(wanted) - {v.name for v in VARIANTS})
+        unknown = sorted(set(wanted) - {v.name for v in every})
         if unknown:
-            p.error(f"--only: unknown {unknown}; choose from {[v.name for v in VARIANTS]}")
-        variants = tuple(v for v in VARIANTS if v.name in wanted)
+            p.error(f"--only: unknown {unknown}; choose from {[v.name for v in every]}")
+        variants = tuple(v for v in every if v.name in wanted)
     return Options(
         size=a.size,
         batch=a.batch,

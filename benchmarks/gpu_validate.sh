@@ -12,7 +12,7 @@
 # GPU with it), then the multi-GPU NCCL tests one at a time (each takes up to four GPUs; skipped
 # with fewer than two). Files written: env.txt, suite.log, suite.xml, overlap.log, multi.log,
 # multi.xml, sanitizer.log, results.tgz (each scenario's measurements as JSON), demo.txt, gpu_step.txt,
-# gpu_step.json, profile.txt.
+# gpu_step.json, profile.txt, gpu_offload.txt, gpu_offload.json.
 set -u
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
@@ -70,4 +70,10 @@ if [ "${BENCH_S:-150}" -gt 0 ]; then
     timeout "${BENCH_S:-150}" $PY benchmarks/gpu_step.py --rounds "${ROUNDS:-15}" ${ONLY:+--only "$ONLY"} \
         --json "$OUT/gpu_step.json" --profile "$OUT/profile.txt" >"$OUT/gpu_step.txt" 2>&1
     echo "benchmark rc=$?"; tail -n 30 "$OUT/gpu_step.txt"
+fi
+if [ "${OFFLOAD_S:-150}" -gt 0 ]; then  # CPU offload against FSDP2's (docs/offload.md)
+    timeout "${OFFLOAD_S:-150}" $PY benchmarks/gpu_step.py --rounds "${OFFLOAD_ROUNDS:-8}" \
+        --only "zero2 bf16,zero2 bf16 offload,fsdp2 bf16,fsdp2 bf16 offload" \
+        --json "$OUT/gpu_offload.json" >"$OUT/gpu_offload.txt" 2>&1
+    echo "offload benchmark rc=$?"; tail -n 20 "$OUT/gpu_offload.txt"
 fi
