@@ -3,6 +3,7 @@
     python tests/cuda/modern_world1.py PORT compile     # prints one JSON line
     python tests/cuda/modern_world1.py PORT lowbit
     python tests/cuda/modern_world1.py PORT compile-large   # the 163M GPT: step times only
+    python tests/cuda/modern_world1.py PORT offload         # CPU offload against none
 
 ``compile``: the demo GPT in bf16, its blocks compiled then attached, at stages 2 and 3, against the
 same compiled model stepped by ``AdamW(fused=True)`` on fp32 masters (what ``ZeroOptimizer`` does at
@@ -212,6 +213,69 @@ def lowbit_case(device: torch.device) -> dict[str, Any]:
     return out
 
 
+def _host_syncs(step: Any, tokens: torch.Tensor) -> int:
+    """Synchronising operations CUDA's sync detector reports in one step (after warm-up)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def offload_case(device: torch.device) -> dict[str, Any]:
+    """CPU offload ([Note: offload, executed]) against the same optimizer without it, bf16, stages 2
+    and 3 (``all``): parameters close (CPU and CUDA fused AdamW round alike or nearly), the device
+    peak lower by what the plan moves to the host, the sync detector's count, step times."""
+    config, rows = SIZES["compile"]
+    hyper = {"lr": 1e-3, "weight_decay": 0.1, "fused": True}
+    out: dict[str, Any] = {}
+    for stage, mode in ((2, "optimizer"), (3, "all")):
+        runs: dict[str, Any] = {}
+        for offload in (None, mode):
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            model = build_model(config, seed=0, dtype=torch.bfloat16, device=device)
+            opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, offload=offload, **hyper)
+            opt.attach(model)
+
+            def step(tokens: torch.Tensor, opt: ZeroOptimizer = opt, model: torch.nn.Module = model) -> float:
+                loss = _loss(model, tokens)
+                opt.backward(loss)
+                opt.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+                return float(loss)
+
+            losses = [step(_batch(s, config, device, rows)) for s in range(4)]
+            torch.cuda.synchronize()
+            with opt.gathered_params():
+                params = [p.detach().float().clone() for p in model.parameters()]
+            report = opt.memory_report().ranks[0]
+            runs[str(offload)] = {
+                "losses": losses,
+                "params": params,
+                "peak": torch.cuda.max_memory_allocated(device) - before,
+                "planned_device_peak": report.device_peak_bytes,
+                "planned_host": report.host_bytes,
+                "syncs": _host_syncs(step, _batch(7, config, device, rows)),
+                "step_ms": _timed(step, _batch(9, config, device, rows), n=10),
+            }
+            del opt, model
+        plain, moved = runs["None"], runs[mode]
+        error = max(
+            float(((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item())
+            for a, b in zip(moved.pop("params"), plain.pop("params"), strict=True)
+        )
+        out[f"stage{stage}-{mode}"] = {"max_rel_error": error, "plain": plain, "offload": moved}
+    return out
+
+
 def main(port: int, case: str) -> dict[str, Any]:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -221,6 +285,8 @@ def main(port: int, case: str) -> dict[str, Any]:
     try:
         if case == "cudagraphs":
             return cudagraph_case(device)
+        if case == "offload":
+            return offload_case(device)
         return compile_case(device, case) if case in SIZES else lowbit_case(device)
     finally:
         dist.destroy_process_group()
