@@ -62,6 +62,7 @@ from typing import NamedTuple
 from zeroplan.core.arena import arena_bytes
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import check_config
+from zeroplan.core.host_step import step_units
 from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.schedule import ActionKind, staging_schedule
 
@@ -217,16 +218,35 @@ def _copies_bytes(zp: ZeroPlan, shard_rank: int) -> int:
 
 
 def _temporaries_bytes(zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTensor] | None) -> int:
-    """The inner optimizer's temporaries of the rank's largest param group (stage 0: rank-independent)."""
-    groups: dict[int, dict[str, list[tuple[int, ...]]]] = {}  # group -> dtype -> shapes, in step order
+    """The inner optimizer's temporaries of the rank's largest param group (stage 0: rank-independent).
+
+    A step in host memory calls the inner optimizer once per unit ([Note: offload, executed]): the
+    largest group of the largest unit.
+    """
     if zp.stage is Stage.DDP:
+        groups: dict[int, dict[str, list[tuple[int, ...]]]] = {}  # group -> dtype -> shapes, in step order
         for spec in zp.specs:
             if spec.trainable:
                 groups.setdefault(spec.group, {}).setdefault(master_dtype(spec.dtype), []).append(spec.shape)
-    else:
-        for tensor in zp.inner_tensors(shard_rank) if tensors is None else tensors:
-            dtype = master_dtype(zp.partition.spaces[tensor.space].dtype)
-            groups.setdefault(tensor.group, {}).setdefault(dtype, []).append(tensor.shape)
+        return _largest_group(zp, groups)
+    listed = zp.inner_tensors(shard_rank) if tensors is None else tensors
+    if zp.steps_on_host:
+        units = step_units(zp, shard_rank)
+        return max((_group_temporaries(zp, [listed[i] for i in u.tensors]) for u in units), default=0)
+    return _group_temporaries(zp, listed)
+
+
+def _group_temporaries(zp: ZeroPlan, tensors: Sequence[InnerTensor]) -> int:
+    """The temporaries of one call of the inner optimizer over ``tensors``: its largest group's."""
+    groups: dict[int, dict[str, list[tuple[int, ...]]]] = {}
+    for tensor in tensors:
+        dtype = master_dtype(zp.partition.spaces[tensor.space].dtype)
+        groups.setdefault(tensor.group, {}).setdefault(dtype, []).append(tensor.shape)
+    return _largest_group(zp, groups)
+
+
+def _largest_group(zp: ZeroPlan, groups: dict[int, dict[str, list[tuple[int, ...]]]]) -> int:
+    """The temporaries of the param group whose step allocates the most."""
     per_group = (
         sum(
             zp.optimizers[g].step_temporary_bytes_of_shapes(shapes, DTYPE_ITEMSIZE[d])

@@ -57,6 +57,13 @@ CASES = (
         (4, {"stage": 2, "dtype": "fp32", "shard": 2, "wire": "fp8", **ADAMW_FUSED}),
         (2, {"stage": 3, "dtype": "bf16", "wire": "bf16", **SGD}),
     ]
+    + [  # CPU offload: host buffers of their own, landing rooms, the step unit by unit
+        (2, {"stage": 1, "dtype": "bf16", "offload": "optimizer", **ADAMW_FUSED}),
+        (2, {"stage": 2, "dtype": "fp32", "offload": "optimizer", "clip": True, **ADAMW_FOREACH}),
+        (2, {"stage": 2, "dtype": "bf16", "offload": "optimizer", **SGD}),
+        (2, {"stage": 3, "dtype": "bf16", "offload": "all", **ADAMW_FOREACH}),
+        (4, {"stage": 3, "dtype": "fp32", "shard": 2, "offload": "optimizer", **ADAMW_FUSED}),
+    ]
     + [  # parameter wire formats: every block's encoded gather holds a room until it is decoded
         (2, {"stage": 2, "dtype": "bf16", "gather": "int8", **ADAMW_FOREACH}),
         (4, {"stage": 1, "dtype": "bf16", "shard": 2, "gather": "fp8", **SGD}),
@@ -69,8 +76,8 @@ CASES = (
 def _id(case):
     world, cfg = case
     inner = "sgd" if cfg["optimizer"] == "sgd" else "fused" if cfg["hyper"].get("fused") else "foreach"
-    keys = ("shard", "collectives", "clip", "overlap", "reshard", "deterministic", "wire", "gather")
-    extras = [f"{k}={cfg[k]}" if k in ("wire", "gather") else k for k in keys if k in cfg]
+    keys = ("shard", "collectives", "clip", "overlap", "reshard", "deterministic", "wire", "gather", "offload")
+    extras = [f"{k}={cfg[k]}" if k in ("wire", "gather", "offload") else k for k in keys if k in cfg]
     return "-".join([f"w{world}", f"s{cfg['stage']}", cfg["dtype"], inner, *extras])
 
 
