@@ -308,11 +308,17 @@ class BlockBuffers(SpaceBuffers):
                 published.take_written(shard, held)
 
     def write_piece(self, k: int) -> None:
-        """Copy the rank's piece of block ``k`` from its shard into the block's buffer."""
+        """Copy the rank's piece of block ``k`` from its shard into the block's buffer.
+
+        Asynchronous from a shard in pinned host memory (``offload="all"``): the host writes that
+        shard again only in the step, after it waited for the side stream, which waited for every
+        such copy ([Note: offload, executed]).
+        """
         block = self.space.blocks[k]
         piece = block.piece(self.shard_rank)
         start = piece.buffer_span.start - block.start
-        self.blocks[k][start : start + piece.shard_span.numel].copy_(self.shard[piece.shard_span.as_slice()])
+        piece_view = self.blocks[k][start : start + piece.shard_span.numel]
+        piece_view.copy_(self.shard[piece.shard_span.as_slice()], non_blocking=True)
 
 
 def read_pieces(full: torch.Tensor, space: Space, shard_rank: int, out: torch.Tensor) -> None:

@@ -155,14 +155,15 @@ def offload_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
             return step_inner(*args, **kwargs)
 
         inner.step = logged_step  # type: ignore[method-assign]
-        start = collectives._start
+        launch = collectives._start
 
         def logged_start(*args: Any, **kwargs: Any) -> Any:
             fake.log.append((fake.stack[-1].name, "launches a collective"))
-            return start(*args, **kwargs)
+            return launch(*args, **kwargs)
 
         collectives._start = logged_start  # type: ignore[assignment]
         for step in range(2):
+            start = len(fake.log)
             loss = loss_of(model, *batch(step, rank))
             in_forward = len(fake.log)
             loss.backward()
@@ -171,12 +172,14 @@ def offload_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
             in_step = len(fake.log)
             opt.zero_grad()
         opt.wait_for_params()
-        collectives._start = start  # type: ignore[assignment]
+        collectives._start = launch  # type: ignore[assignment]
     shard_rank = opt.installed.groups.shard_rank
     link = host_link(opt.plan, shard_rank)
     return {
+        "forward": fake.log[start:in_forward],
         "backward": fake.log[in_forward:in_backward],
         "step": fake.log[in_backward:in_step],
         "to_host_copies": link.to_host_copies,
+        "to_device_copies": link.to_device_copies,
         "units": len(step_units(opt.plan, shard_rank)),
     }

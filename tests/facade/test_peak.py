@@ -76,7 +76,17 @@ CASES = (
 def _id(case):
     world, cfg = case
     inner = "sgd" if cfg["optimizer"] == "sgd" else "fused" if cfg["hyper"].get("fused") else "foreach"
-    keys = ("shard", "collectives", "clip", "overlap", "reshard", "deterministic", "wire", "gather", "offload")
+    keys = (
+        "shard",
+        "collectives",
+        "clip",
+        "overlap",
+        "reshard",
+        "deterministic",
+        "wire",
+        "gather",
+        "offload",
+    )
     extras = [f"{k}={cfg[k]}" if k in ("wire", "gather", "offload") else k for k in keys if k in cfg]
     return "-".join([f"w{world}", f"s{cfg['stage']}", cfg["dtype"], inner, *extras])
 

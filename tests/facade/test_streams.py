@@ -78,9 +78,12 @@ def test_offloaded_copies_run_on_the_side_stream_in_bucket_order(pools, cfg):
         waits = [i for i, e in enumerate(step) if e == ("host", "waits for", "side")]
         assert len(waits) == 1, step  # one host synchronisation per step
         # Every bucket's copy to host memory is queued on the side stream, before the host's wait.
-        down = [e for e in backward + step[: waits[0]] if e[1] == "copies"]
-        assert down == [("side", "copies", "1")] * r["to_host_copies"], down
-        assert r["to_host_copies"] > 1 and sum(e[1] == "copies" for e in backward) > 0, backward
+        down = [e for e in backward + step[: waits[0]] if e[:2] == ("side", "copies")]
+        assert down == [("side", "copies", "1")] * r["to_host_copies"] and len(down) > 1, down
+        assert any(e[:2] == ("side", "copies") for e in backward), backward  # during backward
+        # offload="all": each block's shard piece goes up (asynchronously) before its gather, as planned.
+        up = [e for e in r["forward"] + backward if e[:2] == ("compute", "copies")]
+        assert len(up) == (r["to_device_copies"] if cfg.get("offload") == "all" else 0), up
         units = [i for i, e in enumerate(step) if e == ("host", "steps a unit")]
         assert len(units) == r["units"] > 1 and waits[0] < units[0], step
         ups = [i for i, e in enumerate(step) if e[:2] == ("side", "copies") and i > units[0]]
