@@ -384,7 +384,7 @@ def _encoded_sum(
     total = _fold(sums, n)
     if r > 1:
         total = _encoded_replica_sum(total, rooms, raw, codec, groups, log)
-    output.copy_(total)
+    output.copy_(total, non_blocking=True)  # pinned host memory (offload): asynchronous, as the rest
 
 
 def _encoded_replica_sum(
@@ -487,7 +487,7 @@ def _canonical_sum(
     if gathered is not None:
         gather_replicas(total, gathered, groups, log)
         total = _tree_sum(gathered, groups.topology.replica_size)
-    output.copy_(total)
+    output.copy_(total, non_blocking=True)  # pinned host memory (offload): asynchronous, as the rest
 
 
 def _tree_sum(slots: torch.Tensor, n: int) -> torch.Tensor:
