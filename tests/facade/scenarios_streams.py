@@ -86,6 +86,25 @@ def fake_cuda() -> Any:
         collectives._side, torch.cuda.current_stream, torch.cuda.stream, collectives.Pending.finish = saved
 
 
+def _logged_steps(fake: FakeCuda, model: Any, opt: Any, rank: int) -> dict[str, list[tuple[str, ...]]]:
+    """Two steps; the second's log, split into forward, backward (the hooks) and ``step()``."""
+    for step in range(2):
+        start = len(fake.log)
+        loss = loss_of(model, *batch(step, rank))  # the forward completes the last step's gathers
+        in_forward = len(fake.log)
+        loss.backward()
+        in_backward = len(fake.log)
+        opt.step()
+        in_step = len(fake.log)
+        opt.zero_grad()
+    opt.wait_for_params()
+    return {
+        "forward": fake.log[start:in_forward],
+        "backward": fake.log[in_forward:in_backward],
+        "step": fake.log[in_backward:in_step],
+    }
+
+
 def bucket_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One step's stream log, split into backward (the hooks) and the reduction's end."""
     torch.manual_seed(0)
@@ -94,20 +113,9 @@ def bucket_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]
     opt = make_optimizer(model, stage=cfg["stage"], hyper={"lr": 1e-3}, max_inflight_buckets=1, **settings)
     opt.attach(model)
     with fake_cuda() as fake:
-        for step in range(2):
-            start = len(fake.log)
-            loss = loss_of(model, *batch(step, rank))  # the forward completes the last step's gathers
-            in_forward = len(fake.log)
-            loss.backward()
-            in_backward = len(fake.log)
-            opt.step()
-            in_step = len(fake.log)
-            opt.zero_grad()
-        opt.wait_for_params()
+        phases = _logged_steps(fake, model, opt, rank)
     return {
-        "forward": fake.log[start:in_forward],
-        "backward": fake.log[in_forward:in_backward],
-        "step": fake.log[in_backward:in_step],
+        **phases,
         "buckets": len(opt.plan.buckets.buckets),
     }
 
@@ -162,23 +170,14 @@ def offload_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
             return launch(*args, **kwargs)
 
         collectives._start = logged_start  # type: ignore[assignment]
-        for step in range(2):
-            start = len(fake.log)
-            loss = loss_of(model, *batch(step, rank))
-            in_forward = len(fake.log)
-            loss.backward()
-            in_backward = len(fake.log)
-            opt.step()
-            in_step = len(fake.log)
-            opt.zero_grad()
-        opt.wait_for_params()
-        collectives._start = launch  # type: ignore[assignment]
+        try:
+            phases = _logged_steps(fake, model, opt, rank)
+        finally:
+            collectives._start = launch  # type: ignore[assignment]
     shard_rank = opt.installed.groups.shard_rank
     link = host_link(opt.plan, shard_rank)
     return {
-        "forward": fake.log[start:in_forward],
-        "backward": fake.log[in_forward:in_backward],
-        "step": fake.log[in_backward:in_step],
+        **phases,
         "to_host_copies": link.to_host_copies,
         "to_device_copies": link.to_device_copies,
         "units": len(step_units(opt.plan, shard_rank)),
