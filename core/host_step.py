@@ -36,11 +36,13 @@ result is the same as one call over all tensors, bit for bit.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zeroplan.core.dtypes import master_dtype
 from zeroplan.core.errors import PlanInvariantError
-from zeroplan.core.planner import Stage, ZeroPlan
+from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.residence import BufferRole
 from zeroplan.core.span import Span
 
@@ -82,12 +84,17 @@ class StepUnit:
     copies: tuple[UpCopy, ...]
 
 
-def step_units(zp: ZeroPlan, shard_rank: int) -> tuple[StepUnit, ...]:
+def step_units(
+    zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTensor] | None = None, *, with_copies: bool = True
+) -> tuple[StepUnit, ...]:
     """The units shard rank ``shard_rank`` of ``zp`` steps, in the order their buckets land.
 
     A tensor belongs to the unit of the last bucket (in launch order) that
     holds any of its elements. Empty unless the plan steps in host memory
     (``ZeroPlan.steps_on_host``).
+
+    ``tensors``: ``zp.inner_tensors(shard_rank)`` when the caller has them; ``with_copies=False``
+    leaves each unit's ``copies`` empty (a report needs only the units).
 
     Raises:
         PlanInvariantError: an inner tensor no bucket covers.
@@ -101,8 +108,8 @@ def step_units(zp: ZeroPlan, shard_rank: int) -> tuple[StepUnit, ...]:
     """
     if not zp.steps_on_host:
         return ()
-    tensors = zp.inner_tensors(shard_rank)
-    # Per space, the rank's bucket pieces: (start, stop, launch index), in shard order.
+    tensors = zp.inner_tensors(shard_rank) if tensors is None else tensors
+    # Per space, the rank's bucket pieces (disjoint in its shard): (start, stop, launch index), sorted.
     pieces: dict[int, list[tuple[int, int, int]]] = {}
     for bucket in zp.buckets.buckets:
         piece = bucket.piece_of(shard_rank)
@@ -110,33 +117,53 @@ def step_units(zp: ZeroPlan, shard_rank: int) -> tuple[StepUnit, ...]:
             pieces.setdefault(bucket.space, []).append(
                 (piece.shard_span.start, piece.shard_span.stop, bucket.index)
             )
+    starts: dict[int, list[int]] = {}
+    for space, held in pieces.items():
+        held.sort()
+        starts[space] = [start for start, _, _ in held]
     members: dict[int, list[int]] = {}
     for t, tensor in enumerate(tensors):
-        span = tensor.shard_span
-        last = max(
-            (b for start, stop, b in pieces.get(tensor.space, ()) if start < span.stop and span.start < stop),
-            default=None,
-        )
+        span, held = tensor.shard_span, pieces.get(tensor.space, [])
+        k = max(bisect_right(starts.get(tensor.space, []), span.start) - 1, 0)
+        last = None
+        while k < len(held) and held[k][0] < span.stop:
+            if held[k][1] > span.start:
+                last = held[k][2] if last is None else max(last, held[k][2])
+            k += 1
         if last is None:
             raise PlanInvariantError(f"inner tensor {t} ({span} of space {tensor.space}) is in no bucket")
         members.setdefault(last, []).append(t)
     units = []
+    held_pieces: dict[int, list[tuple[int, Span, int]]] = {}  # per space: (start, shard span, shift)
     for b, ts in sorted(members.items()):
-        copies = [c for t in ts for c in _up_copies(zp, shard_rank, tensors[t].space, tensors[t].shard_span)]
+        copies = []
+        if with_copies:
+            for t in ts:
+                copies += _up_copies(zp, shard_rank, tensors[t].space, tensors[t].shard_span, held_pieces)
         units.append(StepUnit(b, tuple(ts), tuple(copies)))
     return tuple(units)
 
 
-def _up_copies(zp: ZeroPlan, shard_rank: int, space: int, span: Span) -> list[UpCopy]:
-    """``span`` of the rank's shard of ``space`` as copies into where the parameters live."""
+def _up_copies(
+    zp: ZeroPlan, shard_rank: int, space: int, span: Span, held: dict[int, list[tuple[int, Span, int]]]
+) -> list[UpCopy]:
+    """``span`` of the rank's shard of ``space`` as copies into where the parameters live (``held``:
+    each space's pieces of the rank, listed on first use)."""
     if zp.stage is Stage.PARAMETERS:
         return [UpCopy(space, span, span)]
+    pieces = held.get(space)
+    if pieces is None:
+        pieces = held[space] = [
+            (p.shard_span.start, p.shard_span, p.buffer_span.start - p.shard_span.start)
+            for p in zp.partition.spaces[space].pieces_of(shard_rank)
+        ]
     copies = []
-    for piece in zp.partition.spaces[space].pieces_of(shard_rank):
-        part = piece.shard_span.intersect(span)
+    k = max(bisect_right(pieces, span.start, key=lambda piece: piece[0]) - 1, 0)
+    while k < len(pieces) and pieces[k][0] < span.stop:
+        part = pieces[k][1].intersect(span)
         if part is not None:
-            shift = piece.buffer_span.start - piece.shard_span.start
-            copies.append(UpCopy(space, part, part.shift(shift)))
+            copies.append(UpCopy(space, part, part.shift(pieces[k][2])))
+        k += 1
     return copies
 
 

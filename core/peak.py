@@ -231,8 +231,17 @@ def _temporaries_bytes(zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTen
         return _largest_group(zp, groups)
     listed = zp.inner_tensors(shard_rank) if tensors is None else tensors
     if zp.steps_on_host:
-        units = step_units(zp, shard_rank)
-        return max((_group_temporaries(zp, [listed[i] for i in u.tensors]) for u in units), default=0)
+        units = step_units(zp, shard_rank, listed, with_copies=False)
+        seen: dict[tuple[object, ...], int] = {}  # units alike (windows of a bucket) are computed once
+        most = 0
+        for unit in units:
+            members = [listed[i] for i in unit.tensors]
+            key = tuple((t.group, t.space, t.shape) for t in members)
+            known = seen.get(key)
+            if known is None:
+                known = seen[key] = _group_temporaries(zp, members)
+            most = max(most, known)
+        return most
     return _group_temporaries(zp, listed)
 
 
