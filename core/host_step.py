@@ -109,18 +109,8 @@ def step_units(
     if not zp.steps_on_host:
         return ()
     tensors = zp.inner_tensors(shard_rank) if tensors is None else tensors
-    # Per space, the rank's bucket pieces (disjoint in its shard): (start, stop, launch index), sorted.
-    pieces: dict[int, list[tuple[int, int, int]]] = {}
-    for bucket in zp.buckets.buckets:
-        piece = bucket.piece_of(shard_rank)
-        if piece is not None and piece.shard_span.numel:
-            pieces.setdefault(bucket.space, []).append(
-                (piece.shard_span.start, piece.shard_span.stop, bucket.index)
-            )
-    starts: dict[int, list[int]] = {}
-    for space, held in pieces.items():
-        held.sort()
-        starts[space] = [start for start, _, _ in held]
+    pieces = {s.index: zp.bucket_pieces(s.index, shard_rank) for s in zp.partition.spaces}
+    starts = {space: [start for start, _, _ in held] for space, held in pieces.items()}
     members: dict[int, list[int]] = {}
     for t, tensor in enumerate(tensors):
         span, held = tensor.shard_span, pieces.get(tensor.space, [])

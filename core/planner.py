@@ -570,7 +570,8 @@ class ZeroPlan:
                     if a.buffer_span.stop != b.buffer_span.start
                 ]
             if self.steps_on_host:  # [Note: offload, executed]: a window per bucket, stepped as it lands
-                cuts = sorted({*cuts, *self._bucket_starts(space.index, shard_rank)})
+                starts = (start for start, _, _ in self.bucket_pieces(space.index, shard_rank))
+                cuts = sorted({*cuts, *starts})
             start = 0
             # Zero-size fragments hold nothing; the others, in shard order, form maximal runs.
             held = (f for f in frags if f.param_span.stop > f.param_span.start)
@@ -594,15 +595,16 @@ class ZeroPlan:
         """Whether the inner optimizer steps in host memory ([Note: offload, executed])."""
         return self.residences.of(BufferRole.MASTER) is Residence.HOST
 
-    def _bucket_starts(self, space: int, shard_rank: int) -> list[int]:
-        """Where each bucket's piece of ``space`` starts in shard rank ``shard_rank``'s shard."""
-        starts = []
+    def bucket_pieces(self, space: int, shard_rank: int) -> list[tuple[int, int, int]]:
+        """Shard rank ``shard_rank``'s non-empty bucket pieces of ``space``: ``(start, stop, bucket
+        index)`` in its shard, sorted by start (they are disjoint)."""
+        held = []
         for bucket in self.buckets.buckets:
             if bucket.space == space:
                 piece = bucket.piece_of(shard_rank)
                 if piece is not None and piece.shard_span.numel:
-                    starts.append(piece.shard_span.start)
-        return starts
+                    held.append((piece.shard_span.start, piece.shard_span.stop, bucket.index))
+        return sorted(held)
 
     def inner_tensors_by_rank(self) -> tuple[tuple[InnerTensor, ...], ...]:
         """:meth:`inner_tensors` of every shard rank.

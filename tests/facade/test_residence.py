@@ -42,12 +42,20 @@ def test_a_residence_is_a_device_and_host_memory_is_pinned_beside_cuda():
     assert buffer_device(Residence.HOST, cuda) == BufferDevice(cpu, True)
 
 
-def test_a_collectives_buffer_in_host_memory_beside_an_accelerator_is_refused():
-    """[Note: offload, executed]: offload's roles may live in host memory beside a GPU; the buffers
-    collectives run on may not."""
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        # offload's roles may live in host memory beside a GPU; the buffers collectives run on may not
+        (("staging",), "places staging in host memory beside parameters on cuda:0"),
+        # the inner optimizer reads its gradients beside the masters it steps
+        (("grad_shard",), "gradient shard on the host and the masters apart from it"),
+    ],
+)
+def test_host_placements_the_step_cannot_run_beside_an_accelerator_are_refused(host, message):
+    """[Note: offload, executed]: checked by ``install`` before anything is allocated."""
     from zeroplan.facade.runtime.installed import install
 
-    zp = plan(specs_from_shapes([(8,)]), Topology(world_size=1), residences=Residences(host=("staging",)))
+    zp = plan(specs_from_shapes([(8,)]), Topology(world_size=1), residences=Residences(host=host))
 
     class Registry:
         params, device = (), torch.device("cuda", 0)
@@ -55,21 +63,6 @@ def test_a_collectives_buffer_in_host_memory_beside_an_accelerator_is_refused():
     class Groups:
         shard_rank = 0
 
-    with pytest.raises(ConfigError, match="places staging in host memory beside parameters on cuda:0"):
+    with pytest.raises(ConfigError, match=message):
         install(zp, Registry(), Groups(), torch.optim.SGD, [], admit=bool, log=None)  # type: ignore[arg-type]
-    assert zp.residences.of(BufferRole.STAGING) is Residence.HOST
-
-
-def test_gradients_apart_from_the_masters_beside_an_accelerator_are_refused():
-    from zeroplan.facade.runtime.installed import install
-
-    zp = plan(specs_from_shapes([(8,)]), Topology(world_size=1), residences=Residences(host=("grad_shard",)))
-
-    class Registry:
-        params, device = (), torch.device("cuda", 0)
-
-    class Groups:
-        shard_rank = 0
-
-    with pytest.raises(ConfigError, match="gradient shard on the host and the masters apart from it"):
-        install(zp, Registry(), Groups(), torch.optim.SGD, [], admit=bool, log=None)  # type: ignore[arg-type]
+    assert all(zp.residences.of(BufferRole(role)) is Residence.HOST for role in host)
