@@ -169,6 +169,10 @@ class SpaceBuffers:
     def keep_param_writes(self) -> None:
         """Take into the master what was written into the rank's pieces of the parameters."""
 
+    def write_shard(self, values: torch.Tensor) -> None:
+        """Copy flat shard values (``extent`` elements) into the rank's pieces of the parameters (cast)."""
+        raise NotImplementedError
+
     def settle_from_rank_zero(self, broadcast: Callable[[torch.Tensor], None]) -> None:
         """Take rank 0's parameter values (``broadcast`` sends a tensor from rank 0 to all)."""
         raise NotImplementedError
@@ -217,6 +221,10 @@ class FlatBuffers(SpaceBuffers):
         """Copy a separate master into the rank's pieces of the parameters (cast)."""
         if self.owns_master and self.master is not None:
             write_pieces(self.master, self.params, self.space, self.shard_rank)
+
+    def write_shard(self, values: torch.Tensor) -> None:
+        """Copy flat shard values into the rank's pieces of the full buffer (cast)."""
+        write_pieces(values, self.params, self.space, self.shard_rank)
 
     def settle_from_rank_zero(self, broadcast: Callable[[torch.Tensor], None]) -> None:
         """Take rank 0's full buffer, then the master from it."""
@@ -288,6 +296,10 @@ class BlockBuffers(SpaceBuffers):
         """Copy a separate master into the shard (cast)."""
         if self.owns_master and self.master is not None:
             self.shard.copy_(self.master)
+
+    def write_shard(self, values: torch.Tensor) -> None:
+        """Copy flat shard values into the parameter shard (cast)."""
+        self.shard[: self.extent].copy_(values)
 
     def settle_from_rank_zero(self, broadcast: Callable[[torch.Tensor], None]) -> None:
         """Nothing: construction took rank 0's values block by block (``build_block_buffers``)."""

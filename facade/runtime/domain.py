@@ -307,6 +307,25 @@ class DomainRuntime:
         if loaded.parked is not None:
             self.parked = loaded.parked
 
+    def restore_masters(self, values: dict[str, torch.Tensor]) -> None:
+        """Install this rank's master values per dtype space and publish them to the parameters.
+
+        ``values[dtype]`` has the space's ``extent`` elements: the fp32 master of bf16/fp16
+        parameters, or the parameters' own shard where they are their own master. Every rank's
+        parameters then hold them (stages 1-2 gather, stage 3 keeps its shard). Collective.
+        """
+        inst = self.installed
+        inst.residency.finish_param_sync()
+        for buf in inst.buffers:
+            if buf.space.dtype not in values:
+                continue
+            if buf.master is not None:  # its own, or the rank's region of the parameters
+                buf.master[: buf.extent].copy_(values[buf.space.dtype])
+            else:
+                buf.write_shard(values[buf.space.dtype])
+        inst.residency.start_param_sync(self.lifecycle.log)
+        inst.residency.finish_param_sync()
+
     def plan_refresh(self) -> tuple[ParamRegistry, ZeroPlan]:
         """The registry and agreed plan after ``requires_grad`` changed (collective over the domain; pure)."""
         return replanning.refresh_trainable(

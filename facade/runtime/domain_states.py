@@ -16,7 +16,7 @@ from zeroplan.facade.mechanisms.agreement import verdicts
 from zeroplan.facade.runtime.domain import DomainRuntime
 from zeroplan.facade.runtime.joint import JointStep
 from zeroplan.facade.state import restore as state_restore
-from zeroplan.facade.state.dicts import Shards, sharded_state_dict
+from zeroplan.facade.state.dicts import Shards, named_scalars, sharded_state_dict, with_scalars
 from zeroplan.facade.state.restore import LoadedState
 
 __all__ = ["DOMAINS_FORMAT", "load_state_dict", "state_dict"]
@@ -48,6 +48,15 @@ def load_state_dict(joint: JointStep, state: dict[str, Any]) -> None:
         return
     data = joint.data
     sh = data.shards(joint.scaler)
+    problem, named = None, {}
+    try:
+        named = named_scalars(state)
+    except Exception as exc:  # a malformed dict raises on every rank, below
+        problem = exc
+    rows = verdicts(
+        problem, joint.world, failed="could not read its state dict", facts=named, error=ConfigError
+    )
+    state = with_scalars(state, rows)
     with joint.gathered_params(writeback=False):  # a plain dict without masters reads the parameters
         loaded = state_restore.agreed_state(
             lambda: state_restore.read_state_dict(state, sh, data.plan_with_cohorts), sh, what="state dict"

@@ -10,7 +10,8 @@ do the work.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from zeroplan.facade.runtime.joint import NO_DEEPCOPY
 from zeroplan.facade.runtime.lifecycle import StepLifecycle
 from zeroplan.facade.state.dicts import Shards
 from zeroplan.facade.state.restore import LoadedState
+from zeroplan.facade.state.torch_view import ParamStates
 
 __all__ = ["MeasuredMemory", "ZeroOptimizer"]
 
@@ -422,6 +424,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         return domain_states.state_dict(self._joint)
 
+    @property
+    def state(self) -> Mapping[torch.Tensor, dict[str, Any]]:  # type: ignore[override]
+        """Per parameter, this rank's optimizer state in torch's layout (copies; read-only).
+
+        Per-element values are ``FlatPieces`` of the parameter's shape that hold
+        this rank's elements ([Note: torch layout of shard state] in
+        ``state.torch_view``): what ``torch.distributed.checkpoint`` saves. Built
+        when an entry is read; change state with :meth:`load_state_dict`.
+        """
+        if not self.__dict__.get("_initialized"):
+            return self.__dict__.setdefault("_torch_state", defaultdict(dict))
+        params = [p for group in self.param_groups for p in group["params"]]
+        return ParamStates(params, lambda: self.state_dict())
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """``torch.optim.Optimizer.__init__`` assigns its own (unused) state."""
+        self.__dict__["_torch_state"] = value
+
     @torch.no_grad()
     def consolidated_state_dict(
         self, to_rank: int | None = 0, *, chunk_bytes: int = 16 * 2**20
@@ -451,6 +472,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 dict is invalid or the ranks' dicts disagree.
         """
         domain_states.load_state_dict(self._joint, state_dict)
+
+    @torch.no_grad()
+    def restore_masters(self, values: dict[str, torch.Tensor]) -> None:
+        """Install this rank's master values per dtype space, and every parameter from them.
+
+        ``values[dtype]`` holds the rank's shard of that space (``shards()``
+        names its fragments): fp32 masters of bf16/fp16 parameters, else the
+        parameters' own values. What ``checkpoint.interchange`` loads a model
+        with. Collective: call on every rank.
+        """
+        self._joint.only_domain("restore_masters()").restore_masters(values)
 
     @torch.no_grad()
     def restore(self, loaded: LoadedState) -> None:

@@ -2,9 +2,13 @@
 
 [Note: state dict forms]
 * **Sharded** (``state_dict()``): this rank's fp32 master fragments and inner
-  optimizer state in shard coordinates, the scaler state, the hyper-parameters
-  and the plan fingerprint. It loads back only on the same plan (same world,
-  shard size, strategy and parameters) and restores training bit for bit.
+  optimizer state in shard coordinates (``"zeroplan_state"``), the scaler state,
+  the hyper-parameters and the plan fingerprint. It loads back only on the same
+  plan (same world, shard size, strategy and parameters) and restores training
+  bit for bit. Its ``"state"`` holds the same values in torch's layout, pieces
+  per parameter ([Note: torch layout of shard state] in ``state.torch_view``):
+  what torch's ``get_optimizer_state_dict`` and DCP read, and what loads back
+  through ``set_optimizer_state_dict`` once DCP filled it.
 * **Plain** (what ``torch.optim.AdamW().state_dict()`` returns, or
   ``consolidated_state_dict()``): integer parameter ids, per-parameter state
   shaped like the parameter, ``param_groups``. Every rank slices the fragments
@@ -27,7 +31,9 @@ from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.params.buffers import SpaceBuffers
 from zeroplan.facade.state.inner import Inner
+from zeroplan.facade.state.pieces import FlatPieces, flat_values
 from zeroplan.facade.state.shards import export_state
+from zeroplan.facade.state.torch_view import torch_state
 from zeroplan.facade.state.tree import (
     MASTER,
     ParkedParam,
@@ -43,6 +49,10 @@ __all__ = [
     "Shards",
     "check_plain",
     "cohorts_of_plain",
+    "current_masters",
+    "named_scalars",
+    "with_scalars",
+    "holds_pieces",
     "torch_param_groups",
     "is_sharded",
     "shard_state_from_plain",
@@ -51,7 +61,9 @@ __all__ = [
     "shard_state_from_sharded",
 ]
 
-SHARDED_FORMAT = "zeroplan.sharded/v2"
+SHARDED_FORMAT = "zeroplan.sharded/v3"
+#: Sharded formats this version reads (v2 kept the shard state under ``"state"``).
+_READS = ("zeroplan.sharded/v2", SHARDED_FORMAT)
 MASTER_KEY = "zeroplan_master"
 
 
@@ -95,8 +107,13 @@ def is_sharded(state_dict: dict[str, Any]) -> bool:
 
 
 def sharded_state_dict(sh: Shards) -> dict[str, Any]:
-    """This rank's sharded state dict (see [Note: state dict forms]); tensors are copies."""
-    state = export_state(sh.zp, sh.inner, sh.buffers)
+    """This rank's sharded state dict (see [Note: state dict forms]); tensors are copies.
+
+    ``"state"`` is torch's layout of the same copies ([Note: torch layout of shard state]), what
+    ``torch.distributed.checkpoint`` reads; loading the dict itself reads ``"zeroplan_state"``.
+    """
+    state = tree_clone(export_state(sh.zp, sh.inner, sh.buffers))
+    parked = tree_clone(sh.parked)
     return {
         "format": SHARDED_FORMAT,
         "fingerprint": sh.zp.fingerprint(),
@@ -107,9 +124,10 @@ def sharded_state_dict(sh: Shards) -> dict[str, Any]:
         "scaler": None if sh.scaler is None else sh.scaler.as_dict(),
         "param_groups": torch_param_groups(sh.param_groups),
         "cohorts": [s.cohort for s in sh.zp.specs],
-        "master": {b.space.dtype: b.master_copy[: b.extent].clone() for b in sh.buffers if b.carries_master},
-        "state": tree_clone(encode_state(state, sh.zp.partition.spaces)),  # [Note: state codec]
-        "parked": tree_clone(encode_parked(sh.parked)),  # [Note: parked state]
+        "master": current_masters(sh),
+        "zeroplan_state": encode_state(state, sh.zp.partition.spaces),  # [Note: state codec]
+        "parked": encode_parked(parked),  # [Note: parked state]
+        "state": torch_state(sh, state, parked),
     }
 
 
@@ -122,9 +140,9 @@ def shard_state_from_sharded(
         IncompatiblePlanError: it was saved under another plan, rank or optimizer class.
     """
     zp = sh.zp
-    if state_dict["format"] != SHARDED_FORMAT:
+    if state_dict["format"] not in _READS:
         raise IncompatiblePlanError(
-            f"sharded state dict of format {state_dict['format']!r}, this version reads {SHARDED_FORMAT!r}"
+            f"sharded state dict of format {state_dict['format']!r}, this version reads {_READS}"
         )
     if state_dict.get("optimizer") != sh.optimizer_name:
         raise IncompatiblePlanError(
@@ -146,7 +164,8 @@ def shard_state_from_sharded(
             f"sharded state dict is of shard rank {state_dict.get('shard_rank')}, this is shard rank "
             f"{sh.groups.shard_rank}: load each rank's own state dict"
         )
-    state = decode_state(state_dict["state"], zp.partition.spaces)
+    encoded = state_dict["zeroplan_state" if state_dict["format"] == SHARDED_FORMAT else "state"]
+    state = decode_state(encoded, zp.partition.spaces)
     for (space, key), tensor in state.flat.items():
         expected = sh.buffers[space].extent
         if tensor.shape != (expected,):
@@ -209,6 +228,56 @@ def _by_position(state_dict: dict[str, Any]) -> tuple[dict[int, dict[str, Any]],
     return state, masters
 
 
+def holds_pieces(state_dict: dict[str, Any]) -> bool:
+    """Whether a torch-layout dict holds this rank's pieces (``state_dict()["state"]``, filled by DCP)
+    rather than whole tensors."""
+    return any(isinstance(v, FlatPieces) for entry in state_dict["state"].values() for v in entry.values())
+
+
+def named_scalars(state_dict: Any) -> dict[Any, dict[str, Any]]:
+    """Per parameter id, the scalar state this rank's dict names (none for sharded dicts).
+
+    Raises:
+        ConfigError: not a state dict.
+    """
+    if not isinstance(state_dict, dict):
+        raise ConfigError(f"expected a state dict, got {type(state_dict).__name__}")
+    if is_sharded(state_dict) or not isinstance(state_dict.get("state"), dict):
+        return {}
+    return {
+        k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in entry.items() if not _per_element(v)}
+        for k, entry in state_dict["state"].items()
+        if isinstance(entry, dict) and any(not _per_element(v) for v in entry.values())
+    }
+
+
+def with_scalars(state_dict: dict[str, Any], named: Sequence[dict[Any, dict[str, Any]]]) -> dict[str, Any]:
+    """``state_dict`` with the scalars other ranks named for parameters this rank holds none of.
+
+    A piece dict names a parameter's scalars (``step``) only on the ranks that
+    hold some of it ([Note: torch layout of shard state]); every rank needs them
+    to agree on the cohorts. The caller's dict is not changed.
+    """
+    if is_sharded(state_dict) or not isinstance(state_dict.get("state"), dict):
+        return state_dict
+    state = dict(state_dict["state"])
+    for k, entry in state.items():
+        if isinstance(entry, dict) and not any(not _per_element(v) for v in entry.values()):
+            known = next((rank[k] for rank in named if k in rank), None)
+            if known is not None:
+                state[k] = {**tree_clone(known), **entry}
+    return {**state_dict, "state": state}
+
+
+def _per_element(value: Any) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def current_masters(sh: Shards) -> dict[str, torch.Tensor]:
+    """Copies of this rank's fp32 masters, per dtype space that keeps them."""
+    return {b.space.dtype: b.master_copy[: b.extent].clone() for b in sh.buffers if b.carries_master}
+
+
 def cohorts_of_plain(state_dict: dict[str, Any], zp: ZeroPlan) -> list[int]:
     """Cohorts that give every elementwise window one value of each scalar state (e.g. ``step``).
 
@@ -259,7 +328,7 @@ def shard_state_from_plain(
             for f in frags:
                 source = masters.get(f.param)
                 values = source if source is not None else sh.params[f.param].detach()
-                out[f.shard_span.as_slice()] = values.reshape(-1)[f.param_span.as_slice()].to(out.dtype)
+                out[f.shard_span.as_slice()] = flat_values(values, f.param_span).to(out.dtype)
             master_out[space.dtype] = out
         for f in frags:
             spec = target.specs[f.param]
@@ -275,7 +344,7 @@ def shard_state_from_plain(
                     out = flat.get((space.index, key))
                     if out is None:
                         out = flat[space.index, key] = torch.zeros(owned, dtype=value.dtype, device=device)
-                    out[f.shard_span.as_slice()] = value.reshape(-1)[f.param_span.as_slice()].to(device)
+                    out[f.shard_span.as_slice()] = flat_values(value, f.param_span).to(device)
                 else:
                     shared[key] = tree_clone(value, device)
     stateful = {(target.specs[p].group, target.specs[p].cohort) for p in state}
@@ -300,12 +369,12 @@ def parked_from_plain(state_dict: dict[str, Any], target: ZeroPlan, sh: Shards) 
             continue
         whole = Span(0, target.specs[p].numel)
         pieces = {
-            key: [(whole, value.detach().reshape(-1).to(device, copy=True))]
+            key: [(whole, flat_values(value.detach(), whole).to(device, copy=True))]
             for key, value in entry.items()
             if torch.is_tensor(value) and value.dim() > 0
         }
         if p in masters:
-            pieces[MASTER] = [(whole, masters[p].detach().reshape(-1).float().to(device, copy=True))]
+            pieces[MASTER] = [(whole, flat_values(masters[p].detach(), whole).float().to(device, copy=True))]
         scalars = {k: v for k, v in entry.items() if not (torch.is_tensor(v) and v.dim() > 0)}
         parked[p] = ParkedParam(scalars=tree_clone(scalars, device), pieces=pieces)
     return parked

@@ -33,6 +33,8 @@ from zeroplan.facade.state.dicts import (
     Shards,
     check_plain,
     cohorts_of_plain,
+    current_masters,
+    holds_pieces,
     is_sharded,
     parked_from_plain,
     shard_state_from_plain,
@@ -93,7 +95,11 @@ def read_state_dict(
     target = plan_with_cohorts(cohorts_of_plain(state_dict, sh.zp))
     state, stateful, masters = shard_state_from_plain(state_dict, target, sh)
     parked = parked_from_plain(state_dict, target, sh)
-    # A dict without fp32 masters: start them from the parameters.
+    if not masters and holds_pieces(state_dict):
+        # This optimizer's own pieces (DCP filled them): the masters stay; the model's dict brings
+        # them (``checkpoint.interchange``).
+        masters = current_masters(sh)
+    # A dict of whole tensors without fp32 masters: start them from the parameters.
     return LoadedState(
         target, state, stateful, masters or None, state_dict["param_groups"], None, parked=parked
     )

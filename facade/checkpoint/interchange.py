@@ -1,0 +1,156 @@
+"""Checkpoints the ecosystem reads: a model's state for ``torch.distributed.checkpoint``, its masters.
+
+[Note: DCP interchange]
+``torch.distributed.checkpoint`` (DCP) saves what each rank holds and loads
+into what each rank asks for, resharding between any two layouts. A
+``ZeroOptimizer`` takes part as FSDP2 does:
+
+* the optimizer: torch's ``get_optimizer_state_dict(model, opt)`` /
+  ``set_optimizer_state_dict`` work on it as they are ([Note: torch layout of
+  shard state] in ``state.torch_view``);
+* the model: :func:`model_state_dict` / :func:`load_model_state_dict`. Each
+  trainable parameter is the rank's pieces of its *master* (fp32 for bf16/fp16
+  parameters), shaped like the parameter, which is what FSDP2 keeps as its
+  sharded parameters under a ``MixedPrecisionPolicy``: a zeroplan checkpoint
+  loads into FSDP2 with the masters as FSDP2's parameters, and FSDP2's fp32
+  parameters load into zeroplan's masters (the bf16 parameters are their cast),
+  both bit for bit. Buffers and frozen parameters are whole, as
+  ``model.state_dict()`` has them (DCP writes one copy).
+
+Nothing is gathered: at stage 3 the rank's shard is all it reads or writes.
+Loading the model is collective (the parameters are published from the masters
+as after a step); a dict that lacks a key or holds another shape raises on every
+rank before anything changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zeroplan.core import ConfigError, IncompatiblePlanError
+from zeroplan.facade.mechanisms.agreement import verdicts
+from zeroplan.facade.state.dicts import Shards
+from zeroplan.facade.state.pieces import FlatPieces, flat_values
+
+__all__ = ["load_model_state_dict", "model_state_dict"]
+
+
+def model_state_dict(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
+    """``model``'s state for DCP: trainable parameters as this rank's pieces of their masters (copies).
+
+    Args:
+        model: the module whose parameters ``opt`` (a ``ZeroOptimizer``) steps.
+        opt: the optimizer.
+    """
+    sh: Shards = opt.shards()
+    names = _trainable_names(model, sh)
+    trainable = _all_names(names)
+    out: dict[str, Any] = {
+        name: tensor.detach()
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        if name not in trainable
+    }
+    values = {b.space.index: _master_values(b).clone() for b in sh.buffers}
+    for index, parts in _pieces(sh).items():
+        spec = sh.zp.specs[index]
+        held = [(span, values[space][at.as_slice()]) for span, at, space in parts]
+        buf = sh.buffers[_space_of(sh)[spec.dtype]]
+        pieces = FlatPieces(spec.shape, held, dtype=buf.master_dtype, device=_master_values(buf).device)
+        for name in names.get(index, ()):
+            out[name] = pieces
+    return out
+
+
+@torch.no_grad()
+def load_model_state_dict(model: torch.nn.Module, opt: Any, state_dict: dict[str, Any]) -> None:
+    """Install a model dict: :func:`model_state_dict`'s after ``dcp.load`` filled it, or whole tensors.
+
+    The masters take the values; the parameters take their cast (collective:
+    call on every rank).
+
+    Raises:
+        IncompatiblePlanError: on every rank, if any rank's dict lacks a key, holds another shape or
+            pieces this rank does not hold; nothing changed.
+    """
+    sh: Shards = opt.shards()
+    problem: Exception | None = None
+    masters: dict[str, torch.Tensor] = {}
+    try:
+        masters = _read(model, sh, state_dict)
+    except Exception as exc:  # a failure on any rank must reach every rank before anything changes
+        problem = exc
+    verdicts(
+        problem, sh.groups.world, failed="could not read the model state dict", error=IncompatiblePlanError
+    )
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name in state_dict and name not in _all_names(_trainable_names(model, sh)):
+            tensor.detach().copy_(state_dict[name])
+    opt.restore_masters(masters)
+
+
+def _read(model: torch.nn.Module, sh: Shards, state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+    names = _trainable_names(model, sh)
+    own = model.state_dict(keep_vars=True)
+    missing = sorted(set(own) - set(state_dict))
+    if missing:
+        raise IncompatiblePlanError(f"the model state dict lacks {missing[:5]} ({len(missing)} keys)")
+    for name, tensor in own.items():
+        if torch.is_tensor(state_dict[name]) and tuple(state_dict[name].shape) != tuple(tensor.shape):
+            raise IncompatiblePlanError(
+                f"{name!r} has shape {tuple(state_dict[name].shape)} in the dict, "
+                f"{tuple(tensor.shape)} in the model"
+            )
+    out = {
+        b.space.dtype: torch.zeros(b.extent, dtype=b.master_dtype, device=_master_values(b).device)
+        for b in sh.buffers
+    }
+    space_dtype = {s.index: s.dtype for s in sh.zp.partition.spaces}
+    for index, parts in _pieces(sh).items():
+        value = state_dict[names[index][0]]
+        for span, at, space in parts:
+            out[space_dtype[space]][at.as_slice()] = flat_values(value, span)
+    return out
+
+
+def _master_values(buf: Any) -> torch.Tensor:
+    """The rank's master values of a space: its fp32 master, or the parameters' own shard."""
+    return buf.master_copy[: buf.extent] if buf.carries_master else buf.shard_values()
+
+
+def _space_of(sh: Shards) -> dict[str, int]:
+    return {space.dtype: space.index for space in sh.zp.partition.spaces}
+
+
+def _pieces(sh: Shards) -> dict[int, list[Any]]:
+    """Per trainable parameter, this rank's fragments: (range of the parameter, range of the shard, space)."""
+    out: dict[int, list[Any]] = {spec.index: [] for spec in sh.zp.specs if spec.trainable}
+    for space in sh.zp.partition.spaces:
+        for f in space.by_rank[sh.groups.shard_rank]:
+            out[f.param].append((f.param_span, f.shard_span, space.index))
+    for parts in out.values():
+        parts.sort(key=lambda part: part[0].start)
+    return out
+
+
+def _trainable_names(model: torch.nn.Module, sh: Shards) -> dict[int, list[str]]:
+    """Per trainable parameter of ``sh``, its names in ``model.state_dict()`` (tied ones have several).
+
+    Raises:
+        ConfigError: a trainable parameter is not in ``model``.
+    """
+    position = {id(p): i for i, p in enumerate(sh.params)}
+    names: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        index = position.get(id(tensor))
+        if index is not None and sh.zp.specs[index].trainable:
+            names.setdefault(index, []).append(name)
+    lost = [sh.zp.specs[s.index].name for s in sh.zp.specs if s.trainable and s.index not in names]
+    if lost:
+        raise ConfigError(f"parameters {lost[:5]} of the optimizer are not in the model's state_dict()")
+    return names
+
+
+def _all_names(names: dict[int, list[str]]) -> set[str]:
+    return {n for group in names.values() for n in group}

@@ -1,0 +1,172 @@
+"""A rank's optimizer state in torch's layout: per parameter, its state shaped like it, held in pieces.
+
+[Note: torch layout of shard state]
+``ZeroOptimizer.state_dict()["state"]`` is what ``torch.optim`` keeps: integer
+parameter ids (``param_groups`` order), each a dict of the parameter's state
+(``step``, ``exp_avg``, ...). A per-element value is a :class:`FlatPieces` of
+the parameter's shape whose parts are views of this rank's shard state (its
+fragments of the parameter, [Note: pieces as boxes]); scalars are per parameter
+(each a copy of its cohort's, named by the ranks that hold some of it); a parameter
+frozen here with parked state is held whole by the rank that parks it. This is what
+``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` maps to
+parameter names and ``dcp.save`` / ``dcp.load`` write and fill in place, so a
+zeroplan run and an FSDP2 run read each other's checkpoints.
+
+A cohort with no state yet (a fresh optimizer) gets the entries its first step
+would make, from one step of the inner optimizer's class on a two-element
+scratch tensor at learning rate zero (what torch's own ``_init_optim_state``
+does to the real optimizer): ``dcp.load`` needs tensors to fill, and the real
+optimizer is left as it is. State of a tensor subclass (torchao's low-bit
+moments) has no torch layout: its pieces refuse to be saved or loaded by DCP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zeroplan.core import ConfigError, Span
+from zeroplan.facade.state.inner import hyperparameters
+from zeroplan.facade.state.pieces import FlatPieces
+from zeroplan.facade.state.tree import MASTER, ParkedParam, ShardState, is_per_element, tree_clone
+
+if TYPE_CHECKING:
+    from zeroplan.facade.state.dicts import Shards
+
+__all__ = ["ParamStates", "torch_state"]
+
+_SUBCLASS = (
+    "optimizer state of tensor class {cls} (a low-bit optimizer's moments) has no torch layout: "
+    "torch.distributed.checkpoint cannot save or load it; use zeroplan.facade.checkpoint, or an "
+    "optimizer with plain tensor state for DCP interchange"
+)
+
+
+def torch_state(
+    sh: Shards, state: ShardState, parked: Mapping[int, ParkedParam]
+) -> dict[int, dict[str, Any]]:
+    """This rank's state in torch's layout ([Note: torch layout of shard state]): views of ``state``.
+
+    Args:
+        sh: the optimizer's parts (``state.dicts.Shards``).
+        state: this rank's shard state (copies the caller keeps).
+        parked: this rank's parked state of frozen parameters.
+    """
+    zp, rank = sh.zp, sh.groups.shard_rank
+    out: dict[int, dict[str, Any]] = {}
+    if not zp.elementwise:
+        return {p: dict(entry) for p, entry in state.whole.items()}
+    held: dict[int, list[tuple[Span, Span]]] = {}
+    for space in zp.partition.spaces:
+        for f in space.by_rank[rank]:
+            held.setdefault(f.param, []).append((f.param_span, f.shard_span))
+    space_of = {space.dtype: space.index for space in zp.partition.spaces}
+    fresh = _FreshEntries(sh)
+    for spec in zp.specs:
+        if not spec.trainable:
+            continue
+        si = space_of[spec.dtype]
+        buf = sh.buffers[si]
+        device = (buf.master if buf.master is not None else buf.param_target).device
+        scalars = state.scalars.get((spec.group, spec.cohort))
+        flat: dict[str, torch.Tensor | None]
+        if scalars is None:
+            scalars, keys = fresh.entry(spec.group)
+            flat = dict.fromkeys(keys)
+        else:
+            flat = {k: values for (space, k), values in state.flat.items() if space == si}
+        frags = sorted(held.get(spec.index, ()), key=lambda f: f[0].start)
+        # A rank that holds none of the parameter does not know its cohort's scalars: it names none.
+        entry: dict[str, Any] = tree_clone(dict(scalars)) if frags else {}
+        for key, values in flat.items():
+            dtype = buf.master_dtype if values is None else values.dtype
+            if values is None:
+                parts = [(span, torch.zeros(span.numel, dtype=dtype, device=device)) for span, _ in frags]
+            else:
+                parts = [(span, values[at.as_slice()]) for span, at in frags]
+            plain = values is None or type(values) is torch.Tensor
+            refusal = None if plain else _SUBCLASS.format(cls=type(values))
+            entry[key] = FlatPieces(spec.shape, parts, dtype=dtype, device=device, refusal=refusal)
+        out[spec.index] = entry
+    for p, park in parked.items():
+        entry = tree_clone(dict(park.scalars))
+        for key, pieces in park.pieces.items():
+            if key != MASTER:
+                entry[key] = FlatPieces(zp.specs[p].shape, sorted(pieces, key=lambda piece: piece[0].start))
+        out[p] = {**entry, **tree_clone(dict(park.whole or {}))}
+    return out
+
+
+class _FreshEntries:
+    """The state a fresh cohort's first step makes, per param group (from a scratch optimizer)."""
+
+    def __init__(self, sh: Shards) -> None:
+        self._sh = sh
+        self._groups: dict[int, tuple[dict[str, Any], list[str]]] = {}
+
+    def entry(self, group: int) -> tuple[dict[str, Any], list[str]]:
+        """(scalars, per-element keys) of a fresh cohort of ``group``."""
+        if group not in self._groups:
+            self._groups[group] = self._scratch(group)
+        return self._groups[group]
+
+    def _scratch(self, group: int) -> tuple[dict[str, Any], list[str]]:
+        inner = self._sh.inner.optimizer
+        settings = next(
+            (g for g in inner.param_groups if any(s.group == group for s in self._windows(g))),
+            self._sh.param_groups[group],
+        )
+        tensor = torch.zeros(2, device=self._sh.device, requires_grad=True)
+        scratch = type(inner)([tensor])
+        scratch.param_groups[0].update(hyperparameters(settings))
+        lr = scratch.param_groups[0].get("lr")
+        if lr is not None:
+            scratch.param_groups[0]["lr"] = torch.zeros_like(lr) if torch.is_tensor(lr) else 0.0
+        tensor.grad = torch.zeros_like(tensor)
+        scratch.step()
+        made = scratch.state[tensor]
+        scalars = {k: v for k, v in made.items() if not is_per_element(v, tensor)}
+        per_element = [k for k, v in made.items() if is_per_element(v, tensor)]
+        return scalars, per_element
+
+    def _windows(self, group: dict[str, Any]) -> list[Any]:
+        ids = {id(t) for t in group["params"]}
+        return [s for t, s in zip(self._sh.inner.tensors, self._sh.inner.specs, strict=True) if id(t) in ids]
+
+
+class ParamStates(Mapping[torch.Tensor, dict[str, Any]]):
+    """``ZeroOptimizer.state``: parameter -> its state in torch's layout, read from ``state_dict()`` when
+    first indexed. Its length (the trainable parameters) costs nothing: what torch's
+    ``_init_optim_state`` asks before deciding to run a zero-learning-rate step (the state exists)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], state_dict: Callable[[], dict[str, Any]]) -> None:
+        self._params = list(params)
+        self._position = {id(p): i for i, p in enumerate(self._params)}
+        self._state_dict = state_dict
+        self._entries: dict[Any, dict[str, Any]] | None = None
+
+    def _read(self) -> dict[Any, dict[str, Any]]:
+        if self._entries is None:
+            whole = self._state_dict()
+            if "state" not in whole:
+                raise ConfigError(
+                    "optimizer state in torch's layout is not available with expert groups: read "
+                    "state_dict()['domains'] or save with zeroplan.facade.checkpoint"
+                )
+            self._entries = whole["state"]
+        return self._entries
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        position = self._position.get(id(param))
+        if position is None:
+            raise KeyError("not a parameter of this optimizer")
+        return self._read().get(position, {})
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        entries = self._read()
+        return iter([p for i, p in enumerate(self._params) if i in entries])
+
+    def __len__(self) -> int:
+        return sum(bool(p.requires_grad) for p in self._params)

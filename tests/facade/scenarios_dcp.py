@@ -1,0 +1,182 @@
+"""Scenarios for ``test_dcp``: torch.distributed.checkpoint between zeroplan and FSDP2, both ways.
+
+zeroplan's recipe: ``{"model": interchange.model_state_dict(model, opt), "optim":
+get_optimizer_state_dict(model, opt)}``; FSDP2's: torch's own. Each side trains, saves with
+``dcp.save``, and the other side's fresh run loads with ``dcp.load``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from factory import make_optimizer
+from models import DTYPES, batch, loss_of, make_model, rel_err
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from zeroplan.facade.checkpoint import interchange
+
+LR = 0.01
+
+
+def _zeroplan(cfg: dict[str, Any]) -> tuple[Any, Any]:
+    model = make_model(seed=0, dtype=DTYPES[cfg.get("dtype", "fp32")])
+    opt = make_optimizer(model, stage=cfg["stage"], hyper={"lr": LR}, **cfg.get("settings", {}))
+    if cfg["stage"] == 3:
+        opt.attach(model)
+    return model, opt
+
+
+def _fsdp2(cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """FSDP2 on the same model: fp32 parameters, computing in the zeroplan run's dtype."""
+    model = make_model(seed=0, dtype=torch.float32)
+    dtype = DTYPES[cfg.get("dtype", "fp32")]
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _train(model: Any, opt: Any, rank: int, steps: range) -> None:
+    for step in steps:
+        loss = loss_of(model, *batch(step, rank))
+        opt.backward(loss) if hasattr(opt, "backward") else loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _ours(model: Any, opt: Any) -> dict[str, Any]:
+    return {"model": interchange.model_state_dict(model, opt), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _load_ours(model: Any, opt: Any, root: str) -> None:
+    state = _ours(model, opt)
+    dcp.load(state, checkpoint_id=root)
+    interchange.load_model_state_dict(model, opt, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def _full_zeroplan(model: Any, opt: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Per parameter name: its fp32 master ("param") and optimizer state, whole (collective)."""
+    plain = opt.consolidated_state_dict(to_rank=None)
+    with opt.gathered_params():
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    out = {}
+    for i, name in enumerate(params):
+        entry = {
+            k: v.float() if torch.is_tensor(v) else torch.tensor(float(v))
+            for k, v in plain["state"][i].items()
+        }
+        out[name] = {"param": plain.get("zeroplan_master", {}).get(i, params[name]), **entry}
+    return out
+
+
+def _full_fsdp2(model: Any, opt: Any) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for name, p in model.named_parameters():
+        state = {k: v.full_tensor() if v.dim() else v.float() for k, v in opt.state[p].items()}
+        out[name] = {"param": p.full_tensor().detach().clone(), **state}
+    return out
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Names and keys whose values differ (by bits) between two full states."""
+    return [f"{n}/{k}" for n in a for k in a[n] if not torch.equal(a[n][k].float(), b[n][k].float())]
+
+
+def _drift(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max(rel_err(a[n]["param"], b[n]["param"]) for n in a)
+
+
+def interchange_both_ways(
+    rank: int, world: int, cases: list[dict[str, Any]], root: str
+) -> list[dict[str, Any]]:
+    """zeroplan -> FSDP2 and FSDP2 -> zeroplan, bit for bit; the next steps as the saving side's."""
+    rows = []
+    for n, cfg in enumerate(cases):
+        there, back = os.path.join(root, f"{n}-zeroplan"), os.path.join(root, f"{n}-fsdp2")
+        model, opt = _zeroplan(cfg)
+        _train(model, opt, rank, range(2))
+        dcp.save(_ours(model, opt), checkpoint_id=there)
+        saved = _full_zeroplan(model, opt)
+
+        fmodel, fopt = _fsdp2(cfg)
+        state = {"model": get_model_state_dict(fmodel), "optim": get_optimizer_state_dict(fmodel, fopt)}
+        dcp.load(state, checkpoint_id=there)
+        set_model_state_dict(fmodel, state["model"])
+        set_optimizer_state_dict(fmodel, fopt, state["optim"])
+        into_fsdp2 = _same(saved, _full_fsdp2(fmodel, fopt))
+
+        _train(model, opt, rank, range(2, 4))  # each continues: zeroplan where it saved, FSDP2 from the load
+        _train(fmodel, fopt, rank, range(2, 4))
+        continued = _drift(_full_zeroplan(model, opt), _full_fsdp2(fmodel, fopt))
+
+        dcp.save(
+            {"model": get_model_state_dict(fmodel), "optim": get_optimizer_state_dict(fmodel, fopt)},
+            checkpoint_id=back,
+        )
+        fsdp2_saved = _full_fsdp2(fmodel, fopt)
+        model2, opt2 = _zeroplan(cfg)  # fresh: torch's recipe initializes no state first
+        _load_ours(model2, opt2, back)
+        into_zeroplan = _same(fsdp2_saved, _full_zeroplan(model2, opt2))
+        _train(model2, opt2, rank, range(4, 6))
+        _train(fmodel, fopt, rank, range(4, 6))
+        continued_back = _drift(_full_zeroplan(model2, opt2), _full_fsdp2(fmodel, fopt))
+        rows.append(
+            {
+                "into_fsdp2": into_fsdp2,
+                "into_zeroplan": into_zeroplan,
+                "continued": continued,
+                "continued_back": continued_back,
+                "steps": float(saved[next(iter(saved))]["step"]),
+            }
+        )
+    return rows
+
+
+def save_zeroplan(rank: int, world: int, cfg: dict[str, Any], root: str) -> None:
+    """Train 2 steps, save with DCP at this world; rank 0 also writes the whole state (torch.save)."""
+    model, opt = _zeroplan(cfg)
+    _train(model, opt, rank, range(2))
+    dcp.save(_ours(model, opt), checkpoint_id=os.path.join(root, "dcp"))
+    full = _full_zeroplan(model, opt)
+    if rank == 0:
+        torch.save(full, os.path.join(root, "full.pt"))
+
+
+def load_at_another_world(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, Any]:
+    """A fresh zeroplan run (another world and stage) loads the checkpoint; ``dcp_to_torch_save`` gives a
+    file a single-process ``AdamW`` loads."""
+    model, opt = _zeroplan(cfg)
+    _load_ours(model, opt, os.path.join(root, "dcp"))
+    expected = torch.load(os.path.join(root, "full.pt"))
+    out: dict[str, Any] = {"differ": _same(expected, _full_zeroplan(model, opt))}
+    if rank == 0:
+        dcp_to_torch_save(os.path.join(root, "dcp"), os.path.join(root, "converted.pt"))
+        plain = torch.load(os.path.join(root, "converted.pt"))
+        ref = make_model(seed=0)
+        names = [n for n, _ in ref.named_parameters()]
+        ref.load_state_dict(plain["model"])
+        adamw = torch.optim.AdamW(ref.parameters(), lr=LR)
+        optim = plain["optim"]
+        adamw.load_state_dict(
+            {
+                "state": {names.index(k): v for k, v in optim["state"].items()},
+                "param_groups": [
+                    {**g, "params": [names.index(k) for k in g["params"]]} for g in optim["param_groups"]
+                ],
+            }
+        )
+        got = {n: {"param": p.detach(), **adamw.state[p]} for n, p in ref.named_parameters()}
+        out["converted_differ"] = _same(expected, got)
+    return out
