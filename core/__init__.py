@@ -47,7 +47,13 @@ from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_g
 from zeroplan.core.host_step import StepUnit, UpCopy, publishes_via_host_cast, step_units
 from zeroplan.core.host_traffic import HostLink, host_link
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
-from zeroplan.core.memory import MemoryReport, RankReport, accumulation_bytes, memory_report
+from zeroplan.core.memory import (
+    MemoryReport,
+    RankReport,
+    accumulation_bytes,
+    memory_report,
+    save_staging_bytes,
+)
 from zeroplan.core.offload import Offload, offload_residences
 from zeroplan.core.optim.implementations import Implementation, resolve_implementation
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
@@ -146,6 +152,7 @@ __all__ = [
     "staging_layout",
     "staging_arena",
     "accumulation_bytes",
+    "save_staging_bytes",
     "step_peak",
     "step_transient",
     "DEFAULT_ALIGNMENT",

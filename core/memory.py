@@ -57,7 +57,7 @@ from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.residence import Residence
 from zeroplan.core.traffic import CommCost, step_traffic
 
-__all__ = ["MemoryReport", "RankReport", "accumulation_bytes", "memory_report"]
+__all__ = ["MemoryReport", "RankReport", "accumulation_bytes", "memory_report", "save_staging_bytes"]
 
 _FP32 = 4
 
@@ -81,6 +81,8 @@ class RankReport:
             transients and, unless the step runs on the host, the step's.
         host_peak_bytes: the host memory the rank needs at its peak: ``host_bytes``, plus the
             step's transients when it runs on the host.
+        save_staging_bytes: host memory a background save stages (:func:`save_staging_bytes`);
+            held only by jobs that save with ``blocking=False``, so not in the totals.
     """
 
     rank: int
@@ -96,6 +98,7 @@ class RankReport:
     host_bytes: int = 0
     host_link: HostLink | None = None
     step_on_host: bool = False
+    save_staging_bytes: int = 0
     total_bytes: int = field(init=False)
     device_bytes: int = field(init=False)
     comm_bytes_per_step: int = field(init=False)
@@ -146,6 +149,7 @@ class RankReport:
             "peak_bytes": self.peak_bytes,
             "peak_phase": self.peak_phase.value,
             "comm_bytes_per_step": self.comm_bytes_per_step,
+            "save_staging_bytes": self.save_staging_bytes,
             "comm": [
                 {
                     "group": c.group,
@@ -294,6 +298,9 @@ def memory_report(
     else:
         per_shard = [_rank_memory(zp, s, staging[s], frozen, state_of) for s in range(n)]
     transients = step_peak(zp, backward=backward, tensors=tensors or None)
+    shard_staging = (
+        [0] * n if zp.stage is Stage.DDP else [_shard_staging(zp, s, tensors[s]) for s in range(n)]
+    )
     traffic = step_traffic(zp, clipping)
     offloaded = zp.stage is not Stage.DDP and not zp.residences.all_on_device
     links = [host_link(zp, s) for s in range(n)] if offloaded else [None] * n
@@ -321,6 +328,7 @@ def memory_report(
                 host_bytes=memory.host,
                 host_link=links[s],
                 step_on_host=step_on_host,
+                save_staging_bytes=0 if zp.stage is Stage.DDP else _rank_staging(zp, rank, shard_staging[s]),
             )
         )
     return MemoryReport(
@@ -333,6 +341,54 @@ def memory_report(
         ranks=tuple(ranks),
         residences=tuple(zp.residences.as_dict(held_roles(zp)).items()),
     )
+
+
+def save_staging_bytes(zp: ZeroPlan, rank: int) -> int:
+    """Host bytes a background save stages on world rank ``rank`` once the optimizer has state.
+
+    What the rank's checkpoint files hold ([Note: background saves] in
+    ``facade/checkpoint/background.py``): on replica rank 0 of its shard group,
+    its shard of each dtype space's parameters, its fp32 masters and its
+    optimizer state (per-element state over the shard; whole-parameter state of
+    the parameters it owns); on rank 0 the frozen parameters too. Parked state
+    (parameters frozen after training) and scalar state (written as values) are
+    not counted. Stage 0 (DDP) saves through no shard file: 0.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(1024,)] * 4), Topology(world_size=2), alignment=128)
+        >>> save_staging_bytes(zp, 0)   # 2048 fp32 elements: parameters, exp_avg, exp_avg_sq
+        24576
+    """
+    topo = zp.topology
+    require(0 <= rank < topo.world_size, f"rank {rank} is not in a world of {topo.world_size}")
+    if zp.stage is Stage.DDP:
+        return 0
+    s = topo.shard_rank(rank)
+    shard = _shard_staging(zp, s, zp.inner_tensors_by_rank()[s])
+    return _rank_staging(zp, rank, shard)
+
+
+def _rank_staging(zp: ZeroPlan, rank: int, shard: int) -> int:
+    """A world rank's staging: its shard file's ``shard`` bytes if it writes one; rank 0's frozen ones."""
+    return (zp.frozen_bytes if rank == 0 else 0) + (shard if zp.topology.replica_rank(rank) == 0 else 0)
+
+
+def _shard_staging(zp: ZeroPlan, s: int, tensors: Sequence[InnerTensor]) -> int:
+    """The bytes of shard rank ``s``'s shard file: parameters, masters, state (``tensors``: its windows)."""
+    total = 0
+    for space in zp.partition.spaces:
+        extent = space.extent(s)
+        own_master = space.dtype in LOW_PRECISION
+        state_itemsize = DTYPE_ITEMSIZE[master_dtype(space.dtype)]
+        total += extent * (DTYPE_ITEMSIZE[space.dtype] + (_FP32 if own_master else 0))
+        mine = [t for t in tensors if t.space == space.index]
+        if zp.elementwise:
+            per_element = max((zp.optimizers[t.group].per_element for t in mine), default=0)
+            total += extent * state_itemsize * per_element
+        else:
+            total += sum(zp.optimizers[t.group].state_bytes(t.shape, state_itemsize) for t in mine)
+    return total
 
 
 def accumulation_bytes(zp: ZeroPlan, micro_batches: int) -> int:

@@ -87,6 +87,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from zeroplan.core import CheckpointError, ConfigError
 from zeroplan.facade import checkpoint
+from zeroplan.facade.checkpoint import background
 from zeroplan.facade.checkpoint.names import TRAINER_DIR
 from zeroplan.facade.params.module_buffers import broadcast_buffers
 from zeroplan.facade.runtime.optimizer import ZeroOptimizer
@@ -154,6 +155,9 @@ class ZeroTrainer(Trainer):
     Args:
         *args: positional arguments of ``Trainer`` (``model``, ``args``, ...).
         zero_kwargs: ``ZeroOptimizer`` settings; hyper-parameters come from ``args``.
+        background_saves: write each checkpoint's optimizer state in the background
+            (``checkpoint.save(blocking=False)``, [Note: background saves]): training goes on
+            while it is written; the next save, a resume and the end of ``train()`` wait for it.
         **kwargs: keyword arguments of ``Trainer``; ``optimizers`` may only hold ``None``.
 
     Raises:
@@ -168,8 +172,15 @@ class ZeroTrainer(Trainer):
         trainer.train()                                   # or resume_from_checkpoint=True
     """
 
-    def __init__(self, *args: Any, zero_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        zero_kwargs: Mapping[str, Any] | None = None,
+        background_saves: bool = False,
+        **kwargs: Any,
+    ) -> None:
         self.zero_kwargs = _check_zero_kwargs(zero_kwargs)
+        self.background_saves = bool(background_saves)
         self._zero: ZeroOptimizer | None = None
         optimizers = kwargs.get("optimizers", (None, None))
         if optimizers[0] is not None:
@@ -291,8 +302,16 @@ class ZeroTrainer(Trainer):
         with self._whole_weights(writeback=True):
             super()._load_best_model()
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a background save still running at the end is waited for (its error raised)."""
+        result = super().train(*args, **kwargs)
+        if self._zero is not None:
+            background.finish_pending(self._zero)
+        return result
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        checkpoint.save(self.zero_optimizer, Path(output_dir) / CHECKPOINT_DIR)
+        root = Path(output_dir) / CHECKPOINT_DIR
+        checkpoint.save(self.zero_optimizer, root, blocking=not self.background_saves)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
 

@@ -74,6 +74,7 @@ resharding it would provide is the core's reshard plan here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -88,6 +89,8 @@ from zeroplan.core import (
     Stage,
     ZeroplanError,
 )
+from zeroplan.facade.checkpoint import background
+from zeroplan.facade.checkpoint.background import SaveHandle
 from zeroplan.facade.checkpoint.files import encode, write_json, write_tensors
 from zeroplan.facade.checkpoint.loading import domain_shards, load
 from zeroplan.facade.checkpoint.manifest import (
@@ -131,7 +134,7 @@ if TYPE_CHECKING:
     from zeroplan.facade.runtime.domain import DomainRuntime
     from zeroplan.facade.runtime.optimizer import ZeroOptimizer
 
-__all__ = ["FORMAT", "latest", "load", "save"]
+__all__ = ["FORMAT", "SaveHandle", "latest", "load", "save"]
 
 
 def latest(path: str | Path) -> Path | None:
@@ -155,29 +158,75 @@ def latest(path: str | Path) -> Path | None:
 
 # --------------------------------------------------------------------------- save
 @torch.no_grad()
-def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None = None, keep: int = 1) -> Path:
+def save(
+    opt: ZeroOptimizer,
+    path: str | Path,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep: int = 1,
+    blocking: bool = True,
+) -> Path | SaveHandle:
     """Save ``opt``, its parameters and ``extra`` to ``path``; collective.
 
     Rank 0 becomes the one writer of ``path`` at the first save and stays it
     while its process lives (see [Note: checkpoint root]). With expert groups,
     every rank also writes its expert state (see [Note: checkpoint layout]).
+    A save in the background still running for ``opt`` is waited for first.
 
     Args:
         opt: the optimizer; every parameter it manages is saved.
         path: checkpoint root directory (shared by all ranks).
         extra: plain data to store alongside (step number, scheduler state, ...).
         keep: committed snapshots to keep (the newest ones).
+        blocking: ``False``: copy this rank's state into a reused host buffer and return a
+            :class:`SaveHandle` at once; a thread writes and seals the snapshot
+            ([Note: background saves] in ``checkpoint.background``).
 
     Returns:
-        The committed snapshot directory.
+        The committed snapshot directory; with ``blocking=False`` a handle whose
+        ``wait()`` returns it.
 
     Raises:
         CheckpointError: on every rank, if another job writes to ``path`` or a
-            rank could not write; the previous snapshot stays ``latest``.
+            rank could not write (with ``blocking=False``: from ``wait()``, the
+            next save or ``load``); the previous snapshot stays ``latest``.
     """
     if not (type(keep) is int and keep >= 1):
         raise ConfigError(f"keep must be an int >= 1, got {keep!r}")
-    root = Path(path)
+    background.finish_pending(opt)
+    job = _begin(opt, Path(path), extra, keep)
+    if blocking:
+        return _finish(job, job.groups.world)
+    staged = background.stage(opt, job.files, job.device)
+    return background.start(opt, functools.partial(_finish, job._replace(files=staged)), job.groups.world)
+
+
+class _Job(NamedTuple):
+    """A started snapshot: where it goes, this rank's files, and what the manifest needs of the optimizer.
+
+    Attributes:
+        root, name, keep: the checkpoint root, the snapshot's name, snapshots to keep.
+        groups: the data domain's process groups.
+        files: this rank's files, by name: their tensors.
+        state: the state leaves of its shard file (none if it writes none).
+        experts: by expert domain name, what it writes of the domain (state leaves, group).
+        frame: everything of the manifest but what the ranks write, taken at the save.
+        device: where the optimizer's tensors live.
+    """
+
+    root: Path
+    name: str
+    keep: int
+    groups: ProcessGroups
+    files: list[tuple[str, dict[str, torch.Tensor]]]
+    state: tuple[StateLeaf, ...]
+    experts: dict[str, _ExpertWritten]
+    frame: _Frame
+    device: torch.device
+
+
+def _begin(opt: ZeroOptimizer, root: Path, extra: dict[str, Any] | None, keep: int) -> _Job:
+    """Agree on the snapshot's name (rank 0 claims the root) and take this rank's files; collective."""
     sh, experts = domain_shards(opt)
     groups = sh.groups
     leaves = _leaves(sh)
@@ -195,34 +244,40 @@ def save(opt: ZeroOptimizer, path: str | Path, *, extra: dict[str, Any] | None =
             problem = as_zeroplan_error(exc, CheckpointError, f"cannot start a snapshot in {str(root)!r}")
     failed = "could not start the snapshot"
     name: str = verdicts(problem, groups.world, failed=failed, facts=start, error=CheckpointError)[0]
-    partial = root / (name + PARTIAL)
+    files, state, written = _contents(sh, leaves, opt.domains[1:], experts, expert_leaves)
+    frame = _frame(sh, encoded_extra, [d.name for d in opt.domains[1:]])
+    return _Job(root, name, keep, groups, files, state, written, frame, sh.device)
 
+
+def _finish(job: _Job, group: dist.ProcessGroup) -> Path:
+    """Write this rank's files, agree over ``group``, rank 0 seals and commits; collective over ``group``."""
+    root, groups = job.root, job.groups
+    partial = root / (job.name + PARTIAL)
+    problem: ZeroplanError | None = None
     written: _Written | None = None
     try:
-        written = _write(partial, sh, leaves, opt.domains[1:], experts, expert_leaves)
+        listed = tuple(_write_file(partial, name, tensors) for name, tensors in job.files)
+        written = _Written(files=listed, state=job.state, experts=job.experts)
     except Exception as exc:  # any I/O failure must reach every rank, not hang them
         problem = as_zeroplan_error(exc, CheckpointError, f"cannot write into {str(partial)!r}")
     try:
         failed = "could not write its checkpoint file"
-        infos: list[_Written] = verdicts(
-            problem, groups.world, failed=failed, facts=written, error=CheckpointError
-        )
+        infos: list[_Written] = verdicts(problem, group, failed=failed, facts=written, error=CheckpointError)
     except ZeroplanError:
         if groups.rank == 0:  # our own partial: nothing references it
             shutil.rmtree(partial, ignore_errors=True)
         raise
 
-    snapshot = root / name
+    snapshot = root / job.name
     if groups.rank == 0:
         try:
-            names = [d.name for d in opt.domains[1:]]
-            write_json(partial / MANIFEST, _manifest(sh, infos, encoded_extra, names).sealed())
+            write_json(partial / MANIFEST, _manifest(job.frame, infos).sealed())
             partial.rename(snapshot)
-            _point_latest(root, name)
-            cleanup(root, keep, name)
+            _point_latest(root, job.name)
+            cleanup(root, job.keep, job.name)
         except Exception as exc:
             problem = as_zeroplan_error(exc, CheckpointError, f"rank 0 could not commit {str(snapshot)!r}")
-    verdicts(problem, groups.world, failed="could not commit the snapshot", error=CheckpointError)
+    verdicts(problem, group, failed="could not commit the snapshot", error=CheckpointError)
     return snapshot
 
 
@@ -266,30 +321,29 @@ class _Written(NamedTuple):
     experts: dict[str, _ExpertWritten]
 
 
-def _write(
-    partial: Path,
+def _contents(
     sh: Shards,
     leaves: dict[str, Any],
     domains: Sequence[DomainRuntime],
     experts: Sequence[Shards],
     expert_leaves: Sequence[dict[str, Any]],
-) -> _Written:
-    """Write this rank's files into ``partial``: its shard file (replica rank 0), ``frozen.pt``
-    (rank 0) and its file of each expert domain; return what the manifest records of them."""
+) -> tuple[list[tuple[str, dict[str, torch.Tensor]]], tuple[StateLeaf, ...], dict[str, _ExpertWritten]]:
+    """This rank's files (its shard file on replica rank 0, ``frozen.pt`` on rank 0, its file of each
+    expert domain) as tensors by name, and what the manifest records of them; nothing is written."""
     groups = sh.groups
-    files: list[ListedFile] = []
+    files: list[tuple[str, dict[str, torch.Tensor]]] = []
     state: tuple[StateLeaf, ...] = ()
     if groups.replica_rank == 0:
         tensors, state = _shard_contents(sh, leaves)
-        files.append(_write_file(partial, shard_file(groups.shard_rank), tensors))
+        files.append((shard_file(groups.shard_rank), tensors))
     frozen = _frozen(sh)
     if groups.rank == 0 and frozen:
-        files.append(_write_file(partial, FROZEN, frozen))
+        files.append((FROZEN, frozen))
     written: dict[str, _ExpertWritten] = {}
     for domain, esh, eleaves in zip(domains, experts, expert_leaves, strict=True):
-        file, written[domain.name] = _write_experts(partial, domain.name, esh, eleaves, groups)
+        file, written[domain.name] = _expert_contents(domain.name, esh, eleaves, groups)
         files.append(file)
-    return _Written(files=tuple(files), state=state, experts=written)
+    return files, state, written
 
 
 def _write_file(partial: Path, name: str, tensors: dict[str, torch.Tensor]) -> ListedFile:
@@ -328,10 +382,10 @@ def _saved_shards(sh: Shards, state: tuple[StateLeaf, ...]) -> SavedShards:
     )
 
 
-def _write_experts(
-    partial: Path, name: str, sh: Shards, leaves: dict[str, Any], world: ProcessGroups
-) -> tuple[ListedFile, _ExpertWritten]:
-    """Write this rank's file of expert domain ``name``; return it and what the manifest records of it.
+def _expert_contents(
+    name: str, sh: Shards, leaves: dict[str, Any], world: ProcessGroups
+) -> tuple[tuple[str, dict[str, torch.Tensor]], _ExpertWritten]:
+    """This rank's file of expert domain ``name`` (name, tensors) and what the manifest records of it.
 
     Group rank 0 adds what its group saved (partition, masters,
     hyper-parameters) and its frozen parameters; every rank its state leaves.
@@ -344,8 +398,7 @@ def _write_experts(
     if sh.groups.rank == 0:
         tensors.update(_frozen(sh))
         group = _saved_shards(sh, state=())
-    file = _write_file(partial, expert_file(name, world.rank), tensors)
-    return file, _ExpertWritten(ranks=ranks, state=state, group=group)
+    return (expert_file(name, world.rank), tensors), _ExpertWritten(ranks=ranks, state=state, group=group)
 
 
 def _merge_leaves(parts: Iterable[tuple[StateLeaf, ...]]) -> tuple[StateLeaf, ...]:
@@ -361,24 +414,53 @@ def _merge_leaves(parts: Iterable[tuple[StateLeaf, ...]]) -> tuple[StateLeaf, ..
     return tuple(merged.values())
 
 
-def _manifest(sh: Shards, infos: list[_Written], extra: Encoded, experts: Sequence[str] = ()) -> Manifest:
-    """The manifest: the plan, every rank's files and state leaves, hyper-parameters and ``extra``.
+class _Frame(NamedTuple):
+    """What a manifest holds besides the ranks' files and state leaves, taken when the save starts."""
 
-    With expert domains (their names in ``experts``) it has their entries
-    (see [Note: checkpoint layout]) and format ``EXPERTS_FORMAT``.
-    """
+    optimizer: str
+    elementwise: bool
+    world_size: int
+    shard_size: int
+    stage: Stage
+    shards: SavedShards
+    scaler: dict[str, Encoded] | None
+    extra: Encoded
+    experts: tuple[str, ...]
+
+
+def _frame(sh: Shards, extra: Encoded, experts: Sequence[str]) -> _Frame:
+    """The manifest's frame: the plan, hyper-parameters, scaler and ``extra`` as they are now."""
     zp = sh.zp
-    return Manifest(
+    return _Frame(
         optimizer=sh.optimizer_name,
         elementwise=zp.elementwise,
         world_size=zp.topology.world_size,
         shard_size=zp.topology.shard_size,
         stage=Stage(zp.stage),
-        shards=_saved_shards(sh, _merge_leaves(w.state for w in infos)),
+        shards=_saved_shards(sh, ()),
         scaler=None if sh.scaler is None else sh.scaler.as_dict(),
-        files=tuple(file for w in infos for file in w.files),
         extra=extra,
-        expert_domains=tuple(_domain(name, infos) for name in experts),
+        experts=tuple(experts),
+    )
+
+
+def _manifest(frame: _Frame, infos: list[_Written]) -> Manifest:
+    """The manifest: ``frame``, every rank's files and state leaves.
+
+    With expert domains (``frame.experts``) it has their entries (see
+    [Note: checkpoint layout]) and format ``EXPERTS_FORMAT``.
+    """
+    return Manifest(
+        optimizer=frame.optimizer,
+        elementwise=frame.elementwise,
+        world_size=frame.world_size,
+        shard_size=frame.shard_size,
+        stage=frame.stage,
+        shards=dataclasses.replace(frame.shards, state=_merge_leaves(w.state for w in infos)),
+        scaler=frame.scaler,
+        files=tuple(file for w in infos for file in w.files),
+        extra=frame.extra,
+        expert_domains=tuple(_domain(name, infos) for name in frame.experts),
     )
 
 

@@ -21,6 +21,7 @@ from zeroplan.core import (
     ZeroPlan,
     plan_reshard,
 )
+from zeroplan.facade.checkpoint import background
 from zeroplan.facade.checkpoint.checks import (
     check_data_domain,
     check_expert_domain,
@@ -91,6 +92,7 @@ def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
             class, or ranks that read different snapshots.
         In every case, on every rank, and the optimizer and parameters are unchanged.
     """
+    background.finish_pending(opt)  # a save in flight is committed (or raises) first
     sh, experts = domain_shards(opt)
     domains = opt.domains[1:]
     extra: list[dict[str, Any]] = []

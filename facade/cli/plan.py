@@ -581,6 +581,7 @@ def _where_table(report: MemoryReport) -> Any:
     table.add_section()
     table.add_row("rank 0 device GiB", _gib(r.device_bytes))
     table.add_row("rank 0 host GiB", _gib(r.host_bytes))
+    table.add_row("rank 0 background-save staging GiB (host)", _gib(r.save_staging_bytes))
     if r.host_link is not None:  # [Note: offload, planned] in zeroplan.core.offload
         table.add_section()
         table.add_row("step's device peak GiB", _gib(r.device_peak_bytes))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from zeroplan.core import ConfigError, Link, Topology
 
-__all__ = ["ProcessGroups", "data_parallel_group", "group_timeout", "make_groups"]
+__all__ = ["ProcessGroups", "background_group", "data_parallel_group", "group_timeout", "make_groups"]
 
 
 class ProcessGroups(NamedTuple):
@@ -91,6 +91,27 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
     except (AttributeError, IndexError, RuntimeError):
         return None
     return timeout if isinstance(timeout, timedelta) else None
+
+
+#: Per ranks: the job's default group when it was made (a new job's groups are new), and the group.
+_BACKGROUND: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def background_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo group of ``world``'s ranks for work off the main thread (background saves); made once.
+
+    Collectives of one group must be issued in the same order on every rank; a
+    thread that agrees on a save's outcome while the main thread trains would
+    interleave with the step's collectives, so it gets a group of its own. The
+    first call is collective over the job (``new_group``), with ``world``'s timeout.
+    """
+    ranks = tuple(dist.get_process_group_ranks(world))
+    job = dist.group.WORLD
+    made = _BACKGROUND.get(ranks)
+    if made is None or made[0] is not job:
+        group = dist.new_group(list(ranks), backend="gloo", timeout=group_timeout(world))
+        made = _BACKGROUND[ranks] = (job, group)
+    return made[1]
 
 
 def make_groups(world: dist.ProcessGroup, topology: Topology) -> ProcessGroups:

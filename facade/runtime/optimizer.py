@@ -426,17 +426,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> Mapping[torch.Tensor, dict[str, Any]]:  # type: ignore[override]
-        """Per parameter, this rank's optimizer state in torch's layout (copies; read-only).
-
-        Per-element values are ``FlatPieces`` of the parameter's shape that hold
-        this rank's elements ([Note: torch layout of shard state] in
-        ``state.torch_view``): what ``torch.distributed.checkpoint`` saves. Built
-        when an entry is read; change state with :meth:`load_state_dict`.
-        """
+        """This rank's optimizer state: the inner optimizer's (iterating), a parameter's in torch's layout
+        (indexing by the parameter: copies whose per-element values are ``FlatPieces`` holding this
+        rank's elements, [Note: torch layout of shard state] in ``state.torch_view``). Read-only:
+        change state with :meth:`load_state_dict`."""
         if not self.__dict__.get("_initialized"):
             return self.__dict__.setdefault("_torch_state", defaultdict(dict))
         params = [p for group in self.param_groups for p in group["params"]]
-        return ParamStates(params, lambda: self.state_dict())
+        inner: dict[torch.Tensor, dict[str, Any]] = {}
+        for domain in self._joint.domains:
+            inner.update(domain.installed.inner.optimizer.state)
+        return ParamStates(params, inner, self.state_dict)
 
     @state.setter
     def state(self, value: Any) -> None:

@@ -21,16 +21,14 @@ leaves the optimizer exactly as it was.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from zeroplan.core import ConfigError, IncompatiblePlanError, ScalerState, Span, ZeroPlan, master_dtype
-from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.core import ConfigError, IncompatiblePlanError, Span, ZeroPlan, master_dtype
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
-from zeroplan.facade.params.buffers import SpaceBuffers
-from zeroplan.facade.state.inner import Inner
+from zeroplan.facade.state.parts import Shards
 from zeroplan.facade.state.pieces import FlatPieces, flat_values
 from zeroplan.facade.state.shards import export_state
 from zeroplan.facade.state.torch_view import torch_state
@@ -65,25 +63,6 @@ SHARDED_FORMAT = "zeroplan.sharded/v3"
 #: Sharded formats this version reads (v2 kept the shard state under ``"state"``).
 _READS = ("zeroplan.sharded/v2", SHARDED_FORMAT)
 MASTER_KEY = "zeroplan_master"
-
-
-class Shards(NamedTuple):
-    """What the state-dict functions read from a ``ZeroOptimizer``."""
-
-    zp: ZeroPlan
-    buffers: tuple[SpaceBuffers, ...]
-    inner: Inner
-    groups: ProcessGroups
-    params: tuple[torch.Tensor, ...]
-    optimizer_name: str
-    param_groups: list[dict[str, Any]]
-    scaler: ScalerState | None
-    parked: Mapping[int, ParkedParam]
-
-    @property
-    def device(self) -> torch.device:
-        """Where the parameters and this rank's buffers live (also with no trainable parameter)."""
-        return self.params[0].device
 
 
 def torch_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

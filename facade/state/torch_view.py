@@ -23,17 +23,15 @@ moments) has no torch layout: its pieces refuse to be saved or loaded by DCP.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from zeroplan.core import ConfigError, Span
 from zeroplan.facade.state.inner import hyperparameters
+from zeroplan.facade.state.parts import Shards
 from zeroplan.facade.state.pieces import FlatPieces
 from zeroplan.facade.state.tree import MASTER, ParkedParam, ShardState, is_per_element, tree_clone
-
-if TYPE_CHECKING:
-    from zeroplan.facade.state.dicts import Shards
 
 __all__ = ["ParamStates", "torch_state"]
 
@@ -137,36 +135,46 @@ class _FreshEntries:
 
 
 class ParamStates(Mapping[torch.Tensor, dict[str, Any]]):
-    """``ZeroOptimizer.state``: parameter -> its state in torch's layout, read from ``state_dict()`` when
-    first indexed. Its length (the trainable parameters) costs nothing: what torch's
-    ``_init_optim_state`` asks before deciding to run a zero-learning-rate step (the state exists)."""
+    """``ZeroOptimizer.state``: the inner optimizer's state on this rank; a parameter's in torch's layout.
 
-    def __init__(self, params: Sequence[torch.Tensor], state_dict: Callable[[], dict[str, Any]]) -> None:
+    Iterating gives what this rank holds, as the inner optimizer keeps it (its
+    windows of the shard and their state: real tensors, which memory meters
+    such as ``MemTracker`` count once). Indexing by a parameter gives its state
+    in torch's layout (from ``state_dict()``: copies). It is true whenever
+    something trains, also before the first step: torch's
+    ``_init_optim_state`` then leaves the optimizer alone instead of stepping it
+    with zero gradients (a fresh optimizer's ``state_dict()`` already names the
+    state its first step makes, [Note: torch layout of shard state]).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        inner: Mapping[torch.Tensor, dict[str, Any]],
+        state_dict: Callable[[], dict[str, Any]],
+    ) -> None:
         self._params = list(params)
         self._position = {id(p): i for i, p in enumerate(self._params)}
+        self._inner = inner
         self._state_dict = state_dict
-        self._entries: dict[Any, dict[str, Any]] | None = None
 
-    def _read(self) -> dict[Any, dict[str, Any]]:
-        if self._entries is None:
-            whole = self._state_dict()
-            if "state" not in whole:
-                raise ConfigError(
-                    "optimizer state in torch's layout is not available with expert groups: read "
-                    "state_dict()['domains'] or save with zeroplan.facade.checkpoint"
-                )
-            self._entries = whole["state"]
-        return self._entries
+    def __bool__(self) -> bool:
+        return any(p.requires_grad for p in self._params)
 
-    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
-        position = self._position.get(id(param))
+    def __getitem__(self, key: torch.Tensor) -> dict[str, Any]:
+        position = self._position.get(id(key))
         if position is None:
-            raise KeyError("not a parameter of this optimizer")
-        return self._read().get(position, {})
+            return self._inner[key]
+        whole = self._state_dict()
+        if "state" not in whole:
+            raise ConfigError(
+                "optimizer state in torch's layout is not available with expert groups: read "
+                "state_dict()['domains'] or save with zeroplan.facade.checkpoint"
+            )
+        return whole["state"].get(position, {})
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        entries = self._read()
-        return iter([p for i, p in enumerate(self._params) if i in entries])
+        return iter(self._inner)
 
     def __len__(self) -> int:
-        return sum(bool(p.requires_grad) for p in self._params)
+        return len(self._inner)

@@ -2,7 +2,8 @@
 
 Usage: ``python crash_save.py ROOT POINT PORT``. Two gloo processes train, save
 snapshot 1, store a reference, then save again while one rank dies at POINT:
-``shard_write`` (rank 1 halfway through its shard file), ``manifest_written``
+``shard_write`` (rank 1 halfway through its shard file), ``background_write`` (the
+same, in the thread of a ``blocking=False`` save), ``manifest_written``
 (rank 0 after the manifest, before the rename), ``before_latest`` (rank 0 after
 the rename, before ``latest`` moves).
 """
@@ -50,7 +51,7 @@ def run(rank: int, world: int, root: str, point: str, port: int) -> None:
         )
     loss_of(model, *batch(2, rank)).backward()
     opt.step()
-    if point == "shard_write" and rank == 1:
+    if point in ("shard_write", "background_write") and rank == 1:
 
         def half_then_die(path: Path, tensors: dict) -> str:
             files.write_tensors(path, tensors)
@@ -68,7 +69,12 @@ def run(rank: int, world: int, root: str, point: str, port: int) -> None:
         checkpoint.write_json = write_then_die
     if point == "before_latest" and rank == 0:
         checkpoint._point_latest = lambda root, name: _die()
-    checkpoint.save(opt, root, extra={"step": 3})
+    if point == "background_write":
+        handle = checkpoint.save(opt, root, extra={"step": 3}, blocking=False)
+        loss_of(model, *batch(3, rank)).backward()  # training goes on while rank 1's thread dies
+        handle.wait()
+    else:
+        checkpoint.save(opt, root, extra={"step": 3})
     dist.destroy_process_group()
 
 

@@ -105,16 +105,18 @@ def trainer_run(
     resume_from: str | bool | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    background: bool = False,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """``Trainer`` + ``torch.optim.AdamW`` under DDP (``zero=None``) or ``ZeroTrainer(zero_kwargs=zero)``."""
+    """``Trainer`` + ``torch.optim.AdamW`` under DDP (``zero=None``) or ``ZeroTrainer(zero_kwargs=zero)``
+    (``background``: its checkpoints saved with ``background_saves=True``)."""
     model = make_model(seed, dtype)
     args = training_args(out, **overrides)
     data = {"train_dataset": Data(), "eval_dataset": Data() if "eval_strategy" in overrides else None}
     if zero is None:
         trainer: Trainer = Trainer(model=model, args=args, **data)
     else:
-        trainer = ZeroTrainer(model=model, args=args, zero_kwargs=zero, **data)
+        trainer = ZeroTrainer(model=model, args=args, zero_kwargs=zero, background_saves=background, **data)
     trainer.train(resume_from_checkpoint=resume_from)
     evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     wrapped = type(trainer.model_wrapped).__name__
@@ -218,6 +220,9 @@ def runs(out: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         ),
         # bf16 parameters: the fp32 masters must come back from the checkpoint, not from the bf16 model.
         "zero_bf16": lambda: trainer_run(out / "zero_bf16", zero={"stage": 2}, dtype=bf16, **clip, **save),
+        "zero_bf16_background": lambda: trainer_run(
+            out / "zero_bf16_background", zero={"stage": 2}, dtype=bf16, background=True, **clip, **save
+        ),
         "zero_bf16_resumed": lambda: trainer_run(
             out / "zero_bf16_resumed",
             **resumed,

@@ -224,7 +224,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("point", ["shard_write", "manifest_written", "before_latest"])
+@pytest.mark.parametrize("point", ["shard_write", "background_write", "manifest_written", "before_latest"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(pools, tmp_path, point):
     root = tmp_path / "ckpt"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

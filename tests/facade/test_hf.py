@@ -31,8 +31,9 @@ pytestmark = pytest.mark.skipif(not HAS_HF, reason="needs transformers and accel
 
 RUNS = (
     "ddp", "zero", "ddp_gas", "zero_gas", "ddp_clip", "zero_clip", "zero1_clip", "zero_clip_resumed",
-    "zero_bf16", "zero_bf16_resumed", "accelerate_ddp", "accelerate_zero", "accelerate_ddp_clip",
-    "accelerate_zero_clip", "ERROR_plain_trainer", "zero3", "zero3_clip", "zero3_clip_resumed", "zero3_best",
+    "zero_bf16", "zero_bf16_background", "zero_bf16_resumed", "accelerate_ddp", "accelerate_zero",
+    "accelerate_ddp_clip", "accelerate_zero_clip", "ERROR_plain_trainer", "zero3", "zero3_clip",
+    "zero3_clip_resumed", "zero3_best",
 )  # fmt: skip
 
 
@@ -102,6 +103,25 @@ def test_resume_from_a_trainer_checkpoint_equals_the_uninterrupted_run(results, 
     folder = results["_dir"] / run / "checkpoint-3"
     assert (folder / "zeroplan" / "latest").is_file() and (folder / "scheduler.pt").is_file()
     assert not (folder / "optimizer.pt").exists()
+
+
+def test_background_saves_change_no_result_and_write_the_same_checkpoints(results):
+    """``ZeroTrainer(background_saves=True)``: the run and its checkpoint equal the blocking run's."""
+    import optree
+    import torch
+
+    for rank in range(2):
+        plain, background = results["zero_bf16"][rank], results["zero_bf16_background"][rank]
+        assert plain["losses"] == background["losses"] and plain["grad_norms"] == background["grad_norms"]
+        assert _max_abs(plain["params"], background["params"]) == 0.0
+    for shard in ("shard-00000.pt", "shard-00001.pt"):
+        a, b = (
+            torch.load(results["_dir"] / run / "checkpoint-3" / "zeroplan" / "snapshot-00000001" / shard)
+            for run in ("zero_bf16", "zero_bf16_background")
+        )
+        assert a.keys() == b.keys() and optree.tree_structure(a) == optree.tree_structure(b)
+        leaves = zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True)
+        assert all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in leaves), shard
 
 
 def _saved_model(folder: Path) -> dict[str, Any]:

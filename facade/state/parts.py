@@ -1,0 +1,35 @@
+"""``Shards``: the parts of one domain of a ``ZeroOptimizer`` that state dicts and checkpoints read."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from zeroplan.core import ScalerState, ZeroPlan
+from zeroplan.facade.mechanisms.groups import ProcessGroups
+from zeroplan.facade.params.buffers import SpaceBuffers
+from zeroplan.facade.state.inner import Inner
+from zeroplan.facade.state.tree import ParkedParam
+
+__all__ = ["Shards"]
+
+
+class Shards(NamedTuple):
+    """What the state-dict functions read from a ``ZeroOptimizer``."""
+
+    zp: ZeroPlan
+    buffers: tuple[SpaceBuffers, ...]
+    inner: Inner
+    groups: ProcessGroups
+    params: tuple[torch.Tensor, ...]
+    optimizer_name: str
+    param_groups: list[dict[str, Any]]
+    scaler: ScalerState | None
+    parked: Mapping[int, ParkedParam]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters and this rank's buffers live (also with no trainable parameter)."""
+        return self.params[0].device
