@@ -235,8 +235,8 @@ def _bad_on_rank_one(case: str, opt: ZeroOptimizer, rank: int) -> dict[str, Any]
     if case == "sharded":  # each rank's own dict; rank 1's has a state tensor of the wrong size
         sd = opt.state_dict()
         if rank == 1:
-            key = next(k for k in sd["state"] if k.startswith("flat/"))
-            sd["state"][key] = torch.zeros(3)
+            key = next(k for k in sd["zeroplan_state"] if k.startswith("flat/"))
+            sd["zeroplan_state"][key] = torch.zeros(3)
         return sd
     plain = opt.consolidated_state_dict(to_rank=None)
     del plain["state"][0]  # parameter 0 starts fresh: a new cohort, so loading re-plans

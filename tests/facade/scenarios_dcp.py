@@ -155,12 +155,18 @@ def save_zeroplan(rank: int, world: int, cfg: dict[str, Any], root: str) -> None
 
 
 def load_at_another_world(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, Any]:
-    """A fresh zeroplan run (another world and stage) loads the checkpoint; ``dcp_to_torch_save`` gives a
-    file a single-process ``AdamW`` loads."""
+    """A fresh zeroplan run (another world and stage) and FSDP2 at this world load the checkpoint;
+    ``dcp_to_torch_save`` gives a file a single-process ``AdamW`` loads."""
     model, opt = _zeroplan(cfg)
     _load_ours(model, opt, os.path.join(root, "dcp"))
     expected = torch.load(os.path.join(root, "full.pt"))
     out: dict[str, Any] = {"differ": _same(expected, _full_zeroplan(model, opt))}
+    fmodel, fopt = _fsdp2(cfg)  # FSDP2 at this world too
+    state = {"model": get_model_state_dict(fmodel), "optim": get_optimizer_state_dict(fmodel, fopt)}
+    dcp.load(state, checkpoint_id=os.path.join(root, "dcp"))
+    set_model_state_dict(fmodel, state["model"])
+    set_optimizer_state_dict(fmodel, fopt, state["optim"])
+    out["fsdp2_differ"] = _same(expected, _full_fsdp2(fmodel, fopt))
     if rank == 0:
         dcp_to_torch_save(os.path.join(root, "dcp"), os.path.join(root, "converted.pt"))
         plain = torch.load(os.path.join(root, "converted.pt"))
