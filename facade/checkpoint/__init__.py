@@ -210,7 +210,8 @@ class _Job(NamedTuple):
         files: this rank's files, by name: their tensors.
         state: the state leaves of its shard file (none if it writes none).
         experts: by expert domain name, what it writes of the domain (state leaves, group).
-        frame: everything of the manifest but what the ranks write, taken at the save.
+        frame: the manifest but what the ranks write, taken at the save.
+        expert_names: the expert domains' names.
         device: where the optimizer's tensors live.
     """
 
@@ -221,7 +222,8 @@ class _Job(NamedTuple):
     files: list[tuple[str, dict[str, torch.Tensor]]]
     state: tuple[StateLeaf, ...]
     experts: dict[str, _ExpertWritten]
-    frame: _Frame
+    frame: Manifest
+    expert_names: tuple[str, ...]
     device: torch.device
 
 
@@ -245,8 +247,8 @@ def _begin(opt: ZeroOptimizer, root: Path, extra: dict[str, Any] | None, keep: i
     failed = "could not start the snapshot"
     name: str = verdicts(problem, groups.world, failed=failed, facts=start, error=CheckpointError)[0]
     files, state, written = _contents(sh, leaves, opt.domains[1:], experts, expert_leaves)
-    frame = _frame(sh, encoded_extra, [d.name for d in opt.domains[1:]])
-    return _Job(root, name, keep, groups, files, state, written, frame, sh.device)
+    names = tuple(d.name for d in opt.domains[1:])
+    return _Job(root, name, keep, groups, files, state, written, _frame(sh, encoded_extra), names, sh.device)
 
 
 def _finish(job: _Job, group: dist.ProcessGroup) -> Path:
@@ -271,7 +273,7 @@ def _finish(job: _Job, group: dist.ProcessGroup) -> Path:
     snapshot = root / job.name
     if groups.rank == 0:
         try:
-            write_json(partial / MANIFEST, _manifest(job.frame, infos).sealed())
+            write_json(partial / MANIFEST, _manifest(job.frame, infos, job.expert_names).sealed())
             partial.rename(snapshot)
             _point_latest(root, job.name)
             cleanup(root, job.keep, job.name)
@@ -414,24 +416,11 @@ def _merge_leaves(parts: Iterable[tuple[StateLeaf, ...]]) -> tuple[StateLeaf, ..
     return tuple(merged.values())
 
 
-class _Frame(NamedTuple):
-    """What a manifest holds besides the ranks' files and state leaves, taken when the save starts."""
-
-    optimizer: str
-    elementwise: bool
-    world_size: int
-    shard_size: int
-    stage: Stage
-    shards: SavedShards
-    scaler: dict[str, Encoded] | None
-    extra: Encoded
-    experts: tuple[str, ...]
-
-
-def _frame(sh: Shards, extra: Encoded, experts: Sequence[str]) -> _Frame:
-    """The manifest's frame: the plan, hyper-parameters, scaler and ``extra`` as they are now."""
+def _frame(sh: Shards, extra: Encoded) -> Manifest:
+    """The manifest as far as the save's start knows it: the plan, hyper-parameters, scaler and
+    ``extra`` as they are now; the ranks' files and state leaves come with :func:`_manifest`."""
     zp = sh.zp
-    return _Frame(
+    return Manifest(
         optimizer=sh.optimizer_name,
         elementwise=zp.elementwise,
         world_size=zp.topology.world_size,
@@ -439,28 +428,22 @@ def _frame(sh: Shards, extra: Encoded, experts: Sequence[str]) -> _Frame:
         stage=Stage(zp.stage),
         shards=_saved_shards(sh, ()),
         scaler=None if sh.scaler is None else sh.scaler.as_dict(),
+        files=(),
         extra=extra,
-        experts=tuple(experts),
     )
 
 
-def _manifest(frame: _Frame, infos: list[_Written]) -> Manifest:
-    """The manifest: ``frame``, every rank's files and state leaves.
+def _manifest(frame: Manifest, infos: list[_Written], experts: Sequence[str]) -> Manifest:
+    """The manifest: ``frame`` with every rank's files and state leaves.
 
-    With expert domains (``frame.experts``) it has their entries (see
+    With expert domains (their names in ``experts``) it has their entries (see
     [Note: checkpoint layout]) and format ``EXPERTS_FORMAT``.
     """
-    return Manifest(
-        optimizer=frame.optimizer,
-        elementwise=frame.elementwise,
-        world_size=frame.world_size,
-        shard_size=frame.shard_size,
-        stage=frame.stage,
+    return dataclasses.replace(
+        frame,
         shards=dataclasses.replace(frame.shards, state=_merge_leaves(w.state for w in infos)),
-        scaler=frame.scaler,
         files=tuple(file for w in infos for file in w.files),
-        extra=frame.extra,
-        expert_domains=tuple(_domain(name, infos) for name in frame.experts),
+        expert_domains=tuple(_domain(name, infos) for name in experts),
     )
 
 

@@ -45,7 +45,7 @@ from zeroplan.facade.mechanisms.collectives import (
 )
 from zeroplan.facade.mechanisms.groups import background_group
 
-__all__ = ["SaveHandle", "Staging", "finish_pending", "stage", "staging_bytes", "start"]
+__all__ = ["SaveHandle", "Staging", "finish_pending", "stage", "staging_buffers", "staging_bytes", "start"]
 
 Files = list[tuple[str, dict[str, torch.Tensor]]]
 
@@ -170,6 +170,12 @@ def staging_bytes(opt: Any) -> int:
     """Host bytes ``opt``'s background saves hold for staging (0 before the first)."""
     found = _BY_OPTIMIZER.get(opt)
     return 0 if found is None else found.staging.nbytes
+
+
+def staging_buffers(opt: Any) -> list[torch.Tensor]:
+    """``opt``'s staging buffers (for tests and tools: pinned beside a GPU)."""
+    found = _BY_OPTIMIZER.get(opt)
+    return [] if found is None else list(found.staging.buffers.values())
 
 
 def start(opt: Any, run: Callable[[dist.ProcessGroup], Path], world: dist.ProcessGroup) -> SaveHandle:

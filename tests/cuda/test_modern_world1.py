@@ -51,3 +51,12 @@ def test_cpu_offload_trains_as_without_it_with_less_device_memory():
         # The host waits for the gradients' copies, and clipping reads its norm there: at most two
         # more synchronisations per step than without offload.
         assert moved["syncs"] <= plain["syncs"] + 2, (name, r)
+
+
+def test_background_saves_beside_the_gpu_change_nothing_and_stage_pinned_planned_bytes():
+    """[Note: background saves] on a GPU: staging pinned, copies on the side stream, training as without."""
+    for name, r in _run("background").items():
+        # Bit-identical where the kernels are deterministic (the CPU suite, one thread per rank); here
+        # two runs of the model may differ by the embedding backward's atomics alone.
+        assert r["snapshot_is_save_time"] and (r["same_training"] or r["max_rel_error"] < 2e-2), (name, r)
+        assert r["pinned"] is True and r["staged"] == r["planned"] > 0, (name, r)
