@@ -194,11 +194,21 @@ def save(
     if not (type(keep) is int and keep >= 1):
         raise ConfigError(f"keep must be an int >= 1, got {keep!r}")
     background.finish_pending(opt)
-    job = _begin(opt, Path(path), extra, keep)
+    job, problem = _begin(opt, Path(path), extra, keep)
+    if not blocking and problem is None:
+        try:
+            job = job._replace(files=background.stage(opt, job.files, job.device))
+        except Exception as exc:  # a rank that cannot stage must not leave the others' threads waiting
+            problem = as_zeroplan_error(exc, CheckpointError, "cannot copy its state into host staging")
+    try:
+        verdicts(problem, job.groups.world, failed="could not take its state", error=CheckpointError)
+    except ZeroplanError:
+        if job.groups.rank == 0:  # our own partial: nothing references it
+            shutil.rmtree(job.root / (job.name + PARTIAL), ignore_errors=True)
+        raise
     if blocking:
         return _finish(job, job.groups.world)
-    staged = background.stage(opt, job.files, job.device)
-    return background.start(opt, functools.partial(_finish, job._replace(files=staged)), job.groups.world)
+    return background.start(opt, functools.partial(_finish, job), job.groups.world)
 
 
 class _Job(NamedTuple):
@@ -227,12 +237,13 @@ class _Job(NamedTuple):
     device: torch.device
 
 
-def _begin(opt: ZeroOptimizer, root: Path, extra: dict[str, Any] | None, keep: int) -> _Job:
-    """Agree on the snapshot's name (rank 0 claims the root) and take this rank's files; collective."""
+def _begin(
+    opt: ZeroOptimizer, root: Path, extra: dict[str, Any] | None, keep: int
+) -> tuple[_Job, ZeroplanError | None]:
+    """Agree on the snapshot's name (rank 0 claims the root; collective), then take this rank's files;
+    a failure to take them is returned, for the caller to agree on."""
     sh, experts = domain_shards(opt)
     groups = sh.groups
-    leaves = _leaves(sh)
-    expert_leaves = [_leaves(esh) for esh in experts]
     problem: ZeroplanError | None = None
     start, encoded_extra = None, None
     if groups.rank == 0:
@@ -246,9 +257,17 @@ def _begin(opt: ZeroOptimizer, root: Path, extra: dict[str, Any] | None, keep: i
             problem = as_zeroplan_error(exc, CheckpointError, f"cannot start a snapshot in {str(root)!r}")
     failed = "could not start the snapshot"
     name: str = verdicts(problem, groups.world, failed=failed, facts=start, error=CheckpointError)[0]
-    files, state, written = _contents(sh, leaves, opt.domains[1:], experts, expert_leaves)
+    files: list[tuple[str, dict[str, torch.Tensor]]] = []
+    state: tuple[StateLeaf, ...] = ()
+    written: dict[str, _ExpertWritten] = {}
+    try:
+        leaves, expert_leaves = _leaves(sh), [_leaves(esh) for esh in experts]
+        files, state, written = _contents(sh, leaves, opt.domains[1:], experts, expert_leaves)
+    except Exception as exc:  # agreed by the caller: every rank raises, none writes
+        problem = as_zeroplan_error(exc, CheckpointError, "cannot take its state for the snapshot")
     names = tuple(d.name for d in opt.domains[1:])
-    return _Job(root, name, keep, groups, files, state, written, _frame(sh, encoded_extra), names, sh.device)
+    frame = _frame(sh, encoded_extra)
+    return _Job(root, name, keep, groups, files, state, written, frame, names, sh.device), problem
 
 
 def _finish(job: _Job, group: dist.ProcessGroup) -> Path:
