@@ -117,6 +117,17 @@ class PartitionPlan:
         """Rank ``rank``'s fragments of space ``space``, in shard order."""
         return self.spaces[space].by_rank[rank]
 
+    def held_fragments(self, rank: int) -> dict[int, list[Fragment]]:
+        """Each trainable parameter's fragments on shard rank ``rank``, in the parameter's element order
+        (none for a parameter the rank holds nothing of)."""
+        held: dict[int, list[Fragment]] = {p: [] for p in self.trainable_indices}
+        for space in self.spaces:
+            for f in space.by_rank[rank]:
+                held[f.param].append(f)
+        for frags in held.values():
+            frags.sort(key=lambda f: f.param_span.start)
+        return held
+
     def fingerprint(self) -> str:
         """Stable digest of the layout (not of the strategy name)."""
         # Each parameter's fragments are written when hashed (a stage-3 plan's are 100 MB of text).

@@ -45,20 +45,17 @@ def model_state_dict(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
         opt: the optimizer.
     """
     sh: Shards = opt.shards()
-    names = _trainable_names(model, sh)
+    own = model.state_dict(keep_vars=True)
+    names = _trainable_names(own, sh)
     trainable = _all_names(names)
-    out: dict[str, Any] = {
-        name: tensor.detach()
-        for name, tensor in model.state_dict(keep_vars=True).items()
-        if name not in trainable
-    }
-    values = {b.space.index: _master_values(b).clone() for b in sh.buffers}
-    for index, parts in _pieces(sh).items():
+    out: dict[str, Any] = {name: tensor.detach() for name, tensor in own.items() if name not in trainable}
+    values = {b.space.dtype: _master_values(b).clone() for b in sh.buffers}
+    for index, frags in sh.zp.partition.held_fragments(sh.groups.shard_rank).items():
         spec = sh.zp.specs[index]
-        held = [(span, values[space][at.as_slice()]) for span, at, space in parts]
-        buf = sh.buffers[_space_of(sh)[spec.dtype]]
-        pieces = FlatPieces(spec.shape, held, dtype=buf.master_dtype, device=_master_values(buf).device)
-        for name in names.get(index, ()):
+        held = [(f.param_span, values[spec.dtype][f.shard_span.as_slice()]) for f in frags]
+        buf = sh.buffers[_space_index(sh, spec.dtype)]
+        pieces = FlatPieces(spec.shape, held, dtype=buf.master_dtype, device=buf.master_device)
+        for name in names[index]:
             out[name] = pieces
     return out
 
@@ -75,24 +72,29 @@ def load_model_state_dict(model: torch.nn.Module, opt: Any, state_dict: dict[str
             pieces this rank does not hold; nothing changed.
     """
     sh: Shards = opt.shards()
+    own = model.state_dict(keep_vars=True)
     problem: Exception | None = None
     masters: dict[str, torch.Tensor] = {}
+    trainable: set[str] = set()
     try:
-        masters = _read(model, sh, state_dict)
+        names = _trainable_names(own, sh)
+        trainable = _all_names(names)
+        masters = _read(own, names, sh, state_dict)
     except Exception as exc:  # a failure on any rank must reach every rank before anything changes
         problem = exc
     verdicts(
         problem, sh.groups.world, failed="could not read the model state dict", error=IncompatiblePlanError
     )
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if name in state_dict and name not in _all_names(_trainable_names(model, sh)):
+    for name, tensor in own.items():
+        if name not in trainable:
             tensor.detach().copy_(state_dict[name])
     opt.restore_masters(masters)
 
 
-def _read(model: torch.nn.Module, sh: Shards, state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
-    names = _trainable_names(model, sh)
-    own = model.state_dict(keep_vars=True)
+def _read(
+    own: dict[str, Any], names: dict[int, list[str]], sh: Shards, state_dict: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Per dtype space, this rank's master values from ``state_dict`` (checked against ``own``)."""
     missing = sorted(set(own) - set(state_dict))
     if missing:
         raise IncompatiblePlanError(f"the model state dict lacks {missing[:5]} ({len(missing)} keys)")
@@ -103,14 +105,12 @@ def _read(model: torch.nn.Module, sh: Shards, state_dict: dict[str, Any]) -> dic
                 f"{tuple(tensor.shape)} in the model"
             )
     out = {
-        b.space.dtype: torch.zeros(b.extent, dtype=b.master_dtype, device=_master_values(b).device)
-        for b in sh.buffers
+        b.space.dtype: torch.zeros(b.extent, dtype=b.master_dtype, device=b.master_device) for b in sh.buffers
     }
-    space_dtype = {s.index: s.dtype for s in sh.zp.partition.spaces}
-    for index, parts in _pieces(sh).items():
-        value = state_dict[names[index][0]]
-        for span, at, space in parts:
-            out[space_dtype[space]][at.as_slice()] = flat_values(value, span)
+    for index, frags in sh.zp.partition.held_fragments(sh.groups.shard_rank).items():
+        value, target = state_dict[names[index][0]], out[sh.zp.specs[index].dtype]
+        for f in frags:
+            target[f.shard_span.as_slice()] = flat_values(value, f.param_span)
     return out
 
 
@@ -119,34 +119,24 @@ def _master_values(buf: Any) -> torch.Tensor:
     return buf.master_copy[: buf.extent] if buf.carries_master else buf.shard_values()
 
 
-def _space_of(sh: Shards) -> dict[str, int]:
-    return {space.dtype: space.index for space in sh.zp.partition.spaces}
+def _space_index(sh: Shards, dtype: str) -> int:
+    return next(space.index for space in sh.zp.partition.spaces if space.dtype == dtype)
 
 
-def _pieces(sh: Shards) -> dict[int, list[Any]]:
-    """Per trainable parameter, this rank's fragments: (range of the parameter, range of the shard, space)."""
-    out: dict[int, list[Any]] = {spec.index: [] for spec in sh.zp.specs if spec.trainable}
-    for space in sh.zp.partition.spaces:
-        for f in space.by_rank[sh.groups.shard_rank]:
-            out[f.param].append((f.param_span, f.shard_span, space.index))
-    for parts in out.values():
-        parts.sort(key=lambda part: part[0].start)
-    return out
-
-
-def _trainable_names(model: torch.nn.Module, sh: Shards) -> dict[int, list[str]]:
-    """Per trainable parameter of ``sh``, its names in ``model.state_dict()`` (tied ones have several).
+def _trainable_names(own: dict[str, Any], sh: Shards) -> dict[int, list[str]]:
+    """Per trainable parameter of ``sh``, its names in the model's ``state_dict(keep_vars=True)``
+    (``own``; tied ones have several).
 
     Raises:
-        ConfigError: a trainable parameter is not in ``model``.
+        ConfigError: a trainable parameter is not in the model.
     """
     position = {id(p): i for i, p in enumerate(sh.params)}
     names: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in own.items():
         index = position.get(id(tensor))
         if index is not None and sh.zp.specs[index].trainable:
             names.setdefault(index, []).append(name)
-    lost = [sh.zp.specs[s.index].name for s in sh.zp.specs if s.trainable and s.index not in names]
+    lost = [s.name for s in sh.zp.specs if s.trainable and s.index not in names]
     if lost:
         raise ConfigError(f"parameters {lost[:5]} of the optimizer are not in the model's state_dict()")
     return names

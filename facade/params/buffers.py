@@ -138,6 +138,11 @@ class SpaceBuffers:
         return self.master
 
     @property
+    def master_device(self) -> torch.device:
+        """Where the rank's master values live: its own master, or the parameters it steps in place."""
+        return (self.master if self.master is not None else self.param_target).device
+
+    @property
     def param_bytes(self) -> int:
         """Bytes of parameters held between steps: the full buffer, or the shard at stage 3."""
         raise NotImplementedError

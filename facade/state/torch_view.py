@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from zeroplan.core import ConfigError, Span
+from zeroplan.core import ConfigError
 from zeroplan.facade.state.inner import hyperparameters
 from zeroplan.facade.state.parts import Shards
 from zeroplan.facade.state.pieces import FlatPieces
@@ -56,10 +56,7 @@ def torch_state(
     out: dict[int, dict[str, Any]] = {}
     if not zp.elementwise:
         return {p: dict(entry) for p, entry in state.whole.items()}
-    held: dict[int, list[tuple[Span, Span]]] = {}
-    for space in zp.partition.spaces:
-        for f in space.by_rank[rank]:
-            held.setdefault(f.param, []).append((f.param_span, f.shard_span))
+    held = zp.partition.held_fragments(rank)
     space_of = {space.dtype: space.index for space in zp.partition.spaces}
     fresh = _FreshEntries(sh)
     for spec in zp.specs:
@@ -67,7 +64,7 @@ def torch_state(
             continue
         si = space_of[spec.dtype]
         buf = sh.buffers[si]
-        device = (buf.master if buf.master is not None else buf.param_target).device
+        device = buf.master_device
         scalars = state.scalars.get((spec.group, spec.cohort))
         flat: dict[str, torch.Tensor | None]
         if scalars is None:
@@ -75,15 +72,17 @@ def torch_state(
             flat = dict.fromkeys(keys)
         else:
             flat = {k: values for (space, k), values in state.flat.items() if space == si}
-        frags = sorted(held.get(spec.index, ()), key=lambda f: f[0].start)
+        frags = held[spec.index]
         # A rank that holds none of the parameter does not know its cohort's scalars: it names none.
         entry: dict[str, Any] = tree_clone(dict(scalars)) if frags else {}
         for key, values in flat.items():
             dtype = buf.master_dtype if values is None else values.dtype
             if values is None:
-                parts = [(span, torch.zeros(span.numel, dtype=dtype, device=device)) for span, _ in frags]
+                parts = [
+                    (f.param_span, torch.zeros(f.param_span.numel, dtype=dtype, device=device)) for f in frags
+                ]
             else:
-                parts = [(span, values[at.as_slice()]) for span, at in frags]
+                parts = [(f.param_span, values[f.shard_span.as_slice()]) for f in frags]
             plain = values is None or type(values) is torch.Tensor
             refusal = None if plain else _SUBCLASS.format(cls=type(values))
             entry[key] = FlatPieces(spec.shape, parts, dtype=dtype, device=device, refusal=refusal)
