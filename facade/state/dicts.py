@@ -184,9 +184,9 @@ def check_plain(state_dict: dict[str, Any], sh: Shards) -> None:
             raise IncompatiblePlanError(f"state for parameter id {saved_id!r}, which no param group lists")
         param = sh.params[position[saved_id]]
         for key, value in entry.items():
-            if torch.is_tensor(value) and value.dim() > 0 and not sh.zp.elementwise:
+            if _per_element(value) and not sh.zp.elementwise:
                 continue  # whole-parameter optimizers may keep any shapes (factored moments)
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+            if _per_element(value) and value.shape != param.shape:
                 raise IncompatiblePlanError(
                     f"state {key!r} of parameter {position[saved_id]} has shape {tuple(value.shape)}, the "
                     f"parameter has {tuple(param.shape)}: a state dict of another model?"
@@ -249,6 +249,7 @@ def with_scalars(state_dict: dict[str, Any], named: Sequence[dict[Any, dict[str,
 
 
 def _per_element(value: Any) -> bool:
+    """Whether a torch-layout state value is per element (a tensor shaped like its parameter)."""
     return torch.is_tensor(value) and value.dim() > 0
 
 
@@ -275,7 +276,7 @@ def cohorts_of_plain(state_dict: dict[str, Any], zp: ZeroPlan) -> list[int]:
                 sorted(
                     (k, float(v) if torch.is_tensor(v) else v)
                     for k, v in entry.items()
-                    if not (torch.is_tensor(v) and v.dim() > 0)
+                    if not _per_element(v)
                 )
             )
             key = (spec.group, scalars)
@@ -319,7 +320,7 @@ def shard_state_from_plain(
                 continue
             shared = scalars.setdefault((spec.group, spec.cohort), {})
             for key, value in entry.items():
-                if torch.is_tensor(value) and value.dim() > 0:
+                if _per_element(value):
                     out = flat.get((space.index, key))
                     if out is None:
                         out = flat[space.index, key] = torch.zeros(owned, dtype=value.dtype, device=device)
@@ -350,10 +351,10 @@ def parked_from_plain(state_dict: dict[str, Any], target: ZeroPlan, sh: Shards) 
         pieces = {
             key: [(whole, flat_values(value.detach(), whole).to(device, copy=True))]
             for key, value in entry.items()
-            if torch.is_tensor(value) and value.dim() > 0
+            if _per_element(value)
         }
         if p in masters:
             pieces[MASTER] = [(whole, flat_values(masters[p].detach(), whole).float().to(device, copy=True))]
-        scalars = {k: v for k, v in entry.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+        scalars = {k: v for k, v in entry.items() if not _per_element(v)}
         parked[p] = ParkedParam(scalars=tree_clone(scalars, device), pieces=pieces)
     return parked
