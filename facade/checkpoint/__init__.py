@@ -120,6 +120,7 @@ from zeroplan.facade.checkpoint.names import (
 from zeroplan.facade.checkpoint.root import claim, cleanup, next_name, resolve
 from zeroplan.facade.checkpoint.root import point_latest as _point_latest  # crash tests patch it here
 from zeroplan.facade.mechanisms.agreement import as_zeroplan_error, verdicts
+from zeroplan.facade.mechanisms.assembly import Assembly, FileTensor, materialize
 from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.state.dicts import Shards
 from zeroplan.facade.state.inner import hyperparameters
@@ -229,7 +230,7 @@ class _Job(NamedTuple):
     name: str
     keep: int
     groups: ProcessGroups
-    files: list[tuple[str, dict[str, torch.Tensor]]]
+    files: list[tuple[str, dict[str, FileTensor]]]
     state: tuple[StateLeaf, ...]
     experts: dict[str, _ExpertWritten]
     frame: Manifest
@@ -257,7 +258,7 @@ def _begin(
             problem = as_zeroplan_error(exc, CheckpointError, f"cannot start a snapshot in {str(root)!r}")
     failed = "could not start the snapshot"
     name: str = verdicts(problem, groups.world, failed=failed, facts=start, error=CheckpointError)[0]
-    files: list[tuple[str, dict[str, torch.Tensor]]] = []
+    files: list[tuple[str, dict[str, FileTensor]]] = []
     state: tuple[StateLeaf, ...] = ()
     written: dict[str, _ExpertWritten] = {}
     try:
@@ -277,7 +278,7 @@ def _finish(job: _Job, group: dist.ProcessGroup) -> Path:
     problem: ZeroplanError | None = None
     written: _Written | None = None
     try:
-        listed = tuple(_write_file(partial, name, tensors) for name, tensors in job.files)
+        listed = tuple(_write_file(partial, name, materialize(tensors)) for name, tensors in job.files)
         written = _Written(files=listed, state=job.state, experts=job.experts)
     except Exception as exc:  # any I/O failure must reach every rank, not hang them
         problem = as_zeroplan_error(exc, CheckpointError, f"cannot write into {str(partial)!r}")
@@ -303,8 +304,10 @@ def _finish(job: _Job, group: dist.ProcessGroup) -> Path:
 
 
 def _leaves(sh: Shards) -> dict[str, Any]:
-    """A domain's optimizer state as the leaves of [Note: state codec], parked state included."""
-    leaves = encode_state(export_state(sh.zp, sh.inner, sh.buffers), sh.zp.partition.spaces)
+    """A domain's optimizer state as the leaves of [Note: state codec], parked state included; flat
+    state of several windows not yet copied ([Note: assembled file tensors])."""
+    state = export_state(sh.zp, sh.inner, sh.buffers, assemble=False)
+    leaves = encode_state(state, sh.zp.partition.spaces)
     leaves.update(encode_parked(sh.parked))  # [Note: parked state]
     return leaves
 
@@ -348,11 +351,11 @@ def _contents(
     domains: Sequence[DomainRuntime],
     experts: Sequence[Shards],
     expert_leaves: Sequence[dict[str, Any]],
-) -> tuple[list[tuple[str, dict[str, torch.Tensor]]], tuple[StateLeaf, ...], dict[str, _ExpertWritten]]:
+) -> tuple[list[tuple[str, dict[str, FileTensor]]], tuple[StateLeaf, ...], dict[str, _ExpertWritten]]:
     """This rank's files (its shard file on replica rank 0, ``frozen.pt`` on rank 0, its file of each
     expert domain) as tensors by name, and what the manifest records of them; nothing is written."""
     groups = sh.groups
-    files: list[tuple[str, dict[str, torch.Tensor]]] = []
+    files: list[tuple[str, dict[str, FileTensor]]] = []
     state: tuple[StateLeaf, ...] = ()
     if groups.replica_rank == 0:
         tensors, state = _shard_contents(sh, leaves)
@@ -374,16 +377,16 @@ def _write_file(partial: Path, name: str, tensors: dict[str, torch.Tensor]) -> L
 
 def _shard_contents(
     sh: Shards, leaves: dict[str, Any]
-) -> tuple[dict[str, torch.Tensor], tuple[StateLeaf, ...]]:
+) -> tuple[dict[str, FileTensor], tuple[StateLeaf, ...]]:
     """A shard file's tensors (region, masters, tensor leaves) and the manifest's entries of its leaves."""
     shard_rank = sh.groups.shard_rank
-    tensors = {region_tensor(b.space.dtype): b.shard_values() for b in sh.buffers}
+    tensors: dict[str, FileTensor] = {region_tensor(b.space.dtype): b.shard_source() for b in sh.buffers}
     tensors.update(
         {master_tensor(b.space.dtype): b.master_copy[: b.extent] for b in sh.buffers if b.carries_master}
     )
     state: list[StateLeaf] = []
     for leaf_path, leaf in leaves.items():  # [Note: state codec]
-        if torch.is_tensor(leaf):
+        if torch.is_tensor(leaf) or isinstance(leaf, Assembly):
             tensors[state_tensor(leaf_path)] = leaf
             meta = tensor_meta(leaf)
             shape = None if leaf_path.startswith("flat/") else tuple(meta.shape)
@@ -405,7 +408,7 @@ def _saved_shards(sh: Shards, state: tuple[StateLeaf, ...]) -> SavedShards:
 
 def _expert_contents(
     name: str, sh: Shards, leaves: dict[str, Any], world: ProcessGroups
-) -> tuple[tuple[str, dict[str, torch.Tensor]], _ExpertWritten]:
+) -> tuple[tuple[str, dict[str, FileTensor]], _ExpertWritten]:
     """This rank's file of expert domain ``name`` (name, tensors) and what the manifest records of it.
 
     Group rank 0 adds what its group saved (partition, masters,

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zeroplan.facade.mechanisms.assembly import Assembly, FileTensor
 from zeroplan.facade.mechanisms.collectives import (
     StreamMark,
     join_side_stream,
@@ -47,7 +48,7 @@ from zeroplan.facade.mechanisms.groups import background_group
 
 __all__ = ["SaveHandle", "Staging", "finish_pending", "stage", "staging_buffers", "staging_bytes", "start"]
 
-Files = list[tuple[str, dict[str, torch.Tensor]]]
+Files = list[tuple[str, dict[str, FileTensor]]]
 
 
 class SaveHandle:
@@ -117,11 +118,15 @@ class Staging:
                 staged = {}
                 for key, tensor in tensors.items():
                     buf = self.buffers.get((name, key))
-                    if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+                    pinned = tensor.device.type == "cuda"
+                    if buf is None or tuple(buf.shape) != tuple(tensor.shape) or buf.dtype != tensor.dtype:
                         buf = self.buffers[name, key] = torch.empty(
-                            tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda
+                            tensor.shape, dtype=tensor.dtype, pin_memory=pinned
                         )
-                    buf.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+                    if isinstance(tensor, Assembly):  # copied once, straight here
+                        tensor.into(buf, non_blocking=pinned)
+                    else:
+                        buf.copy_(tensor.detach(), non_blocking=pinned)
                     staged[key] = buf
                 out.append((name, staged))
         mark = mark_side_stream(device)

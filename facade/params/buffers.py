@@ -49,6 +49,7 @@ import torch
 
 from zeroplan.core import Space, Span, ZeroPlan, master_dtype
 from zeroplan.core.allocation import BufferRole, BufferSpec, SpaceAllocation, allocation
+from zeroplan.facade.mechanisms.assembly import Assembly
 from zeroplan.facade.mechanisms.buffer_devices import buffer_device
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.mechanisms.wire_codec import PublishedPieces
@@ -161,6 +162,12 @@ class SpaceBuffers:
 
     def shard_values(self) -> torch.Tensor:
         """The rank's shard of the parameters, flat: a view or a copy."""
+        source = self.shard_source()
+        return source.into() if isinstance(source, Assembly) else source
+
+    def shard_source(self) -> torch.Tensor | Assembly:
+        """The rank's shard of the parameters, flat: a view, or views to assemble ([Note: assembled
+        file tensors])."""
         raise NotImplementedError
 
     def load_master(self) -> None:
@@ -209,13 +216,13 @@ class FlatBuffers(SpaceBuffers):
             return self.master[span.as_slice()]
         return self.params[self.space.buffer_span(self.shard_rank, span).as_slice()]
 
-    def shard_values(self) -> torch.Tensor:
-        """The rank's shard of the parameters, flat: a view of its region, or a copy of its pieces."""
+    def shard_source(self) -> torch.Tensor | Assembly:
+        """The rank's shard of the parameters, flat: a view of its region, or its pieces to assemble."""
         if self.space.shard_is_region:
             return self.params[self.space.region(self.shard_rank).as_slice()]
-        out = self.params.new_empty(self.extent)
-        read_pieces(self.params, self.space, self.shard_rank, out)
-        return out
+        pieces = self.space.pieces_of(self.shard_rank)
+        parts = tuple((p.shard_span, self.params[p.buffer_span.as_slice()]) for p in pieces)
+        return Assembly(self.extent, self.params.dtype, self.params.device, parts)
 
     def load_master(self) -> None:
         """Copy the rank's pieces of the parameters into a separate master."""
@@ -288,7 +295,7 @@ class BlockBuffers(SpaceBuffers):
         """The parameter shard, which takes the rank's updated values."""
         return self.shard
 
-    def shard_values(self) -> torch.Tensor:
+    def shard_source(self) -> torch.Tensor:
         """The rank's shard of the parameters, a view."""
         return self.shard[: self.extent]
 

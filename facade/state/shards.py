@@ -21,8 +21,10 @@ from typing import Any
 
 import optree
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from zeroplan.core import BufferRole, ReshardPlan, Space, ZeroPlan
+from zeroplan.core import BufferRole, ReshardPlan, Space, Span, ZeroPlan
+from zeroplan.facade.mechanisms.assembly import Assembly
 from zeroplan.facade.mechanisms.buffer_devices import device_for
 from zeroplan.facade.mechanisms.collectives import all_gather_objects, broadcast
 from zeroplan.facade.mechanisms.groups import ProcessGroups
@@ -34,13 +36,18 @@ from zeroplan.facade.state.tree import ShardState, is_per_element, tree_clone
 __all__ = ["ShardState", "export_state", "import_state", "move_shards"]
 
 
-def export_state(zp: ZeroPlan, inner: Inner, buffers: Sequence[SpaceBuffers]) -> ShardState:
+def export_state(
+    zp: ZeroPlan, inner: Inner, buffers: Sequence[SpaceBuffers], *, assemble: bool = True
+) -> ShardState:
     """This rank's inner optimizer state, in shard coordinates.
 
     A flat tensor may alias the optimizer's own state (when one window covers
     the whole shard); callers that keep it past the next step must copy it.
+    With ``assemble=False`` a flat tensor of several windows is an
+    :class:`Assembly` of them, not yet copied ([Note: assembled file tensors]).
     """
-    flat: dict[tuple[int, str], torch.Tensor] = {}
+    parts: dict[tuple[int, str], list[tuple[Span, torch.Tensor]]] = {}
+    like: dict[tuple[int, str], torch.Tensor] = {}
     scalars: dict[tuple[int, int], dict[str, Any]] = {}
     whole: dict[int, dict[str, Any]] = {}
     for spec, tensor in zip(inner.specs, inner.tensors, strict=True):
@@ -53,16 +60,21 @@ def export_state(zp: ZeroPlan, inner: Inner, buffers: Sequence[SpaceBuffers]) ->
         shared = scalars.setdefault((spec.group, spec.cohort), {})
         for key, value in state.items():
             if is_per_element(value, tensor):
-                owned = buffers[spec.space].extent
-                if spec.shard_span.numel == owned:  # one window is the whole shard: no copy
-                    flat[spec.space, key] = value
-                    continue
-                target = flat.get((spec.space, key))
-                if target is None:
-                    target = flat[spec.space, key] = value.new_zeros(owned)
-                target[spec.shard_span.as_slice()] = value
+                parts.setdefault((spec.space, key), []).append((spec.shard_span, value))
+                like.setdefault((spec.space, key), value)
             else:
                 shared[key] = value
+    flat: dict[tuple[int, str], Any] = {}
+    for (space, key), views in parts.items():
+        owned, value = buffers[space].extent, like[space, key]
+        if len(views) == 1 and views[0][0].numel == owned:  # one window is the whole shard: no copy
+            flat[space, key] = value
+        elif assemble or is_traceable_wrapper_subclass(value):
+            flat[space, key] = value.new_zeros(owned)
+            for span, view in views:
+                flat[space, key][span.as_slice()] = view
+        else:
+            flat[space, key] = Assembly(owned, value.dtype, value.device, tuple(views))
     return ShardState(flat=flat, scalars=scalars, whole=whole)
 
 

@@ -37,6 +37,7 @@ import optree
 import torch
 
 from zeroplan.core import Space, Span, ZeroPlan
+from zeroplan.facade.mechanisms.assembly import Assembly
 from zeroplan.facade.mechanisms.torch_dtypes import dtype_name
 from zeroplan.facade.state.subclasses import copy_tensor, join_subclasses, split_subclasses
 
@@ -76,7 +77,7 @@ def tree_clone(tree: Any, device: torch.device | None = None) -> Any:
     return optree.tree_map(clone, tree, none_is_leaf=True)
 
 
-def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
+def tensor_meta(tensor: torch.Tensor | Assembly) -> TensorMeta:
     """The shape and dtype name of ``tensor``."""
     return TensorMeta(tuple(tensor.shape), dtype_name(tensor.dtype))
 
