@@ -7,7 +7,9 @@ into what each rank asks for, resharding between any two layouts. A
 
 * the optimizer: torch's ``get_optimizer_state_dict(model, opt)`` /
   ``set_optimizer_state_dict`` work on it as they are ([Note: torch layout of
-  shard state] in ``state.torch_view``);
+  shard state] in ``state.torch_view``), but for ``full_state_dict=True``, whose
+  gather torch does only for DTensors: :func:`get_optimizer_state_dict` here takes
+  torch's arguments and gathers ([Note: full state dicts] in ``checkpoint.full_dicts``);
 * the model: :func:`model_state_dict` / :func:`load_model_state_dict`. Each
   trainable parameter is the rank's pieces of its *master* (fp32 for bf16/fp16
   parameters), shaped like the parameter, which is what FSDP2 keeps as its
@@ -25,26 +27,63 @@ rank before anything changes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import state_dict as torch_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from zeroplan.core import ConfigError, IncompatiblePlanError
+from zeroplan.facade.checkpoint.full_dicts import broadcast_from_rank0, gather_full
 from zeroplan.facade.mechanisms.agreement import verdicts
 from zeroplan.facade.state.dicts import Shards
 from zeroplan.facade.state.pieces import FlatPieces, flat_values
 
-__all__ = ["load_model_state_dict", "model_state_dict"]
+__all__ = ["get_optimizer_state_dict", "load_model_state_dict", "model_state_dict"]
 
 
-def model_state_dict(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
+def get_optimizer_state_dict(
+    model: torch.nn.Module, opt: Any, *, options: StateDictOptions | None = None
+) -> dict[str, Any]:
+    """torch's ``get_optimizer_state_dict(model, opt, options=...)``, with ``full_state_dict=True``
+    giving whole tensors (on rank 0 alone, in host memory, with ``cpu_offload``; ``{}`` elsewhere).
+
+    Collective with ``full_state_dict``. Without it, torch's function as it is.
+    """
+    options = options or StateDictOptions()
+    if not options.full_state_dict:
+        return torch_state_dict.get_optimizer_state_dict(model, opt, options=options)
+    local = dataclasses.replace(options, full_state_dict=False, cpu_offload=False)
+    sharded = torch_state_dict.get_optimizer_state_dict(model, opt, options=local)
+    return gather_full(sharded, opt.shards(), _destination(options), cpu_offload=options.cpu_offload)
+
+
+def _destination(options: StateDictOptions) -> int | None:
+    """Who receives a full dict: rank 0 with ``cpu_offload``, every rank without (torch's rule)."""
+    return 0 if options.cpu_offload else None
+
+
+def model_state_dict(
+    model: torch.nn.Module, opt: Any, *, options: StateDictOptions | None = None
+) -> dict[str, Any]:
     """``model``'s state for DCP: trainable parameters as this rank's pieces of their masters (copies).
 
     Args:
         model: the module whose parameters ``opt`` (a ``ZeroOptimizer``) steps.
         opt: the optimizer.
+        options: torch's; ``full_state_dict=True`` gives whole tensors (collective; with
+            ``cpu_offload`` on rank 0 alone, in host memory, ``{}`` elsewhere).
     """
     sh: Shards = opt.shards()
+    out = _pieces_dict(model, sh)
+    if options is not None and options.full_state_dict:
+        return gather_full(out, sh, _destination(options), cpu_offload=options.cpu_offload)
+    return out
+
+
+def _pieces_dict(model: torch.nn.Module, sh: Shards) -> dict[str, Any]:
+    """The model's dict: trainable parameters as this rank's pieces of their masters, the rest whole."""
     own = model.state_dict(keep_vars=True)
     names = _trainable_names(own, sh)
     trainable = _all_names(names)
@@ -61,17 +100,22 @@ def model_state_dict(model: torch.nn.Module, opt: Any) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def load_model_state_dict(model: torch.nn.Module, opt: Any, state_dict: dict[str, Any]) -> None:
+def load_model_state_dict(
+    model: torch.nn.Module, opt: Any, state_dict: dict[str, Any], *, options: StateDictOptions | None = None
+) -> None:
     """Install a model dict: :func:`model_state_dict`'s after ``dcp.load`` filled it, or whole tensors.
 
     The masters take the values; the parameters take their cast (collective:
-    call on every rank).
+    call on every rank). With ``options.broadcast_from_rank0`` only rank 0's
+    dict (whole tensors) is read; the other ranks may pass ``{}``.
 
     Raises:
         IncompatiblePlanError: on every rank, if any rank's dict lacks a key, holds another shape or
             pieces this rank does not hold; nothing changed.
     """
     sh: Shards = opt.shards()
+    if options is not None and options.broadcast_from_rank0:
+        state_dict = broadcast_from_rank0(state_dict, sh)
     own = model.state_dict(keep_vars=True)
     problem: Exception | None = None
     masters: dict[str, torch.Tensor] = {}

@@ -48,6 +48,7 @@ __all__ = [
     "check_plain",
     "cohorts_of_plain",
     "current_masters",
+    "params_follow_masters",
     "named_scalars",
     "with_scalars",
     "holds_pieces",
@@ -256,6 +257,18 @@ def _per_element(value: Any) -> bool:
 def current_masters(sh: Shards) -> dict[str, torch.Tensor]:
     """Copies of this rank's fp32 masters, per dtype space that keeps them."""
     return {b.space.dtype: b.master_copy[: b.extent].clone() for b in sh.buffers if b.carries_master}
+
+
+def params_follow_masters(sh: Shards) -> bool:
+    """Whether this rank's shard of every low-precision parameter is still its masters' cast: nothing
+    wrote the parameters since the last step or model load, so the masters hold their values with more
+    precision (a whole-tensor optimizer dict then keeps them)."""
+    for b in sh.buffers:
+        if b.carries_master:
+            values = b.shard_values()
+            if not torch.equal(b.master_copy[: b.extent].to(values.dtype), values):
+                return False
+    return True
 
 
 def cohorts_of_plain(state_dict: dict[str, Any], zp: ZeroPlan) -> list[int]:

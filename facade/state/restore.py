@@ -36,6 +36,7 @@ from zeroplan.facade.state.dicts import (
     current_masters,
     holds_pieces,
     is_sharded,
+    params_follow_masters,
     parked_from_plain,
     shard_state_from_plain,
     shard_state_from_sharded,
@@ -95,11 +96,13 @@ def read_state_dict(
     target = plan_with_cohorts(cohorts_of_plain(state_dict, sh.zp))
     state, stateful, masters = shard_state_from_plain(state_dict, target, sh)
     parked = parked_from_plain(state_dict, target, sh)
-    if not masters and holds_pieces(state_dict):
-        # This optimizer's own pieces (DCP filled them): the masters stay; the model's dict brings
-        # them (``checkpoint.interchange``).
+    if not masters and (holds_pieces(state_dict) or params_follow_masters(sh)):
+        # This optimizer's own pieces (DCP filled them), or whole tensors while the parameters are
+        # still the masters' cast: the masters stay; the model's dict brings them
+        # (``checkpoint.interchange``, which publishes the parameters from them).
         masters = current_masters(sh)
-    # A dict of whole tensors without fp32 masters: start them from the parameters.
+    # Whole tensors after the parameters were written (``model.load_state_dict``): start the masters
+    # from the parameters.
     return LoadedState(
         target, state, stateful, masters or None, state_dict["param_groups"], None, parked=parked
     )

@@ -7,6 +7,7 @@ get_optimizer_state_dict(model, opt)}``; FSDP2's: torch's own. Each side trains,
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -16,6 +17,7 @@ from factory import make_optimizer
 from models import DTYPES, batch, loss_of, make_model, rel_err
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -186,3 +188,54 @@ def load_at_another_world(rank: int, world: int, cfg: dict[str, Any], root: str)
         got = {n: {"param": p.detach(), **adamw.state[p]} for n, p in ref.named_parameters()}
         out["converted_differ"] = _same(expected, got)
     return out
+
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def _full_differ(expected: dict[str, Any], optim: dict[str, Any], model: dict[str, Any]) -> list[str]:
+    """Names and keys of a full dict (torch's layout, whole tensors) that differ from ``expected``."""
+    got = {n: {"param": model[n], **optim["state"][n]} for n in expected}
+    wrong = [f"{n}/{k}" for n in got for k, v in got[n].items() if type(v) is not torch.Tensor]
+    return wrong + _same(expected, got)
+
+
+def full_state_dicts(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``full_state_dict=True`` (with and without ``cpu_offload``) gives whole plain tensors, which load
+    into FSDP2 and into a fresh zeroplan run with ``broadcast_from_rank0``, bit for bit."""
+    rows = []
+    for cfg in cases:
+        model, opt = _zeroplan(cfg)
+        _train(model, opt, rank, range(2))
+        expected = _full_zeroplan(model, opt)
+        optim = interchange.get_optimizer_state_dict(model, opt, options=FULL)
+        msd = interchange.model_state_dict(model, opt, options=FULL)
+        every = StateDictOptions(full_state_dict=True)
+        row: dict[str, Any] = {
+            "everywhere": _full_differ(
+                expected,
+                interchange.get_optimizer_state_dict(model, opt, options=every),
+                interchange.model_state_dict(model, opt, options=every),
+            )
+        }
+        if rank == 0:
+            row["rank0"] = _full_differ(expected, optim, msd)
+            tensors = [v for entry in optim["state"].values() for v in entry.values()] + list(msd.values())
+            row["host"] = all(t.device.type == "cpu" for t in tensors)
+            row["groups"] = [g["params"] for g in optim["param_groups"]]
+        else:
+            row["empty"] = optim == {} and msd == {}
+        fmodel, fopt = _fsdp2(cfg)  # torch's own recipe loads it
+        set_model_state_dict(fmodel, copy.deepcopy(msd), options=FROM_RANK0)  # torch's change the dicts
+        set_optimizer_state_dict(fmodel, fopt, copy.deepcopy(optim), options=FROM_RANK0)
+        row["into_fsdp2"] = _same(expected, _full_fsdp2(fmodel, fopt))
+        theirs = get_optimizer_state_dict(fmodel, fopt, options=FULL)  # collective: every rank
+        if rank == 0:
+            row["fsdp2_groups"] = [g["params"] for g in theirs["param_groups"]]
+        model2, opt2 = _zeroplan(cfg)  # fresh
+        interchange.load_model_state_dict(model2, opt2, msd, options=FROM_RANK0)
+        set_optimizer_state_dict(model2, opt2, optim, options=FROM_RANK0)
+        row["into_zeroplan"] = _same(expected, _full_zeroplan(model2, opt2))
+        rows.append(row)
+    return rows

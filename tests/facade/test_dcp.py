@@ -38,3 +38,17 @@ def test_a_dcp_checkpoint_loads_at_another_world_in_both_frameworks_and_converts
     assert rows[0]["differ"] == [] and rows[0]["fsdp2_differ"] == [], rows
     # dcp_to_torch_save: whole tensors; the fp32 masters are the model's values
     assert rows[0]["converted_differ"] == [], rows
+
+
+FULL_CASES = [{"stage": 3, "dtype": "bf16"}, {"stage": 2, "settings": {"shard": 1}}]
+
+
+def test_full_state_dicts_are_whole_plain_tensors_that_load_into_fsdp2_and_zeroplan(pools):
+    rows = pools(2).run(scenarios_dcp.full_state_dicts, FULL_CASES)
+    for case, r0, r1 in zip(FULL_CASES, *rows, strict=True):
+        assert r0["rank0"] == [] and r0["host"] and r1["empty"], (case, r0, r1)
+        assert r0["everywhere"] == [] and r1["everywhere"] == [], (case, r0, r1)
+        assert r0["groups"] == r0["fsdp2_groups"], (case, r0)
+        for r in (r0, r1):
+            assert r["into_fsdp2"] == [], (case, r["into_fsdp2"])
+            assert r["into_zeroplan"] == [], (case, r["into_zeroplan"])

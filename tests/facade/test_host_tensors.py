@@ -39,6 +39,7 @@ ALLOWED = {
     ("state/tree.py", "describe_state"): "scalar state described for an object collective",
     ("state/shards.py", "move_shards"): "scalars and whole-parameter state travel pickled",
     ("checkpoint/consolidate.py", "consolidated_state_dict"): "the consolidated result is built on the host",
+    ("checkpoint/full_dicts.py", "gather_full"): "a full dict with cpu_offload is built on the host",
     ("checkpoint/files.py", "__init__"): "a shard file is read to the host, then copied to the device",
     ("diagnostics/activation_trace.py", "trace_activations"): "a trace's default device: no collective",
     ("diagnostics/activation_trace.py", "_replicable"): "a device-type test (CPU only), no tensor",
