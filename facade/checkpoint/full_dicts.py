@@ -31,9 +31,9 @@ import torch
 
 from zeroplan.core import IncompatiblePlanError, Span
 from zeroplan.facade.mechanisms.collectives import all_gather_objects, broadcast
+from zeroplan.facade.mechanisms.flat_pieces import FlatPieces
 from zeroplan.facade.mechanisms.torch_dtypes import dtype_name, torch_dtype
 from zeroplan.facade.state.dicts import Shards
-from zeroplan.facade.state.pieces import FlatPieces
 
 __all__ = ["broadcast_from_rank0", "gather_full"]
 

@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from zeroplan.core import ConfigError, IncompatiblePlanError
 from zeroplan.facade.checkpoint.full_dicts import broadcast_from_rank0, gather_full
 from zeroplan.facade.mechanisms.agreement import verdicts
+from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
 from zeroplan.facade.state.dicts import Shards
-from zeroplan.facade.state.pieces import FlatPieces, flat_values
 
 __all__ = ["get_optimizer_state_dict", "load_model_state_dict", "model_state_dict"]
 

@@ -16,13 +16,14 @@ import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from zeroplan.core import Block, StepOrderError, ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog, Pending
 from zeroplan.facade.mechanisms.dynamo import between_graphs
+from zeroplan.facade.mechanisms.flat_pieces import FlatPieces
 from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.policies import gather_for
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
@@ -71,9 +72,18 @@ class GathersOnUse(Protocol):
     def gather_param(self, param: torch.Tensor) -> None:
         """Gather ``param``'s block now."""
 
+    def shard_pieces(self, param: torch.Tensor) -> FlatPieces:
+        """This rank's elements of ``param``, as views of its shard."""
+
+    def write_param(self, param: torch.Tensor, source: torch.Tensor) -> None:
+        """Write this rank's elements of ``param`` (and their masters) from ``source``."""
+
 
 #: Each stage-3 parameter's residency (held strongly, as the module hooks hold it).
 OWNERS: Owners[GathersOnUse] = Owners()
+
+#: What a module's ``state_dict()`` and ``load_state_dict()`` do to a parameter.
+_SHARD_IO = (torch.Tensor.detach, torch.Tensor.copy_)
 
 
 class ShardedParameter(DeferredParameter):
@@ -82,6 +92,19 @@ class ShardedParameter(DeferredParameter):
     Never constructed: a plain ``nn.Parameter``'s ``__class__`` is set to it
     while its block is sharded.
     """
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """``detach`` and ``copy_`` outside a forward or backward read and write the rank's shard
+        ([Note: stage-3 model dicts]); every other use is :class:`DeferredParameter`'s."""
+        if func in _SHARD_IO and args and type(args[0]) is ShardedParameter:
+            sharded = OWNERS.get(args[0])
+            if sharded is not None and not sharded.gathering_allowed():
+                if func is torch.Tensor.detach:
+                    return sharded.shard_pieces(args[0])
+                sharded.write_param(args[0], args[1])
+                return args[0]
+        return super().__torch_function__(func, types, args, kwargs)
 
     @staticmethod
     @between_graphs  # [Note: hooks under torch.compile] in ``params.module_hooks``

@@ -58,6 +58,22 @@ them. ``gathered_params()`` gathers every block for reading outside a forward
 (saving the model, evaluation code that reads weights): collective; with
 ``writeback=True`` what was written into the parameters inside (loading a
 model's weights) goes into the shards and masters before the blocks are freed.
+
+[Note: stage-3 model dicts]
+Outside a forward or backward a sharded parameter has no values, but a module's
+``state_dict()`` detaches every parameter and ``load_state_dict()`` copies into
+it, and torch's ``get_model_state_dict`` / ``set_model_state_dict`` (and so
+DCP's model recipe) are those two calls. So there ``param.detach()`` gives the
+rank's elements as a ``FlatPieces`` of views of its shard (the parameter's
+dtype; DCP writes and reads them in place, as FSDP2's sharded DTensors), and
+``param.copy_(source)`` writes the rank's elements from ``source`` (whole, or
+pieces that hold them): the masters take the values, the shard their cast. Both
+are local: no collective, nothing gathered. Loading in place alone (``dcp.load``
+into ``model.state_dict()`` without ``load_state_dict`` after it) changes the
+shard but not separate fp32 masters, and the next step would overwrite it:
+follow torch's recipe, or use ``checkpoint.interchange``, whose model dict holds
+the masters. Inside ``gathered_params()`` the parameters are whole, and so are
+their dicts.
 """
 
 from __future__ import annotations
@@ -69,8 +85,9 @@ from functools import partial
 
 import torch
 
-from zeroplan.core import ZeroPlan
+from zeroplan.core import ParamSpec, ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog
+from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
 from zeroplan.facade.params import saved_tensors
 from zeroplan.facade.params.blocks import OWNERS, BlockKey, Blocks, BlockState
 from zeroplan.facade.params.buffers import BlockBuffers
@@ -116,6 +133,9 @@ class ShardedParams:
         """``blocks``: the table of ``buffers``' blocks (``BlockTable``), or a trace's ``TracedBlocks``
         (no buffers: [Note: stage 3 traced])."""
         self._buffers = buffers
+        self._specs = zp.specs
+        self._held = zp.partition.held_fragments(shard_rank)
+        self._index = {id(p): i for i, p in enumerate(params)}
         # Under a parameter wire every gathered piece holds decoded values ([Note: wire formats]).
         self._published = [blocks.gather.published(buf.space, shard_rank) for buf in buffers]
         self.reshard_after_forward = zp.options.reshard_after_forward  # [Note: plan options]
@@ -255,6 +275,34 @@ class ShardedParams:
         if key is not None:
             self._blocks.ensure(key)
             self._hooks.pin(key)
+
+    def shard_pieces(self, param: torch.Tensor) -> FlatPieces:
+        """This rank's elements of ``param`` as views of its shard: what ``param.detach()`` gives outside
+        a forward, so ``model.state_dict()`` holds them ([Note: stage-3 model dicts])."""
+        spec, buf = self._where(param)
+        parts = [(f.param_span, buf.shard[f.shard_span.as_slice()]) for f in self._held.get(spec.index, ())]
+        return FlatPieces(spec.shape, parts, dtype=buf.shard.dtype, device=buf.shard.device)
+
+    def write_param(self, param: torch.Tensor, source: torch.Tensor) -> None:
+        """``param.copy_(source)`` outside a forward: this rank's elements of ``param`` take ``source``'s
+        (whole, or pieces holding them), its masters the values, its shard their cast."""
+        spec, buf = self._where(param)
+        if tuple(source.shape) != tuple(spec.shape):
+            raise ValueError(f"cannot copy a tensor of shape {tuple(source.shape)} into {spec.name!r}")
+        frags = self._held.get(spec.index, ())
+        values = [flat_values(source, f.param_span) for f in frags]  # all read before any write
+        for f, v in zip(frags, values, strict=True):
+            target = buf.shard[f.shard_span.as_slice()]
+            if buf.carries_master:
+                master = buf.master_copy[f.shard_span.as_slice()]
+                master.copy_(v)
+                target.copy_(master)
+            else:
+                target.copy_(v)
+
+    def _where(self, param: torch.Tensor) -> tuple[ParamSpec, BlockBuffers]:
+        spec = self._specs[self._index[id(param)]]
+        return spec, next(b for b in self._buffers if b.space.dtype == spec.dtype)
 
     def _begin_pass(self) -> None:
         """A new forward began: forget the last backward's progress."""

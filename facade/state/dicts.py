@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from zeroplan.core import ConfigError, IncompatiblePlanError, Span, ZeroPlan, master_dtype
+from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.state.parts import Shards
-from zeroplan.facade.state.pieces import FlatPieces, flat_values
 from zeroplan.facade.state.shards import export_state
 from zeroplan.facade.state.torch_view import torch_state
 from zeroplan.facade.state.tree import (

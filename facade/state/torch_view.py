@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from zeroplan.core import ConfigError
+from zeroplan.facade.mechanisms.flat_pieces import FlatPieces
 from zeroplan.facade.state.inner import hyperparameters
 from zeroplan.facade.state.parts import Shards
-from zeroplan.facade.state.pieces import FlatPieces
 from zeroplan.facade.state.tree import MASTER, ParkedParam, ShardState, is_per_element, tree_clone
 
 __all__ = ["ParamStates", "torch_state"]

@@ -239,3 +239,56 @@ def full_state_dicts(rank: int, world: int, cases: list[dict[str, Any]]) -> list
         row["into_zeroplan"] = _same(expected, _full_zeroplan(model2, opt2))
         rows.append(row)
     return rows
+
+
+def _params(model: Any, opt: Any) -> dict[str, torch.Tensor]:
+    """Per name, the parameter's values, whole (collective at stage 3)."""
+    with opt.gathered_params():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def torch_model_dicts_at_stage3(rank: int, world: int, cases: list[dict[str, Any]], root: str) -> list[Any]:
+    """torch's ``get_model_state_dict`` / ``set_model_state_dict`` on a stage-3 model: the rank's pieces
+    of each parameter, through DCP into FSDP2 and a fresh zeroplan run; whole tensors from rank 0."""
+    rows = []
+    for n, cfg in enumerate(cases):
+        where = os.path.join(root, f"stage3-{n}")
+        model, opt = _zeroplan(cfg)
+        _train(model, opt, rank, range(2))
+        sd = get_model_state_dict(model)
+        row: dict[str, Any] = {"kinds": sorted({type(v).__name__ for v in sd.values()})}
+        dcp.save({"model": sd, "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=where)
+        saved = _params(model, opt)
+
+        fmodel, _ = _fsdp2(cfg)
+        state = {"model": get_model_state_dict(fmodel)}
+        dcp.load(state, checkpoint_id=where)
+        set_model_state_dict(fmodel, state["model"])
+        row["into_fsdp2"] = [
+            k for k, p in fmodel.named_parameters() if not torch.equal(p.full_tensor(), saved[k].float())
+        ]
+
+        model2, opt2 = _zeroplan(cfg)  # torch's recipe, unchanged
+        state = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+        dcp.load(state, checkpoint_id=where)
+        set_model_state_dict(model2, state["model"])
+        set_optimizer_state_dict(model2, opt2, state["optim"])
+        row["into_zeroplan"] = [k for k, v in _params(model2, opt2).items() if not torch.equal(v, saved[k])]
+        every = StateDictOptions(full_state_dict=True)
+        masters = interchange.model_state_dict(model2, opt2, options=every)
+        row["masters_are_params"] = [k for k, v in masters.items() if not torch.equal(v, saved[k].float())]
+        _train(model, opt, rank, range(2, 4))
+        _train(model2, opt2, rank, range(2, 4))
+        row["continued"] = _drift(_full_zeroplan(model, opt), _full_zeroplan(model2, opt2))
+
+        full = interchange.model_state_dict(model, opt, options=FULL)  # fp32 masters, rank 0
+        model3, opt3 = _zeroplan(cfg)
+        set_model_state_dict(model3, full, options=FROM_RANK0)
+        mine, theirs = (
+            interchange.model_state_dict(m, o, options=every) for m, o in ((model3, opt3), (model, opt))
+        )
+        row["from_rank0"] = [k for k in mine if not torch.equal(mine[k], theirs[k])]
+        mine, theirs = _params(model3, opt3), _params(model, opt)
+        row["params_from_rank0"] = [k for k in mine if not torch.equal(mine[k], theirs[k])]
+        rows.append(row)
+    return rows

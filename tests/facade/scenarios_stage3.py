@@ -177,7 +177,12 @@ def misuse(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     errors["to_device"] = error(lambda: model.to("cpu:0"))
     param = model.blocks[0].fc.weight
     errors["replace_data"] = error(lambda: setattr(param, "data", torch.zeros(param.shape)))
-    errors["state_dict"] = error(model.state_dict)
+    outside = model.state_dict()  # the rank's pieces ([Note: stage-3 model dicts])
+    try:
+        outside["blocks.0.fc.weight"].sum()
+        refused = None
+    except TypeError as exc:  # arithmetic on a tensor this rank holds some of
+        refused = str(exc)
     opt.attach(model)
     loss = loss_of(model, tokens, targets)  # attached: the forward gathers
     opt.backward(loss)
@@ -187,6 +192,8 @@ def misuse(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         saved = {k: v.clone() for k, v in model.state_dict().items()}
     return {
         "errors": errors,
+        "pieces": sorted({type(v).__name__ for v in outside.values()}),
+        "pieces_refuse": refused,
         "saved_keys": sorted(saved) == sorted(k for k, _ in model.named_parameters()),
         "sharded": all(type(p) is ShardedParameter for p in model.parameters()),
     }

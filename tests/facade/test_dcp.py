@@ -52,3 +52,17 @@ def test_full_state_dicts_are_whole_plain_tensors_that_load_into_fsdp2_and_zerop
         for r in (r0, r1):
             assert r["into_fsdp2"] == [], (case, r["into_fsdp2"])
             assert r["into_zeroplan"] == [], (case, r["into_zeroplan"])
+
+
+def test_torch_model_dicts_of_a_stage3_model_hold_its_pieces_and_load_both_ways(pools, tmp_path):
+    cases = [{"stage": 3}, {"stage": 3, "dtype": "bf16"}]
+    for rows in pools(2).run(scenarios_dcp.torch_model_dicts_at_stage3, cases, str(tmp_path)):
+        for case, r in zip(cases, rows, strict=True):
+            assert r["kinds"] == ["FlatPieces"], (case, r)
+            assert r["into_fsdp2"] == [] and r["into_zeroplan"] == [], (case, r)
+            assert r["from_rank0"] == [] and r["params_from_rank0"] == [], (case, r)  # masters too
+            # The model dict holds the parameters in their dtype: bf16 masters restart from them (for the
+            # masters, interchange.model_state_dict); fp32 ones are the parameters: continued bit for bit.
+            assert r["masters_are_params"] == [], (case, r)
+            if "dtype" not in case:
+                assert r["continued"] == 0.0, (case, r)

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from zeroplan.core import ConfigError, Span
-from zeroplan.facade.state.pieces import FlatPieces, flat_values
+from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
 
 
 def _pieces() -> tuple[torch.Tensor, FlatPieces]:

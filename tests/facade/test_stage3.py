@@ -92,6 +92,8 @@ def test_misuse_raises_instead_of_training_wrong(pools):
             assert error is not None and "gathered_params" in error, name
         assert r["saved_keys"]  # model.state_dict() inside gathered_params() reads every parameter
         assert r["sharded"]  # and leaves them sharded again
+        # outside, it holds the rank's pieces, whose arithmetic raises naming gathered_params()
+        assert r["pieces"] == ["FlatPieces"] and "gathered_params" in r["pieces_refuse"], r
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

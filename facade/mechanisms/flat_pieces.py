@@ -172,8 +172,9 @@ class FlatPieces(torch.Tensor):
         plain = tree_map_only(FlatPieces, repr, (args, kwargs))
         raise TypeError(
             f"{func} is not defined on FlatPieces {plain}: this rank holds only some elements of the "
-            "tensor (its shard). Read them with .parts, or take a full state dict "
-            "(ZeroOptimizer.consolidated_state_dict())"
+            "tensor (its shard). Read them with .parts, take a full state dict "
+            "(checkpoint.interchange.get_optimizer_state_dict with full_state_dict=True), or read a "
+            "stage-3 parameter's values inside `with opt.gathered_params():` on every rank"
         )
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
