@@ -52,11 +52,28 @@ def get_optimizer_state_dict(
     Collective with ``full_state_dict``. Without it, torch's function as it is.
     """
     options = options or StateDictOptions()
+    sh = _shards(opt)
     if not options.full_state_dict:
         return torch_state_dict.get_optimizer_state_dict(model, opt, options=options)
     local = dataclasses.replace(options, full_state_dict=False, cpu_offload=False)
     sharded = torch_state_dict.get_optimizer_state_dict(model, opt, options=local)
-    return gather_full(sharded, opt.shards(), _destination(options), cpu_offload=options.cpu_offload)
+    return gather_full(sharded, sh, _destination(options), cpu_offload=options.cpu_offload)
+
+
+def _shards(opt: Any) -> Shards:
+    """``opt``'s one domain.
+
+    Raises:
+        ConfigError: ``opt`` has expert groups, whose parameters have the same names on ranks holding
+            other experts: DCP would keep one rank's values under each name.
+    """
+    if len(opt.domains) > 1:
+        raise ConfigError(
+            "torch.distributed.checkpoint interchange does not cover expert groups yet: each rank's "
+            "experts share their parameter names with other ranks' experts, and DCP would keep one "
+            "rank's values under each name. Save with zeroplan.facade.checkpoint.save"
+        )
+    return opt.shards()
 
 
 def _destination(options: StateDictOptions) -> int | None:
@@ -75,7 +92,7 @@ def model_state_dict(
         options: torch's; ``full_state_dict=True`` gives whole tensors (collective; with
             ``cpu_offload`` on rank 0 alone, in host memory, ``{}`` elsewhere).
     """
-    sh: Shards = opt.shards()
+    sh = _shards(opt)
     out = _pieces_dict(model, sh)
     if options is not None and options.full_state_dict:
         return gather_full(out, sh, _destination(options), cpu_offload=options.cpu_offload)
@@ -113,7 +130,7 @@ def load_model_state_dict(
         IncompatiblePlanError: on every rank, if any rank's dict lacks a key, holds another shape or
             pieces this rank does not hold; nothing changed.
     """
-    sh: Shards = opt.shards()
+    sh = _shards(opt)
     if options is not None and options.broadcast_from_rank0:
         state_dict = broadcast_from_rank0(state_dict, sh)
     own = model.state_dict(keep_vars=True)

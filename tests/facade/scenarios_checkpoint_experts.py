@@ -20,9 +20,11 @@ from factory import make_optimizer
 from models import DTYPES
 from scenarios_checkpoint import _same
 from scenarios_experts import OPTIMIZERS, _groups, _loss, _optimizer
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from zeroplan.core import ZeroplanError
 from zeroplan.facade import ZeroOptimizer, checkpoint
+from zeroplan.facade.checkpoint import interchange
 from zeroplan.facade.checkpoint import loading as checkpoint_load
 from zeroplan.facade.checkpoint.manifest import read_manifest
 
@@ -215,3 +217,23 @@ def failed_save(rank: int, world: int, root: str) -> dict[str, Any]:
     loaded = all(torch.equal(a, b) for a, b in zip(saved, again.parameters(), strict=True))
     left = sorted(p.name for p in Path(root).iterdir() if p.is_dir())
     return {"error": error, "latest": str(latest), "first": str(first), "loaded": loaded, "left": left}
+
+
+def dcp_refused(rank: int, world: int) -> dict[str, str | None]:
+    """Each DCP interchange function refuses an optimizer with expert groups (names clash across ranks)."""
+    model, opt = _build(rank, world, {})
+    out: dict[str, str | None] = {}
+    calls = {
+        "model": lambda: interchange.model_state_dict(model, opt),
+        "load": lambda: interchange.load_model_state_dict(model, opt, {}),
+        "optim": lambda: interchange.get_optimizer_state_dict(
+            model, opt, options=StateDictOptions(full_state_dict=True)
+        ),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except ZeroplanError as exc:
+            out[name] = str(exc)
+    return out

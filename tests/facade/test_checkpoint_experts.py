@@ -158,3 +158,8 @@ def test_expert_state_loads_only_at_the_world_size_it_was_saved_at(pools, saved,
         assert r["error"].startswith("CheckpointError: ") and "saved at world size 4" in r["error"], r[
             "error"
         ]
+
+
+def test_dcp_interchange_refuses_expert_groups_on_every_rank(pools):
+    for r in pools(4).run(scenarios.dcp_refused):
+        assert all(error is not None and "expert groups" in error for error in r.values()), r
