@@ -48,15 +48,7 @@ def load_state_dict(joint: JointStep, state: dict[str, Any]) -> None:
         return
     data = joint.data
     sh = data.shards(joint.scaler)
-    problem, named = None, {}
-    try:
-        named = named_scalars(state)
-    except Exception as exc:  # a malformed dict raises on every rank, below
-        problem = exc
-    rows = verdicts(
-        problem, joint.world, failed="could not read its state dict", facts=named, error=ConfigError
-    )
-    state = with_scalars(state, rows)
+    state = _agreed_scalars(state, sh)
     with joint.gathered_params(writeback=False):  # a plain dict without masters reads the parameters
         loaded = state_restore.agreed_state(
             lambda: state_restore.read_state_dict(state, sh, data.plan_with_cohorts), sh, what="state dict"
@@ -79,19 +71,35 @@ def _read_domains(joint: JointStep, state: dict[str, Any]) -> list[LoadedState]:
     elif held != sorted(names):
         rejected = ConfigError(f"the state dict holds domains {held}, the optimizer {names}")
 
-    def read(domain: DomainRuntime, sh: Shards) -> LoadedState:
+    def read(domain: DomainRuntime, sh: Shards, part: Any) -> LoadedState:
         if rejected is not None:
             raise rejected
-        return state_restore.read_state_dict(state["domains"][domain.name], sh, domain.plan_with_cohorts)
+        return state_restore.read_state_dict(part, sh, domain.plan_with_cohorts)
 
     loaded: list[LoadedState] = []
     problem: Exception | None = None
     for domain in joint.domains:
         sh = domain.shards(joint.scaler)
         try:
+            part = _agreed_scalars(None if rejected else state["domains"][domain.name], sh)
             what = f"state dict of domain {domain.name!r}"
-            loaded.append(state_restore.agreed_state(partial(read, domain, sh), sh, what=what))
+            loaded.append(state_restore.agreed_state(partial(read, domain, sh, part), sh, what=what))
         except Exception as exc:  # raised on every rank of that domain; the others go on agreeing
             problem = problem or exc
     verdicts(problem, joint.world, failed="rejected the state dict", error=ConfigError)
     return loaded
+
+
+def _agreed_scalars(part: Any, sh: Shards) -> Any:
+    """A domain's dict with the scalars its ranks named (a piece dict names them only where a rank
+    holds some of the parameter); collective over the domain's ranks, raising on all of them if one
+    cannot read its dict."""
+    problem, named = None, {}
+    try:
+        named = named_scalars(part) if part is not None else {}
+    except Exception as exc:  # a malformed dict raises on every rank of the domain
+        problem = exc
+    rows = verdicts(
+        problem, sh.groups.world, failed="could not read its state dict", facts=named, error=ConfigError
+    )
+    return with_scalars(part, rows) if part is not None else part

@@ -40,6 +40,7 @@ ALLOWED = {
     ("state/shards.py", "move_shards"): "scalars and whole-parameter state travel pickled",
     ("checkpoint/consolidate.py", "consolidated_state_dict"): "the consolidated result is built on the host",
     ("checkpoint/full_dicts.py", "gather_full"): "a full dict with cpu_offload is built on the host",
+    ("checkpoint/interchange.py", "_to_host"): "cpu_offload of a dict's pieces: no collective",
     ("checkpoint/files.py", "__init__"): "a shard file is read to the host, then copied to the device",
     ("diagnostics/activation_trace.py", "trace_activations"): "a trace's default device: no collective",
     ("diagnostics/activation_trace.py", "_replicable"): "a device-type test (CPU only), no tensor",
