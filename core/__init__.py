@@ -54,6 +54,7 @@ from zeroplan.core.memory import (
     memory_report,
     save_staging_bytes,
 )
+from zeroplan.core.mesh import MeshRoles, mesh_roles
 from zeroplan.core.offload import Offload, offload_residences
 from zeroplan.core.optim.implementations import Implementation, resolve_implementation
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
@@ -195,6 +196,8 @@ __all__ = [
     "RankReport",
     "ReductionKind",
     "Replicate",
+    "MeshRoles",
+    "mesh_roles",
     "ReshardPlan",
     "ScalerConfig",
     "ScalerState",

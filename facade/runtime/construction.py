@@ -19,11 +19,20 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import ConfigError, ScalerConfig, StepOptions, ZeroPlan, ZeroplanError, initial_state
+from zeroplan.core import (
+    ConfigError,
+    ScalerConfig,
+    StepOptions,
+    ZeroPlan,
+    ZeroplanError,
+    initial_state,
+    mesh_roles,
+)
 from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
 from zeroplan.facade.diagnostics.memory_check import check_device_memory
 from zeroplan.facade.mechanisms.agreement import verdicts
 from zeroplan.facade.mechanisms.dynamo import import_dynamo
+from zeroplan.facade.mechanisms.groups import data_parallel_group
 from zeroplan.facade.mechanisms.policies import check_reduction
 from zeroplan.facade.params.sharded import Peers
 from zeroplan.facade.runtime import replanning
@@ -34,7 +43,7 @@ from zeroplan.facade.runtime.registry import Configured, configure, grad_wire, p
 import_dynamo()
 
 
-__all__ = ["Agreed", "Request", "agree", "check_transport", "joint_step"]
+__all__ = ["Agreed", "MeshGroups", "Request", "agree", "check_transport", "joint_step", "mesh_groups"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -159,6 +168,59 @@ def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> 
     return Agreed(inputs, configured, plans)
 
 
+class MeshGroups(NamedTuple):
+    """What a device mesh gives an optimizer ([Note: mesh roles] in ``zeroplan.core.mesh``).
+
+    Attributes:
+        data: the data-parallel group zeroplan shards and reduces over.
+        stages: the ranks holding the other pipeline stages of this data-parallel slice, or ``None``.
+        shard_group_size: ranks per shard group (``dp_shard`` beside ``dp_replicate``, or the
+            optimizer's own argument); ``None``: the whole data-parallel group.
+    """
+
+    data: dist.ProcessGroup
+    stages: dist.ProcessGroup | None
+    shard_group_size: int | None
+
+
+def mesh_groups(
+    mesh: Any, process_group: dist.ProcessGroup | None, shard_group_size: int | None, facts: Any
+) -> MeshGroups:
+    """The groups of ``mesh``'s dimensions, agreed by every rank of the default group: the same mesh
+    and the same ``facts`` (settings every stage must share) everywhere, or a ``ConfigError`` on every
+    rank (also for a ``process_group`` beside the mesh). Collective over the default group.
+    """
+    data_parallel_group(None)  # torch.distributed is initialised
+    world = dist.get_world_size()
+    problem: Exception | None = None
+    described: Any = None
+    try:
+        if process_group is not None:
+            raise ConfigError("pass process_group or device_mesh, not both (the mesh names the groups)")
+        roles = mesh_roles(mesh.mesh_dim_names, tuple(mesh.shape), shard_group_size=shard_group_size)
+        ranks = mesh.mesh.flatten().tolist()
+        if sorted(ranks) != list(range(world)):
+            raise ConfigError(
+                f"the device mesh holds ranks {sorted(ranks)[:8]}..., not the {world} ranks of the default "
+                "group: build it over every rank (init_device_mesh)"
+            )
+        if len(roles.data) > 1 and ranks != list(range(world)):
+            raise ConfigError('a "dp_replicate" x "dp_shard" mesh must list the ranks in order')
+        described = (roles.names, roles.sizes, ranks, facts)
+    except Exception as exc:  # every rank must hear of it, not hang in the next collective
+        problem = exc
+    rows = verdicts(problem, dist.group.WORLD, failed="could not use its device mesh", facts=described)
+    differ = [r for r, row in enumerate(rows) if row != rows[0]]
+    if differ:
+        raise ConfigError(
+            f"ranks were given different device meshes or settings: {rows[0]} on rank 0, "
+            f"{rows[differ[0]]} on rank {differ[0]}"
+        )
+    data = mesh.get_group(roles.data[0]) if len(roles.data) == 1 else dist.group.WORLD
+    stages = mesh.get_group(roles.stages) if roles.stages is not None else None
+    return MeshGroups(data, stages, roles.shard_group_size or shard_group_size)
+
+
 def check_current_device(backend: str, device: torch.device) -> None:
     """Refuse NCCL with parameters on another GPU than the current one.
 
@@ -226,6 +288,7 @@ def joint_step(
     defaults: dict[str, Any],
     world: dist.ProcessGroup,
     scaler: ScalerConfig | None,
+    stages: dist.ProcessGroup | None = None,
 ) -> JointStep:
     """Install every agreed domain over the optimizer's own ``param_groups`` and couple them."""
     peers = Peers()  # [Note: several sharded domains]
@@ -247,6 +310,7 @@ def joint_step(
         world,
         scaler=initial_state(scaler or ScalerConfig()) if mode == "dynamic" else None,
         static_scale=mode if isinstance(mode, float) else 1.0,
+        stages=stages,
     )
 
 

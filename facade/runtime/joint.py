@@ -73,6 +73,8 @@ class JointStep:
         world: the data-parallel process group (domain 0's).
         scaler: the dynamic loss scaler's state, or ``None``.
         static_scale: the static loss scale (1.0 without one; ignored with ``scaler``).
+        stages: the ranks holding the other pipeline stages of this data-parallel slice ([Note:
+            mesh roles] in ``zeroplan.core.mesh``): the norm and the overflow verdict join over them.
     """
 
     def __init__(
@@ -81,9 +83,11 @@ class JointStep:
         world: dist.ProcessGroup,
         scaler: ScalerState | None,
         static_scale: float,
+        stages: dist.ProcessGroup | None = None,
     ) -> None:
         self.domains = tuple(domains)
         self.world = world
+        self.stages = stages
         self.scaler = scaler
         self._static_scale = static_scale
 
@@ -151,9 +155,13 @@ class JointStep:
         ]
         parts = [v for v in started if v is not None]
         joint = None
-        if self.joint and self.data.installed.zp.loss_scaling:  # one verdict for the whole model
+        coupled = self.joint or self.stages is not None
+        if coupled and self.data.installed.zp.loss_scaling:  # one verdict for the whole model
             joint = torch.stack([v[VERDICT_LENGTH - 1] for v in parts]).max().float().reshape(1)
-            self._all_reduce_joint(joint, dist.ReduceOp.MAX, self.data.lifecycle.log)
+            if self.joint:
+                self._all_reduce_joint(joint, dist.ReduceOp.MAX, self.data.lifecycle.log)
+            if self.stages is not None:  # every pipeline stage skips the step, or none
+                all_reduce(joint, dist.ReduceOp.MAX, self.stages)
             parts.append(joint.to(torch.int64))
         read = torch.cat(parts).tolist() if parts else []  # the step's one host read
         whole_model = read.pop() if joint is not None else None
@@ -215,7 +223,15 @@ class JointStep:
         """The norm over every domain's reduced gradients, identical on every rank."""
         if not self.joint:
             data = self.data
-            return data.lifecycle.shard_norm(data.installed, norm_type, log)
+            norm = data.lifecycle.shard_norm(data.installed, norm_type, log)
+            if self.stages is None:
+                return norm
+            if norm_type == math.inf:  # the largest of every stage's
+                all_reduce(norm, dist.ReduceOp.MAX, self.stages)
+                return norm
+            power = norm.pow(norm_type)  # every stage's sum of powers, summed over the stages
+            all_reduce(power, dist.ReduceOp.SUM, self.stages)
+            return finish_norm(power, norm_type)
         local = torch.zeros((), dtype=torch.float32, device=self.data.installed.device)
         for domain in self.domains:
             part = domain.lifecycle.local_norm(domain.installed, norm_type)
@@ -224,6 +240,8 @@ class JointStep:
             else:  # every shard group holds the domain's gradient once: count it once over the world
                 local = local + part / domain.settings.topology.replica_size
         self._all_reduce_joint(local, norm_op(norm_type), log)
+        if self.stages is not None:
+            all_reduce(local, norm_op(norm_type), self.stages)
         return finish_norm(local, norm_type)
 
     def _all_reduce_joint(self, value: torch.Tensor, op: dist.ReduceOp, log: CommLog) -> None:

@@ -62,6 +62,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             too) or 3 (parameters too: call :meth:`attach` with the model; see
             [Note: stage 3] in ``params.sharded``).
         process_group: the data-parallel group (default: the default group).
+        device_mesh: instead of ``process_group``, a ``DeviceMesh`` with named dimensions: zeroplan
+            shards over ``dp`` (or ``dp_replicate`` x ``dp_shard``, shard groups of ``dp_shard``)
+            and joins the norm and overflow verdict over ``pp`` (one optimizer per pipeline
+            stage); other dimensions must have size 1 ([Note: mesh roles] in ``zeroplan.core.mesh``).
         shard_group_size: ranks per shard group (MiCS); default: the whole group.
         ranks_per_node: ranks sharing a node (consecutive ranks of the group);
             default: the whole group. When shard groups span whole nodes,
@@ -135,6 +139,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         stage: int = 2,
         process_group: dist.ProcessGroup | None = None,
+        device_mesh: Any = None,
         shard_group_size: int | None = None,
         ranks_per_node: int | None = None,
         strategy: str = "auto",
@@ -157,6 +162,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         **optimizer_defaults: Any,
     ) -> None:
         self._initialized = False
+        stages = None
+        if device_mesh is not None:
+            shared = (stage, repr(loss_scale), repr(scaler))  # every pipeline stage's: one verdict, one scale
+            process_group, stages, shard_group_size = construction.mesh_groups(
+                device_mesh, process_group, shard_group_size, shared
+            )
         world = data_parallel_group(process_group)
         request = construction.Request(
             optimizer_class=optimizer_class,
@@ -188,7 +199,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Nothing below can fail for a user reason: state changes start here.
         super().__init__(agreed.param_groups(world), optimizer_defaults)
         groups, defaults = self.param_groups, self.defaults
-        self._joint = construction.joint_step(agreed, groups, defaults, world, scaler)
+        self._joint = construction.joint_step(agreed, groups, defaults, world, scaler, stages)
         self._initialized = True
 
     @property

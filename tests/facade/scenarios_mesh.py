@@ -1,0 +1,146 @@
+"""Scenarios for ``test_mesh``: ``ZeroOptimizer(..., device_mesh=mesh)`` at world 4.
+
+Pipeline: a mesh ``("pp", "dp")`` of 2 x 2; the model's first two layers are stage 0, the last two
+stage 1; each stage has its own ``ZeroOptimizer`` over its data-parallel pair, and activations and
+their gradients travel between the stages with ``send``/``recv``. Checked against one process
+holding the whole model and stepping ``torch.optim.AdamW`` on both data-parallel batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from zeroplan.core import ZeroplanError
+from zeroplan.facade import ZeroOptimizer
+
+WIDTH, LAYERS, LR = 8, 4, 0.01
+
+
+def _full() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+
+def _batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + dp)
+    return torch.randn(4, WIDTH, generator=gen), torch.randn(4, WIDTH, generator=gen)
+
+
+def _stage(full: torch.nn.Sequential, s: int) -> torch.nn.Sequential:
+    half = LAYERS // 2
+    return torch.nn.Sequential(*[full[i] for i in range(s * half, (s + 1) * half)])
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(torch.tanh(out), target)
+
+
+def pipeline_against_one_process(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case: 3 steps of the 2-stage pipeline and of one process; parameters and norms compared.
+
+    ``inf_at``: the step at which stage 1 alone gets an infinite gradient (its last bias): with a
+    dynamic loss scale every rank of both stages skips that step.
+    """
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    s, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    peer = mesh.mesh[1 - s, d].item()  # the other stage's rank of this data-parallel slice
+    rows = []
+    for cfg in cases:
+        full = _full()
+        model = _stage(full, s)
+        settings = {k: cfg[k] for k in ("loss_scale",) if k in cfg}
+        opt = ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings
+        )
+        if cfg["stage"] == 3:
+            opt.attach(model)
+        ref = _full()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        norms, ref_norms, skipped = [], [], []
+        for step in range(3):
+            x, target = _batch(step, d)
+            poison = cfg.get("inf_at") == step
+            if s == 0:
+                h = model(x)
+                dist.send(h.detach(), peer)
+                grad = torch.empty_like(h)
+                dist.recv(grad, peer)
+                h.backward(grad * opt.loss_scale)  # stage 1 sent d(loss)/dh unscaled
+            else:
+                h = torch.empty(4, WIDTH)
+                dist.recv(h, peer)
+                h.requires_grad_(True)
+                loss = _loss(model(h), target)
+                if poison:
+                    loss = loss + float("inf") * model[-1].bias.sum()
+                opt.backward(loss)
+                dist.send(h.grad / opt.loss_scale, peer)
+            norms.append(float(opt.clip_grad_norm_(cfg["clip"], norm_type=cfg.get("norm_type", 2.0))))
+            opt.step()
+            skipped.append(opt.last_step_skipped)
+            opt.zero_grad()
+            # the reference: both data-parallel batches, one process
+            ref_opt.zero_grad()
+            total = sum(_loss(ref(_batch(step, q)[0]), _batch(step, q)[1]) for q in range(2)) / 2
+            total.backward()
+            if poison:
+                ref_norms.append(float("nan"))
+                continue  # skipped by the pipeline: the reference skips too
+            ref_norms.append(
+                float(
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["clip"], cfg.get("norm_type", 2.0))
+                )
+            )
+            ref_opt.step()
+        if cfg["stage"] == 3:
+            with opt.gathered_params():
+                mine = [p.detach().clone() for p in model.parameters()]
+        else:
+            mine = [p.detach().clone() for p in model.parameters()]
+        theirs = [p.detach() for p in _stage(ref, s).parameters()]
+        rows.append(
+            {
+                "param_err": max(
+                    float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, theirs, strict=True)
+                ),
+                "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True) if b == b),
+                "skipped": skipped,
+                "stage": s,
+            }
+        )
+    return rows
+
+
+def bad_meshes(rank: int, world: int) -> dict[str, str | None]:
+    """Meshes zeroplan cannot use: every rank raises a ConfigError naming why, nothing hangs."""
+    cases = {
+        "no_names": lambda: init_device_mesh("cpu", (4,)),
+        "no_dp": lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "stage")),
+        "tp": lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp")),
+    }
+    out: dict[str, str | None] = {}
+    model = torch.nn.Linear(4, 4)
+    for name, build in cases.items():
+        try:
+            ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=build())
+            out[name] = None
+        except ZeroplanError as exc:
+            out[name] = str(exc)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    try:
+        ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=mesh, process_group=dist.group.WORLD)
+        out["both"] = None
+    except ZeroplanError as exc:
+        out["both"] = str(exc)
+    try:  # rank 3 alone names another learning-rate schedule's loss scale: disagreement, on every rank
+        ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, device_mesh=mesh, loss_scale=None if rank < 3 else 128.0
+        )
+        out["differ"] = None
+    except ZeroplanError as exc:
+        out["differ"] = str(exc)
+    return out

@@ -1,0 +1,39 @@
+"""``ZeroOptimizer(..., device_mesh=mesh)`` ([Note: mesh roles] in ``zeroplan.core.mesh``), gloo, world 4.
+
+Two pipeline stages of two data-parallel ranks each, one ``ZeroOptimizer`` per stage, against one
+process with the whole model: parameters within test_equivalence's fp32 tolerance, the clip norm of
+the whole model equal on every rank, and an overflow on one stage skipping the step on both.
+"""
+
+from __future__ import annotations
+
+import scenarios_mesh
+
+#: fp32 against one process: the sums run in another order (test_equivalence's tolerance).
+TOL = 1e-5
+
+CASES = [
+    {"stage": 2, "clip": 0.05},
+    {"stage": 1, "clip": 0.05, "norm_type": float("inf")},
+    {"stage": 3, "clip": 0.05},
+    {"stage": 2, "clip": 10.0, "loss_scale": "dynamic", "inf_at": 1},
+]
+
+
+def test_pipeline_stages_step_as_one_model(pools):
+    rows = pools(4).run(scenarios_mesh.pipeline_against_one_process, CASES)
+    for rank_rows in rows:
+        for case, r in zip(CASES, rank_rows, strict=True):
+            assert r["param_err"] < TOL, (case, r)
+            assert r["norm_err"] < TOL, (case, r)  # the whole model's norm, on every stage
+            expected = [step == case.get("inf_at") for step in range(3)]
+            assert r["skipped"] == expected, (case, r)  # stage 0 skips stage 1's overflow too
+
+
+def test_meshes_zeroplan_cannot_use_raise_on_every_rank(pools):
+    for r in pools(4).run(scenarios_mesh.bad_meshes):
+        assert "mesh_dim_names" in r["no_names"], r
+        assert "no data-parallel dimension" in r["no_dp"], r
+        assert "'tp'" in r["tp"] and "not support" in r["tp"], r
+        assert "not both" in r["both"], r
+        assert "different device meshes or settings" in r["differ"], r
