@@ -2,7 +2,8 @@
 
 The command line (``zeroplan plan``, ``zeroplan demo`` and the demo's GPT) is the
 subpackage :mod:`zeroplan.facade.cli`; the Hugging Face ``ZeroTrainer`` is
-:mod:`zeroplan.facade.hf` (needs ``transformers``). ``ZeroOptimizer`` and friends
+:mod:`zeroplan.facade.hf` (needs ``transformers``); the stage for torch's pipeline schedules is
+:mod:`zeroplan.facade.pipelining`. ``ZeroOptimizer`` and friends
 import torch; they are loaded on first access so that ``zeroplan plan``, which
 imports this package, starts quickly.
 
@@ -20,7 +21,7 @@ points up, ``TYPE_CHECKING`` imports included):
 3. ``runtime`` (the step: ``ZeroOptimizer``, domains, the joint step, the
    lifecycle, gradient sync, construction), with its services ``checkpoint``
    and ``diagnostics``, which may import each other.
-4. the entry points: ``cli``, ``hf`` and this package.
+4. the entry points: ``cli``, ``hf``, ``pipelining`` and this package.
 
 A new module goes in the lowest layer whose modules it needs.
 """

@@ -21,6 +21,7 @@ LAYERS = {
     "zeroplan.facade.diagnostics": 3,
     "zeroplan.facade.cli": 4,
     "zeroplan.facade.hf": 4,
+    "zeroplan.facade.pipelining": 4,
     "zeroplan.facade": 4,
 }
 

@@ -13,9 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import ScheduleGPipe
 
 from zeroplan.core import ZeroplanError
 from zeroplan.facade import ZeroOptimizer
+from zeroplan.facade.pipelining import ZeroPipelineStage
 
 WIDTH, LAYERS, LR = 8, 4, 0.01
 
@@ -144,3 +146,82 @@ def bad_meshes(rank: int, world: int) -> dict[str, str | None]:
     except ZeroplanError as exc:
         out["differ"] = str(exc)
     return out
+
+
+MICRO = 4
+
+
+def schedule_against_one_process(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """torch's ``ScheduleGPipe`` over ``ZeroPipelineStage``s, 4 micro-batches a step, against one process;
+    with ``scale_grads=True`` every rank raises before anything is stepped."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    s, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    rows = []
+    for cfg in cases:
+        full = _full()
+        model = _stage(full, s)
+        opt = ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh
+        )
+        if cfg["stage"] == 3:
+            opt.attach(model)
+        stage = ZeroPipelineStage(model, s, 2, torch.device("cpu"), opt, group=mesh.get_group("pp"))
+
+        def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return _loss(out, target) / MICRO  # the mean over the micro-batches, not torch's scale_grads
+
+        scale = cfg.get("scale_grads", False)
+        schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=loss_fn, scale_grads=scale)
+        ref = _full()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        norms, ref_norms, error = [], [], None
+        for step in range(3):
+            x, target = _wide_batch(step, d)
+            try:
+                if s == 0:
+                    schedule.step(x)
+                else:
+                    schedule.step(target=target)
+            except ZeroplanError as exc:
+                error = str(exc)
+                break
+            norms.append(float(opt.clip_grad_norm_(cfg["clip"])))
+            opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            total = sum(_loss(ref(_wide_batch(step, q)[0]), _wide_batch(step, q)[1]) for q in range(2)) / 2
+            total.backward()
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["clip"])))
+            ref_opt.step()
+        if error is not None:
+            rows.append(
+                {
+                    "error": error,
+                    "unchanged": all(
+                        torch.equal(a, b)
+                        for a, b in zip(model.parameters(), _stage(_full(), s).parameters(), strict=True)
+                    ),
+                }
+            )
+            continue
+        if cfg["stage"] == 3:
+            with opt.gathered_params():
+                mine = [p.detach().clone() for p in model.parameters()]
+        else:
+            mine = [p.detach().clone() for p in model.parameters()]
+        theirs = [p.detach() for p in _stage(ref, s).parameters()]
+        rows.append(
+            {
+                "param_err": max(
+                    float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, theirs, strict=True)
+                ),
+                "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
+            }
+        )
+    return rows
+
+
+def _wide_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of ``2 * MICRO`` rows: the schedule splits it into micro-batches of 2."""
+    gen = torch.Generator().manual_seed(2000 * step + dp)
+    return torch.randn(2 * MICRO, WIDTH, generator=gen), torch.randn(2 * MICRO, WIDTH, generator=gen)

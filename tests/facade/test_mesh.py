@@ -37,3 +37,20 @@ def test_meshes_zeroplan_cannot_use_raise_on_every_rank(pools):
         assert "'tp'" in r["tp"] and "not support" in r["tp"], r
         assert "not both" in r["both"], r
         assert "different device meshes or settings" in r["differ"], r
+
+
+SCHEDULE_CASES = [
+    {"stage": 2, "clip": 0.05},
+    {"stage": 3, "clip": 0.05},
+    {"stage": 2, "clip": 0.05, "scale_grads": True},
+]
+
+
+def test_torch_pipelining_schedules_accumulate_micro_batches_and_reduce_once(pools):
+    rows = pools(4).run(scenarios_mesh.schedule_against_one_process, SCHEDULE_CASES)
+    for rank_rows in rows:
+        for case, r in zip(SCHEDULE_CASES, rank_rows, strict=True):
+            if case.get("scale_grads"):  # torch would divide .grad after the reduction: refused
+                assert "scale_grads=False" in r["error"] and r["unchanged"], (case, r)
+                continue
+            assert r["param_err"] < TOL and r["norm_err"] < TOL, (case, r)
