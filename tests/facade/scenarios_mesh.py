@@ -160,15 +160,17 @@ def schedule_against_one_process(rank: int, world: int, cases: list[dict[str, An
     for cfg in cases:
         full = _full()
         model = _stage(full, s)
+        settings = {k: cfg[k] for k in ("loss_scale",) if k in cfg}
         opt = ZeroOptimizer(
-            model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh
+            model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings
         )
         if cfg["stage"] == 3:
             opt.attach(model)
         stage = ZeroPipelineStage(model, s, 2, torch.device("cpu"), opt, group=mesh.get_group("pp"))
 
-        def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return _loss(out, target) / MICRO  # the mean over the micro-batches, not torch's scale_grads
+        def loss_fn(out: torch.Tensor, target: torch.Tensor, opt: ZeroOptimizer = opt) -> torch.Tensor:
+            # the mean over the micro-batches (not torch's scale_grads), scaled as opt.backward would
+            return _loss(out, target) / MICRO * opt.loss_scale
 
         scale = cfg.get("scale_grads", False)
         schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=loss_fn, scale_grads=scale)

@@ -42,6 +42,7 @@ def test_meshes_zeroplan_cannot_use_raise_on_every_rank(pools):
 SCHEDULE_CASES = [
     {"stage": 2, "clip": 0.05},
     {"stage": 3, "clip": 0.05},
+    {"stage": 2, "clip": 0.05, "loss_scale": "dynamic"},  # loss_fn multiplies by opt.loss_scale
     {"stage": 2, "clip": 0.05, "scale_grads": True},
 ]
 
