@@ -127,7 +127,4 @@ def mesh_roles(
             f"shard_group_size={shard_group_size} disagrees with the mesh's dp_shard={mesh_shard}: "
             "leave it out (the mesh says it)"
         )
-    grouped = mesh_shard is not None or (shard_group_size is not None and shard_group_size < roles.data_size)
-    if roles.stages is not None and grouped:
-        raise ConfigError("shard groups smaller than the data-parallel group inside pipeline stages: not yet")
     return roles

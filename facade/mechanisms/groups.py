@@ -10,6 +10,7 @@ passed around explicitly; nothing here is global.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -114,7 +115,9 @@ def background_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
     return made[1]
 
 
-def make_groups(world: dist.ProcessGroup, topology: Topology) -> ProcessGroups:
+def make_groups(
+    world: dist.ProcessGroup, topology: Topology, siblings: Sequence[Sequence[int]] | None = None
+) -> ProcessGroups:
     """Create the shard, replica and (hierarchical topologies) node groups of ``topology`` in ``world``.
 
     Every rank of ``world`` must call this with the same topology: each call
@@ -123,6 +126,11 @@ def make_groups(world: dist.ProcessGroup, topology: Topology) -> ProcessGroups:
     groups. They get ``world``'s timeout: ``new_group`` would otherwise give
     them torch's default (30 minutes on gloo, 10 on NCCL), whatever the job
     passed to ``init_process_group``.
+
+    ``new_group`` is collective over the whole job, so where the job holds
+    several data-parallel groups (pipeline stages of a device mesh), every rank
+    creates every one's groups: ``siblings`` lists each data-parallel group's
+    global ranks, in one order on every rank (``world``'s among them).
     """
     rank = dist.get_rank(world)
     if topology.shard_size == topology.world_size and not topology.hierarchical:
@@ -130,13 +138,18 @@ def make_groups(world: dist.ProcessGroup, topology: Topology) -> ProcessGroups:
     global_rank = [dist.get_global_rank(world, r) for r in range(topology.world_size)]
     timeout = group_timeout(world)
 
+    everyone = [list(g) for g in siblings] if siblings is not None else [global_rank]
+    if global_rank not in everyone:
+        raise RuntimeError(f"the data-parallel group {global_rank} is not among {everyone}")
+
     def create(partition: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
-        """One group per tuple of ranks (collective); the one holding this rank."""
+        """One group per tuple of ranks of every data-parallel group (collective); this rank's."""
         mine = None
-        for ranks in partition:
-            group = dist.new_group([global_rank[r] for r in ranks], timeout=timeout)
-            if rank in ranks:
-                mine = group
+        for members in everyone:
+            for ranks in partition:
+                group = dist.new_group([members[r] for r in ranks], timeout=timeout)
+                if members == global_rank and rank in ranks:
+                    mine = group
         if mine is None:  # cannot happen: each partition covers the world
             raise RuntimeError(f"rank {rank} is in none of the groups {partition} of {topology}")
         return mine

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from zeroplan.core import (
     ConfigError,
+    MeshRoles,
     ScalerConfig,
     StepOptions,
     ZeroPlan,
@@ -32,7 +33,7 @@ from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
 from zeroplan.facade.diagnostics.memory_check import check_device_memory
 from zeroplan.facade.mechanisms.agreement import verdicts
 from zeroplan.facade.mechanisms.dynamo import import_dynamo
-from zeroplan.facade.mechanisms.groups import data_parallel_group
+from zeroplan.facade.mechanisms.groups import data_parallel_group, group_timeout
 from zeroplan.facade.mechanisms.policies import check_reduction
 from zeroplan.facade.params.sharded import Peers
 from zeroplan.facade.runtime import replanning
@@ -176,11 +177,13 @@ class MeshGroups(NamedTuple):
         stages: the ranks holding the other pipeline stages of this data-parallel slice, or ``None``.
         shard_group_size: ranks per shard group (``dp_shard`` beside ``dp_replicate``, or the
             optimizer's own argument); ``None``: the whole data-parallel group.
+        siblings: every data-parallel group of the mesh (one per pipeline stage), in global ranks.
     """
 
     data: dist.ProcessGroup
     stages: dist.ProcessGroup | None
     shard_group_size: int | None
+    siblings: tuple[tuple[int, ...], ...]
 
 
 def mesh_groups(
@@ -204,8 +207,12 @@ def mesh_groups(
                 f"the device mesh holds ranks {sorted(ranks)[:8]}..., not the {world} ranks of the default "
                 "group: build it over every rank (init_device_mesh)"
             )
-        if len(roles.data) > 1 and ranks != list(range(world)):
-            raise ConfigError('a "dp_replicate" x "dp_shard" mesh must list the ranks in order')
+        siblings = _data_groups(mesh, roles)
+        if any(list(row) != sorted(row) for row in siblings):
+            raise ConfigError(
+                f"the device mesh orders the ranks of a data-parallel group as {siblings}: list each "
+                "group's ranks in increasing order (a process group orders its ranks so)"
+            )
         described = (roles.names, roles.sizes, ranks, facts)
     except Exception as exc:  # every rank must hear of it, not hang in the next collective
         problem = exc
@@ -216,9 +223,32 @@ def mesh_groups(
             f"ranks were given different device meshes or settings: {rows[0]} on rank 0, "
             f"{rows[differ[0]]} on rank {differ[0]}"
         )
-    data = mesh.get_group(roles.data[0]) if len(roles.data) == 1 else dist.group.WORLD
+    data = mesh.get_group(roles.data[0]) if len(roles.data) == 1 else _data_group(siblings)
     stages = mesh.get_group(roles.stages) if roles.stages is not None else None
-    return MeshGroups(data, stages, roles.shard_group_size or shard_group_size)
+    return MeshGroups(data, stages, roles.shard_group_size or shard_group_size, siblings)
+
+
+def _data_groups(mesh: Any, roles: MeshRoles) -> tuple[tuple[int, ...], ...]:
+    """Every data-parallel group of ``mesh`` (one per pipeline stage), its ranks in mesh order."""
+    data_axes = [roles.names.index(n) for n in roles.data]
+    other_axes = [a for a in range(len(roles.names)) if a not in data_axes]
+    grid = mesh.mesh.permute(*other_axes, *data_axes).reshape(-1, roles.data_size).tolist()
+    return tuple(tuple(int(r) for r in row) for row in grid)
+
+
+def _data_group(siblings: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
+    """This rank's group among ``siblings`` (every data-parallel group of the mesh): the whole job when
+    there is one, else made by every rank for every group, in order (``new_group`` is collective)."""
+    if len(siblings) == 1:
+        return dist.group.WORLD
+    me, mine = dist.get_rank(), None
+    for ranks in siblings:
+        group = dist.new_group(list(ranks), timeout=group_timeout(dist.group.WORLD))
+        if me in ranks:
+            mine = group
+    if mine is None:
+        raise RuntimeError(f"rank {me} is in none of the data-parallel groups {siblings}")
+    return mine
 
 
 def check_current_device(backend: str, device: torch.device) -> None:
@@ -289,6 +319,7 @@ def joint_step(
     world: dist.ProcessGroup,
     scaler: ScalerConfig | None,
     stages: dist.ProcessGroup | None = None,
+    siblings: tuple[tuple[int, ...], ...] | None = None,
 ) -> JointStep:
     """Install every agreed domain over the optimizer's own ``param_groups`` and couple them."""
     peers = Peers()  # [Note: several sharded domains]
@@ -301,8 +332,9 @@ def joint_step(
             param_groups=[param_groups[p] for p in item.positions],
             defaults=defaults,
             peers=peers,
+            siblings=siblings if d == 0 else None,
         )
-        for item, c, zp in zip(agreed.inputs, agreed.configured, agreed.plans, strict=True)
+        for d, (item, c, zp) in enumerate(zip(agreed.inputs, agreed.configured, agreed.plans, strict=True))
     ]
     mode = agreed.configured[0].mode
     return JointStep(  # [Note: joint step]

@@ -162,6 +162,8 @@ class DomainRuntime:
         param_groups: the user's dicts of its groups (shared with ``ZeroOptimizer.param_groups``).
         defaults: ``ZeroOptimizer.defaults``: the inner optimizer's defaults are added to it.
         peers: shared by the optimizer's domains (see [Note: several sharded domains]).
+        siblings: every data-parallel group of the job in global ranks, where there are several
+            (pipeline stages: ``make_groups``).
     """
 
     def __init__(
@@ -174,6 +176,7 @@ class DomainRuntime:
         param_groups: list[dict[str, Any]],
         defaults: dict[str, Any],
         peers: Peers,
+        siblings: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.name = name
         self.world = world
@@ -182,7 +185,7 @@ class DomainRuntime:
         self.param_groups = param_groups
         self._defaults = defaults
         self._peers = peers
-        self.groups: ProcessGroups = make_groups(world, self.settings.topology)
+        self.groups: ProcessGroups = make_groups(world, self.settings.topology, siblings)
         self.lifecycle = StepLifecycle()
         self.parked: dict[int, ParkedParam] = {}  # [Note: parked state]
         self.attached: torch.nn.Module | None = None

@@ -162,10 +162,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         **optimizer_defaults: Any,
     ) -> None:
         self._initialized = False
-        stages = None
+        stages, siblings = None, None
         if device_mesh is not None:
             shared = (stage, repr(loss_scale), repr(scaler))  # every pipeline stage's: one verdict, one scale
-            process_group, stages, shard_group_size = construction.mesh_groups(
+            process_group, stages, shard_group_size, siblings = construction.mesh_groups(
                 device_mesh, process_group, shard_group_size, shared
             )
         world = data_parallel_group(process_group)
@@ -199,7 +199,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Nothing below can fail for a user reason: state changes start here.
         super().__init__(agreed.param_groups(world), optimizer_defaults)
         groups, defaults = self.param_groups, self.defaults
-        self._joint = construction.joint_step(agreed, groups, defaults, world, scaler, stages)
+        self._joint = construction.joint_step(agreed, groups, defaults, world, scaler, stages, siblings)
         self._initialized = True
 
     @property

@@ -16,6 +16,8 @@ def test_data_pipeline_and_replicated_shard_groups():
     assert mesh_roles(("dp_shard",), (8,)).shard_group_size is None  # one shard group: plain ZeRO
     assert mesh_roles(("pp", "dp", "tp"), (1, 4, 1)).stages is None  # dimensions of size 1 are ignored
     assert mesh_roles(("dp",), (8,), shard_group_size=2).data_size == 8  # MiCS by argument
+    staged = mesh_roles(("pp", "dp_replicate", "dp_shard"), (2, 2, 2))  # MiCS inside pipeline stages
+    assert staged.stages == "pp" and staged.shard_group_size == 2 and staged.data_size == 4
 
 
 @pytest.mark.parametrize(
@@ -28,8 +30,6 @@ def test_data_pipeline_and_replicated_shard_groups():
         (("tp", "dp"), (2, 4), {}, "('tp', 2)"),
         (("cp", "dp"), (2, 4), {}, "not supported"),
         (("dp_replicate", "dp_shard"), (2, 4), {"shard_group_size": 2}, "disagrees"),
-        (("pp", "dp"), (2, 4), {"shard_group_size": 2}, "inside pipeline stages"),
-        (("pp", "dp_replicate", "dp_shard"), (2, 2, 2), {}, "inside pipeline stages"),
         (("dp", "dp"), (2, 2), {}, "distinct"),
         (("dp",), (0,), {}, "positive"),
     ],

@@ -47,11 +47,9 @@ def pipeline_against_one_process(rank: int, world: int, cases: list[dict[str, An
     ``inf_at``: the step at which stage 1 alone gets an infinite gradient (its last bias): with a
     dynamic loss scale every rank of both stages skips that step.
     """
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    s, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    peer = mesh.mesh[1 - s, d].item()  # the other stage's rank of this data-parallel slice
     rows = []
     for cfg in cases:
+        mesh, s, d, peer = _pipeline_mesh(cfg)
         full = _full()
         model = _stage(full, s)
         settings = {k: cfg[k] for k in ("loss_scale",) if k in cfg}
@@ -115,6 +113,18 @@ def pipeline_against_one_process(rank: int, world: int, cases: list[dict[str, An
             }
         )
     return rows
+
+
+def _pipeline_mesh(cfg: dict[str, Any]) -> tuple[Any, int, int, int]:
+    """A 2-stage mesh of 2 data-parallel ranks per stage (``"mics"``: as replicas of shard groups of 1);
+    this rank's stage, data-parallel index and the other stage's rank of its data-parallel slice."""
+    if cfg.get("mesh") == "mics":
+        mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+        s, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_replicate")
+        return mesh, s, d, int(mesh.mesh[1 - s, d, 0].item())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    s, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    return mesh, s, d, int(mesh.mesh[1 - s, d].item())
 
 
 def bad_meshes(rank: int, world: int) -> dict[str, str | None]:

@@ -17,6 +17,7 @@ CASES = [
     {"stage": 1, "clip": 0.05, "norm_type": float("inf")},
     {"stage": 3, "clip": 0.05},
     {"stage": 2, "clip": 10.0, "loss_scale": "dynamic", "inf_at": 1},
+    {"stage": 2, "clip": 0.05, "mesh": "mics"},  # shard groups made for every stage by every rank
 ]
 
 
