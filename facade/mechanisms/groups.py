@@ -104,13 +104,19 @@ def background_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
     Collectives of one group must be issued in the same order on every rank; a
     thread that agrees on a save's outcome while the main thread trains would
     interleave with the step's collectives, so it gets a group of its own. The
-    first call is collective over the job (``new_group``), with ``world``'s timeout.
+    first call is collective over the job (``new_group``), with ``world``'s timeout;
+    over ``world``'s ranks alone where ``world`` is part of the job (a pipeline
+    stage's data-parallel group: the other stages save their own optimizers, with
+    other ranks), whose ranks name the group.
     """
     ranks = tuple(dist.get_process_group_ranks(world))
     job = dist.group.WORLD
     made = _BACKGROUND.get(ranks)
     if made is None or made[0] is not job:
-        group = dist.new_group(list(ranks), backend="gloo", timeout=group_timeout(world))
+        local = len(ranks) < dist.get_world_size()
+        group = dist.new_group(
+            list(ranks), backend="gloo", timeout=group_timeout(world), use_local_synchronization=local
+        )
         made = _BACKGROUND[ranks] = (job, group)
     return made[1]
 

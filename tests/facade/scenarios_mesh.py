@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import ScheduleGPipe
 
 from zeroplan.core import ZeroplanError
-from zeroplan.facade import ZeroOptimizer
+from zeroplan.facade import ZeroOptimizer, checkpoint
 from zeroplan.facade.pipelining import ZeroPipelineStage
 
 WIDTH, LAYERS, LR = 8, 4, 0.01
@@ -237,3 +237,30 @@ def _wide_batch(step: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of ``2 * MICRO`` rows: the schedule splits it into micro-batches of 2."""
     gen = torch.Generator().manual_seed(2000 * step + dp)
     return torch.randn(2 * MICRO, WIDTH, generator=gen), torch.randn(2 * MICRO, WIDTH, generator=gen)
+
+
+def stage_checkpoints(rank: int, world: int, root: str) -> dict[str, bool]:
+    """Each pipeline stage saves its optimizer (blocking, then in the background) into a root of its
+    own, and a fresh optimizer of the stage loads it bit for bit."""
+    cfg = {"stage": 2}
+    mesh, s, d, peer = _pipeline_mesh(cfg)
+    del d, peer
+    model = _stage(_full(), s)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    for step in range(2):
+        opt.backward(sum(p.square().sum() for p in model.parameters()) * (step + 1))
+        opt.step()
+        opt.zero_grad()
+    where = f"{root}/stage{s}"
+    out = {}
+    for blocking in (True, False):
+        saved = checkpoint.save(opt, where, blocking=blocking)
+        if not blocking:
+            saved.wait()
+        torch.manual_seed(7)
+        again = _stage(torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]), s)
+        fresh = ZeroOptimizer(again.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+        checkpoint.load(fresh, where)
+        same = all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+        out["blocking" if blocking else "background"] = same
+    return out

@@ -56,3 +56,8 @@ def test_torch_pipelining_schedules_accumulate_micro_batches_and_reduce_once(poo
                 assert "scale_grads=False" in r["error"] and r["unchanged"], (case, r)
                 continue
             assert r["param_err"] < TOL and r["norm_err"] < TOL, (case, r)
+
+
+def test_each_stage_saves_and_loads_its_own_checkpoint_in_the_background_too(pools, tmp_path):
+    for r in pools(4).run(scenarios_mesh.stage_checkpoints, str(tmp_path)):
+        assert r == {"blocking": True, "background": True}, r
