@@ -16,11 +16,12 @@ parameters. The mesh's order is the ranks' order in the data-parallel group.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from zeroplan.core.errors import ConfigError
+from zeroplan.core.specs import ParamSpec
 
-__all__ = ["DATA_DIMS", "STAGE_DIM", "MeshRoles", "mesh_roles"]
+__all__ = ["DATA_DIMS", "STAGE_DIM", "MeshRoles", "mesh_roles", "pipeline_stages"]
 
 #: The names of data-parallel mesh dimensions: one ``dp``, or ``dp_replicate`` and/or ``dp_shard``.
 DATA_DIMS = ("dp", "dp_replicate", "dp_shard")
@@ -128,3 +129,41 @@ def mesh_roles(
             "leave it out (the mesh says it)"
         )
     return roles
+
+
+def pipeline_stages(specs: Sequence[ParamSpec], stages: int) -> tuple[tuple[ParamSpec, ...], ...]:
+    """``specs`` cut into ``stages`` pipeline stages of whole blocks, as a schedule would place them.
+
+    A block is the parameters named by the same first integer path component (``model.layers.12.*``,
+    ``transformer.h.3.*``); blocks go to stages in order, as evenly as they divide; parameters before
+    the first block (embeddings) go to the first stage, the rest (final norm, head) to the last. Each
+    stage's specs are indexed from 0, in their order.
+
+    Raises:
+        ConfigError: ``stages`` below 1, or more stages than blocks.
+    """
+    if type(stages) is not int or stages < 1:
+        raise ConfigError(f"the number of pipeline stages must be an int >= 1, got {stages!r}")
+    blocks = [_block_of(s.name) for s in specs]
+    numbered = sorted({b for b in blocks if b is not None})
+    if len(numbered) < stages:
+        raise ConfigError(
+            f"{stages} pipeline stages need at least as many blocks (parameters named <...>.<i>.<...>); "
+            f"the model has {len(numbered)}"
+        )
+    position = {b: i for i, b in enumerate(numbered)}
+    out: list[list[ParamSpec]] = [[] for _ in range(stages)]
+    seen_block = False
+    for spec, block in zip(specs, blocks, strict=True):
+        if block is None:
+            stage = stages - 1 if seen_block else 0
+        else:
+            seen_block = True
+            stage = position[block] * stages // len(numbered)
+        out[stage].append(spec)
+    return tuple(tuple(replace(s, index=i) for i, s in enumerate(group)) for group in out)
+
+
+def _block_of(name: str) -> int | None:
+    """The first integer component of a dotted parameter name, if any."""
+    return next((int(part) for part in name.split(".") if part.isdigit()), None)

@@ -49,6 +49,7 @@ from zeroplan.core import (
     expert_domains,
     known_optimizers,
     memory_report,
+    pipeline_stages,
     plan,
     plan_domains,
     preset_names,
@@ -147,6 +148,15 @@ def register(sub: Any) -> None:
         help="ranks splitting each MoE layer's experts: plan the dense parameters over the world and "
         "the experts over expert-data-parallel groups of world/E (default 1: no expert domain)",
     )
+    p.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=1,
+        metavar="P",
+        help="pipeline stages: cut the model's blocks into P stages (embeddings in the first, the "
+        "head in the last) and plan each stage's optimizer over --world data-parallel ranks, the job "
+        "holding P x world ranks (default 1)",
+    )
     fitting.add_arguments(p)
     p.set_defaults(run=run)
 
@@ -189,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--grad-accumulation must be >= 1, got {args.grad_accumulation}")
     if args.rows < 1:
         raise ConfigError(f"--rows must be >= 1, got {args.rows}")
+    if args.pipeline_parallel != 1:
+        return _run_pipeline(args)
     if args.expert_parallel != 1:
         if args.offload != Offload.NONE.value:
             raise ConfigError(
@@ -370,6 +382,80 @@ def _run_experts(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     _print_experts(args, source, specs, dp, dr, totals, elapsed)
+    return 0
+
+
+def _run_pipeline(args: argparse.Namespace) -> int:
+    """``zeroplan plan --pipeline-parallel P``: each stage's optimizer over ``--world`` ranks.
+
+    Every stage is an optimizer of its own ([Note: mesh roles]); the norm and the overflow verdict
+    add one scalar all-reduce each over the ``pp`` group per step (with clipping, a loss scale).
+    """
+    stages = args.pipeline_parallel
+    if stages < 1:
+        raise ConfigError(f"--pipeline-parallel must be >= 1 (1: no pipeline), got {stages}")
+    given = [flag for flag, key in _FIT_FLAGS if getattr(args, key) not in (None, False)]
+    if args.expert_parallel != 1:
+        given.insert(0, "--expert-parallel")
+    if given:
+        raise ConfigError(
+            f"{given[0]} does not take --pipeline-parallel into account yet; drop {given[0]}, or plan "
+            "without --pipeline-parallel"
+        )
+    specs, source = _specs(args)
+    started = time.perf_counter()
+    topology = Topology(
+        world_size=args.world,
+        shard_size=args.world if args.shard_size is None else args.shard_size,
+        ranks_per_node=args.ranks_per_node,
+    )
+    parts = pipeline_stages(specs, stages)
+    plans = [plan(part, topology, **_plan_options(args)) for part in parts]
+    reports = [memory_report(zp) for zp in plans]
+    elapsed = time.perf_counter() - started
+    if args.json:
+        document: dict[str, Any] = {
+            "model": source,
+            "dtype": specs[0].dtype,
+            "optimizer": plans[0].optimizers[0].name,
+            "world": args.world,
+            "pipeline_parallel": stages,
+            "total_params": sum(s.numel for s in specs),
+            "planning_seconds": round(elapsed, 4),
+            "stages": [
+                {
+                    "stage": k,
+                    "first": part[0].name,
+                    "last": part[-1].name,
+                    "buckets": len(zp.buckets.buckets),
+                    "layout": zp.partition.layout,
+                    **report.as_dict(),
+                }
+                for k, (part, zp, report) in enumerate(zip(parts, plans, reports, strict=True))
+            ],
+        }
+        sys.stdout.write(json.dumps(document, indent=1))  # one write, not one per token
+        sys.stdout.write("\n")
+        return 0
+    layout = "" if args.layout != "auto" else " (auto)"
+    for k, (part, zp, report) in enumerate(zip(parts, plans, reports, strict=True)):
+        _print_table(
+            report,
+            zp.optimizers[0].name,
+            f"pipeline stage {k} of {stages} ({part[0].name} .. {part[-1].name})",
+            part,
+            len(zp.buckets.buckets),
+            zp.partition.layout + layout,
+            elapsed,
+            args.rows,
+        )
+    worst = max(range(stages), key=lambda k: max(r.peak_bytes for r in reports[k].ranks))
+    print(
+        f"the job holds {stages} x {args.world} ranks; the busiest stage is {worst} (peak "
+        f"{gib(max(r.peak_bytes for r in reports[worst].ranks))} per rank). Each step adds a scalar "
+        "all-reduce over the pipeline group for the norm (with clipping) and one for the overflow "
+        "verdict (with a loss scale), not counted above"
+    )
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zeroplan.core import ConfigError, MeshRoles, mesh_roles
+from zeroplan.core import ConfigError, MeshRoles, mesh_roles, pipeline_stages, preset_specs
 
 
 def test_data_pipeline_and_replicated_shard_groups():
@@ -44,3 +44,26 @@ def test_roles_are_frozen():
     roles = MeshRoles(("dp",), (2,))
     with pytest.raises(AttributeError):
         roles.names = ("pp",)  # type: ignore[misc]
+
+
+def test_pipeline_stages_cut_whole_blocks_in_order():
+    specs = preset_specs("llama-7b", "bf16")
+    stages = pipeline_stages(specs, 4)
+    assert [s.name for stage in stages for s in stage] == [s.name for s in specs]  # every one, once
+    assert stages[0][0].name == "model.embed_tokens.weight" and stages[-1][-1].name == "lm_head.weight"
+    assert stages[1][0].name == "model.layers.8.self_attn.q_proj.weight"  # 32 blocks: 8 per stage
+    assert all([s.index for s in stage] == list(range(len(stage))) for stage in stages)
+    assert pipeline_stages(specs, 1) == (specs,)
+    uneven = pipeline_stages(preset_specs("gpt2", "fp32"), 5)  # 12 blocks over 5 stages: 2 or 3 each
+    blocks = [
+        sorted({int(s.name.split(".")[2]) for s in stage if s.name.startswith("transformer.h.")})
+        for stage in uneven
+    ]
+    assert [len(b) for b in blocks] == [3, 2, 3, 2, 2] and blocks[0] == [0, 1, 2]
+
+
+def test_more_stages_than_blocks_is_refused():
+    with pytest.raises(ConfigError, match="at least as many blocks"):
+        pipeline_stages(preset_specs("gpt2", "fp32"), 13)
+    with pytest.raises(ConfigError, match=">= 1"):
+        pipeline_stages(preset_specs("gpt2", "fp32"), 0)
