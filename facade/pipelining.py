@@ -12,16 +12,20 @@ without a pipeline. The optimizer is built over the stage's mesh slice
 ``zeroplan.core.mesh``), which joins the norm and the overflow verdict over the
 stages.
 
-A schedule's ``scale_grads=True`` divides ``.grad`` by the number of
-micro-batches after the last backward, when zeroplan's reduction owns the
-gradients (at stages 2 and 3 ``.grad`` is empty by then, and the division would
-silently do nothing): the stage refuses it on every rank before the step. Build
-the schedule with ``scale_grads=False`` and divide the loss by the number of
-micro-batches in ``loss_fn``.
+A schedule's ``scale_grads=True`` (torch's default) divides ``.grad`` by the
+number of micro-batches after the last backward, when zeroplan's reduction owns
+the gradients (at stages 2 and 3 ``.grad`` is empty by then: the division would
+silently do nothing); the stage hands the division to the optimizer instead
+(``opt.divide_gradients``), which applies it when the step averages the reduced
+gradients. One stage per optimizer, one stage per rank: schedules that put
+several stages on a rank (interleaved, looped, zero-bubble V) would need the
+last backward of every stage of the rank before one reduction, and one norm over
+them; a second stage on the same optimizer is refused.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -51,8 +55,14 @@ class ZeroPipelineStage(PipelineStage):
         opt: ZeroOptimizer,
         **kwargs: Any,
     ) -> None:
+        if opt in _STAGED:
+            raise ConfigError(
+                "this ZeroOptimizer already has a ZeroPipelineStage: one stage per optimizer and per rank "
+                "(schedules with several stages per rank are not supported)"
+            )
         super().__init__(submodule, stage_index, num_stages, device, **kwargs)
         self.opt = opt
+        _STAGED.add(opt)
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict[str, Any], last_backward: bool = False
@@ -64,14 +74,11 @@ class ZeroPipelineStage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
-        """Refuse dividing ``.grad`` after the reduction (see [Note: pipeline stages]).
-
-        Raises:
-            ConfigError: ``grad_scale_factor`` is not 1 (on every rank: every stage's schedule calls it).
-        """
+        """Divide the step's gradients by ``grad_scale_factor``, through the optimizer ([Note: pipeline
+        stages]): ``.grad`` belongs to zeroplan's reduction by now."""
         if grad_scale_factor != 1:
-            raise ConfigError(
-                f"the pipeline schedule divides gradients by {grad_scale_factor} after zeroplan reduced "
-                "them: build it with scale_grads=False and divide the loss by the number of "
-                "micro-batches in loss_fn"
-            )
+            self.opt.divide_gradients(grad_scale_factor)
+
+
+#: Optimizers that have a stage (held weakly: a dropped optimizer frees its entry).
+_STAGED: weakref.WeakSet[ZeroOptimizer] = weakref.WeakSet()

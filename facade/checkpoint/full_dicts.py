@@ -29,8 +29,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zeroplan.core import IncompatiblePlanError, Span
-from zeroplan.facade.mechanisms.collectives import all_gather_objects, broadcast
+from zeroplan.core import ConfigError, IncompatiblePlanError, Span
+from zeroplan.facade.mechanisms.agreement import verdicts
+from zeroplan.facade.mechanisms.collectives import broadcast
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces
 from zeroplan.facade.mechanisms.torch_dtypes import dtype_name, torch_dtype
 from zeroplan.facade.state.dicts import Shards
@@ -97,7 +98,12 @@ def gather_full(
     """
     flat = _flatten(tree)
     group = sh.groups.shard
-    described = all_gather_objects({path: _describe(leaf) for path, leaf in flat.items()}, group)
+    mine, problem = None, None
+    try:
+        mine = {path: _describe(leaf) for path, leaf in flat.items()}
+    except Exception as exc:  # before any tensor moves, on every rank
+        problem = exc
+    described = verdicts(problem, group, failed="could not describe its dict", facts=mine, error=ConfigError)
     dest = to_rank is None or sh.groups.rank == to_rank
     where = torch.device("cpu") if cpu_offload else sh.device
     merged: dict[Path, _Pieces | _Value | _Own] = {}
@@ -131,9 +137,15 @@ def gather_full(
 
 
 def _check_cover(described: list[dict[Path, Any]], merged: dict[Path, Any]) -> None:
-    """Every ``FlatPieces`` leaf is covered exactly by the shard group's ranges (the same check on every
-    rank, from the same descriptions)."""
+    """Every ``FlatPieces`` leaf is covered exactly by the shard group's ranges, and a larger plain
+    tensor is held by every rank (the same checks on every rank, from the same descriptions)."""
     for path, what in merged.items():
+        if isinstance(what, _Own) and not all(isinstance(mine.get(path), _Own) for mine in described):
+            raise IncompatiblePlanError(
+                f"{'/'.join(map(str, path))!r} is held whole by some ranks only (state a non-elementwise "
+                "optimizer keeps per parameter): whole-tensor dicts of it are not gathered yet; use "
+                "zeroplan.facade.checkpoint.save, or the sharded dict (full_state_dict=False)"
+            )
         if not isinstance(what, _Pieces):
             continue
         held = sorted(
@@ -189,13 +201,14 @@ def broadcast_from_rank0(state_dict: dict[str, Any], sh: Shards) -> dict[str, An
     collectives' device or the host), one at a time.
     """
     world = sh.groups.world
-    mine = None
+    mine, problem = None, None
     if sh.groups.rank == 0:
-        mine = {
-            k: _Whole(tuple(v.shape), dtype_name(v.dtype)) if torch.is_tensor(v) else _Value(v)
-            for k, v in state_dict.items()
-        }
-    described: dict[str, Any] = all_gather_objects(mine, world)[0]
+        try:
+            mine = {k: _whole_or_value(k, v) for k, v in state_dict.items()}
+        except Exception as exc:  # rank 0's dict is every rank's: its error is every rank's
+            problem = exc
+    failed = "could not read the dict it broadcasts"
+    described: dict[str, Any] = verdicts(problem, world, failed=failed, facts=mine, error=ConfigError)[0]
     out: dict[str, Any] = {}
     for key, what in described.items():
         if isinstance(what, _Value):
@@ -209,3 +222,19 @@ def broadcast_from_rank0(state_dict: dict[str, Any], sh: Shards) -> dict[str, An
             broadcast(buf, 0, world)
         out[key] = buf
     return out
+
+
+def _whole_or_value(key: str, value: Any) -> _Whole | _Value:
+    """How rank 0 sends one entry: a plain whole tensor's shape and dtype, or the value itself.
+
+    Raises:
+        ConfigError: a tensor subclass (pieces, a DTensor): not a whole tensor.
+    """
+    if not torch.is_tensor(value):
+        return _Value(value)
+    if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+        raise ConfigError(
+            f"{key!r} is a {type(value).__name__}, not a whole tensor: broadcast_from_rank0 "
+            "reads whole tensors (torch.load of a full dict)"
+        )
+    return _Whole(tuple(value.shape), dtype_name(value.dtype))

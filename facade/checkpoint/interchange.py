@@ -48,6 +48,7 @@ from zeroplan.core import ConfigError, IncompatiblePlanError
 from zeroplan.facade.checkpoint.full_dicts import broadcast_from_rank0, gather_full
 from zeroplan.facade.checkpoint.loading import domain_shards
 from zeroplan.facade.mechanisms.agreement import verdicts
+from zeroplan.facade.mechanisms.assembly import Assembly
 from zeroplan.facade.mechanisms.collectives import all_gather_objects
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
 from zeroplan.facade.runtime.domain_states import DOMAINS_FORMAT
@@ -221,7 +222,7 @@ def _pieces_dict(model: torch.nn.Module, domains: list[_Domain]) -> dict[str, An
     out = {key: tensor.detach() for key, tensor in _whole(own, domains, names).items()}
     for dom, named in zip(domains, names, strict=True):
         sh = dom.sh
-        values = {b.space.dtype: _master_values(b).clone() for b in sh.buffers}
+        values = {b.space.dtype: _master_copy(b) for b in sh.buffers}
         for index, frags in sh.zp.partition.held_fragments(sh.groups.shard_rank).items():
             spec = sh.zp.specs[index]
             held = [(f.param_span, values[spec.dtype][f.shard_span.as_slice()]) for f in frags]
@@ -307,9 +308,13 @@ def _read(sh: Shards, named: dict[int, list[str]], state_dict: dict[str, Any]) -
     return out
 
 
-def _master_values(buf: Any) -> torch.Tensor:
-    """The rank's master values of a space: its fp32 master, or the parameters' own shard."""
-    return buf.master_copy[: buf.extent] if buf.carries_master else buf.shard_values()
+def _master_copy(buf: Any) -> torch.Tensor:
+    """A copy of the rank's master values of a space: its fp32 master, or the parameters' own shard
+    (copied once: a shard of pieces is assembled into a tensor of its own)."""
+    if buf.carries_master:
+        return buf.master_copy[: buf.extent].clone()
+    source = buf.shard_source()
+    return source.into() if isinstance(source, Assembly) else source.clone()
 
 
 def _space_index(sh: Shards, dtype: str) -> int:

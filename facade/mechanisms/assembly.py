@@ -16,7 +16,7 @@ bytes do not depend on what a reused buffer held before.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
@@ -25,8 +25,11 @@ from zeroplan.core import Span
 __all__ = ["Assembly", "FileTensor", "materialize"]
 
 
-class Assembly(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class Assembly:
     """``numel`` elements of ``dtype`` on ``device``: each part's view at its span, zeros elsewhere.
+
+    A frozen dataclass, not a tuple, so tree utilities do not walk into its views.
 
     Attributes:
         numel: the flat tensor's length.

@@ -19,7 +19,14 @@ import torch.distributed as dist
 
 from zeroplan.core import ConfigError, Link, Topology
 
-__all__ = ["ProcessGroups", "background_group", "data_parallel_group", "group_timeout", "make_groups"]
+__all__ = [
+    "ProcessGroups",
+    "background_group",
+    "data_parallel_group",
+    "group_timeout",
+    "make_groups",
+    "new_groups",
+]
 
 
 class ProcessGroups(NamedTuple):
@@ -121,6 +128,23 @@ def background_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
     return made[1]
 
 
+def new_groups(groups: Sequence[Sequence[int]], timeout: timedelta) -> dist.ProcessGroup:
+    """A group for each list of global ranks, made in order by every rank of the job (``new_group`` is
+    collective over it); the one holding this rank.
+
+    Raises:
+        RuntimeError: this rank is in none of them.
+    """
+    me, mine = dist.get_rank(), None
+    for ranks in groups:
+        group = dist.new_group(list(ranks), timeout=timeout)
+        if me in ranks:
+            mine = group
+    if mine is None:
+        raise RuntimeError(f"rank {me} is in none of the groups {list(groups)[:8]}")
+    return mine
+
+
 def make_groups(
     world: dist.ProcessGroup, topology: Topology, siblings: Sequence[Sequence[int]] | None = None
 ) -> ProcessGroups:
@@ -150,15 +174,8 @@ def make_groups(
 
     def create(partition: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
         """One group per tuple of ranks of every data-parallel group (collective); this rank's."""
-        mine = None
-        for members in everyone:
-            for ranks in partition:
-                group = dist.new_group([members[r] for r in ranks], timeout=timeout)
-                if members == global_rank and rank in ranks:
-                    mine = group
-        if mine is None:  # cannot happen: each partition covers the world
-            raise RuntimeError(f"rank {rank} is in none of the groups {partition} of {topology}")
-        return mine
+        groups = [tuple(members[r] for r in ranks) for members in everyone for ranks in partition]
+        return new_groups(groups, timeout)
 
     shard, replica, node, cross_node = world, None, None, None
     if topology.shard_size < topology.world_size:

@@ -13,6 +13,7 @@ torch._dynamo here] in ``mechanisms.dynamo``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -33,7 +34,7 @@ from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
 from zeroplan.facade.diagnostics.memory_check import check_device_memory
 from zeroplan.facade.mechanisms.agreement import verdicts
 from zeroplan.facade.mechanisms.dynamo import import_dynamo
-from zeroplan.facade.mechanisms.groups import data_parallel_group, group_timeout
+from zeroplan.facade.mechanisms.groups import data_parallel_group, group_timeout, new_groups
 from zeroplan.facade.mechanisms.policies import check_reduction
 from zeroplan.facade.params.sharded import Peers
 from zeroplan.facade.runtime import replanning
@@ -187,11 +188,17 @@ class MeshGroups(NamedTuple):
 
 
 def mesh_groups(
-    mesh: Any, process_group: dist.ProcessGroup | None, shard_group_size: int | None, facts: Any
+    mesh: Any,
+    process_group: dist.ProcessGroup | None,
+    shard_group_size: int | None,
+    facts: Any,
+    *,
+    experts: bool = False,
 ) -> MeshGroups:
     """The groups of ``mesh``'s dimensions, agreed by every rank of the default group: the same mesh
     and the same ``facts`` (settings every stage must share) everywhere, or a ``ConfigError`` on every
-    rank (also for a ``process_group`` beside the mesh). Collective over the default group.
+    rank (also for a ``process_group`` beside the mesh, or expert groups: param groups with a
+    ``process_group`` of their own). Collective over the default group; what travels is a digest.
     """
     data_parallel_group(None)  # torch.distributed is initialised
     world = dist.get_world_size()
@@ -200,6 +207,11 @@ def mesh_groups(
     try:
         if process_group is not None:
             raise ConfigError("pass process_group or device_mesh, not both (the mesh names the groups)")
+        if experts:
+            raise ConfigError(
+                "expert groups (param groups with a process_group) with a device mesh are not supported "
+                "yet: pass the data-parallel group as process_group instead of the mesh"
+            )
         roles = mesh_roles(mesh.mesh_dim_names, tuple(mesh.shape), shard_group_size=shard_group_size)
         ranks = mesh.mesh.flatten().tolist()
         if sorted(ranks) != list(range(world)):
@@ -213,7 +225,8 @@ def mesh_groups(
                 f"the device mesh orders the ranks of a data-parallel group as {siblings}: list each "
                 "group's ranks in increasing order (a process group orders its ranks so)"
             )
-        described = (roles.names, roles.sizes, ranks, facts)
+        whole = repr((roles.names, roles.sizes, ranks, facts)).encode()
+        described = (roles.names, roles.sizes, facts, hashlib.sha256(whole).hexdigest()[:16])
     except Exception as exc:  # every rank must hear of it, not hang in the next collective
         problem = exc
     rows = verdicts(problem, dist.group.WORLD, failed="could not use its device mesh", facts=described)
@@ -238,17 +251,10 @@ def _data_groups(mesh: Any, roles: MeshRoles) -> tuple[tuple[int, ...], ...]:
 
 def _data_group(siblings: tuple[tuple[int, ...], ...]) -> dist.ProcessGroup:
     """This rank's group among ``siblings`` (every data-parallel group of the mesh): the whole job when
-    there is one, else made by every rank for every group, in order (``new_group`` is collective)."""
+    there is one, else made by every rank for every group, in order."""
     if len(siblings) == 1:
         return dist.group.WORLD
-    me, mine = dist.get_rank(), None
-    for ranks in siblings:
-        group = dist.new_group(list(ranks), timeout=group_timeout(dist.group.WORLD))
-        if me in ranks:
-            mine = group
-    if mine is None:
-        raise RuntimeError(f"rank {me} is in none of the data-parallel groups {siblings}")
-    return mine
+    return new_groups(siblings, group_timeout(dist.group.WORLD))
 
 
 def check_current_device(backend: str, device: torch.device) -> None:

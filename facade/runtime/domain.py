@@ -194,7 +194,7 @@ class DomainRuntime:
         self._settle(self.installed)
 
     # ------------------------------------------------------------ installation
-    def context(self, loss_scale: float, data_world: int) -> StepContext:
+    def context(self, loss_scale: float, data_world: int, *, divided: float = 1.0) -> StepContext:
         """What a step of this domain needs: its divisor, its groups.
 
         Every domain divides its summed gradients by the *data-parallel* world
@@ -202,11 +202,11 @@ class DomainRuntime:
         expert's gradient summed over its group already holds the tokens of every
         rank that routed to it, so this is the gradient of the world's mean loss,
         as one process training on the whole batch computes it (see [Note:
-        expert domains]).
+        expert domains]); ``divided``: the step's further divisor (``divide_gradients``).
         """
         scale = loss_scale if self.installed.zp.loss_scaling else 1.0
         return StepContext(
-            divisor=data_world * scale,
+            divisor=data_world * scale * divided,
             param_groups=self.param_groups,
             params=self.registry.params,
             names=self.registry.names,

@@ -40,6 +40,7 @@ from zeroplan.core import (
     DomainPlans,
     DomainsReport,
     ScalerState,
+    StepOrderError,
     ZeroPlan,
     update,
 )
@@ -90,6 +91,7 @@ class JointStep:
         self.stages = stages
         self.scaler = scaler
         self._static_scale = static_scale
+        self._divided = 1.0  # divide_gradients(): this step's extra divisor
 
     @property
     def data(self) -> DomainRuntime:
@@ -123,7 +125,24 @@ class JointStep:
         """What a step of ``domain`` needs: the one loss scale and the data-parallel divisor."""
         scaled_by_world = self.data.installed.reduction.divides_loss_by_world  # backward() divided it
         world = 1 if scaled_by_world else self.data.settings.topology.world_size
-        return domain.context(self.loss_scale, world)
+        return domain.context(self.loss_scale, world, divided=self._divided)
+
+    def divide_gradients(self, divisor: float) -> None:
+        """Divide this step's gradients by ``divisor`` too (a pipeline schedule's ``scale_grads``).
+
+        Raises:
+            ConfigError: ``divisor`` is not a finite number > 0.
+            StepOrderError: the gradients were already averaged for this step (``clip_grad_norm_``,
+                ``grad_norm`` or ``step()`` ran).
+        """
+        if not (isinstance(divisor, (int, float)) and math.isfinite(divisor) and divisor > 0):
+            raise ConfigError(f"divide_gradients takes a finite number > 0, got {divisor!r}")
+        if any(d.lifecycle.phase in (Phase.REDUCED, Phase.CLIPPED) for d in self.domains):
+            raise StepOrderError(
+                "divide_gradients() after the gradients were averaged for clip_grad_norm_(), grad_norm() "
+                "or step(): call it right after the backward passes"
+            )
+        self._divided *= float(divisor)
 
     # ------------------------------------------------------------ a step's calls
     @contextlib.contextmanager
@@ -206,6 +225,7 @@ class JointStep:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """End the step in every domain and reset its gradients."""
+        self._divided = 1.0
         for domain in self.domains:
             domain.lifecycle.release(domain.installed)
             domain.installed.sync.zero_grad(set_to_none)

@@ -164,9 +164,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._initialized = False
         stages, siblings = None, None
         if device_mesh is not None:
-            shared = (stage, repr(loss_scale), repr(scaler))  # every pipeline stage's: one verdict, one scale
+            params = list(params)  # read twice: for expert groups here, then by the agreement
+            # every pipeline stage's: one verdict, one scale, the same groups made in the same order
+            shared = (stage, repr(loss_scale), repr(scaler), shard_group_size, ranks_per_node)
+            experts = any(isinstance(g, dict) and "process_group" in g for g in params)
             process_group, stages, shard_group_size, siblings = construction.mesh_groups(
-                device_mesh, process_group, shard_group_size, shared
+                device_mesh, process_group, shard_group_size, shared, experts=experts
             )
         world = data_parallel_group(process_group)
         request = construction.Request(
@@ -273,6 +276,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Once per step, between backward and :meth:`step`.
         """
         return self._joint.clip_grad_norm_(max_norm, norm_type)
+
+    def divide_gradients(self, divisor: float) -> None:
+        """Divide this step's gradients by ``divisor`` as well as by the world (and the loss scale).
+
+        What a pipeline schedule's ``scale_grads`` does to ``.grad`` (``pipelining.ZeroPipelineStage``
+        routes it here): call it after the step's backward passes, before ``clip_grad_norm_`` or
+        :meth:`step`, with the same divisor on every rank; ``zero_grad()`` resets it.
+        """
+        self._joint.divide_gradients(divisor)
 
     @torch.no_grad()
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from zeroplan.core import ZeroplanError
 from zeroplan.facade.checkpoint import interchange
 
 LR = 0.01
@@ -292,3 +293,25 @@ def torch_model_dicts_at_stage3(rank: int, world: int, cases: list[dict[str, Any
         row["params_from_rank0"] = [k for k in mine if not torch.equal(mine[k], theirs[k])]
         rows.append(row)
     return rows
+
+
+def full_dicts_refused(rank: int, world: int) -> dict[str, str | None]:
+    """What whole-tensor dicts cannot take raises on every rank, before any tensor moves: state a
+    non-elementwise optimizer keeps whole on one rank, and pieces given to ``broadcast_from_rank0``."""
+    model = make_model(seed=0)
+    opt = make_optimizer(model, stage=2, optimizer="adafactor")
+    _train(model, opt, rank, range(1))
+    out: dict[str, str | None] = {}
+    try:
+        interchange.get_optimizer_state_dict(model, opt, options=FULL)
+        out["whole_state"] = None
+    except ZeroplanError as exc:
+        out["whole_state"] = str(exc)
+    model2, opt2 = _zeroplan({"stage": 2})
+    pieces = interchange.model_state_dict(model2, opt2)  # not whole tensors
+    try:
+        interchange.load_model_state_dict(model2, opt2, pieces if rank == 0 else {}, options=FROM_RANK0)
+        out["pieces_from_rank0"] = None
+    except ZeroplanError as exc:
+        out["pieces_from_rank0"] = str(exc)
+    return out

@@ -50,14 +50,7 @@ def pipeline_against_one_process(rank: int, world: int, cases: list[dict[str, An
     rows = []
     for cfg in cases:
         mesh, s, d, peer = _pipeline_mesh(cfg)
-        full = _full()
-        model = _stage(full, s)
-        settings = {k: cfg[k] for k in ("loss_scale",) if k in cfg}
-        opt = ZeroOptimizer(
-            model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings
-        )
-        if cfg["stage"] == 3:
-            opt.attach(model)
+        model, opt = _stage_optimizer(cfg, mesh, s)
         ref = _full()
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
         norms, ref_norms, skipped = [], [], []
@@ -96,12 +89,7 @@ def pipeline_against_one_process(rank: int, world: int, cases: list[dict[str, An
                 )
             )
             ref_opt.step()
-        if cfg["stage"] == 3:
-            with opt.gathered_params():
-                mine = [p.detach().clone() for p in model.parameters()]
-        else:
-            mine = [p.detach().clone() for p in model.parameters()]
-        theirs = [p.detach() for p in _stage(ref, s).parameters()]
+        mine, theirs = _values(model, opt), [p.detach() for p in _stage(ref, s).parameters()]
         rows.append(
             {
                 "param_err": max(
@@ -113,6 +101,24 @@ def pipeline_against_one_process(rank: int, world: int, cases: list[dict[str, An
             }
         )
     return rows
+
+
+def _stage_optimizer(cfg: dict[str, Any], mesh: Any, s: int) -> tuple[torch.nn.Module, ZeroOptimizer]:
+    """Stage ``s`` of the model and its optimizer over ``mesh`` (attached at stage 3)."""
+    model = _stage(_full(), s)
+    settings = {k: cfg[k] for k in ("loss_scale",) if k in cfg}
+    opt = ZeroOptimizer(
+        model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings
+    )
+    if cfg["stage"] == 3:
+        opt.attach(model)
+    return model, opt
+
+
+def _values(model: torch.nn.Module, opt: ZeroOptimizer) -> list[torch.Tensor]:
+    """The stage's parameters, whole (gathered at stage 3)."""
+    with opt.gathered_params():
+        return [p.detach().clone() for p in model.parameters()]
 
 
 def _pipeline_mesh(cfg: dict[str, Any]) -> tuple[Any, int, int, int]:
@@ -155,48 +161,62 @@ def bad_meshes(rank: int, world: int) -> dict[str, str | None]:
         out["differ"] = None
     except ZeroplanError as exc:
         out["differ"] = str(exc)
+    experts = [{"params": [model.weight]}, {"params": [model.bias], "process_group": dist.group.WORLD}]
+    try:
+        ZeroOptimizer(experts, torch.optim.AdamW, device_mesh=mesh)
+        out["experts"] = None
+    except ZeroplanError as exc:
+        out["experts"] = str(exc)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=mesh)
+    opt.backward(model(torch.ones(2, 4)).sum())
+    out["divisor"] = _refusal(lambda: opt.divide_gradients(0.0))
+    opt.clip_grad_norm_(1.0)
+    out["late"] = _refusal(lambda: opt.divide_gradients(2.0))  # averaged already
     return out
+
+
+def _refusal(call: Any) -> str | None:
+    try:
+        call()
+    except ZeroplanError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 MICRO = 4
 
 
 def schedule_against_one_process(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """torch's ``ScheduleGPipe`` over ``ZeroPipelineStage``s, 4 micro-batches a step, against one process;
-    with ``scale_grads=True`` every rank raises before anything is stepped."""
+    """torch's ``ScheduleGPipe`` over ``ZeroPipelineStage``s, 4 micro-batches a step, against one process.
+
+    The loss is the mean over the micro-batches: ``loss_fn`` divides by their number, or (with
+    ``scale_grads``) torch's schedule divides the gradients, which the stage hands to the optimizer.
+    A second stage on the same optimizer is refused.
+    """
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     s, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     rows = []
     for cfg in cases:
-        full = _full()
-        model = _stage(full, s)
-        settings = {k: cfg[k] for k in ("loss_scale",) if k in cfg}
-        opt = ZeroOptimizer(
-            model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings
-        )
-        if cfg["stage"] == 3:
-            opt.attach(model)
+        model, opt = _stage_optimizer(cfg, mesh, s)
         stage = ZeroPipelineStage(model, s, 2, torch.device("cpu"), opt, group=mesh.get_group("pp"))
-
-        def loss_fn(out: torch.Tensor, target: torch.Tensor, opt: ZeroOptimizer = opt) -> torch.Tensor:
-            # the mean over the micro-batches (not torch's scale_grads), scaled as opt.backward would
-            return _loss(out, target) / MICRO * opt.loss_scale
-
         scale = cfg.get("scale_grads", False)
+        divide = 1 if scale else MICRO
+
+        def loss_fn(
+            out: torch.Tensor, target: torch.Tensor, opt: ZeroOptimizer = opt, k: int = divide
+        ) -> torch.Tensor:
+            return _loss(out, target) / k * opt.loss_scale  # scaled as opt.backward would
+
         schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=loss_fn, scale_grads=scale)
         ref = _full()
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-        norms, ref_norms, error = [], [], None
+        norms, ref_norms = [], []
         for step in range(3):
             x, target = _wide_batch(step, d)
-            try:
-                if s == 0:
-                    schedule.step(x)
-                else:
-                    schedule.step(target=target)
-            except ZeroplanError as exc:
-                error = str(exc)
-                break
+            if s == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=target)
             norms.append(float(opt.clip_grad_norm_(cfg["clip"])))
             opt.step()
             opt.zero_grad()
@@ -205,29 +225,19 @@ def schedule_against_one_process(rank: int, world: int, cases: list[dict[str, An
             total.backward()
             ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["clip"])))
             ref_opt.step()
-        if error is not None:
-            rows.append(
-                {
-                    "error": error,
-                    "unchanged": all(
-                        torch.equal(a, b)
-                        for a, b in zip(model.parameters(), _stage(_full(), s).parameters(), strict=True)
-                    ),
-                }
-            )
-            continue
-        if cfg["stage"] == 3:
-            with opt.gathered_params():
-                mine = [p.detach().clone() for p in model.parameters()]
-        else:
-            mine = [p.detach().clone() for p in model.parameters()]
-        theirs = [p.detach() for p in _stage(ref, s).parameters()]
+        mine, theirs = _values(model, opt), [p.detach() for p in _stage(ref, s).parameters()]
+        try:
+            ZeroPipelineStage(model, s, 2, torch.device("cpu"), opt, group=mesh.get_group("pp"))
+            second = None
+        except ZeroplanError as exc:
+            second = str(exc)
         rows.append(
             {
                 "param_err": max(
                     float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, theirs, strict=True)
                 ),
                 "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
+                "second_stage": second,
             }
         )
     return rows

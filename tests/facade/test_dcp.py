@@ -66,3 +66,9 @@ def test_torch_model_dicts_of_a_stage3_model_hold_its_pieces_and_load_both_ways(
             assert r["masters_are_params"] == [], (case, r)
             if "dtype" not in case:
                 assert r["continued"] == 0.0, (case, r)
+
+
+def test_what_whole_tensor_dicts_cannot_take_raises_on_every_rank(pools):
+    for r in pools(2).run(scenarios_dcp.full_dicts_refused):
+        assert "held whole by some ranks only" in r["whole_state"], r
+        assert "not a whole tensor" in r["pieces_from_rank0"], r
