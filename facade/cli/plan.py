@@ -182,6 +182,15 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _topology(args: argparse.Namespace) -> Topology:
+    """The data-parallel topology the command line describes (per pipeline stage with stages)."""
+    return Topology(
+        world_size=args.world,
+        shard_size=args.world if args.shard_size is None else args.shard_size,
+        ranks_per_node=args.ranks_per_node,
+    )
+
+
 def _specs(args: argparse.Namespace) -> tuple[tuple[ParamSpec, ...], str]:
     if args.shapes:
         return specs_from_json(args.shapes, args.dtype), args.shapes
@@ -210,11 +219,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_experts(args)
     settings = fitting.fit_settings(args)  # checked before planning: see [Note: fit options]
     specs, source = _specs(args)
-    topology = Topology(
-        world_size=args.world,
-        shard_size=args.world if args.shard_size is None else args.shard_size,
-        ranks_per_node=args.ranks_per_node,
-    )
+    topology = _topology(args)
     started = time.perf_counter()
     zp = plan(specs, topology, **_plan_options(args))
     report = memory_report(zp)
@@ -404,11 +409,7 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         )
     specs, source = _specs(args)
     started = time.perf_counter()
-    topology = Topology(
-        world_size=args.world,
-        shard_size=args.world if args.shard_size is None else args.shard_size,
-        ranks_per_node=args.ranks_per_node,
-    )
+    topology = _topology(args)
     parts = pipeline_stages(specs, stages)
     plans = [plan(part, topology, **_plan_options(args)) for part in parts]
     reports = [memory_report(zp) for zp in plans]

@@ -69,12 +69,13 @@ def export_state(
         owned, value = buffers[space].extent, like[space, key]
         if len(views) == 1 and views[0][0].numel == owned:  # one window is the whole shard: no copy
             flat[space, key] = value
-        elif assemble or is_traceable_wrapper_subclass(value):
+        elif is_traceable_wrapper_subclass(value):  # low-bit state: assembled by its own copies
             flat[space, key] = value.new_zeros(owned)
             for span, view in views:
                 flat[space, key][span.as_slice()] = view
         else:
-            flat[space, key] = Assembly(owned, value.dtype, value.device, tuple(views))
+            assembly = Assembly(owned, value.dtype, value.device, tuple(views))
+            flat[space, key] = assembly.into() if assemble else assembly
     return ShardState(flat=flat, scalars=scalars, whole=whole)
 
 

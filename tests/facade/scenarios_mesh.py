@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from scenarios_safety import _error
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import ScheduleGPipe
 
@@ -140,47 +141,32 @@ def bad_meshes(rank: int, world: int) -> dict[str, str | None]:
         "no_dp": lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "stage")),
         "tp": lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp")),
     }
-    out: dict[str, str | None] = {}
     model = torch.nn.Linear(4, 4)
-    for name, build in cases.items():
-        try:
-            ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=build())
-            out[name] = None
-        except ZeroplanError as exc:
-            out[name] = str(exc)
-    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    try:
-        ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=mesh, process_group=dist.group.WORLD)
-        out["both"] = None
-    except ZeroplanError as exc:
-        out["both"] = str(exc)
-    try:  # rank 3 alone names another learning-rate schedule's loss scale: disagreement, on every rank
-        ZeroOptimizer(
-            model.parameters(), torch.optim.AdamW, device_mesh=mesh, loss_scale=None if rank < 3 else 128.0
+    out = {
+        name: _error(
+            lambda build=build: ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=build())
         )
-        out["differ"] = None
-    except ZeroplanError as exc:
-        out["differ"] = str(exc)
+        for name, build in cases.items()
+    }
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    out["both"] = _error(
+        lambda: ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, device_mesh=mesh, process_group=dist.group.WORLD
+        )
+    )
+    # rank 3 alone names another loss scale: disagreement, on every rank
+    scale = None if rank < 3 else 128.0
+    out["differ"] = _error(
+        lambda: ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=mesh, loss_scale=scale)
+    )
     experts = [{"params": [model.weight]}, {"params": [model.bias], "process_group": dist.group.WORLD}]
-    try:
-        ZeroOptimizer(experts, torch.optim.AdamW, device_mesh=mesh)
-        out["experts"] = None
-    except ZeroplanError as exc:
-        out["experts"] = str(exc)
+    out["experts"] = _error(lambda: ZeroOptimizer(experts, torch.optim.AdamW, device_mesh=mesh))
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=mesh)
     opt.backward(model(torch.ones(2, 4)).sum())
-    out["divisor"] = _refusal(lambda: opt.divide_gradients(0.0))
+    out["divisor"] = _error(lambda: opt.divide_gradients(0.0))
     opt.clip_grad_norm_(1.0)
-    out["late"] = _refusal(lambda: opt.divide_gradients(2.0))  # averaged already
+    out["late"] = _error(lambda: opt.divide_gradients(2.0))  # averaged already
     return out
-
-
-def _refusal(call: Any) -> str | None:
-    try:
-        call()
-    except ZeroplanError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 MICRO = 4
