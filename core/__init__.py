@@ -108,6 +108,7 @@ from zeroplan.core.strategies import (
     register_strategy,
     strategy_names,
 )
+from zeroplan.core.tensor_parallel import norm_windows, tensor_replicas
 from zeroplan.core.topology import Link, Topology
 from zeroplan.core.traffic import CommCost, communication
 
@@ -199,6 +200,8 @@ __all__ = [
     "MeshRoles",
     "mesh_roles",
     "pipeline_stages",
+    "norm_windows",
+    "tensor_replicas",
     "ReshardPlan",
     "ScalerConfig",
     "ScalerState",

@@ -8,9 +8,12 @@ MiCS-style shard groups (shard groups are ``dp_shard``, their replicas
 ``dp_replicate``); ``pp`` holds the other pipeline stages of the same data-parallel
 slice, whose optimizers step their own parameters, so the gradient norm and the
 overflow verdict are joined over it (one norm and one verdict for the whole
-model). Any other dimension of size 1 is ignored; one of size above 1 (``tp``,
-``cp``, ``ep``) is refused, naming it, until zeroplan takes tensor-parallel
-parameters. The mesh's order is the ranks' order in the data-parallel group.
+model). ``tp`` holds the other tensor-parallel slices of the same parameters
+(DTensor parameters placed on ``mesh["tp"]``, [Note: tensor-parallel parameters]
+in ``core.tensor_parallel``): zeroplan shards each rank's local tensors over the
+data-parallel dimension and joins the norm and the verdict over ``tp`` too. Any
+other dimension of size 1 is ignored; one of size above 1 (``cp``, ``ep``) is
+refused, naming it. The mesh's order is the ranks' order in the data-parallel group.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ from dataclasses import dataclass, replace
 
 from zeroplan.core.errors import ConfigError
 from zeroplan.core.specs import ParamSpec
+from zeroplan.core.tensor_parallel import TENSOR_DIM
 
-__all__ = ["DATA_DIMS", "STAGE_DIM", "MeshRoles", "mesh_roles", "pipeline_stages"]
+__all__ = ["DATA_DIMS", "MODEL_DIMS", "STAGE_DIM", "MeshRoles", "mesh_roles", "pipeline_stages"]
 
 #: The names of data-parallel mesh dimensions: one ``dp``, or ``dp_replicate`` and/or ``dp_shard``.
 DATA_DIMS = ("dp", "dp_replicate", "dp_shard")
 #: The name of the pipeline-parallel dimension.
 STAGE_DIM = "pp"
+#: The model-parallel dimensions zeroplan joins its norm and verdict over.
+MODEL_DIMS = (TENSOR_DIM, STAGE_DIM)
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,11 @@ class MeshRoles:
         return STAGE_DIM if self.size(STAGE_DIM) > 1 else None
 
     @property
+    def tensor(self) -> str | None:
+        """The tensor-parallel dimension, if it has more than one rank."""
+        return TENSOR_DIM if self.size(TENSOR_DIM) > 1 else None
+
+    @property
     def shard_group_size(self) -> int | None:
         """Shard groups of ``dp_shard`` ranks where ``dp_replicate`` replicates them (MiCS), else ``None``."""
         if self.size("dp_replicate") > 1:
@@ -91,7 +102,7 @@ def mesh_roles(
 
     Raises:
         ConfigError: no names, no data-parallel dimension, ``dp`` beside ``dp_replicate``/``dp_shard``,
-            ``dp_shard`` before ``dp_replicate``, a model-parallel dimension zeroplan does not take yet,
+            ``dp_shard`` before ``dp_replicate``, a model-parallel dimension zeroplan does not take,
             or a ``shard_group_size`` that disagrees with the mesh.
     """
     if names is None:
@@ -115,12 +126,12 @@ def mesh_roles(
             'put "dp_replicate" before "dp_shard" in the mesh: shard groups are runs of its inner dimension'
         )
     others = [(n, s) for n, s in zip(roles.names, roles.sizes, strict=True) if n not in DATA_DIMS and s > 1]
-    refused = [(n, s) for n, s in others if n != STAGE_DIM]
+    refused = [(n, s) for n, s in others if n not in MODEL_DIMS]
     if refused:
         raise ConfigError(
             f"mesh dimensions {refused} (name, size) are model-parallel ones zeroplan does not take yet: "
-            "tensor, context and expert parallelism over a mesh are not supported; data-parallel "
-            '("dp", "dp_replicate", "dp_shard") and pipeline ("pp") dimensions are'
+            "context and expert parallelism over a mesh are not supported; data-parallel "
+            '("dp", "dp_replicate", "dp_shard"), tensor-parallel ("tp") and pipeline ("pp") dimensions are'
         )
     mesh_shard = roles.shard_group_size
     if shard_group_size is not None and mesh_shard is not None and shard_group_size != mesh_shard:

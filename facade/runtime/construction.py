@@ -45,7 +45,16 @@ from zeroplan.facade.runtime.registry import Configured, configure, grad_wire, p
 import_dynamo()
 
 
-__all__ = ["Agreed", "MeshGroups", "Request", "agree", "check_transport", "joint_step", "mesh_groups"]
+__all__ = [
+    "Agreed",
+    "MeshGroups",
+    "Request",
+    "agree",
+    "agree_over_mesh",
+    "check_transport",
+    "joint_step",
+    "mesh_groups",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,6 +81,7 @@ class Request:
     gather_dtype: Any = None
     wire_block: int = DEFAULT_WIRE_BLOCK
     offload: Any = None
+    tensor_mesh: Any = None
 
     def configure(self, item: DomainInput, first: bool) -> Configured:
         """Validate the request for one domain (shard groups and nodes are the data domain's only).
@@ -100,6 +110,7 @@ class Request:
             param_wire=param_wire(self.gather_dtype, self.wire_block),
             options=self.options if first else dataclasses.replace(self.options, overlap_grad_reduce=False),
             offload=self.offload,
+            tensor_mesh=self.tensor_mesh,
         )
 
 
@@ -114,7 +125,7 @@ class Agreed(NamedTuple):
         """The param groups for ``torch.optim.Optimizer``: the user's order, expert ones with their group."""
         ordered: list[dict[str, Any]] = [{} for _ in range(sum(len(i.positions) for i in self.inputs))]
         for item, c in zip(self.inputs, self.configured, strict=True):
-            params_of = c.registry.params
+            params_of = c.registry.user_params  # the user's tensors (a DTensor, not its local tensor)
             for position, g in zip(item.positions, c.groups, strict=True):
                 extra = {} if item.group is world else {"process_group": item.group}
                 ordered[position] = {**g, **extra, "params": [params_of[i] for i in g["params"]]}
@@ -170,6 +181,29 @@ def agree(params: Iterable[Any], world: dist.ProcessGroup, request: Request) -> 
     return Agreed(inputs, configured, plans)
 
 
+def agree_over_mesh(
+    params: Iterable[Any], world: dist.ProcessGroup, request: Request, *, meshed: bool
+) -> Agreed:
+    """:func:`agree` over ``world``; with a device mesh, every rank of the job then hears whether
+    every data-parallel group agreed (one of another tensor slice or pipeline stage may have failed
+    alone, and its peers would wait for it in their first model-parallel collective).
+
+    Raises:
+        ConfigError: on every rank of the job, as :func:`agree` raises on the ranks of ``world``.
+    """
+    if not meshed:
+        return agree(params, world, request)
+    problem: Exception | None = None
+    try:
+        agreed = agree(params, world, request)
+    except Exception as exc:  # every rank of the job must hear of it
+        problem = exc
+    verdicts(
+        problem, dist.group.WORLD, failed="(in another data-parallel group of the mesh) refused the optimizer"
+    )
+    return agreed
+
+
 class MeshGroups(NamedTuple):
     """What a device mesh gives an optimizer ([Note: mesh roles] in ``zeroplan.core.mesh``).
 
@@ -185,6 +219,8 @@ class MeshGroups(NamedTuple):
     stages: dist.ProcessGroup | None
     shard_group_size: int | None
     siblings: tuple[tuple[int, ...], ...]
+    tensor: dist.ProcessGroup | None = None
+    tensor_mesh: Any = None
 
 
 def mesh_groups(
@@ -238,7 +274,11 @@ def mesh_groups(
         )
     data = mesh.get_group(roles.data[0]) if len(roles.data) == 1 else _data_group(siblings)
     stages = mesh.get_group(roles.stages) if roles.stages is not None else None
-    return MeshGroups(data, stages, roles.shard_group_size or shard_group_size, siblings)
+    tensor, tensor_mesh = None, None
+    if roles.tensor is not None:  # [Note: tensor-parallel parameters] in zeroplan.core.tensor_parallel
+        tensor_mesh = mesh[roles.tensor]
+        tensor = tensor_mesh.get_group()
+    return MeshGroups(data, stages, roles.shard_group_size or shard_group_size, siblings, tensor, tensor_mesh)
 
 
 def _data_groups(mesh: Any, roles: MeshRoles) -> tuple[tuple[int, ...], ...]:
@@ -326,6 +366,7 @@ def joint_step(
     scaler: ScalerConfig | None,
     stages: dist.ProcessGroup | None = None,
     siblings: tuple[tuple[int, ...], ...] | None = None,
+    tensor: dist.ProcessGroup | None = None,
 ) -> JointStep:
     """Install every agreed domain over the optimizer's own ``param_groups`` and couple them."""
     peers = Peers()  # [Note: several sharded domains]
@@ -349,6 +390,7 @@ def joint_step(
         scaler=initial_state(scaler or ScalerConfig()) if mode == "dynamic" else None,
         static_scale=mode if isinstance(mode, float) else 1.0,
         stages=stages,
+        tensor=tensor,
     )
 
 

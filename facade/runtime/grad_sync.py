@@ -131,6 +131,7 @@ from zeroplan.facade.mechanisms.collectives import (
 from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.reduction import InFlight, Reduction
 from zeroplan.facade.params.buffers import SpaceBuffers, param_views
+from zeroplan.facade.params.local_shards import take_gradient
 
 __all__ = ["GradSync"]
 
@@ -165,9 +166,13 @@ class GradSync:
         reduction: Reduction,
         admit: Callable[[str], bool],
         device: torch.device,
+        user_params: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self._zp = zp
         self._params = params
+        # The tensors autograd writes: the parameters, or the DTensors whose local tensors they are
+        # (their gradients are handed to the local tensors first, [Note: tensor-parallel parameters]).
+        self._user_params = params if user_params is None else user_params
         self._names = names
         self._buffers = buffers
         self._groups = groups
@@ -202,7 +207,7 @@ class GradSync:
         # (or stay alive through its parameters until the cycle collector runs).
         method = weakref.WeakMethod(self._on_grad)
         self._handles = [
-            params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method, index))
+            self._user_params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method, index))
             for index in self._trainable
         ]
         self.reset()
@@ -255,6 +260,9 @@ class GradSync:
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         """Note the arrival of parameter ``index``'s gradient; a bucket it completes is staged and
         launched ([Note: gradient path])."""
+        if param is not self._params[index]:  # a DTensor's: into its local tensor, in its placement
+            take_gradient(param, self._params[index])
+            param = self._params[index]
         grad = param.grad
         if grad is not None and grad.is_sparse:  # e.g. nn.Embedding(sparse=True)
             param.grad = grad.to_dense()  # buckets are dense; the update is the same
@@ -495,6 +503,9 @@ class GradSync:
                     buf.grads.zero_()
             for index, view in self._grad_views.items():
                 self._params[index].grad = view
+        for user, param in zip(self._user_params, self._params, strict=True):
+            if user is not param:  # a DTensor's gradient its hook did not take (none ran)
+                user.grad = None
         with torch._C.DisableTorchFunctionSubclass():  # stage 3: sharded parameters' .grad, unhooked
             for index, param in enumerate(self._params):
                 if (keep_views and index in self._grad_views) or param.grad is None:

@@ -13,6 +13,7 @@ import torch
 
 from zeroplan.core import ConfigError, ConfigTypeError, ParamSpec, canonical_dtype
 from zeroplan.facade.params.gather import DeferredParameter
+from zeroplan.facade.params.local_shards import is_dtensor, local_tensor, placement_of, placement_problem
 
 __all__ = ["ParamList", "collect_params", "describe_params"]
 
@@ -25,12 +26,15 @@ class ParamList(NamedTuple):
         names: a name per parameter (from named parameters, else synthesised).
         groups: the user's param groups, ``params`` replaced by index lists.
         device: the single device all parameters live on.
+        user_params: per parameter, the user's tensor: itself, or the ``DTensor`` whose local tensor is in
+            ``params`` ([Note: tensor-parallel parameters] in ``zeroplan.core.tensor_parallel``).
     """
 
     params: tuple[torch.Tensor, ...]
     names: tuple[str, ...]
     groups: tuple[dict[str, Any], ...]
     device: torch.device
+    user_params: tuple[torch.Tensor, ...]
 
 
 def _group_dicts(params: Any) -> list[dict[str, Any]]:
@@ -60,12 +64,7 @@ def _group_dicts(params: Any) -> list[dict[str, Any]]:
 #: parameter another ZeroOptimizer manages may hold for a while): plain tensors, whose spec is plain.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-_DTENSOR = (
-    "{where}: is a DTensor (placements {placements} on mesh dimensions {mesh}); ZeroOptimizer does not shard "
-    "DTensor parameters yet: it would shard the DTensor instead of its local tensor (silently wrong). "
-    "Optimize plain tensors (the local shards, with their gradients reduced over the tensor-parallel "
-    "group yourself), or leave this parameter to another optimizer"
-)
+_DTENSOR = "{where}: is a DTensor (placements {placements} on mesh dimensions {mesh}): {problem}"
 _SUBCLASS = (
     "{where}: is a {cls}, a torch.Tensor subclass; ZeroOptimizer shards plain tensors and nn.Parameter "
     "only (stage 3 swaps a parameter's class, and a subclass's own data would not be sharded). Pass the "
@@ -76,32 +75,49 @@ _SUBCLASS = (
 def _subclass_error(where: str, tensor: torch.Tensor) -> str:
     """Why ``tensor``, of a class ZeroOptimizer does not handle, is refused (the message names it)."""
     cls = type(tensor)
-    subclass = _SUBCLASS.format(where=where, cls=f"{cls.__module__}.{cls.__qualname__}")
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without public DTensors
-        return subclass
-    if isinstance(tensor, DTensor):
-        mesh = tensor.device_mesh.mesh_dim_names
-        return _DTENSOR.format(where=where, placements=tuple(tensor.placements), mesh=mesh)
-    return subclass
+    return _SUBCLASS.format(where=where, cls=f"{cls.__module__}.{cls.__qualname__}")
 
 
-def collect_params(params: Any, start: int = 0, seen: Iterable[torch.Tensor] = ()) -> ParamList:
+def _managed(where: str, tensor: torch.Tensor, tensor_mesh: Any) -> torch.Tensor:
+    """The tensor zeroplan shards for the user's ``tensor``: itself, or a DTensor's local tensor.
+
+    Raises:
+        ConfigError: a tensor subclass, or a DTensor zeroplan cannot shard (named by the message).
+    """
+    if is_dtensor(tensor):
+        problem = placement_problem(tensor, tensor_mesh)
+        if problem is not None:
+            mesh = tensor.device_mesh.mesh_dim_names
+            raise ConfigError(
+                _DTENSOR.format(where=where, placements=tuple(tensor.placements), mesh=mesh, problem=problem)
+            )
+        return local_tensor(tensor)
+    if type(tensor) not in _PLAIN and not isinstance(tensor, DeferredParameter):
+        raise ConfigError(_subclass_error(where, tensor))
+    return tensor
+
+
+def collect_params(
+    params: Any, start: int = 0, seen: Iterable[torch.Tensor] = (), tensor_mesh: Any = None
+) -> ParamList:
     """Validate ``params`` (what ``torch.optim`` accepts) and flatten it.
 
     Args:
         params: an iterable of tensors, of ``(name, tensor)`` pairs, or of
             param-group dicts.
         start: index of the first new parameter (for ``add_param_group``).
-        seen: parameters already managed; listing one again is an error.
+        seen: parameters already managed (the user's tensors); listing one again is an error.
+        tensor_mesh: the mesh DTensor parameters must be placed on (the optimizer mesh's ``tp``
+            dimension); ``None``: DTensor parameters are refused.
 
     Raises:
         ConfigError: empty list, a parameter listed twice, a non-floating or
-            sparse tensor, a non-leaf tensor, a tensor subclass (a ``DTensor``,
-            until tensor parallel is supported), or parameters on several devices.
+            sparse tensor, a non-leaf tensor, a tensor subclass (a ``DTensor``
+            off ``tensor_mesh``, or with a ``Partial`` or strided placement), or
+            parameters on several devices.
     """
     flat: list[torch.Tensor] = []
+    user_params: list[torch.Tensor] = []
     names: list[str] = []
     groups: list[dict[str, Any]] = []
     position = {id(p): f"an existing parameter group (index {i})" for i, p in enumerate(seen)}
@@ -114,8 +130,7 @@ def collect_params(params: Any, start: int = 0, seen: Iterable[torch.Tensor] = (
             where = f"param group {g}, position {i}" + (f" ({name})" if name else "")
             if not isinstance(tensor, torch.Tensor):
                 raise ConfigTypeError(f"{where}: expected a tensor, got {type(tensor).__name__}")
-            if type(tensor) not in _PLAIN and not isinstance(tensor, DeferredParameter):
-                raise ConfigError(_subclass_error(where, tensor))
+            managed = _managed(where, tensor, tensor_mesh)
             if tensor.is_sparse or tensor.layout is not torch.strided:
                 raise ConfigError(
                     f"{where}: sparse tensors ({tensor.layout}) cannot be sharded; use dense parameters"
@@ -136,7 +151,8 @@ def collect_params(params: Any, start: int = 0, seen: Iterable[torch.Tensor] = (
                 )
             index = start + len(flat)
             position[id(tensor)] = f"param group {g}, position {i}"
-            flat.append(tensor)
+            flat.append(managed)
+            user_params.append(tensor)
             names.append(name or f"group{g}.param{i}")
             indices.append(index)
         if not indices:
@@ -148,7 +164,13 @@ def collect_params(params: Any, start: int = 0, seen: Iterable[torch.Tensor] = (
             f"parameters live on several devices ({', '.join(sorted(map(str, devices)))}); "
             "ZeroOptimizer needs every parameter on one device"
         )
-    return ParamList(params=tuple(flat), names=tuple(names), groups=tuple(groups), device=devices.pop())
+    return ParamList(
+        params=tuple(flat),
+        names=tuple(names),
+        groups=tuple(groups),
+        device=devices.pop(),
+        user_params=tuple(user_params),
+    )
 
 
 def describe_params(
@@ -156,9 +178,12 @@ def describe_params(
     names: tuple[str, ...],
     groups: tuple[dict[str, Any], ...],
     cohorts: tuple[int, ...],
+    user_params: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[ParamSpec, ...]:
-    """Planner specs of ``params`` (trainability read from ``requires_grad`` now)."""
+    """Planner specs of ``params`` (trainability read from ``requires_grad`` now, of ``user_params``: the
+    user's tensors; a DTensor's spec has its local shape, global shape and placement)."""
     group_of = {i: g for g, group in enumerate(groups) for i in group["params"]}
+    user_params = params if user_params is None else user_params
     return tuple(
         ParamSpec(
             index=i,
@@ -166,8 +191,10 @@ def describe_params(
             shape=tuple(p.shape),
             dtype=str(p.dtype),
             group=group_of[i],
-            trainable=bool(p.requires_grad),
+            trainable=bool(owner.requires_grad),
             cohort=cohorts[i],
+            global_shape=tuple(owner.shape),
+            placement=placement_of(owner) if is_dtensor(owner) else (),
         )
-        for i, p in enumerate(params)
+        for i, (p, owner) in enumerate(zip(params, user_params, strict=True))
     )

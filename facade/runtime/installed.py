@@ -153,6 +153,7 @@ def install(
         reduction=reduction,
         admit=admit,
         device=device,
+        user_params=registry.user_params,
     )
     links = tuple((index, params[index].data_ptr()) for index in sorted(zp.trainable_indices))
     residency: Residency

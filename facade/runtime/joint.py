@@ -76,6 +76,9 @@ class JointStep:
         static_scale: the static loss scale (1.0 without one; ignored with ``scaler``).
         stages: the ranks holding the other pipeline stages of this data-parallel slice ([Note:
             mesh roles] in ``zeroplan.core.mesh``): the norm and the overflow verdict join over them.
+        tensor: the ranks holding the other tensor-parallel slices of the same parameters ([Note:
+            tensor-parallel parameters] in ``zeroplan.core.tensor_parallel``): the norm (counting
+            the parameters they all hold whole once) and the overflow verdict join over them.
     """
 
     def __init__(
@@ -85,10 +88,14 @@ class JointStep:
         scaler: ScalerState | None,
         static_scale: float,
         stages: dist.ProcessGroup | None = None,
+        tensor: dist.ProcessGroup | None = None,
     ) -> None:
         self.domains = tuple(domains)
         self.world = world
         self.stages = stages
+        self.tensor = tensor
+        # The model-parallel groups one norm and one verdict span, besides the data-parallel group.
+        self._model = tuple(g for g in (tensor, stages) if g is not None)
         self.scaler = scaler
         self._static_scale = static_scale
         self._divided = 1.0  # divide_gradients(): this step's extra divisor
@@ -174,13 +181,13 @@ class JointStep:
         ]
         parts = [v for v in started if v is not None]
         joint = None
-        coupled = self.joint or self.stages is not None
+        coupled = self.joint or bool(self._model)
         if coupled and self.data.installed.zp.loss_scaling:  # one verdict for the whole model
             joint = torch.stack([v[VERDICT_LENGTH - 1] for v in parts]).max().float().reshape(1)
             if self.joint:
                 self._all_reduce_joint(joint, dist.ReduceOp.MAX, self.data.lifecycle.log)
-            if self.stages is not None:  # every pipeline stage skips the step, or none
-                all_reduce(joint, dist.ReduceOp.MAX, self.stages)
+            for group in self._model:  # every tensor slice and pipeline stage skips the step, or none
+                all_reduce(joint, dist.ReduceOp.MAX, group)
             parts.append(joint.to(torch.int64))
         read = torch.cat(parts).tolist() if parts else []  # the step's one host read
         whole_model = read.pop() if joint is not None else None
@@ -236,21 +243,26 @@ class JointStep:
         found: dict[int, torch.Tensor | None] = {}
         for domain in self.domains:
             grads = domain.lifecycle.averaged_gradients(domain.installed, self.context(domain))
-            found.update((id(p), g) for p, g in zip(domain.registry.params, grads, strict=True))
+            found.update((id(p), g) for p, g in zip(domain.registry.user_params, grads, strict=True))
         return [found[id(p)] for group in param_groups for p in group["params"]]
 
     def _norm(self, norm_type: float, log: CommLog) -> torch.Tensor:
         """The norm over every domain's reduced gradients, identical on every rank."""
         if not self.joint:
             data = self.data
-            norm = data.lifecycle.shard_norm(data.installed, norm_type, log)
-            if self.stages is None:
+            if self.tensor is not None and dist.get_rank(self.tensor) != 0:  # tp rank 0 counts replicas
+                norm = data.lifecycle.replica_free_norm(data.installed, norm_type, log)
+            else:
+                norm = data.lifecycle.shard_norm(data.installed, norm_type, log)
+            if not self._model:
                 return norm
-            if norm_type == math.inf:  # the largest of every stage's
-                all_reduce(norm, dist.ReduceOp.MAX, self.stages)
+            if norm_type == math.inf:  # the largest of every slice's and stage's
+                for group in self._model:
+                    all_reduce(norm, dist.ReduceOp.MAX, group)
                 return norm
-            power = norm.pow(norm_type)  # every stage's sum of powers, summed over the stages
-            all_reduce(power, dist.ReduceOp.SUM, self.stages)
+            power = norm.pow(norm_type)  # every slice's and stage's sum of powers, summed
+            for group in self._model:
+                all_reduce(power, dist.ReduceOp.SUM, group)
             return finish_norm(power, norm_type)
         local = torch.zeros((), dtype=torch.float32, device=self.data.installed.device)
         for domain in self.domains:

@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from zeroplan.core import CommCost, ConfigError, StepOrderError
+from zeroplan.core import CommCost, ConfigError, Span, StepOrderError, ZeroPlan, norm_windows, tensor_replicas
 from zeroplan.facade.mechanisms.collectives import (
     CommLog,
     all_reduce_shard,
@@ -146,6 +146,7 @@ class StepLifecycle:
         self.clipped = False
         self.last = StepRecord()
         self._local = _Local(None, None)
+        self._windows: tuple[ZeroPlan, tuple[tuple[Span, ...], ...]] | None = None
 
     # ------------------------------------------------------------ backward
     def admit_gradient(self, name: str) -> bool:
@@ -248,6 +249,20 @@ class StepLifecycle:
         ``log`` (a throwaway log for inspection).
         """
         return inst.reduction.shard_norm(self._parts(inst), norm_type, inst.device, log)
+
+    def replica_free_norm(self, inst: Installed, norm_type: float, log: CommLog) -> torch.Tensor:
+        """:meth:`shard_norm` without the parameters every ``tp`` rank holds whole (another ``tp``
+        rank counts them: [Note: tensor-parallel parameters] in ``zeroplan.core.tensor_parallel``)."""
+        if self._windows is None or self._windows[0] is not inst.zp:  # once per plan, not per step
+            extents = [buf.extent for buf in inst.buffers]
+            skip = tensor_replicas(inst.zp.specs)
+            self._windows = (inst.zp, norm_windows(inst.zp.partition, inst.groups.shard_rank, extents, skip))
+        parts = [
+            grad[w.as_slice()]
+            for grad, windows in zip(self.master_grads, self._windows[1], strict=True)
+            for w in windows
+        ]
+        return inst.reduction.shard_norm(parts, norm_type, inst.device, log)
 
     def _parts(self, inst: Installed) -> list[torch.Tensor]:
         """The master gradients of this rank's shard, without the buffers' padding."""

@@ -162,15 +162,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         **optimizer_defaults: Any,
     ) -> None:
         self._initialized = False
-        stages, siblings = None, None
+        stages, siblings, tensor, tensor_mesh = None, None, None, None
         if device_mesh is not None:
             params = list(params)  # read twice: for expert groups here, then by the agreement
             # every pipeline stage's: one verdict, one scale, the same groups made in the same order
             shared = (stage, repr(loss_scale), repr(scaler), shard_group_size, ranks_per_node)
             experts = any(isinstance(g, dict) and "process_group" in g for g in params)
-            process_group, stages, shard_group_size, siblings = construction.mesh_groups(
+            groups_of = construction.mesh_groups(
                 device_mesh, process_group, shard_group_size, shared, experts=experts
             )
+            process_group, stages, shard_group_size, siblings, tensor, tensor_mesh = groups_of
         world = data_parallel_group(process_group)
         request = construction.Request(
             optimizer_class=optimizer_class,
@@ -197,12 +198,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             gather_dtype=gather_dtype,
             wire_block=wire_block,
             offload=offload,
+            tensor_mesh=tensor_mesh,
         )
-        agreed = construction.agree(params, world, request)
+        agreed = construction.agree_over_mesh(params, world, request, meshed=device_mesh is not None)
         # Nothing below can fail for a user reason: state changes start here.
         super().__init__(agreed.param_groups(world), optimizer_defaults)
         groups, defaults = self.param_groups, self.defaults
-        self._joint = construction.joint_step(agreed, groups, defaults, world, scaler, stages, siblings)
+        self._joint = construction.joint_step(
+            agreed, groups, defaults, world, scaler, stages, siblings, tensor
+        )
         self._initialized = True
 
     @property

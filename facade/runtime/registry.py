@@ -57,6 +57,9 @@ class ParamRegistry:
             share scalar optimizer state such as Adam's ``step``.
         next_cohort: the cohort the next newly trainable parameters get.
         device: the one device every parameter lives on.
+        user_params: per parameter, the user's tensor: the parameter itself, or the ``DTensor`` whose
+            local tensor ``params`` holds ([Note: tensor-parallel parameters] in
+            ``zeroplan.core.tensor_parallel``); param groups, hooks and ``requires_grad`` are its.
     """
 
     params: tuple[torch.Tensor, ...]
@@ -65,6 +68,7 @@ class ParamRegistry:
     cohorts: tuple[int, ...]
     next_cohort: int
     device: torch.device
+    user_params: tuple[torch.Tensor, ...]
 
     @classmethod
     def of(cls, inputs: ParamList) -> ParamRegistry:
@@ -76,12 +80,13 @@ class ParamRegistry:
             cohorts=(0,) * len(inputs.params),
             next_cohort=1,
             device=inputs.device,
+            user_params=inputs.user_params,
         )
 
     def specs(self) -> tuple[ParamSpec, ...]:
         """Planner descriptions of the parameters (trainability read from ``requires_grad`` now)."""
         groups = tuple({"params": members} for members in self.members)
-        return describe_params(self.params, self.names, groups, self.cohorts)
+        return describe_params(self.params, self.names, groups, self.cohorts, self.user_params)
 
     def with_cohorts(self, cohorts: Sequence[int]) -> ParamRegistry:
         """The same parameters in other cohorts (e.g. those of a plan being adopted)."""
@@ -97,7 +102,7 @@ class ParamRegistry:
         """
         fresh, following = self.next_cohort, self.next_cohort + 1
         cohorts = []
-        for index, (param, cohort) in enumerate(zip(self.params, self.cohorts, strict=True)):
+        for index, (param, cohort) in enumerate(zip(self.user_params, self.cohorts, strict=True)):
             if param.requires_grad and index not in trainable:
                 if index in revived:
                     cohort, following = following, following + 1
@@ -111,6 +116,7 @@ class ParamRegistry:
         return dataclasses.replace(
             self,
             params=self.params + inputs.params,
+            user_params=self.user_params + inputs.user_params,
             names=self.names + inputs.names,
             members=(*self.members, tuple(inputs.groups[0]["params"])),
             cohorts=self.cohorts + (self.next_cohort,) * len(inputs.params),
@@ -223,8 +229,11 @@ def configure(
     param_wire: WireCodec | None = None,
     options: StepOptions | None = None,
     offload: Offload | str | None = None,
+    tensor_mesh: Any = None,
 ) -> Configured:
     """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
+
+    ``tensor_mesh``: the mesh's ``tp`` dimension, which DTensor parameters must be placed on.
 
     Raises:
         ConfigError: a bad value (a ``ConfigTypeError``, also a ``TypeError``,
@@ -236,7 +245,21 @@ def configure(
     if refused is not None:
         raise ConfigError(f"{optimizer_class.__name__} cannot be sharded: it {refused}")
     mode = scale_mode(loss_scale)
-    inputs = collect_params(params)
+    inputs = collect_params(params, tensor_mesh=tensor_mesh)
+    placed = any(u is not p for u, p in zip(inputs.user_params, inputs.params, strict=True))
+    if tensor_mesh is not None and not placed:
+        raise ConfigError(
+            f"the device mesh has a tensor-parallel dimension ({tensor_mesh.mesh_dim_names}) but no "
+            "parameter "
+            "is a DTensor: place the model on mesh['tp'] first (torch.distributed.tensor.parallel."
+            "parallelize_module), or leave 'tp' out of the mesh"
+        )
+    if stage == 3 and placed:
+        raise ConfigError(
+            "stage 3 does not take tensor-parallel (DTensor) parameters yet: use stage 1 or 2 over the "
+            "local tensors (stage 3's gathers swap a parameter's class, which a DTensor's local tensor "
+            "cannot take)"
+        )
     groups = [{**optimizer_defaults, **group} for group in inputs.groups]
     check_hyperparameters(optimizer_class, groups)
     check_keywords(optimizer_class, optimizer_defaults)

@@ -18,6 +18,9 @@ def test_data_pipeline_and_replicated_shard_groups():
     assert mesh_roles(("dp",), (8,), shard_group_size=2).data_size == 8  # MiCS by argument
     staged = mesh_roles(("pp", "dp_replicate", "dp_shard"), (2, 2, 2))  # MiCS inside pipeline stages
     assert staged.stages == "pp" and staged.shard_group_size == 2 and staged.data_size == 4
+    tensor = mesh_roles(("pp", "dp", "tp"), (2, 2, 2))  # [Note: tensor-parallel parameters]
+    assert tensor.tensor == "tp" and tensor.data == ("dp",) and tensor.stages == "pp"
+    assert mesh_roles(("dp", "tp"), (4, 1)).tensor is None
 
 
 @pytest.mark.parametrize(
@@ -27,7 +30,7 @@ def test_data_pipeline_and_replicated_shard_groups():
         (("pp", "x"), (2, 2), {}, "no data-parallel dimension"),
         (("dp", "dp_shard"), (2, 2), {}, 'beside "dp_replicate"/"dp_shard"'),
         (("dp_shard", "dp_replicate"), (2, 2), {}, 'before "dp_shard"'),
-        (("tp", "dp"), (2, 4), {}, "('tp', 2)"),
+        (("ep", "dp"), (2, 4), {}, "('ep', 2)"),
         (("cp", "dp"), (2, 4), {}, "not supported"),
         (("dp_replicate", "dp_shard"), (2, 4), {"shard_group_size": 2}, "disagrees"),
         (("dp", "dp"), (2, 2), {}, "distinct"),

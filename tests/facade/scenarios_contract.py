@@ -251,8 +251,9 @@ class _OwnParameter(nn.Parameter):
 
 
 def tensor_subclass_params(rank: int, world: int, stage: int) -> dict[str, Any]:
-    """A DTensor parameter (tensor parallel, not handled yet) and a parameter subclass are refused at
-    construction, on every rank, with the parameter's name, and the model is left as it was."""
+    """A DTensor parameter without ``device_mesh=`` (naming the tp dimension it lies on) and a parameter
+    subclass are refused at construction, on every rank, with the parameter's name, and the model is
+    left as it was."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 

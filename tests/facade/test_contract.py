@@ -95,8 +95,8 @@ def test_a_gradient_changed_by_hand_at_stage_1_is_refused(pools):
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_tensor_subclass_parameters_are_refused_naming_them(pools, stage):
-    """A DTensor parameter is refused (until tensor parallel is supported) rather than sharded wrong,
-    as is a parameter subclass; every rank raises, the message names the parameter."""
+    """A DTensor parameter without a device mesh naming its tp dimension is refused rather than sharded
+    wrong, as is a parameter subclass; every rank raises, the message names the parameter."""
     for result in pools(2).run(scenarios_contract.tensor_subclass_params, stage):
         assert result["dtensor"] is not None and result["dtensor"].startswith("ConfigError"), result
         assert "blocks.0.fc.weight" in result["dtensor"] and "DTensor" in result["dtensor"], result

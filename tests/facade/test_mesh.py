@@ -35,7 +35,7 @@ def test_meshes_zeroplan_cannot_use_raise_on_every_rank(pools):
     for r in pools(4).run(scenarios_mesh.bad_meshes):
         assert "mesh_dim_names" in r["no_names"], r
         assert "no data-parallel dimension" in r["no_dp"], r
-        assert "'tp'" in r["tp"] and "not support" in r["tp"], r
+        assert "tensor-parallel dimension" in r["tp"] and "no parameter is a DTensor" in r["tp"], r
         assert "not both" in r["both"], r
         assert "different device meshes or settings" in r["differ"], r
         assert "expert groups" in r["experts"], r

@@ -1,0 +1,184 @@
+"""Scenarios for ``test_tensor_parallel``: DTensor parameters from torch's tensor parallel, world 4.
+
+A mesh ``("dp", "tp")`` of 2 x 2. The model (a sequence-parallel LayerNorm, a column-split Linear,
+tanh, a row-split Linear back to sequence shards, a second sequence-parallel LayerNorm) is placed on
+``mesh["tp"]`` by ``parallelize_module``; each tp rank feeds its half of the sequence, each dp rank
+its own batch. Checked against one process holding the plain model and stepping
+``torch.optim.AdamW`` on both data-parallel batches whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from scenarios_safety import _error
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from zeroplan.facade import ZeroOptimizer, checkpoint
+
+WIDTH, SEQ, BATCH, LR = 8, 4, 2, 0.01
+
+
+def _plain(hidden: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.LayerNorm(WIDTH),
+        torch.nn.Linear(WIDTH, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, WIDTH),
+        torch.nn.LayerNorm(WIDTH),
+    )
+    with torch.no_grad():  # norms that are not the identity, so their gradients matter
+        for norm in (model[0], model[4]):
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def _parallel(mesh: Any, hidden: int) -> torch.nn.Sequential:
+    """The plain model placed on ``mesh["tp"]``: sequence-parallel norms, column- then row-split."""
+    uneven = hidden % mesh["tp"].size() != 0  # torch needs DTensor outputs for uneven local shards
+    plan = {
+        "0": SequenceParallel(),
+        "1": ColwiseParallel(input_layouts=Shard(1), use_local_output=not uneven),
+        "3": RowwiseParallel(output_layouts=Shard(1)),
+        "4": SequenceParallel(),
+    }
+    return parallelize_module(_plain(hidden), mesh["tp"], plan)
+
+
+def _batch(step: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + d)
+    return torch.randn(BATCH, SEQ, WIDTH, generator=gen), torch.randn(BATCH, SEQ, WIDTH, generator=gen)
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The mean over the whole sequence, of which ``out`` may hold a part (its sum over tp is the loss)."""
+    return ((torch.tanh(out) - target) ** 2).sum() / (BATCH * SEQ * WIDTH)
+
+
+def _local(x: torch.Tensor, t: int, tp: int) -> torch.Tensor:
+    """Tensor rank ``t``'s part of the sequence."""
+    return x.chunk(tp, dim=1)[t]
+
+
+def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case: 3 steps at tp=2 x dp=2 and of one process; parameters and clip norms compared.
+
+    ``inf_at``: the step at which tp rank 1 alone gets an infinite gradient (in its shard of the
+    column-split weight): with a dynamic loss scale every rank skips that step.
+    """
+    rows = []
+    for cfg in cases:
+        if cfg.get("mesh") == "mics":  # shard groups of 1 replicated twice, inside each tp slice
+            mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+            d = mesh.get_local_rank("dp_replicate")
+        else:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            d = mesh.get_local_rank("dp")
+        t = mesh.get_local_rank("tp")
+        hidden = cfg.get("hidden", 6)
+        model = _parallel(mesh, hidden)
+        settings = {k: cfg[k] for k in ("loss_scale", "deterministic") if k in cfg}
+        opt = ZeroOptimizer(
+            model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings
+        )
+        ref = _plain(hidden)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        norm_type = cfg.get("norm_type", 2.0)
+        norms, ref_norms, skipped = [], [], []
+        for step in range(3):
+            x, target = _batch(step, d)
+            out = model(_local(x, t, 2))
+            out = out.to_local() if isinstance(out, DTensor) else out
+            loss = _loss(out, _local(target, t, 2))
+            poison = cfg.get("inf_at") == step
+            if poison and t == 1:
+                loss = loss + float("inf") * model[1].weight.to_local().sum()
+            opt.backward(loss)
+            norms.append(float(opt.clip_grad_norm_(cfg["clip"], norm_type=norm_type)))
+            opt.step()
+            skipped.append(opt.last_step_skipped)
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            total = sum(_loss(ref(_batch(step, q)[0]), _batch(step, q)[1]) for q in range(2)) / 2
+            total.backward()
+            if poison:
+                ref_norms.append(float("nan"))
+                continue
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["clip"], norm_type)))
+            ref_opt.step()
+        mine = [p.detach().full_tensor() for p in model.parameters()]
+        theirs = [p.detach() for p in ref.parameters()]
+        rows.append(
+            {
+                "param_err": max(
+                    float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, theirs, strict=True)
+                ),
+                "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True) if b == b),
+                "skipped": skipped,
+                "local_shapes": [tuple(p.to_local().shape) for p in model.parameters()],
+            }
+        )
+    return rows
+
+
+def bad_tensor_parameters(rank: int, world: int) -> dict[str, str | None]:
+    """DTensor parameters zeroplan cannot shard: every rank raises a ConfigError naming why."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = _parallel(mesh, 6)
+    out = {
+        "no_mesh": _error(lambda: ZeroOptimizer(model.parameters(), torch.optim.AdamW)),
+        "other_mesh": _error(lambda: ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=flat)),
+        "stage3": _error(
+            lambda: ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=3, device_mesh=mesh)
+        ),
+    }
+    from torch.distributed.tensor import Partial
+
+    partial_param = torch.nn.Parameter(
+        DTensor.from_local(torch.ones(2), mesh["tp"], [Partial()], run_check=False)
+    )
+    out["partial"] = _error(lambda: ZeroOptimizer([partial_param], torch.optim.AdamW, device_mesh=mesh))
+    # one data-parallel group alone refuses (tp rank 1 passes a Partial parameter): all raise
+    mine = [model[0].weight] if mesh.get_local_rank("tp") == 0 else [partial_param]
+    out["alone"] = _error(lambda: ZeroOptimizer(mine, torch.optim.AdamW, device_mesh=mesh))
+    placed = distribute_tensor(torch.ones(4, 4), mesh["tp"], [Shard(0)])
+    out["plain_optimizer_ok"] = _error(
+        lambda: ZeroOptimizer([torch.nn.Parameter(placed)], torch.optim.AdamW, device_mesh=mesh)
+    )
+    dist.barrier()
+    return out
+
+
+def tensor_checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Save at tp=2 x dp=2 (each tp slice into its own root), load into a fresh optimizer bit for bit."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    model = _parallel(mesh, 6)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    for step in range(2):
+        x, target = _batch(step, d)
+        out = model(_local(x, t, 2))
+        opt.backward(_loss(out.to_local() if isinstance(out, DTensor) else out, _local(target, t, 2)))
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(opt, f"{root}/tp{t}")
+    fresh_model = _parallel(mesh, 6)
+    fresh = ZeroOptimizer(fresh_model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    checkpoint.load(fresh, f"{root}/tp{t}")
+    same = all(
+        torch.equal(a.to_local(), b.to_local())
+        for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True)
+    )
+    return {"same": same}

@@ -1,0 +1,64 @@
+"""DTensor parameters from torch's tensor parallel, sharded over data parallelism ([Note: tensor-parallel
+parameters] in ``zeroplan.core.tensor_parallel``), gloo, world 4: a ``("dp", "tp")`` mesh of 2 x 2.
+
+Against one process holding the plain model and stepping ``torch.optim.AdamW`` on both data-parallel
+batches: parameters within test_equivalence's fp32 tolerance, the clip norm of the whole model on
+every rank, an overflow on one tp rank skipping the step everywhere, and uneven local shards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import scenarios_tensor
+
+#: fp32 against one process: the sums run in another order (test_equivalence's tolerance).
+TOL = 1e-5
+
+CASES = [
+    {"stage": 2, "clip": 0.05},  # sequence-parallel norms: their gradients arrive Partial over tp
+    {"stage": 1, "clip": 0.05, "norm_type": float("inf")},
+    {"stage": 2, "clip": 10.0, "loss_scale": "dynamic", "inf_at": 1},  # tp rank 1 alone overflows
+    {"stage": 2, "clip": 0.05, "hidden": 5},  # uneven: local shards of 3 and 2 rows
+]
+
+
+def _check(cases, rows):
+    for rank_rows in rows:
+        for case, r in zip(cases, rank_rows, strict=True):
+            assert r["param_err"] < TOL, (case, r)
+            assert r["norm_err"] < TOL, (case, r)  # the whole model's norm, on every rank
+            expected = [step == case.get("inf_at") for step in range(3)]
+            assert r["skipped"] == expected, (case, r)
+
+
+def test_tensor_parallel_parameters_train_as_one_process(pools):
+    rows = pools(4).run(scenarios_tensor.tensor_against_one_process, CASES)
+    _check(CASES, rows)
+    shapes = [r["local_shapes"][2] for r in (rank_rows[3] for rank_rows in rows)]
+    assert sorted(set(shapes)) == [(2, 8), (3, 8)]  # the uneven case's column-split weight
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"stage": 1, "clip": 0.05, "deterministic": True},
+        {"stage": 2, "clip": 0.05, "mesh": "mics"},  # ("dp_replicate", "dp_shard", "tp") of 2 x 1 x 2
+        {"stage": 1, "clip": 0.05, "norm_type": 1.0, "hidden": 5},
+    ],
+)
+def test_tensor_parallel_with_other_settings(pools, case):
+    _check([case], pools(4).run(scenarios_tensor.tensor_against_one_process, [case]))
+
+
+def test_tensor_parameters_zeroplan_cannot_shard_raise_on_every_rank(pools):
+    for r in pools(4).run(scenarios_tensor.bad_tensor_parameters):
+        assert "needs ZeroOptimizer(..., device_mesh=mesh) with a 'tp' dimension" in r["no_mesh"], r
+        assert "stage 3 does not take tensor-parallel" in r["stage3"], r
+        assert "Partial" in r["partial"], r
+        assert "Partial" in r["alone"], r  # tp rank 1 alone, heard by every rank
+        assert r["plain_optimizer_ok"] is None, r
+
+
+def test_each_tensor_slice_saves_and_loads_its_checkpoint(pools, tmp_path):
+    for r in pools(4).run(scenarios_tensor.tensor_checkpoints, str(tmp_path)):
+        assert r == {"same": True}, r
