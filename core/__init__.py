@@ -108,7 +108,7 @@ from zeroplan.core.strategies import (
     register_strategy,
     strategy_names,
 )
-from zeroplan.core.tensor_parallel import norm_windows, tensor_replicas
+from zeroplan.core.tensor_parallel import norm_windows, tensor_parallel_specs, tensor_replicas, tensor_traffic
 from zeroplan.core.topology import Link, Topology
 from zeroplan.core.traffic import CommCost, communication
 
@@ -201,7 +201,9 @@ __all__ = [
     "mesh_roles",
     "pipeline_stages",
     "norm_windows",
+    "tensor_parallel_specs",
     "tensor_replicas",
+    "tensor_traffic",
     "ReshardPlan",
     "ScalerConfig",
     "ScalerState",

@@ -28,14 +28,19 @@ the facade:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 
+from zeroplan.core.comm import Collective, all_reduce_send
+from zeroplan.core.errors import ConfigError
 from zeroplan.core.partition import PartitionPlan
-from zeroplan.core.placement import Shard
+from zeroplan.core.placement import Replicate, Shard
 from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec
+from zeroplan.core.traffic import CommCost
 
-__all__ = ["TENSOR_DIM", "norm_windows", "tensor_replicas"]
+__all__ = ["TENSOR_DIM", "norm_windows", "tensor_parallel_specs", "tensor_replicas", "tensor_traffic"]
 
 #: The name of the tensor-parallel mesh dimension.
 TENSOR_DIM = "tp"
@@ -85,4 +90,144 @@ def norm_windows(
         if cursor < extent:
             windows.append(Span(cursor, extent))
         out.append(tuple(w for w in windows if w.numel > 0))
+    return tuple(out)
+
+
+#: Megatron's split of a transformer by parameter name (the suffixes of Hugging Face and torchtitan
+#: names): ``(suffixes, dimension split)``. Column-parallel linears split their output features
+#: (dimension 0 of ``nn.Linear``'s weight, dimension 1 of GPT-2's transposed ``Conv1D``) and their
+#: bias; row-parallel ones their input features (their bias is whole on every rank); token
+#: embeddings and the output head split the vocabulary. Everything else (norms, position
+#: embeddings, routers, row-parallel biases) is replicated.
+_SPLITS: tuple[tuple[tuple[str, ...], int], ...] = (
+    (
+        (
+            "q_proj.weight",
+            "k_proj.weight",
+            "v_proj.weight",
+            "gate_proj.weight",
+            "up_proj.weight",
+            "w1.weight",
+            "w3.weight",
+            "lm_head.weight",
+            "head.weight",
+            "qkv.weight",
+            "fc.weight",
+            "embed_tokens.weight",
+            "wte.weight",
+            "tok.weight",
+            "c_attn.bias",
+            "c_fc.bias",
+            "qkv.bias",
+            "fc.bias",
+            "q_proj.bias",
+            "k_proj.bias",
+            "v_proj.bias",
+        ),
+        0,
+    ),
+    (("o_proj.weight", "down_proj.weight", "w2.weight", "proj.weight", "out.weight"), 1),
+    (("attn.c_attn.weight", "mlp.c_fc.weight"), 1),  # GPT-2 Conv1D: (in, out), column-parallel
+    (("attn.c_proj.weight", "mlp.c_proj.weight"), 0),  # GPT-2 Conv1D: (in, out), row-parallel
+)
+
+
+def _split_dim(spec: ParamSpec) -> int | None:
+    """The dimension Megatron's split cuts over ``tp`` for ``spec`` (its name's longest listed
+    suffix of whole components decides), or ``None``."""
+    best: tuple[int, int] | None = None  # (suffix length, dimension)
+    for suffixes, dim in _SPLITS:
+        for suffix in suffixes:
+            whole = spec.name == suffix or spec.name.endswith("." + suffix)
+            if whole and dim < len(spec.shape) and (best is None or len(suffix) > best[0]):
+                best = (len(suffix), dim)
+    return None if best is None else best[1]
+
+
+def tensor_parallel_specs(specs: Sequence[ParamSpec], degree: int, rank: int = 0) -> tuple[ParamSpec, ...]:
+    """``specs`` (whole parameters) as tensor-parallel rank ``rank`` of ``degree`` holds them.
+
+    Split as Megatron and torchtitan split a transformer (:data:`_SPLITS`, by parameter name), each
+    split dimension cut by torch's ``chunk`` rule (``ceil(n / degree)`` rows per rank, the last ranks
+    possibly fewer), so rank 0 holds the most; every spec carries its global shape and placement.
+
+    Raises:
+        ConfigError: ``degree`` below 1, a rank outside it, or specs already placed.
+
+    Example:
+        >>> from zeroplan.core import preset_specs
+        >>> local = tensor_parallel_specs(preset_specs("llama-7b")[:9], 4)
+        >>> [(s.name.split(".")[-2], s.shape) for s in local[4:8:3]]
+        [('o_proj', (4096, 1024)), ('down_proj', (4096, 2752))]
+        >>> local[5].shape, local[5].global_shape, local[5].placement
+        ((2752, 4096), (11008, 4096), (('tp', Shard(dim=0)),))
+    """
+    if type(degree) is not int or degree < 1:
+        raise ConfigError(f"the tensor-parallel degree must be an int >= 1, got {degree!r}")
+    if not 0 <= rank < degree:
+        raise ConfigError(f"tensor-parallel rank {rank!r} is not one of the {degree} ranks")
+    out = []
+    for spec in specs:
+        if spec.placement:
+            raise ConfigError(f"{spec.name!r} is placed already ({spec.placement}): pass whole parameters")
+        dim = _split_dim(spec) if degree > 1 else None
+        if dim is None:
+            out.append(replace(spec, global_shape=spec.shape, placement=((TENSOR_DIM, Replicate()),)))
+            continue
+        size = spec.shape[dim]
+        rows = math.ceil(size / degree)
+        start = min(size, rows * rank)
+        shape = list(spec.shape)
+        shape[dim] = min(size, start + rows) - start
+        out.append(
+            replace(spec, shape=tuple(shape), global_shape=spec.shape, placement=((TENSOR_DIM, Shard(dim)),))
+        )
+    return tuple(out)
+
+
+def tensor_traffic(
+    specs: Sequence[ParamSpec],
+    degree: int,
+    *,
+    clipping: bool,
+    loss_scaling: bool,
+    sequence_parallel: bool,
+    rank: int = 0,
+) -> tuple[CommCost, ...]:
+    """What zeroplan sends over the ``tp`` group per step, by this rank ([Note: tensor-parallel parameters]).
+
+    With ``sequence_parallel`` the gradients of the replicated trainable parameters (norms, row-parallel
+    biases) arrive ``Partial`` and are all-reduced over ``tp`` before the data-parallel reduction, one
+    call per parameter; the gradient norm (with ``clipping``) and the overflow verdict (with
+    ``loss_scaling``) add one float32 scalar each. The model's own tensor-parallel collectives (its
+    activations and their gradients) are not zeroplan's and not counted.
+
+    Example:
+        >>> from zeroplan.core import preset_specs
+        >>> local = tensor_parallel_specs(preset_specs("llama-7b"), 2)
+        >>> [(c.collective.value, c.calls, c.bytes) for c in tensor_traffic(
+        ...     local, 2, clipping=True, loss_scaling=False, sequence_parallel=True)]
+        [('all_reduce', 65, 1064960), ('all_reduce', 1, 4)]
+    """
+    if degree == 1:
+        return ()
+    out = []
+    replicas = tensor_replicas(specs)
+    if sequence_parallel:
+        grads = [s for s in specs if s.index in replicas and s.trainable]
+        sent = sum(all_reduce_send(s.numel, degree, rank) * s.itemsize for s in grads)
+        if grads:
+            out.append(
+                CommCost(group="tensor", collective=Collective.ALL_REDUCE, calls=len(grads), bytes=sent)
+            )
+    controls = int(clipping) + int(loss_scaling)
+    if controls:
+        out.append(
+            CommCost(
+                group="tensor",
+                collective=Collective.ALL_REDUCE,
+                calls=controls,
+                bytes=controls * all_reduce_send(1, degree, rank) * 4,
+            )
+        )
     return tuple(out)

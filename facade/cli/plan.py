@@ -54,6 +54,9 @@ from zeroplan.core import (
     plan_domains,
     preset_names,
     strategy_names,
+    tensor_parallel_specs,
+    tensor_replicas,
+    tensor_traffic,
 )
 from zeroplan.core.sizing.fit import gib
 from zeroplan.core.sizing.trace import ActivationTrace, TracedPeak, traced_step_peak
@@ -157,6 +160,22 @@ def register(sub: Any) -> None:
         "head in the last) and plan each stage's optimizer over --world data-parallel ranks, the job "
         "holding P x world ranks (default 1)",
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor-parallel ranks: plan one rank's local shards of Megatron's split (column- and "
+        "row-parallel linears, vocabulary-parallel embeddings and head; norms replicated), the job "
+        "holding T x world ranks (default 1)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tensor-parallel: sequence parallelism, whose replicated parameters (norms, row-parallel "
+        "biases) get partial gradients: zeroplan all-reduces them "
+        "over the tensor-parallel group each step (counted)",
+    )
     fitting.add_arguments(p)
     p.set_defaults(run=run)
 
@@ -192,12 +211,95 @@ def _topology(args: argparse.Namespace) -> Topology:
 
 
 def _specs(args: argparse.Namespace) -> tuple[tuple[ParamSpec, ...], str]:
+    """The model's specs; with ``--tensor-parallel``, tensor-parallel rank 0's local shards (the largest)."""
     if args.shapes:
-        return specs_from_json(args.shapes, args.dtype), args.shapes
-    if args.hf_config:
-        return specs_from_hf_config(args.hf_config, args.dtype), args.hf_config
-    name = args.preset or "gpt2"
-    return specs_from_preset(name, args.dtype), name
+        specs, source = specs_from_json(args.shapes, args.dtype), args.shapes
+    elif args.hf_config:
+        specs, source = specs_from_hf_config(args.hf_config, args.dtype), args.hf_config
+    else:
+        source = args.preset or "gpt2"
+        specs = specs_from_preset(source, args.dtype)
+    if args.tensor_parallel != 1:
+        specs = tensor_parallel_specs(specs, args.tensor_parallel)
+    return specs, source
+
+
+def _check_tensor_parallel(args: argparse.Namespace) -> None:
+    """Refuse what ``--tensor-parallel`` does not combine with yet (one-line errors)."""
+    if args.tensor_parallel < 1:
+        raise ConfigError(
+            f"--tensor-parallel must be >= 1 (1: no tensor parallelism), got {args.tensor_parallel}"
+        )
+    if args.sequence_parallel and args.tensor_parallel == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-parallel T with T > 1")
+    if args.tensor_parallel == 1:
+        return
+    given = [
+        flag for flag, key in (*_FIT_FLAGS, ("--trace", "trace")) if getattr(args, key) not in (None, False)
+    ]
+    if args.expert_parallel != 1:
+        given.insert(0, "--expert-parallel")
+    if given:
+        raise ConfigError(
+            f"{given[0]} does not take --tensor-parallel into account yet (activations and experts are "
+            f"planned for whole layers); drop {given[0]}, or plan without --tensor-parallel"
+        )
+
+
+def _tensor_document(args: argparse.Namespace, specs: Sequence[ParamSpec]) -> dict[str, Any] | None:
+    """``--json``'s ``"tensor_parallel"``: the degree, the split, and the calls over ``tp`` per step."""
+    if args.tensor_parallel == 1:
+        return None
+    costs = _tensor_costs(args, specs)
+    return {
+        "degree": args.tensor_parallel,
+        "sequence_parallel": args.sequence_parallel,
+        "sharded_params": sum(1 for s in specs if s.index not in tensor_replicas(specs)),
+        "replicated_params": len(tensor_replicas(specs)),
+        "planned_comm": [
+            {"group": c.group, "collective": c.collective.value, "calls": c.calls, "bytes": c.bytes}
+            for c in costs
+        ],
+        "not_planned": "the model's own tensor-parallel collectives (activations and their gradients, "
+        "sequence-parallel gathers and reduce-scatters) are the model's, not zeroplan's",
+    }
+
+
+def _tensor_costs(args: argparse.Namespace, specs: Sequence[ParamSpec]) -> tuple[CommCost, ...]:
+    """What zeroplan sends over ``tp`` per step (the norm with clipping, as the report assumes)."""
+    return tensor_traffic(
+        specs,
+        args.tensor_parallel,
+        clipping=True,
+        loss_scaling=args.loss_scaling,
+        sequence_parallel=args.sequence_parallel,
+    )
+
+
+def _tensor_line(args: argparse.Namespace, specs: Sequence[ParamSpec]) -> str | None:
+    """The table's footnote with ``--tensor-parallel``: what one rank holds and sends over ``tp``."""
+    if args.tensor_parallel == 1:
+        return None
+    costs = _tensor_costs(args, specs)
+    sent = sum(c.bytes for c in costs)
+    calls = sum(c.calls for c in costs)
+    replicas = len(tensor_replicas(specs))
+    what = [
+        name
+        for name, present in (
+            ("the replicated parameters' gradients", args.sequence_parallel),
+            ("the norm (clipping)", True),
+            ("the overflow verdict", args.loss_scaling),
+        )
+        if present
+    ]
+    return (
+        f"tensor parallel {args.tensor_parallel}: the rows above are one tensor-parallel rank's local "
+        f"shards ({len(specs) - replicas} parameters split, {replicas} replicated; the job holds "
+        f"{args.tensor_parallel} x {args.world} ranks per pipeline stage). zeroplan adds {calls} "
+        f"all-reduce(s) over the tensor-parallel group per step ({', '.join(what)}), "
+        f"{sent / 2**20:.3f} MiB sent; the model's own tensor-parallel collectives are not planned"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--grad-accumulation must be >= 1, got {args.grad_accumulation}")
     if args.rows < 1:
         raise ConfigError(f"--rows must be >= 1, got {args.rows}")
+    _check_tensor_parallel(args)
     if args.pipeline_parallel != 1:
         return _run_pipeline(args)
     if args.expert_parallel != 1:
@@ -253,6 +356,9 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.offload != Offload.NONE.value:  # [Note: offload, planned]; absent without offload
             document["offload"] = args.offload
+        tensor = _tensor_document(args, specs)
+        if tensor is not None:  # [Note: tensor-parallel parameters]; absent without
+            document["tensor_parallel"] = tensor
         fitting.update_document(document, settings, fit, advice)
         if step_trace is not None:
             document["traced_step"] = [p._asdict() for p in traced_step_peak(zp, step_trace)]
@@ -267,6 +373,9 @@ def run(args: argparse.Namespace) -> int:
     _print_table(
         report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), layout, elapsed, args.rows, fit
     )
+    tensor_line = _tensor_line(args, specs)
+    if tensor_line is not None:
+        print(tensor_line)
     if per_link is not None:
         _print_per_link(per_link, _wire_label(args))
         for what, wire in _wires(zp, specs).items():
@@ -435,6 +544,9 @@ def _run_pipeline(args: argparse.Namespace) -> int:
                 for k, (part, zp, report) in enumerate(zip(parts, plans, reports, strict=True))
             ],
         }
+        tensor = _tensor_document(args, specs)
+        if tensor is not None:
+            document["tensor_parallel"] = tensor
         sys.stdout.write(json.dumps(document, indent=1))  # one write, not one per token
         sys.stdout.write("\n")
         return 0
@@ -457,6 +569,9 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         "all-reduce over the pipeline group for the norm (with clipping) and one for the overflow "
         "verdict (with a loss scale), not counted above"
     )
+    tensor_line = _tensor_line(args, specs)
+    if tensor_line is not None:
+        print(tensor_line)
     return 0
 
 

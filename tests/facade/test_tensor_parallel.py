@@ -59,6 +59,10 @@ def test_tensor_parameters_zeroplan_cannot_shard_raise_on_every_rank(pools):
         assert r["plain_optimizer_ok"] is None, r
 
 
-def test_each_tensor_slice_saves_and_loads_its_checkpoint(pools, tmp_path):
+def test_each_tensor_slice_saves_its_checkpoint_and_loads_it_at_another_dp_size(pools, tmp_path):
     for r in pools(4).run(scenarios_tensor.tensor_checkpoints, str(tmp_path)):
         assert r == {"same": True}, r
+    for r in pools(2).run(
+        scenarios_tensor.tensor_checkpoint_elsewhere, str(tmp_path)
+    ):  # dp 2 -> 1, stage 2 -> 1
+        assert r["param_err"] < TOL, r
