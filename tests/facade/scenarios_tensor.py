@@ -28,14 +28,14 @@ from zeroplan.facade import ZeroOptimizer, checkpoint
 WIDTH, SEQ, BATCH, LR = 8, 4, 2, 0.01
 
 
-def _plain(hidden: int) -> torch.nn.Sequential:
+def _plain(hidden: int, width: int = WIDTH) -> torch.nn.Sequential:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.LayerNorm(WIDTH),
-        torch.nn.Linear(WIDTH, hidden),
+        torch.nn.LayerNorm(width),
+        torch.nn.Linear(width, hidden),
         torch.nn.Tanh(),
-        torch.nn.Linear(hidden, WIDTH),
-        torch.nn.LayerNorm(WIDTH),
+        torch.nn.Linear(hidden, width),
+        torch.nn.LayerNorm(width),
     )
     with torch.no_grad():  # norms that are not the identity, so their gradients matter
         for norm in (model[0], model[4]):
@@ -44,7 +44,7 @@ def _plain(hidden: int) -> torch.nn.Sequential:
     return model
 
 
-def _parallel(mesh: Any, hidden: int) -> torch.nn.Sequential:
+def _parallel(mesh: Any, hidden: int, width: int = WIDTH) -> torch.nn.Sequential:
     """The plain model placed on ``mesh["tp"]``: sequence-parallel norms, column- then row-split."""
     uneven = hidden % mesh["tp"].size() != 0  # torch needs DTensor outputs for uneven local shards
     plan = {
@@ -53,7 +53,7 @@ def _parallel(mesh: Any, hidden: int) -> torch.nn.Sequential:
         "3": RowwiseParallel(output_layouts=Shard(1)),
         "4": SequenceParallel(),
     }
-    return parallelize_module(_plain(hidden), mesh["tp"], plan)
+    return parallelize_module(_plain(hidden, width), mesh["tp"], plan)
 
 
 def _batch(step: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,4 +211,50 @@ def tensor_checkpoint_elsewhere(rank: int, world: int, root: str) -> dict[str, A
     after = torch.load(f"{root}/after.pt")
     return {
         "param_err": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, after, strict=True))
+    }
+
+
+def tensor_step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """MemTracker's peak of a whole step at tp=2 x dp=2 (entered before the model exists, re-entered
+    around each step), next to the plan's ``peak_bytes`` of the local shards. A wide model, one short
+    sequence: activations are under 1% of the parameters' bytes."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from zeroplan.facade.diagnostics.meter import step_peaks, tracked_bytes
+
+    width, hidden = 256, 1024
+    tracker = MemTracker()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    with tracker:
+        model = _parallel(mesh, hidden, width)
+        opt = ZeroOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            lr=LR,
+            stage=cfg["stage"],
+            device_mesh=mesh,
+            bucket_bytes=40_000,
+        )
+        gen = torch.Generator().manual_seed(d)
+        x = torch.randn(1, 2, width, generator=gen)  # this rank's half of a sequence of 4
+
+    def step() -> None:
+        out = model(x)
+        loss = (out.to_local() if isinstance(out, DTensor) else out).square().mean()
+        opt.backward(loss)
+        del loss, out
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    peaks = step_peaks(tracker, step, 3)
+    report = opt.memory_report(clipping=True).ranks[opt.process_groups.rank]
+    return {
+        "measured": peaks,
+        "planned": report.peak_bytes,
+        "persistent": tracked_bytes(tracker),
+        "planned_persistent": report.total_bytes,
+        "local_params": sum(p.to_local().numel() for p in model.parameters()),
+        "tp": t,
     }

@@ -66,3 +66,10 @@ def test_each_tensor_slice_saves_its_checkpoint_and_loads_it_at_another_dp_size(
         scenarios_tensor.tensor_checkpoint_elsewhere, str(tmp_path)
     ):  # dp 2 -> 1, stage 2 -> 1
         assert r["param_err"] < TOL, r
+
+
+@pytest.mark.parametrize("stage", [2, 1])
+def test_planned_memory_of_the_local_shards_is_what_memtracker_measures(pools, stage):
+    for r in pools(4).run(scenarios_tensor.tensor_step_peak, {"stage": stage}):
+        assert r["local_params"] == 2 * 256 + 512 * 256 + 512 + 256 * 512 + 256 + 2 * 256, r
+        assert abs(r["measured"][-1] / r["planned"] - 1) <= 0.01, r
