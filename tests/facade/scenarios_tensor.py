@@ -258,3 +258,32 @@ def tensor_step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, An
         "local_params": sum(p.to_local().numel() for p in model.parameters()),
         "tp": t,
     }
+
+
+def against_fsdp2(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The same tensor-parallel model and data under FSDP2 (``fully_shard`` over ``mesh["dp"]``, as
+    torchtitan composes it with tensor parallel) and under zeroplan: 3 steps, parameters compared."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    ours = _parallel(mesh, 6)
+    opt = ZeroOptimizer(ours.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh)
+    theirs = _parallel(mesh, 6)
+    fully_shard(theirs, mesh=mesh["dp"])
+    their_opt = torch.optim.AdamW(theirs.parameters(), lr=LR)
+    for step in range(3):
+        _step(ours, opt, step, [d], t)
+        x, target = _batch(step, d)
+        out = theirs(_local(x, t, 2))
+        _loss(out.to_local() if isinstance(out, DTensor) else out, _local(target, t, 2)).backward()
+        their_opt.step()
+        their_opt.zero_grad()
+    mine = [p.detach().full_tensor() for p in ours.parameters()]
+    other = [p.detach().full_tensor() for p in theirs.parameters()]
+    return {
+        "param_err": max(
+            float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, other, strict=True)
+        ),
+        "fsdp2_mesh": theirs[1].weight.device_mesh.mesh_dim_names,
+    }

@@ -73,3 +73,10 @@ def test_planned_memory_of_the_local_shards_is_what_memtracker_measures(pools, s
     for r in pools(4).run(scenarios_tensor.tensor_step_peak, {"stage": stage}):
         assert r["local_params"] == 2 * 256 + 512 * 256 + 512 + 256 * 512 + 256 + 2 * 256, r
         assert abs(r["measured"][-1] / r["planned"] - 1) <= 0.01, r
+
+
+@pytest.mark.parametrize("stage", [2, 1])
+def test_the_same_numbers_as_fsdp2_with_the_same_tensor_parallel_plan(pools, stage):
+    for r in pools(4).run(scenarios_tensor.against_fsdp2, {"stage": stage}):
+        assert r["fsdp2_mesh"] == ("dp", "tp"), r  # FSDP2 sharded the tp-local tensors over dp
+        assert r["param_err"] < TOL, r  # bit for bit on this machine (0.0), the tolerance as elsewhere
