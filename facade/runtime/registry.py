@@ -256,9 +256,10 @@ def configure(
         )
     if stage == 3 and placed:
         raise ConfigError(
-            "stage 3 does not take tensor-parallel (DTensor) parameters yet: use stage 1 or 2 over the "
-            "local tensors (stage 3's gathers swap a parameter's class, which a DTensor's local tensor "
-            "cannot take)"
+            "stage 3 does not take tensor-parallel (DTensor) parameters yet: use stage 1 or 2 (the "
+            "local tensors sharded over dp). Stage 3 frees a block's storage between uses and guards "
+            "reads of it by the parameter's class, which a DTensor's local tensor cannot take: a read "
+            "outside the forward would touch freed memory"
         )
     groups = [{**optimizer_defaults, **group} for group in inputs.groups]
     check_hyperparameters(optimizer_class, groups)

@@ -88,10 +88,11 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
         t = mesh.get_local_rank("tp")
         hidden = cfg.get("hidden", 6)
         model = _parallel(mesh, hidden)
-        settings = {k: cfg[k] for k in ("loss_scale", "deterministic") if k in cfg}
+        settings = {k: cfg[k] for k in ("loss_scale", "deterministic", "reshard_after_forward") if k in cfg}
         opt = ZeroOptimizer(
             model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings
         )
+        opt.attach(model)  # stage 3: the forward gathers the local shards it uses
         ref = _plain(hidden)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
         norm_type = cfg.get("norm_type", 2.0)
@@ -117,7 +118,8 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
                 continue
             ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["clip"], norm_type)))
             ref_opt.step()
-        mine = [p.detach().full_tensor() for p in model.parameters()]
+        with opt.gathered_params():  # stage 3: the local shards whole
+            mine = [p.detach().full_tensor() for p in model.parameters()]
         theirs = [p.detach() for p in ref.parameters()]
         rows.append(
             {
