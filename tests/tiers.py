@@ -12,6 +12,7 @@ STARTS_INTERPRETERS = (
     "tests/test_demo.py::test_stage_3_shards_parameters_and_agrees_with_adamw_and_with_the_plan",
     "tests/test_demo.py::test_stage_3_without_resharding_gathers_once_per_step",
     "tests/test_examples.py",
+    "tests/test_example_tensor.py",
     "tests/facade/test_hf.py",
     "tests/facade/test_export_hf.py",
     "tests/facade/test_hf_compile.py",
