@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from zeroplan.facade.runtime.domain import DomainRuntime
     from zeroplan.facade.runtime.optimizer import ZeroOptimizer
 
-__all__ = ["Source", "domain_shards", "load", "saved_param"]
+__all__ = ["Source", "domain_shards", "load", "read_state", "saved_param"]
 
 
 def domain_shards(opt: ZeroOptimizer) -> tuple[Shards, list[Shards]]:
@@ -74,8 +74,11 @@ def domain_shards(opt: ZeroOptimizer) -> tuple[Shards, list[Shards]]:
 
 
 @torch.no_grad()
-def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
+def load(opt: ZeroOptimizer, path: str | Path | Sequence[str | Path]) -> dict[str, Any]:
     """Load the latest snapshot under ``path`` into ``opt`` and its parameters; collective.
+
+    A list of roots is a tensor-parallel checkpoint saved one root per tp slice, in tp order,
+    loaded at any tp degree ([Note: reslicing tensor-parallel checkpoints] in ``checkpoint.reslice``).
 
     Works at any world size, shard-group size and strategy. With expert
     groups only the data-parallel state is elastic: the expert state loads at
@@ -92,6 +95,10 @@ def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
             class, or ranks that read different snapshots.
         In every case, on every rank, and the optimizer and parameters are unchanged.
     """
+    if isinstance(path, (list, tuple)):
+        from zeroplan.facade.checkpoint.reslice import load_resliced  # it reads through this module
+
+        return load_resliced(opt, path)
     background.finish_pending(opt)  # a save in flight is committed (or raises) first
     sh, experts = domain_shards(opt)
     domains = opt.domains[1:]
@@ -99,7 +106,9 @@ def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
     expert_states: list[LoadedState] = []
 
     def read() -> LoadedState:
-        loaded, saved_extra, states = _prepare(sh, opt.plan_with_cohorts, Path(path), domains, experts)
+        loaded, saved_extra, states = _prepare(
+            sh, opt.plan_with_cohorts, Path(path), domains, experts, opt.tensor_slice
+        )
         extra.append(saved_extra)
         expert_states.extend(states)
         return loaded
@@ -166,14 +175,24 @@ def _prepare(
     path: Path,
     domains: Sequence[DomainRuntime] = (),
     experts: Sequence[Shards] = (),
+    tensor_slice: tuple[int, int] = (0, 1),
 ) -> tuple[LoadedState, dict[str, Any], list[LoadedState]]:
     """Read and check everything this rank needs; change nothing.
 
     Returns the data domain's state, ``extra`` and each expert domain's state
-    (``domains``, whose parts are ``experts``).
+    (``domains``, whose parts are ``experts``). ``tensor_slice``: this rank's tp slice, which must
+    be the one that saved the snapshot.
     """
     snapshot = resolve(path)
     manifest = read_manifest(snapshot)  # [Note: manifest integrity]
+    saved_slice = manifest.tensor_slice or (0, 1)
+    if saved_slice != tensor_slice:
+        raise CheckpointError(
+            f"{str(snapshot)!r} was saved by tp slice {saved_slice[0]} of {saved_slice[1]}, and this rank is "
+            f"tp slice {tensor_slice[0]} of {tensor_slice[1]}: load each slice's own root, or pass every "
+            "slice's root, in tp order, to load at another tp degree ([Note: reslicing tensor-parallel "
+            "checkpoints])"
+        )
     check_data_domain(manifest, snapshot, sh.optimizer_name, sh.zp.partition)
     expert_groups = check_expert_domains(
         manifest, snapshot, [(d.name, d.world) for d in domains], sh.groups.world
@@ -200,7 +219,9 @@ def _prepare(
     if rank == 0 and FROZEN in manifest.names:
         check_frozen_file(open_file(FROZEN), saved)
     source = Source(manifest.shards, shard_file, FROZEN, rank, world)
-    loaded = _read(source, target, reshard, sh, open_file, scaler=manifest.scaler, digest=manifest.digest)
+    loaded = read_state(
+        source, target, reshard, sh, open_file, scaler=manifest.scaler, digest=manifest.digest
+    )
     states = [
         _read_experts(domain, esh, group, snapshot, open_file, manifest)
         for domain, esh, group in zip(domains, experts, expert_groups, strict=True)
@@ -208,7 +229,7 @@ def _prepare(
     return loaded, decode(manifest.extra), states
 
 
-def _read(
+def read_state(
     source: Source,
     target: ZeroPlan,
     reshard: ReshardPlan,
@@ -315,6 +336,6 @@ def _read_experts(
     check_shard_file(open_file(names[me]), me, group.shards, frozen=me == 0)
     source = Source(group.shards, names.__getitem__, names[0], me, len(names))
     reshard = plan_reshard(saved, target.partition)  # the identity: each rank reads its own shard
-    loaded = _read(source, target, reshard, sh, open_file, scaler=None, digest=manifest.digest)
+    loaded = read_state(source, target, reshard, sh, open_file, scaler=None, digest=manifest.digest)
     check_expert_param_groups(snapshot, domain.name, len(loaded.param_groups), len(sh.param_groups))
     return loaded

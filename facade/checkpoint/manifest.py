@@ -327,6 +327,9 @@ class Manifest:
         files: the data files, in the order they are listed.
         extra: the caller's ``extra``, encoded.
         expert_domains: each expert domain's entry; none without expert groups.
+        tensor_slice: ``(rank, degree)`` of the tp slice that saved it ([Note: reslicing
+            tensor-parallel checkpoints] in ``checkpoint.reslice``); ``None`` without tensor
+            parallelism (the field is then absent from the document).
         digest: the digest the manifest was read with; ``None`` for one not written yet.
         names: the names of ``files`` (derived).
     """
@@ -341,6 +344,7 @@ class Manifest:
     files: tuple[ListedFile, ...]
     extra: Encoded
     expert_domains: tuple[ExpertDomain, ...] = ()
+    tensor_slice: tuple[int, int] | None = None
     digest: str | None = None
     names: frozenset[str] = field(init=False, repr=False, compare=False)
     _sizes: dict[str, int] = field(init=False, repr=False, compare=False)
@@ -383,6 +387,8 @@ class Manifest:
         if self.expert_domains:
             domains = [domain.document() for domain in self.expert_domains]
             document["experts"] = {"world_size": self.world_size, "domains": domains}
+        if self.tensor_slice is not None:
+            document["tensor_slice"] = list(self.tensor_slice)
         return document
 
     def sealed(self) -> dict[str, Any]:
@@ -553,7 +559,16 @@ def read_manifest(snapshot: Path) -> Manifest:
     for name, size in document["files"].items():
         if type(size) is not int:
             raise CheckpointError(f"{str(path)!r}: file {name!r} has size {size!r}: {MISMATCH}")
+    tensor_slice = document.get("tensor_slice")
+    if tensor_slice is not None and not (
+        isinstance(tensor_slice, list)
+        and len(tensor_slice) == 2
+        and all(type(v) is int for v in tensor_slice)
+        and 0 <= tensor_slice[0] < tensor_slice[1]
+    ):
+        raise CheckpointError(f"{str(path)!r}: 'tensor_slice' is {tensor_slice!r}: {MISMATCH}")
     return Manifest(
+        tensor_slice=None if tensor_slice is None else (tensor_slice[0], tensor_slice[1]),
         optimizer=document["optimizer"],
         elementwise=document["elementwise"],
         world_size=document["world_size"],

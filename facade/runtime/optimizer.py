@@ -231,6 +231,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._data.groups
 
     @property
+    def tensor_slice(self) -> tuple[int, int]:
+        """This rank's tensor-parallel position and the degree: ``(rank, degree)``, ``(0, 1)`` without
+        a mesh ``tp`` dimension ([Note: tensor-parallel parameters] in ``zeroplan.core.tensor_parallel``)."""
+        return self._joint.tensor_slice
+
+    @property
     def installed(self) -> Installed:
         """The installed plan: plan, groups, buffers, inner optimizer, gradient sync (for tools)."""
         return self._data.installed

@@ -59,13 +59,23 @@ def test_tensor_parameters_zeroplan_cannot_shard_raise_on_every_rank(pools):
         assert r["plain_optimizer_ok"] is None, r
 
 
-def test_each_tensor_slice_saves_its_checkpoint_and_loads_it_at_another_dp_size(pools, tmp_path):
+def test_tensor_checkpoints_load_at_another_dp_size_and_another_tp_degree(pools, tmp_path):
     for r in pools(4).run(scenarios_tensor.tensor_checkpoints, str(tmp_path)):
         assert r == {"same": True}, r
-    for r in pools(2).run(
-        scenarios_tensor.tensor_checkpoint_elsewhere, str(tmp_path)
-    ):  # dp 2 -> 1, stage 2 -> 1
+    # tp=2 x dp=1 (world 2): each slice's root saved at dp=2, stage 2 -> 1
+    for r in pools(2).run(scenarios_tensor.tensor_checkpoint_elsewhere, str(tmp_path)):
         assert r["param_err"] < TOL, r
+    # tp 2 -> 1 ([Note: reslicing tensor-parallel checkpoints]): a plain model at dp=2 and at world 1
+    for world in (2, 1):
+        for r in pools(world).run(scenarios_tensor.tensor_checkpoint_resliced, str(tmp_path)):
+            assert r["param_err"] < TOL, (world, r)
+    for r in pools(4).run(scenarios_tensor.tensor_checkpoint_sliced, str(tmp_path)):  # tp 1 -> 2
+        assert r["param_err"] < TOL, r
+    for r in pools(2).run(scenarios_tensor.tensor_checkpoint_bad_slices, str(tmp_path)):
+        assert "CheckpointError" in r["missing"] and "pass every slice's root" in r["missing"], r
+        assert "CheckpointError" in r["reversed"] and "in tp order" in r["reversed"], r
+        assert "was saved by tp slice 0 of 2" in r["one_slice"], r
+        assert r["unchanged"], r
 
 
 @pytest.mark.parametrize("stage", [2, 1])
