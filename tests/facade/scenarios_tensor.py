@@ -340,3 +340,68 @@ def tensor_checkpoint_sliced(rank: int, world: int, root: str) -> dict[str, Any]
     return {
         "param_err": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, after, strict=True))
     }
+
+
+def _stage_module(mesh: Any, s: int) -> torch.nn.Sequential:
+    """Pipeline stage ``s`` of a two-stage model: the tensor-parallel model of :func:`_parallel`, its
+    initial values drawn for the stage."""
+    torch.manual_seed(100 + s)
+    plain = _plain(6)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    if mesh is None:
+        return plain
+    plan = {
+        "0": SequenceParallel(),
+        "1": ColwiseParallel(input_layouts=Shard(1)),
+        "3": RowwiseParallel(output_layouts=Shard(1)),
+        "4": SequenceParallel(),
+    }
+    return parallelize_module(plain, mesh["tp"], plan)
+
+
+def pipeline_with_tensor_parallel(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A ``("pp", "dp", "tp")`` mesh of 2 x 1 x 2: each stage's optimizer over its tp-placed module,
+    activations (sequence shards) sent between the stages' ranks of one tp coordinate; 3 steps against
+    one process holding both stages; the clip norm is the whole model's on every rank."""
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    s, t = mesh.get_local_rank("pp"), mesh.get_local_rank("tp")
+    peer = int(mesh.mesh[1 - s, 0, t].item())
+    model = _stage_module(mesh, s)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh)
+    ref = torch.nn.Sequential(_stage_module(None, 0), _stage_module(None, 1))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    norms, ref_norms = [], []
+    for step in range(3):
+        x, target = _batch(step, 0)
+        if s == 0:
+            out = model(_local(x, t, 2))
+            h = out.to_local() if isinstance(out, DTensor) else out
+            dist.send(h.detach().contiguous(), peer)
+            grad = torch.empty_like(h)
+            dist.recv(grad, peer)
+            h.backward(grad)
+        else:
+            h = torch.empty(BATCH, SEQ // 2, WIDTH)
+            dist.recv(h, peer)
+            h.requires_grad_(True)
+            out = model(h)
+            loss = _loss(out.to_local() if isinstance(out, DTensor) else out, _local(target, t, 2))
+            opt.backward(loss)
+            dist.send(h.grad.contiguous(), peer)
+        norms.append(float(opt.clip_grad_norm_(cfg["clip"])))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _loss(ref(x), target).backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["clip"])))
+        ref_opt.step()
+    mine = [p.detach().full_tensor() for p in model.parameters()]
+    theirs = [p.detach() for p in ref[s].parameters()]
+    return {
+        "param_err": max(
+            float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, theirs, strict=True)
+        ),
+        "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
+    }

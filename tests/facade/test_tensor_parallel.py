@@ -90,3 +90,9 @@ def test_the_same_numbers_as_fsdp2_with_the_same_tensor_parallel_plan(pools, sta
     for r in pools(4).run(scenarios_tensor.against_fsdp2, {"stage": stage}):
         assert r["fsdp2_mesh"] == ("dp", "tp"), r  # FSDP2 sharded the tp-local tensors over dp
         assert r["param_err"] < TOL, r  # bit for bit on this machine (0.0), the tolerance as elsewhere
+
+
+@pytest.mark.parametrize("stage", [2, 1])
+def test_pipeline_stages_of_tensor_parallel_modules_step_as_one_model(pools, stage):
+    for r in pools(4).run(scenarios_tensor.pipeline_with_tensor_parallel, {"stage": stage, "clip": 0.05}):
+        assert r["param_err"] < TOL and r["norm_err"] < TOL, r
