@@ -144,15 +144,19 @@ def _split_dim(spec: ParamSpec) -> int | None:
     return None if best is None else best[1]
 
 
-def tensor_parallel_specs(specs: Sequence[ParamSpec], degree: int, rank: int = 0) -> tuple[ParamSpec, ...]:
+def tensor_parallel_specs(
+    specs: Sequence[ParamSpec], degree: int, rank: int = 0, dims: Sequence[int | None] | None = None
+) -> tuple[ParamSpec, ...]:
     """``specs`` (whole parameters) as tensor-parallel rank ``rank`` of ``degree`` holds them.
 
-    Split as Megatron and torchtitan split a transformer (:data:`_SPLITS`, by parameter name), each
+    Split as Megatron and torchtitan split a transformer (:data:`_SPLITS`, by parameter name), or
+    along ``dims`` (per spec, the dimension split over tp, ``None`` for a replica) when given; each
     split dimension cut by torch's ``chunk`` rule (``ceil(n / degree)`` rows per rank, the last ranks
     possibly fewer), so rank 0 holds the most; every spec carries its global shape and placement.
 
     Raises:
-        ConfigError: ``degree`` below 1, a rank outside it, or specs already placed.
+        ConfigError: ``degree`` below 1, a rank outside it, specs already placed, or ``dims`` of
+            another length than ``specs`` or naming a dimension a spec does not have.
 
     Example:
         >>> from zeroplan.core import preset_specs
@@ -166,11 +170,15 @@ def tensor_parallel_specs(specs: Sequence[ParamSpec], degree: int, rank: int = 0
         raise ConfigError(f"the tensor-parallel degree must be an int >= 1, got {degree!r}")
     if not 0 <= rank < degree:
         raise ConfigError(f"tensor-parallel rank {rank!r} is not one of the {degree} ranks")
+    if dims is not None and len(dims) != len(specs):
+        raise ConfigError(f"dims has {len(dims)} entries for {len(specs)} specs: give one per spec")
     out = []
-    for spec in specs:
+    for i, spec in enumerate(specs):
         if spec.placement:
             raise ConfigError(f"{spec.name!r} is placed already ({spec.placement}): pass whole parameters")
-        dim = _split_dim(spec) if degree > 1 else None
+        dim = (_split_dim(spec) if dims is None else dims[i]) if degree > 1 else None
+        if dim is not None and not 0 <= dim < len(spec.shape):
+            raise ConfigError(f"{spec.name!r} of shape {spec.shape} has no dimension {dim} to split")
         if dim is None:
             out.append(replace(spec, global_shape=spec.shape, placement=((TENSOR_DIM, Replicate()),)))
             continue
