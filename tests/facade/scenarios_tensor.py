@@ -405,3 +405,44 @@ def pipeline_with_tensor_parallel(rank: int, world: int, cfg: dict[str, Any]) ->
         ),
         "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
     }
+
+
+def bf16_against_masters(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """bf16 DTensor parameters at tp=2 x dp=2 against the same tp model stepped by hand: its local
+    gradients (bf16, in their parameter's placement) averaged over dp, ``torch.optim.AdamW`` on fp32
+    copies of the local tensors, cast back (what fp32 masters are). 3 steps, parameters compared."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    ours = _parallel(mesh, 6).to(torch.bfloat16)
+    opt = ZeroOptimizer(ours.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh)
+    theirs = _parallel(mesh, 6).to(torch.bfloat16)
+    masters = [p.to_local().detach().float().clone() for p in theirs.parameters()]
+    master_opt = torch.optim.AdamW(masters, lr=LR)
+    dp = mesh.get_group("dp")
+    for step in range(3):
+        x, target = _batch(step, d)
+        for model in (ours, theirs):
+            out = model(_local(x, t, 2).to(torch.bfloat16))
+            loss = _loss((out.to_local() if isinstance(out, DTensor) else out).float(), _local(target, t, 2))
+            opt.backward(loss) if model is ours else loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for p, master in zip(theirs.parameters(), masters, strict=True):
+            grad = p.grad.redistribute(p.device_mesh, p.placements).to_local()
+            dist.all_reduce(grad, group=dp)
+            master.grad = grad.float() / 2
+        master_opt.step()
+        with torch.no_grad():
+            for p, master in zip(theirs.parameters(), masters, strict=True):
+                p.to_local().copy_(master)
+                p.grad = None
+    return {
+        "equal": [
+            torch.equal(a.to_local(), b.to_local())
+            for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
+        ],
+        "err": max(
+            float((a.to_local().float() - b.to_local().float()).abs().max())
+            for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
+        ),
+    }

@@ -96,3 +96,11 @@ def test_the_same_numbers_as_fsdp2_with_the_same_tensor_parallel_plan(pools, sta
 def test_pipeline_stages_of_tensor_parallel_modules_step_as_one_model(pools, stage):
     for r in pools(4).run(scenarios_tensor.pipeline_with_tensor_parallel, {"stage": stage, "clip": 0.05}):
         assert r["param_err"] < TOL and r["norm_err"] < TOL, r
+
+
+@pytest.mark.parametrize("stage", [2, 1])
+def test_bf16_parameters_step_as_fp32_masters_of_the_averaged_local_gradients(pools, stage):
+    """bf16 DTensor parameters: bit for bit what a hand-written step does with fp32 copies of the local
+    tensors and their gradients (in the parameter's placement) averaged over dp."""
+    for r in pools(4).run(scenarios_tensor.bf16_against_masters, {"stage": stage}):
+        assert all(r["equal"]), r
