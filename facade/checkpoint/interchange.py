@@ -51,6 +51,7 @@ from zeroplan.facade.mechanisms.agreement import verdicts
 from zeroplan.facade.mechanisms.assembly import Assembly
 from zeroplan.facade.mechanisms.collectives import all_gather_objects
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
+from zeroplan.facade.params.local_shards import dcp_refusal
 from zeroplan.facade.runtime.domain_states import DOMAINS_FORMAT
 from zeroplan.facade.state.dicts import Shards, torch_param_groups
 
@@ -227,7 +228,10 @@ def _pieces_dict(model: torch.nn.Module, domains: list[_Domain]) -> dict[str, An
             spec = sh.zp.specs[index]
             held = [(f.param_span, values[spec.dtype][f.shard_span.as_slice()]) for f in frags]
             buf = sh.buffers[_space_index(sh, spec.dtype)]
-            pieces = FlatPieces(spec.shape, held, dtype=buf.master_dtype, device=buf.master_device)
+            refusal = dcp_refusal(spec)
+            pieces = FlatPieces(
+                spec.shape, held, dtype=buf.master_dtype, device=buf.master_device, refusal=refusal
+            )
             for name in named[index]:
                 out[name] = pieces
         for index in set(named) - set(sh.zp.partition.held_fragments(sh.groups.shard_rank)):
@@ -235,7 +239,13 @@ def _pieces_dict(model: torch.nn.Module, domains: list[_Domain]) -> dict[str, An
             if spec.trainable:
                 buf = sh.buffers[_space_index(sh, spec.dtype)]
                 for name in named[index]:
-                    out[name] = FlatPieces(spec.shape, [], dtype=buf.master_dtype, device=buf.master_device)
+                    out[name] = FlatPieces(
+                        spec.shape,
+                        [],
+                        dtype=buf.master_dtype,
+                        device=buf.master_device,
+                        refusal=dcp_refusal(spec),
+                    )
     return out
 
 

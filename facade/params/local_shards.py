@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from zeroplan.core import MeshPlacement, Replicate, Shard
+from zeroplan.core import MeshPlacement, ParamSpec, Replicate, Shard, tensor_replicas
 
-__all__ = ["is_dtensor", "local_tensor", "placement_problem", "placement_of", "take_gradient"]
+__all__ = ["dcp_refusal", "is_dtensor", "local_tensor", "placement_problem", "placement_of", "take_gradient"]
 
 
 def _dtensor_types() -> tuple[type, ...]:
@@ -98,3 +98,20 @@ def take_gradient(owner: torch.Tensor, local: torch.Tensor) -> None:
             local.grad = mine if mine.is_contiguous() else mine.contiguous()
         else:
             local.grad.add_(mine)
+
+
+def dcp_refusal(spec: ParamSpec) -> str | None:
+    """Why torch's DCP may not save or load ``spec``'s pieces (``FlatPieces``' ``refusal``), or ``None``.
+
+    A tp-split parameter's pieces are in its local tensor's coordinates: the other tp slices hold other
+    elements at the same offsets, so DCP would write them over each other. Replicas are the same on
+    every tp rank and save as they are.
+    """
+    if spec.index in tensor_replicas((spec,)):
+        return None
+    return (
+        f"parameter {spec.name!r} is split over tp ({spec.placement}): torch.distributed.checkpoint of a "
+        "tensor-parallel ZeroOptimizer's state is not supported yet (its pieces are in local "
+        "coordinates); use zeroplan.facade.checkpoint.save/load (a root per tp slice, loadable at any "
+        "tp degree)"
+    )

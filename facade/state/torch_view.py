@@ -29,6 +29,7 @@ import torch
 
 from zeroplan.core import ConfigError
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces
+from zeroplan.facade.params.local_shards import dcp_refusal
 from zeroplan.facade.state.inner import hyperparameters
 from zeroplan.facade.state.parts import Shards
 from zeroplan.facade.state.tree import MASTER, ParkedParam, ShardState, is_per_element, tree_clone
@@ -84,7 +85,7 @@ def torch_state(
             else:
                 parts = [(f.param_span, values[f.shard_span.as_slice()]) for f in frags]
             plain = values is None or type(values) is torch.Tensor
-            refusal = None if plain else _SUBCLASS.format(cls=type(values))
+            refusal = dcp_refusal(spec) if plain else _SUBCLASS.format(cls=type(values))
             entry[key] = FlatPieces(spec.shape, parts, dtype=dtype, device=device, refusal=refusal)
         out[spec.index] = entry
     for p, park in parked.items():

@@ -446,3 +446,24 @@ def bf16_against_masters(rank: int, world: int, cfg: dict[str, Any]) -> dict[str
             for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
         ),
     }
+
+
+def tensor_dcp_refused(rank: int, world: int, root: str) -> dict[str, Any]:
+    """torch's DCP of a tensor-parallel optimizer's state raises (its pieces are in local coordinates,
+    which the tp slices share) instead of writing the slices over each other."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    model = _parallel(mesh, 6)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    _step(model, opt, 0, [d], t)
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:  # DCP reports every rank's failure in its CheckpointException (a BaseException), on every rank
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=f"{root}/dcp")
+    except (Exception, CheckpointException) as exc:
+        return {"save": f"{type(exc).__name__}: {exc}"}
+    return {"save": None}

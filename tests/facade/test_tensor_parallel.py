@@ -104,3 +104,8 @@ def test_bf16_parameters_step_as_fp32_masters_of_the_averaged_local_gradients(po
     tensors and their gradients (in the parameter's placement) averaged over dp."""
     for r in pools(4).run(scenarios_tensor.bf16_against_masters, {"stage": stage}):
         assert all(r["equal"]), r
+
+
+def test_dcp_of_tensor_parallel_optimizer_state_raises_instead_of_overwriting_slices(pools, tmp_path):
+    for r in pools(4).run(scenarios_tensor.tensor_dcp_refused, str(tmp_path)):
+        assert r["save"] is not None and "split over tp" in r["save"], r
