@@ -152,6 +152,11 @@ def bad_tensor_parameters(rank: int, world: int) -> dict[str, str | None]:
         DTensor.from_local(torch.ones(2), mesh["tp"], [Partial()], run_check=False)
     )
     out["partial"] = _error(lambda: ZeroOptimizer([partial_param], torch.optim.AdamW, device_mesh=mesh))
+    transposed = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # other ranks form each tp
+    elsewhere = _parallel(transposed, 6)
+    out["elsewhere"] = _error(
+        lambda: ZeroOptimizer(elsewhere.parameters(), torch.optim.AdamW, device_mesh=mesh)
+    )
     # one data-parallel group alone refuses (tp rank 1 passes a Partial parameter): all raise
     mine = [model[0].weight] if mesh.get_local_rank("tp") == 0 else [partial_param]
     out["alone"] = _error(lambda: ZeroOptimizer(mine, torch.optim.AdamW, device_mesh=mesh))

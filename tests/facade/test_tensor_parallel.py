@@ -55,6 +55,7 @@ def test_tensor_parameters_zeroplan_cannot_shard_raise_on_every_rank(pools):
         assert "needs ZeroOptimizer(..., device_mesh=mesh) with a 'tp' dimension" in r["no_mesh"], r
         assert "stage 3 does not take tensor-parallel" in r["stage3"], r
         assert "Partial" in r["partial"], r
+        assert "not on the optimizer mesh's 'tp'" in r["elsewhere"], r
         assert "Partial" in r["alone"], r  # tp rank 1 alone, heard by every rank
         assert r["plain_optimizer_ok"] is None, r
 
