@@ -44,9 +44,7 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from collections import Counter
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -55,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from step_time import run_fresh
+from step_time import join_gloo, run_fresh
 
 CONFIGS = ("adamw", "ddp", "fsdp2", "zero1", "zero2", "zero3")
 HYPER = {"lr": 1e-3, "weight_decay": 0.01, "foreach": True}
@@ -103,11 +101,7 @@ def build(config: str, layers: int, world: int) -> tuple[torch.nn.Module, Any, A
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, config: str, queue: Any) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    join_gloo(rank, world, port)
     if config.endswith("@before"):  # --before: zeroplan from another source tree
         sys.path.insert(0, args.before)
     try:

@@ -470,6 +470,15 @@ def _fresh_worker(rank: int, world: int, port: int, opts: Options, variant: Vari
         leave()
 
 
+def join_gloo(rank: int, world: int, port: int, timeout_s: float = 300.0) -> None:
+    """A fresh benchmark process joins its gloo group on ``port``: one thread, warnings off."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
 def run_fresh(
     world: int, variant: Variant, opts: Options, worker: Callable[..., None] = _fresh_worker
 ) -> dict[str, Any]:

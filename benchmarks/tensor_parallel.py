@@ -36,8 +36,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -46,7 +44,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from step_time import run_fresh
+from step_time import join_gloo, run_fresh
 
 CONFIGS = ("fsdp2", "zero1", "zero2")
 
@@ -105,11 +103,7 @@ def build(config: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, config: str, queue: Any) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    join_gloo(rank, world, port)
     try:
         from torch.distributed._tools.mem_tracker import MemTracker
         from torch.distributed.tensor import DTensor

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from models import rel_err
 from scenarios_safety import _error
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -64,6 +65,11 @@ def _batch(step: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The mean over the whole sequence, of which ``out`` may hold a part (its sum over tp is the loss)."""
     return ((torch.tanh(out) - target) ** 2).sum() / (BATCH * SEQ * WIDTH)
+
+
+def _worst(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> float:
+    """The largest relative difference of two lists of parameters."""
+    return max(rel_err(a, b) for a, b in zip(mine, theirs, strict=True))
 
 
 def _local(x: torch.Tensor, t: int, tp: int) -> torch.Tensor:
@@ -123,9 +129,7 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
         theirs = [p.detach() for p in ref.parameters()]
         rows.append(
             {
-                "param_err": max(
-                    float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, theirs, strict=True)
-                ),
+                "param_err": _worst(mine, theirs),
                 "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True) if b == b),
                 "skipped": skipped,
                 "local_shapes": [tuple(p.to_local().shape) for p in model.parameters()],
@@ -216,9 +220,7 @@ def tensor_checkpoint_elsewhere(rank: int, world: int, root: str) -> dict[str, A
     _step(model, opt, 2, [0, 1], t)
     mine = [p.detach().full_tensor() for p in model.parameters()]
     after = torch.load(f"{root}/after.pt")
-    return {
-        "param_err": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, after, strict=True))
-    }
+    return {"param_err": _worst(mine, after)}
 
 
 def tensor_step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -289,9 +291,7 @@ def against_fsdp2(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     mine = [p.detach().full_tensor() for p in ours.parameters()]
     other = [p.detach().full_tensor() for p in theirs.parameters()]
     return {
-        "param_err": max(
-            float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, other, strict=True)
-        ),
+        "param_err": _worst(mine, other),
         "fsdp2_mesh": theirs[1].weight.device_mesh.mesh_dim_names,
     }
 
@@ -310,9 +310,7 @@ def tensor_checkpoint_resliced(rank: int, world: int, root: str) -> dict[str, An
     opt.step()
     after = torch.load(f"{root}/after.pt")
     mine = [p.detach() for p in model.parameters()]
-    return {
-        "param_err": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, after, strict=True))
-    }
+    return {"param_err": _worst(mine, after)}
 
 
 def tensor_checkpoint_bad_slices(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -342,9 +340,7 @@ def tensor_checkpoint_sliced(rank: int, world: int, root: str) -> dict[str, Any]
     _step(model, opt, 2, [d], t)
     mine = [p.detach().full_tensor() for p in model.parameters()]
     after = torch.load(f"{root}/after.pt")
-    return {
-        "param_err": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, after, strict=True))
-    }
+    return {"param_err": _worst(mine, after)}
 
 
 def _stage_module(mesh: Any, s: int) -> torch.nn.Sequential:
@@ -405,9 +401,7 @@ def pipeline_with_tensor_parallel(rank: int, world: int, cfg: dict[str, Any]) ->
     mine = [p.detach().full_tensor() for p in model.parameters()]
     theirs = [p.detach() for p in ref[s].parameters()]
     return {
-        "param_err": max(
-            float((a - b).abs().max() / b.abs().max()) for a, b in zip(mine, theirs, strict=True)
-        ),
+        "param_err": _worst(mine, theirs),
         "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
     }
 
