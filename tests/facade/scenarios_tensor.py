@@ -94,7 +94,8 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
         t = mesh.get_local_rank("tp")
         hidden = cfg.get("hidden", 6)
         model = _parallel(mesh, hidden)
-        settings = {k: cfg[k] for k in ("loss_scale", "deterministic", "reshard_after_forward") if k in cfg}
+        keys = ("loss_scale", "deterministic", "reshard_after_forward", "offload", "reduce_dtype")
+        settings = {k: cfg[k] for k in keys if k in cfg}
         opt = ZeroOptimizer(
             model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings
         )

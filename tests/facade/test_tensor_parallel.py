@@ -44,6 +44,11 @@ def test_tensor_parallel_parameters_train_as_one_process(pools):
         {"stage": 1, "clip": 0.05, "deterministic": True},
         {"stage": 2, "clip": 0.05, "mesh": "mics"},  # ("dp_replicate", "dp_shard", "tp") of 2 x 1 x 2
         {"stage": 1, "clip": 0.05, "norm_type": 1.0, "hidden": 5},
+        {
+            "stage": 2,
+            "clip": 0.05,
+            "offload": "optimizer",
+        },  # masters and state of the local shards on the host
     ],
 )
 def test_tensor_parallel_with_other_settings(pools, case):
