@@ -60,6 +60,8 @@ class ParamRegistry:
         user_params: per parameter, the user's tensor: the parameter itself, or the ``DTensor`` whose
             local tensor ``params`` holds ([Note: tensor-parallel parameters] in
             ``zeroplan.core.tensor_parallel``); param groups, hooks and ``requires_grad`` are its.
+        tensor_mesh: the mesh DTensor parameters lie on (the optimizer mesh's ``tp`` dimension), for
+            the groups ``add_param_group`` brings; ``None`` without one.
     """
 
     params: tuple[torch.Tensor, ...]
@@ -69,9 +71,10 @@ class ParamRegistry:
     next_cohort: int
     device: torch.device
     user_params: tuple[torch.Tensor, ...]
+    tensor_mesh: Any = None
 
     @classmethod
-    def of(cls, inputs: ParamList) -> ParamRegistry:
+    def of(cls, inputs: ParamList, tensor_mesh: Any = None) -> ParamRegistry:
         """The registry of freshly collected parameters (every one in cohort 0)."""
         return cls(
             params=inputs.params,
@@ -81,6 +84,7 @@ class ParamRegistry:
             next_cohort=1,
             device=inputs.device,
             user_params=inputs.user_params,
+            tensor_mesh=tensor_mesh,
         )
 
     def specs(self) -> tuple[ParamSpec, ...]:
@@ -295,7 +299,9 @@ def configure(
         options=StepOptions() if options is None else options,
         offload=offloaded,
     )
-    return Configured(mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs))
+    return Configured(
+        mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs, tensor_mesh)
+    )
 
 
 def scale_mode(loss_scale: float | str | None) -> float | str | None:

@@ -86,7 +86,12 @@ def add_param_group(
     added: list[Any] = []
 
     def make() -> tuple[ZeroPlan, list[dict[str, Any]]]:
-        inputs = collect_params([param_group], start=len(registry.params), seen=registry.user_params)
+        inputs = collect_params(
+            [param_group],
+            start=len(registry.params),
+            seen=registry.user_params,
+            tensor_mesh=registry.tensor_mesh,
+        )
         group = {**defaults, **inputs.groups[0]}
         check_hyperparameters(settings.optimizer_class, [group])
         candidate = registry.with_group(inputs)

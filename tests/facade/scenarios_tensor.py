@@ -94,12 +94,13 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
         t = mesh.get_local_rank("tp")
         hidden = cfg.get("hidden", 6)
         model = _parallel(mesh, hidden)
-        keys = ("loss_scale", "deterministic", "reshard_after_forward", "offload", "reduce_dtype")
+        keys = ("loss_scale", "deterministic", "offload")
         settings = {k: cfg[k] for k in keys if k in cfg}
-        opt = ZeroOptimizer(
-            model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings
-        )
-        opt.attach(model)  # stage 3: the forward gathers the local shards it uses
+        params = list(model.parameters())
+        first = params[:-2] if cfg.get("add_group") else params  # the last norm added as its own group
+        opt = ZeroOptimizer(first, torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings)
+        if cfg.get("add_group"):
+            opt.add_param_group({"params": params[-2:]})
         ref = _plain(hidden)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
         norm_type = cfg.get("norm_type", 2.0)

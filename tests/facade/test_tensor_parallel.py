@@ -49,6 +49,7 @@ def test_tensor_parallel_parameters_train_as_one_process(pools):
             "clip": 0.05,
             "offload": "optimizer",
         },  # masters and state of the local shards on the host
+        {"stage": 2, "clip": 0.05, "add_group": True},  # DTensors brought by add_param_group
     ],
 )
 def test_tensor_parallel_with_other_settings(pools, case):
