@@ -108,7 +108,14 @@ from zeroplan.core.strategies import (
     register_strategy,
     strategy_names,
 )
-from zeroplan.core.tensor_parallel import norm_windows, tensor_parallel_specs, tensor_replicas, tensor_traffic
+from zeroplan.core.tensor_parallel import (
+    chunk_rows,
+    norm_windows,
+    tensor_parallel_specs,
+    tensor_replicas,
+    tensor_split,
+    tensor_traffic,
+)
 from zeroplan.core.topology import Link, Topology
 from zeroplan.core.traffic import CommCost, communication
 
@@ -203,6 +210,8 @@ __all__ = [
     "norm_windows",
     "tensor_parallel_specs",
     "tensor_replicas",
+    "tensor_split",
+    "chunk_rows",
     "tensor_traffic",
     "ReshardPlan",
     "ScalerConfig",

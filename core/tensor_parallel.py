@@ -40,10 +40,44 @@ from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec
 from zeroplan.core.traffic import CommCost
 
-__all__ = ["TENSOR_DIM", "norm_windows", "tensor_parallel_specs", "tensor_replicas", "tensor_traffic"]
+__all__ = [
+    "TENSOR_DIM",
+    "chunk_rows",
+    "norm_windows",
+    "tensor_parallel_specs",
+    "tensor_replicas",
+    "tensor_split",
+    "tensor_traffic",
+]
 
 #: The name of the tensor-parallel mesh dimension.
 TENSOR_DIM = "tp"
+
+
+def tensor_split(spec: ParamSpec) -> int | None:
+    """The dimension of ``spec`` its placement splits over ``tp``, or ``None`` (a replica).
+
+    Example:
+        >>> tensor_split(ParamSpec(index=0, name="w", shape=(4, 2), global_shape=(4, 4),
+        ...                        placement=(("tp", Shard(1)),)))
+        1
+    """
+    return next((p.dim for name, p in spec.placement if name == TENSOR_DIM and isinstance(p, Shard)), None)
+
+
+def chunk_rows(size: int, rank: int, degree: int) -> Span:
+    """The rows ``rank`` of ``degree`` holds of a dimension of ``size``: torch's ``chunk`` rule
+    (``ceil(size / degree)`` each, the last ranks fewer or none).
+
+    Example:
+        >>> [chunk_rows(5, r, 3) for r in range(3)]
+        [Span(start=0, stop=2), Span(start=2, stop=4), Span(start=4, stop=5)]
+        >>> chunk_rows(2, 2, 3)
+        Span(start=2, stop=2)
+    """
+    step = math.ceil(size / degree) if size else 0
+    start = min(size, step * rank)
+    return Span(start, min(size, start + step))
 
 
 def tensor_replicas(specs: Sequence[ParamSpec]) -> frozenset[int]:
@@ -58,11 +92,7 @@ def tensor_replicas(specs: Sequence[ParamSpec]) -> frozenset[int]:
         >>> sorted(tensor_replicas(specs))
         [1, 2]
     """
-    return frozenset(
-        s.index
-        for s in specs
-        if not any(name == TENSOR_DIM and isinstance(p, Shard) for name, p in s.placement)
-    )
+    return frozenset(s.index for s in specs if tensor_split(s) is None)
 
 
 def norm_windows(
@@ -182,11 +212,8 @@ def tensor_parallel_specs(
         if dim is None:
             out.append(replace(spec, global_shape=spec.shape, placement=((TENSOR_DIM, Replicate()),)))
             continue
-        size = spec.shape[dim]
-        rows = math.ceil(size / degree)
-        start = min(size, rows * rank)
         shape = list(spec.shape)
-        shape[dim] = min(size, start + rows) - start
+        shape[dim] = chunk_rows(spec.shape[dim], rank, degree).numel
         out.append(
             replace(spec, shape=tuple(shape), global_shape=spec.shape, placement=((TENSOR_DIM, Shard(dim)),))
         )

@@ -22,7 +22,6 @@ optimizers only; the scalar state (Adam's ``step``) must agree across the slices
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,10 +33,11 @@ from zeroplan.core import (
     CheckpointError,
     IncompatiblePlanError,
     ParamSpec,
-    Shard,
     Topology,
+    chunk_rows,
     plan,
     plan_reshard,
+    tensor_split,
 )
 from zeroplan.facade.checkpoint import background
 from zeroplan.facade.checkpoint.checks import check_shard_files_present
@@ -173,18 +173,6 @@ class _Slice:
         return torch.cat(parts).view(spec.shape) if parts else torch.empty(spec.shape)
 
 
-def _split_dim(spec: ParamSpec) -> int | None:
-    """The dimension ``tp`` splits in ``spec``'s placement, if any."""
-    return next((p.dim for name, p in spec.placement if name == "tp" and isinstance(p, Shard)), None)
-
-
-def _rows(size: int, rank: int, degree: int) -> tuple[int, int]:
-    """torch's ``chunk`` rule: rank ``rank``'s (start, count) of ``size`` rows over ``degree`` ranks."""
-    step = math.ceil(size / degree) if size else 0
-    start = min(size, step * rank)
-    return start, min(size, start + step) - start
-
-
 def _check(slices: Sequence[_Slice], specs: Sequence[ParamSpec]) -> None:
     """Raise unless the slices are one model's, in tp order, and the running one is that model too."""
     degree = len(slices)
@@ -207,13 +195,13 @@ def _check(slices: Sequence[_Slice], specs: Sequence[ParamSpec]) -> None:
                     f"parameter {i}: saved as {mine.name!r} {mine.dtype} of global shape {mine.global_shape} "
                     f"(tp slice {k}), here {spec.name!r} {spec.dtype} of global shape {spec.global_shape}"
                 )
-            d = _split_dim(mine)
-            if d is not None and mine.shape[d] != _rows(mine.global_shape[d], k, degree)[1]:
+            d = tensor_split(mine)
+            if d is not None and mine.shape[d] != chunk_rows(mine.global_shape[d], k, degree).numel:
                 raise CheckpointError(
                     f"parameter {mine.name!r}: tp slice {k} holds {mine.shape[d]} rows of dimension {d}, not "
                     f"its part of {degree} slices: pass every slice's root, in tp order"
                 )
-        here, there = _split_dim(spec), _split_dim(saved[0][i])
+        here, there = tensor_split(spec), tensor_split(saved[0][i])
         if here is not None and there is not None and here != there:
             raise IncompatiblePlanError(
                 f"parameter {spec.name!r}: saved split along {there}, here along {here}"
@@ -298,13 +286,13 @@ def _cut(
 ) -> torch.Tensor:
     """Parameter ``index``'s saved tensor ``name`` as tp rank ``rank`` of ``degree`` holds it."""
     saved = slices[0].manifest.shards.partition.specs[index]
-    d = _split_dim(saved)
+    d = tensor_split(saved)
     if d is None:
         whole = slices[0].local(index, name)
     else:
         whole = torch.cat([s.local(index, name) for s in slices], dim=d)
-    here = _split_dim(spec)
+    here = tensor_split(spec)
     if here is None:
         return whole.contiguous()
-    start, count = _rows(whole.shape[here], rank, degree)
-    return whole.narrow(here, start, count).contiguous()
+    rows = chunk_rows(whole.shape[here], rank, degree)
+    return whole.narrow(here, rows.start, rows.numel).contiguous()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zeroplan.core import MeshPlacement, ParamSpec, Replicate, Shard, tensor_replicas
+from zeroplan.core import MeshPlacement, ParamSpec, Replicate, Shard, tensor_split
 
 __all__ = ["dcp_refusal", "is_dtensor", "local_tensor", "placement_problem", "placement_of", "take_gradient"]
 
@@ -107,7 +107,7 @@ def dcp_refusal(spec: ParamSpec) -> str | None:
     elements at the same offsets, so DCP would write them over each other. Replicas are the same on
     every tp rank and save as they are.
     """
-    if spec.index in tensor_replicas((spec,)):
+    if tensor_split(spec) is None:
         return None
     return (
         f"parameter {spec.name!r} is split over tp ({spec.placement}): torch.distributed.checkpoint of a "
