@@ -89,10 +89,10 @@ from zeroplan.core import (
     Stage,
     ZeroplanError,
 )
-from zeroplan.facade.checkpoint import background
+from zeroplan.facade.checkpoint import background, loading
 from zeroplan.facade.checkpoint.background import SaveHandle
 from zeroplan.facade.checkpoint.files import encode, write_json, write_tensors
-from zeroplan.facade.checkpoint.loading import domain_shards, load
+from zeroplan.facade.checkpoint.loading import domain_shards
 from zeroplan.facade.checkpoint.manifest import (
     FORMAT,
     Encoded,
@@ -117,6 +117,7 @@ from zeroplan.facade.checkpoint.names import (
     shard_file,
     state_tensor,
 )
+from zeroplan.facade.checkpoint.reslice import load_resliced
 from zeroplan.facade.checkpoint.root import claim, cleanup, next_name, resolve
 from zeroplan.facade.checkpoint.root import point_latest as _point_latest  # crash tests patch it here
 from zeroplan.facade.mechanisms.agreement import as_zeroplan_error, verdicts
@@ -136,6 +137,19 @@ if TYPE_CHECKING:
     from zeroplan.facade.runtime.optimizer import ZeroOptimizer
 
 __all__ = ["FORMAT", "SaveHandle", "latest", "load", "save"]
+
+
+def load(opt: ZeroOptimizer, path: str | Path | Sequence[str | Path]) -> dict[str, Any]:
+    """Load the latest snapshot under ``path`` into ``opt`` and its parameters; collective.
+
+    At any world size, shard-group size and strategy (``loading.load`` says what is checked and
+    raised). A list of roots is a tensor-parallel checkpoint saved one root per tp slice, in tp
+    order, loaded at any tp degree ([Note: reslicing tensor-parallel checkpoints] in
+    ``checkpoint.reslice``). Returns the ``extra`` saved with it.
+    """
+    if isinstance(path, (list, tuple)):
+        return load_resliced(opt, path)
+    return loading.load(opt, path)
 
 
 def latest(path: str | Path) -> Path | None:

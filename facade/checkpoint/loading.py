@@ -74,11 +74,8 @@ def domain_shards(opt: ZeroOptimizer) -> tuple[Shards, list[Shards]]:
 
 
 @torch.no_grad()
-def load(opt: ZeroOptimizer, path: str | Path | Sequence[str | Path]) -> dict[str, Any]:
+def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
     """Load the latest snapshot under ``path`` into ``opt`` and its parameters; collective.
-
-    A list of roots is a tensor-parallel checkpoint saved one root per tp slice, in tp order,
-    loaded at any tp degree ([Note: reslicing tensor-parallel checkpoints] in ``checkpoint.reslice``).
 
     Works at any world size, shard-group size and strategy. With expert
     groups only the data-parallel state is elastic: the expert state loads at
@@ -95,10 +92,6 @@ def load(opt: ZeroOptimizer, path: str | Path | Sequence[str | Path]) -> dict[st
             class, or ranks that read different snapshots.
         In every case, on every rank, and the optimizer and parameters are unchanged.
     """
-    if isinstance(path, (list, tuple)):
-        from zeroplan.facade.checkpoint.reslice import load_resliced  # it reads through this module
-
-        return load_resliced(opt, path)
     background.finish_pending(opt)  # a save in flight is committed (or raises) first
     sh, experts = domain_shards(opt)
     domains = opt.domains[1:]
