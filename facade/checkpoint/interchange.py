@@ -95,12 +95,19 @@ def _one_plan(domains: list[_Domain], what: str) -> Shards:
     """The one domain's shards, for whole-tensor dicts.
 
     Raises:
-        ConfigError: expert groups (no rank holds every expert).
+        ConfigError: expert groups (no rank holds every expert), or tensor parallelism (a rank holds
+            its tp slice's local tensors, not the global ones).
     """
     if len(domains) > 1:
         raise ConfigError(
             f"{what}: this optimizer has expert groups, and no rank holds every expert; save its "
             "pieces (full_state_dict=False) with DCP, or use zeroplan.facade.checkpoint.save"
+        )
+    if domains[0].sh.tensor_slice[1] > 1:
+        raise ConfigError(
+            f"{what}: this optimizer is tensor-parallel, and a rank holds its tp slice's local tensors, "
+            "not the global ones; save its pieces (full_state_dict=False, global coordinates) with DCP, "
+            "or use zeroplan.facade.checkpoint.save"
         )
     return domains[0].sh
 

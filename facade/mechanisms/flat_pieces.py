@@ -34,15 +34,22 @@ class FlatPieces(torch.Tensor):
     """Flat ranges of a tensor of shape ``shape`` this rank holds: ``parts`` of (range, 1-D values).
 
     Args:
-        shape: the whole tensor's shape.
+        shape: the whole tensor's shape (the rank's local tensor's, for a tensor-parallel slice).
         parts: (element range of the flattened tensor, its values), ranges apart and in order.
         dtype, device: of an instance with no part (a rank that holds none of the tensor).
         refusal: why DCP may not save or load it (state of a class with no torch layout); ``None``.
+        whole: with ``origin``, the global tensor of which ``shape`` is the slice at ``origin`` (a
+            tensor-parallel parameter's, [Note: tensor-parallel parameters]): the instance has the
+            global shape and DCP sees its boxes in global coordinates, while ``parts`` and
+            :meth:`read` stay in the local tensor's.
+        origin: where the local tensor starts in ``whole``, per dimension.
     """
 
     parts: tuple[tuple[Span, torch.Tensor], ...]
     boxes: tuple[tuple[Box, int], ...]
     refusal: str | None
+    local_shape: tuple[int, ...]
+    origin: tuple[int, ...] | None
 
     @staticmethod
     def __new__(
@@ -53,18 +60,26 @@ class FlatPieces(torch.Tensor):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         refusal: str | None = None,
+        whole: Sequence[int] | None = None,
+        origin: Sequence[int] | None = None,
     ) -> FlatPieces:
         first = parts[0][1] if parts else None
+        if (whole is None) != (origin is None):
+            raise ValueError("give whole and origin together (a slice of a global tensor), or neither")
         out = torch.Tensor._make_wrapper_subclass(
             cls,
-            tuple(shape),
+            tuple(shape if whole is None else whole),
             dtype=first.dtype if first is not None else dtype,
             device=first.device if first is not None else device,
             requires_grad=False,
         )
         out.parts = tuple(parts)
+        out.local_shape = tuple(shape)
+        out.origin = None if origin is None else tuple(origin)
         out.boxes = tuple(
-            (box, k) for k, (span, _) in enumerate(out.parts) for box in span_boxes(tuple(shape), span)
+            (box if origin is None else _shifted(box, origin), k)
+            for k, (span, _) in enumerate(out.parts)
+            for box in span_boxes(tuple(shape), span)
         )
         out.refusal = refusal
         starts = [span.start for span, _ in out.parts]
@@ -141,7 +156,18 @@ class FlatPieces(torch.Tensor):
     def _map(self, fn: Any) -> FlatPieces:
         parts = [(span, fn(values)) for span, values in self.parts]
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
-        return FlatPieces(self.shape, parts, dtype=probe.dtype, device=probe.device, refusal=self.refusal)
+        return FlatPieces(
+            self.local_shape,
+            parts,
+            dtype=probe.dtype,
+            device=probe.device,
+            refusal=self.refusal,
+            **self._placed(),
+        )
+
+    def _placed(self) -> dict[str, Any]:
+        """``whole`` and ``origin`` for a tensor-parallel slice's copy; nothing otherwise."""
+        return {} if self.origin is None else {"whole": tuple(self.shape), "origin": self.origin}
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -180,7 +206,17 @@ class FlatPieces(torch.Tensor):
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
         spans = [(span.start, span.stop) for span, _ in self.parts]
         values = [values for _, values in self.parts]
-        return _rebuild, (tuple(self.shape), spans, values, self.dtype, str(self.device), self.refusal)
+        placed = self._placed()
+        return _rebuild, (
+            self.local_shape,
+            spans,
+            values,
+            self.dtype,
+            str(self.device),
+            self.refusal,
+            placed.get("whole"),
+            placed.get("origin"),
+        )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> FlatPieces:
         return self._map(lambda t: t.clone())
@@ -193,10 +229,21 @@ def _rebuild(
     dtype: torch.dtype,
     device: str,
     refusal: str | None,
+    whole: tuple[int, ...] | None = None,
+    origin: tuple[int, ...] | None = None,
 ) -> FlatPieces:
     """Unpickle a :class:`FlatPieces` (``torch.load`` with ``weights_only`` allows it)."""
     parts = [(Span(a, b), v) for (a, b), v in zip(spans, values, strict=True)]
-    return FlatPieces(shape, parts, dtype=dtype, device=device, refusal=refusal)
+    return FlatPieces(shape, parts, dtype=dtype, device=device, refusal=refusal, whole=whole, origin=origin)
+
+
+def _shifted(box: Box, origin: Sequence[int]) -> Box:
+    """``box`` of a local tensor, in the coordinates of the global tensor it starts at ``origin`` of."""
+    return Box(
+        offsets=tuple(o + d for o, d in zip(box.offsets, origin, strict=True)),
+        sizes=box.sizes,
+        start=box.start,
+    )
 
 
 torch.serialization.add_safe_globals([_rebuild])

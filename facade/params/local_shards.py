@@ -12,9 +12,18 @@ from typing import Any
 
 import torch
 
-from zeroplan.core import MeshPlacement, ParamSpec, Replicate, Shard, tensor_split
+from zeroplan.core import MeshPlacement, ParamSpec, Replicate, Shard, chunk_rows, tensor_split
 
-__all__ = ["dcp_refusal", "is_dtensor", "local_tensor", "placement_problem", "placement_of", "take_gradient"]
+__all__ = [
+    "dcp_refusal",
+    "global_place",
+    "is_dtensor",
+    "local_tensor",
+    "placement_of",
+    "placement_problem",
+    "take_gradient",
+    "tensor_slice_of",
+]
 
 
 def _dtensor_types() -> tuple[type, ...]:
@@ -101,17 +110,34 @@ def take_gradient(owner: torch.Tensor, local: torch.Tensor) -> None:
 
 
 def dcp_refusal(spec: ParamSpec) -> str | None:
-    """Why torch's DCP may not save or load ``spec``'s pieces (``FlatPieces``' ``refusal``), or ``None``.
+    """Why DCP may not save or load ``spec``'s pieces in ``checkpoint.interchange``'s model dict, or
+    ``None``.
 
-    A tp-split parameter's pieces are in its local tensor's coordinates: the other tp slices hold other
-    elements at the same offsets, so DCP would write them over each other. Replicas are the same on
-    every tp rank and save as they are.
+    A tp-split parameter's masters there are pieces of its local tensor; the model's own DTensors
+    (torch's ``get_model_state_dict``) are what DCP saves of a tensor-parallel model (the optimizer's
+    pieces carry global coordinates: :func:`global_place`). Replicas save as they are.
     """
     if tensor_split(spec) is None:
         return None
     return (
-        f"parameter {spec.name!r} is split over tp ({spec.placement}): torch.distributed.checkpoint of a "
-        "tensor-parallel ZeroOptimizer's state is not supported yet (its pieces are in local "
-        "coordinates); use zeroplan.facade.checkpoint.save/load (a root per tp slice, loadable at any "
-        "tp degree)"
+        f"parameter {spec.name!r} is split over tp ({spec.placement}): interchange.model_state_dict does not "
+        "take tensor-parallel parameters; save the model with torch's get_model_state_dict (its DTensors) "
+        "and the optimizer with get_optimizer_state_dict"
     )
+
+
+def tensor_slice_of(mesh: Any) -> tuple[int, int]:
+    """This rank's position on ``mesh`` (the optimizer mesh's ``tp`` dimension) and its size;
+    ``(0, 1)`` without one."""
+    return (0, 1) if mesh is None else (mesh.get_local_rank(), mesh.size())
+
+
+def global_place(spec: ParamSpec, tensor_slice: tuple[int, int]) -> dict[str, tuple[int, ...]]:
+    """``FlatPieces``' ``whole`` and ``origin`` for ``spec`` on tp position ``tensor_slice``: where its
+    local tensor lies in the global one (nothing for a replica), so DCP sees global coordinates."""
+    d = tensor_split(spec)
+    if d is None or spec.global_shape is None:
+        return {}
+    origin = [0] * len(spec.shape)
+    origin[d] = chunk_rows(spec.global_shape[d], *tensor_slice).start
+    return {"whole": tuple(spec.global_shape), "origin": tuple(origin)}

@@ -19,6 +19,7 @@ from zeroplan.core import ConfigError, MemoryReport, ZeroPlan, memory_report
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory, measure
 from zeroplan.facade.mechanisms.collectives import all_gather_objects
 from zeroplan.facade.mechanisms.groups import ProcessGroups, make_groups
+from zeroplan.facade.params.local_shards import tensor_slice_of
 from zeroplan.facade.params.sharded import Peers
 from zeroplan.facade.runtime import replanning
 from zeroplan.facade.runtime.installed import Installed, broadcast_from_rank_zero, broadcast_values, install
@@ -289,6 +290,7 @@ class DomainRuntime:
             param_groups=self.param_groups,
             scaler=scaler,
             parked=self.parked,
+            tensor_slice=tensor_slice_of(self.registry.tensor_mesh),
         )
 
     def plan_with_cohorts(self, cohorts: Sequence[int]) -> ZeroPlan:

@@ -187,7 +187,8 @@ def check_plain(state_dict: dict[str, Any], sh: Shards) -> None:
         for key, value in entry.items():
             if _per_element(value) and not sh.zp.elementwise:
                 continue  # whole-parameter optimizers may keep any shapes (factored moments)
-            if _per_element(value) and value.shape != param.shape:
+            shape = value.local_shape if isinstance(value, FlatPieces) else value.shape  # a tp slice's
+            if _per_element(value) and shape != param.shape:
                 raise IncompatiblePlanError(
                     f"state {key!r} of parameter {position[saved_id]} has shape {tuple(value.shape)}, the "
                     f"parameter has {tuple(param.shape)}: a state dict of another model?"

@@ -28,6 +28,9 @@ class Shards(NamedTuple):
     param_groups: list[dict[str, Any]]
     scaler: ScalerState | None
     parked: Mapping[int, ParkedParam]
+    tensor_slice: tuple[int, int] = (0, 1)
+    """This rank's tp position and degree (``(0, 1)`` without tensor parallelism): where its
+    tensor-parallel parameters' local tensors lie in the global ones."""
 
     @property
     def device(self) -> torch.device:

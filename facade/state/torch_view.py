@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from zeroplan.core import ConfigError
+from zeroplan.core import ConfigError, ParamSpec
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces
-from zeroplan.facade.params.local_shards import dcp_refusal
+from zeroplan.facade.params.local_shards import global_place
 from zeroplan.facade.state.inner import hyperparameters
 from zeroplan.facade.state.parts import Shards
 from zeroplan.facade.state.tree import MASTER, ParkedParam, ShardState, is_per_element, tree_clone
@@ -55,6 +55,10 @@ def torch_state(
     """
     zp, rank = sh.zp, sh.groups.shard_rank
     out: dict[int, dict[str, Any]] = {}
+
+    def placed(spec: ParamSpec) -> dict[str, tuple[int, ...]]:  # a tp slice's pieces in global coordinates
+        return global_place(spec, sh.tensor_slice)
+
     if not zp.elementwise:
         return {p: dict(entry) for p, entry in state.whole.items()}
     held = zp.partition.held_fragments(rank)
@@ -85,14 +89,17 @@ def torch_state(
             else:
                 parts = [(f.param_span, values[f.shard_span.as_slice()]) for f in frags]
             plain = values is None or type(values) is torch.Tensor
-            refusal = dcp_refusal(spec) if plain else _SUBCLASS.format(cls=type(values))
-            entry[key] = FlatPieces(spec.shape, parts, dtype=dtype, device=device, refusal=refusal)
+            refusal = None if plain else _SUBCLASS.format(cls=type(values))
+            entry[key] = FlatPieces(
+                spec.shape, parts, dtype=dtype, device=device, refusal=refusal, **placed(spec)
+            )
         out[spec.index] = entry
     for p, park in parked.items():
         entry = tree_clone(dict(park.scalars))
         for key, pieces in park.pieces.items():
             if key != MASTER:
-                entry[key] = FlatPieces(zp.specs[p].shape, sorted(pieces, key=lambda piece: piece[0].start))
+                pieces_ = sorted(pieces, key=lambda piece: piece[0].start)
+                entry[key] = FlatPieces(zp.specs[p].shape, pieces_, **placed(zp.specs[p]))
         out[p] = {**entry, **tree_clone(dict(park.whole or {}))}
     return out
 
