@@ -281,7 +281,7 @@ def _begin(
     except Exception as exc:  # agreed by the caller: every rank raises, none writes
         problem = as_zeroplan_error(exc, CheckpointError, "cannot take its state for the snapshot")
     names = tuple(d.name for d in opt.domains[1:])
-    frame = _frame(sh, encoded_extra, opt.tensor_slice)
+    frame = _frame(sh, encoded_extra)
     return _Job(root, name, keep, groups, files, state, written, frame, names, sh.device), problem
 
 
@@ -452,13 +452,13 @@ def _merge_leaves(parts: Iterable[tuple[StateLeaf, ...]]) -> tuple[StateLeaf, ..
     return tuple(merged.values())
 
 
-def _frame(sh: Shards, extra: Encoded, tensor_slice: tuple[int, int] = (0, 1)) -> Manifest:
+def _frame(sh: Shards, extra: Encoded) -> Manifest:
     """The manifest as far as the save's start knows it: the plan, hyper-parameters, scaler,
     ``extra`` and the tp slice as they are now; the ranks' files and state leaves come with
     :func:`_manifest`."""
     zp = sh.zp
     return Manifest(
-        tensor_slice=tensor_slice if tensor_slice[1] > 1 else None,
+        tensor_slice=sh.tensor_slice if sh.tensor_slice[1] > 1 else None,
         optimizer=sh.optimizer_name,
         elementwise=zp.elementwise,
         world_size=zp.topology.world_size,

@@ -99,9 +99,7 @@ def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
     expert_states: list[LoadedState] = []
 
     def read() -> LoadedState:
-        loaded, saved_extra, states = _prepare(
-            sh, opt.plan_with_cohorts, Path(path), domains, experts, opt.tensor_slice
-        )
+        loaded, saved_extra, states = _prepare(sh, opt.plan_with_cohorts, Path(path), domains, experts)
         extra.append(saved_extra)
         expert_states.extend(states)
         return loaded
@@ -168,17 +166,17 @@ def _prepare(
     path: Path,
     domains: Sequence[DomainRuntime] = (),
     experts: Sequence[Shards] = (),
-    tensor_slice: tuple[int, int] = (0, 1),
 ) -> tuple[LoadedState, dict[str, Any], list[LoadedState]]:
     """Read and check everything this rank needs; change nothing.
 
     Returns the data domain's state, ``extra`` and each expert domain's state
-    (``domains``, whose parts are ``experts``). ``tensor_slice``: this rank's tp slice, which must
-    be the one that saved the snapshot.
+    (``domains``, whose parts are ``experts``). This rank's tp slice (``sh.tensor_slice``) must be
+    the one that saved the snapshot.
     """
     snapshot = resolve(path)
     manifest = read_manifest(snapshot)  # [Note: manifest integrity]
     saved_slice = manifest.tensor_slice or (0, 1)
+    tensor_slice = sh.tensor_slice
     if saved_slice != tensor_slice:
         raise CheckpointError(
             f"{str(snapshot)!r} was saved by tp slice {saved_slice[0]} of {saved_slice[1]}, and this rank is "

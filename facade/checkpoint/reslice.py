@@ -95,7 +95,7 @@ def load_resliced(opt: ZeroOptimizer, roots: Sequence[str | Path]) -> dict[str, 
             raise IncompatiblePlanError(
                 f"the checkpoint was saved by {sorted(saved_by)}, this optimizer steps {sh.optimizer_name}"
             )
-        rank, degree = opt.tensor_slice
+        rank, degree = sh.tensor_slice
         target = opt.plan_with_cohorts([s.cohort for s in slices[0].manifest.shards.partition.specs])
         resliced = _Resliced.build(slices, target.specs, rank, degree)
         virtual = resliced.partition
@@ -233,10 +233,13 @@ class _Resliced:
         virtual = plan(specs, Topology(world_size=1), stage=2).partition
         tensors: dict[str, torch.Tensor] = {}
         for space in virtual.spaces:
-            names: list[tuple[Callable[[str], str], torch.dtype]] = [(region_tensor, _dtype(space.dtype))]
+            names: list[tuple[Callable[[str], str], torch.dtype]] = [
+                (region_tensor, torch_dtype(space.dtype))
+            ]
             if space.dtype in shards.separate_master:
                 names.append((master_tensor, torch.float32))
-            names += [(_leaf_name(leaf.path), _dtype(leaf.dtype)) for leaf in shards.flat_leaves(space.dtype)]
+            leaves = shards.flat_leaves(space.dtype)
+            names += [(_leaf_name(leaf.path), torch_dtype(leaf.dtype)) for leaf in leaves]
             for name, dtype in names:
                 flat = torch.zeros(space.extent(0), dtype=dtype)
                 for index in space.params:
@@ -275,10 +278,6 @@ class _ResolvedFile:
 def _leaf_name(path: str) -> Callable[[str], str]:
     """The tensor name of state leaf ``path`` (the same in every space it belongs to)."""
     return lambda dtype: state_tensor(path)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return torch_dtype(name)
 
 
 def _cut(

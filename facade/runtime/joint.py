@@ -101,13 +101,6 @@ class JointStep:
         self._divided = 1.0  # divide_gradients(): this step's extra divisor
 
     @property
-    def tensor_slice(self) -> tuple[int, int]:
-        """This rank's position in the tensor-parallel group and its size (``(0, 1)`` without one)."""
-        if self.tensor is None:
-            return 0, 1
-        return dist.get_rank(self.tensor), dist.get_world_size(self.tensor)
-
-    @property
     def data(self) -> DomainRuntime:
         """Domain 0: the data-parallel domain (the only one without an expert group)."""
         return self.domains[0]

@@ -35,6 +35,7 @@ from zeroplan.facade.checkpoint.consolidate import consolidated_state_dict
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory
 from zeroplan.facade.mechanisms.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.params.buffers import SpaceBuffers
+from zeroplan.facade.params.local_shards import tensor_slice_of
 from zeroplan.facade.runtime import construction, domain_states
 from zeroplan.facade.runtime.domain import DomainRuntime
 from zeroplan.facade.runtime.installed import Installed
@@ -234,7 +235,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def tensor_slice(self) -> tuple[int, int]:
         """This rank's tensor-parallel position and the degree: ``(rank, degree)``, ``(0, 1)`` without
         a mesh ``tp`` dimension ([Note: tensor-parallel parameters] in ``zeroplan.core.tensor_parallel``)."""
-        return self._joint.tensor_slice
+        return tensor_slice_of(self._data.registry.tensor_mesh)
 
     @property
     def installed(self) -> Installed:
