@@ -1,4 +1,4 @@
-"""Tensor parallel x data parallel: ZeroOptimizer stages 1-2 against FSDP2 with the same tp plan.
+"""Tensor parallel x data parallel: ZeroOptimizer stages 1-3 against FSDP2 with the same tp plan.
 
 World 4 on gloo as a ``("dp", "tp")`` mesh of 2 x 2, one thread per process. The model: ``--layers``
 pre-norm MLP blocks of width ``--width`` (hidden 4x), placed on ``mesh["tp"]`` by torch's
@@ -10,7 +10,8 @@ Configurations (``CONFIGS``):
 
 * ``fsdp2``   ``fully_shard`` of every block and of the root over ``mesh["dp"]`` + ``AdamW(foreach)``
   (torch's own 2-D composition: FSDP2 shards the tp-local tensors)
-* ``zero1``, ``zero2``   ``ZeroOptimizer(AdamW, foreach=True, stage=..., device_mesh=mesh)``
+* ``zero1``, ``zero2``, ``zero3``   ``ZeroOptimizer(AdamW, foreach=True, stage=..., device_mesh=mesh)``
+  (stage 3: ``opt.attach(model)``, the forward gathers each block's local shards)
 
 Rounds: each round runs every configuration once, in an order rotated every round, each in newly
 spawned processes holding only it: ``--warmup`` steps, then ``--steps`` timed steps (forward,
@@ -23,13 +24,14 @@ round. Nothing here asserts a time.
 
 Usage::
 
-    python benchmarks/tensor_parallel.py                     # 3 rounds, about 2 minutes
+    python benchmarks/tensor_parallel.py                     # 3 rounds, about 3 minutes
     python benchmarks/tensor_parallel.py --rounds 5 --json tp.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -46,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from step_time import join_gloo, run_fresh
 
-CONFIGS = ("fsdp2", "zero1", "zero2")
+CONFIGS = ("fsdp2", "zero1", "zero2", "zero3")
 
 
 class Block(nn.Module):
@@ -99,6 +101,7 @@ def build(config: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim
 
     stage = int(config[-1])
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, device_mesh=mesh, **hyper)
+    opt.attach(model)  # stage 3: the forward gathers what it uses (nothing to do at stages 1-2)
     return model, opt, mesh
 
 
@@ -136,7 +139,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, config: 
             step()
             peak = sum(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
         held = sum(s["Total"] for s in tracker.get_tracker_snapshot("current").values())
-        params = [p.detach().full_tensor() for p in model.parameters()]
+        gathered = getattr(opt, "gathered_params", contextlib.nullcontext)
+        with gathered():  # stage 3 holds shards between steps
+            params = [p.detach().full_tensor() for p in model.parameters()]
         if rank == 0:  # tensors travel by file: a queue's shared memory dies with the process
             torch.save(params, os.path.join(args.scratch, f"{config}.pt"))
             queue.put(

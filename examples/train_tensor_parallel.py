@@ -13,7 +13,9 @@ What it shows:
   column split would cut across heads (a model built for tensor parallelism splits them too);
 * ``ZeroOptimizer(model.parameters(), AdamW, device_mesh=mesh)``: the two-line recipe. zeroplan
   shards each rank's local tensors over ``dp``, reduces their gradients over ``dp``, and counts the
-  replicated parameters once in the gradient norm (``clip_grad_norm_`` is the whole model's);
+  replicated parameters once in the gradient norm (``clip_grad_norm_`` is the whole model's). At
+  ``--stage 3`` each local tensor is itself sharded over ``dp`` and gathered around its module's
+  forward and backward (``opt.attach(model)``);
 * each data-parallel rank reads its own part of the global batch; the tp ranks of one dp rank read
   the same one. Checkpoints: each tp slice saves into a directory of its own
   (``--ckpt-dir``/tp<k>) and loads at any dp size with the same tp degree.
@@ -83,6 +85,7 @@ def train(args: argparse.Namespace, tp: int, rank: int, world: int, device: torc
     config = GPTConfig(vocab=task.vocab, context=task.context)
     model = build_model(config, seed=args.seed, dtype=DTYPES[args.dtype], device=device)
     parallelize_module(model, mesh["tp"], tensor_plan(config.layers))
+    local = sum((q.to_local() if hasattr(q, "to_local") else q).numel() for q in model.parameters())
     opt = ZeroOptimizer(  # the recipe: the mesh says which dimension to shard over
         model.parameters(),
         torch.optim.AdamW,
@@ -92,9 +95,9 @@ def train(args: argparse.Namespace, tp: int, rank: int, world: int, device: torc
         betas=(0.9, 0.95),
         weight_decay=0.1,
     )
+    opt.attach(model)  # stage 3: the forward gathers the local shards it uses (a no-op at stages 1 and 2)
     scheduler = schedule(opt, args)
     mine = opt.memory_report(clipping=True).ranks[opt.process_groups.rank]
-    local = sum((q.to_local() if hasattr(q, "to_local") else q).numel() for q in model.parameters())
     log(
         rank,
         f"tp={tp} x dp={dp}, stage {args.stage}, {args.dtype}: each rank computes with {local:,} local "

@@ -9,14 +9,16 @@ FP32 = (*SHORT, "--dtype", "fp32")
 
 
 def test_tensor_parallel_example_trains_as_data_parallel_and_resumes_at_another_dp_size(tmp_path):
-    """Three launches: dp=2 (``train_gpt.py``), tp=2 x dp=2 stopped half way with a checkpoint, and
-    tp=2 x dp=1 resuming it; the resumed run ends with the dp=2 run's loss."""
+    """Three launches: dp=2 (``train_gpt.py``), tp=2 x dp=2 at stage 3 stopped half way with a
+    checkpoint, and tp=2 x dp=1 at stage 2 resuming it; the resumed run ends with the dp=2 run's loss."""
     ckpt = str(tmp_path / "ckpt")
     out = one_by_one(
         dp=("train_gpt.py", *FP32, {"nproc": 2}),
         half=(
             "train_tensor_parallel.py",
             *FP32,
+            "--stage",
+            "3",  # the local shards sharded over dp; the resumed run is at stage 2
             "--ckpt-dir",
             ckpt,
             "--ckpt-every",

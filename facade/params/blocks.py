@@ -13,12 +13,14 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from zeroplan.core import Block, StepOrderError, ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog, Pending
@@ -29,6 +31,7 @@ from zeroplan.facade.mechanisms.policies import gather_for
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.params.buffers import BlockBuffers, block_positions
 from zeroplan.facade.params.gather import DeferredParameter, swappable
+from zeroplan.facade.params.local_shards import dtensor_class
 from zeroplan.facade.params.owners import Owners
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "GathersOnUse",
     "ShardedParameter",
     "OWNERS",
+    "sharded_dtensor_class",
 ]
 
 BlockKey = tuple[int, int]  # (space index, block index)
@@ -98,12 +102,9 @@ class ShardedParameter(DeferredParameter):
         """``detach`` and ``copy_`` outside a forward or backward read and write the rank's shard
         ([Note: stage-3 model dicts]); every other use is :class:`DeferredParameter`'s."""
         if func in _SHARD_IO and args and type(args[0]) is ShardedParameter:
-            sharded = OWNERS.get(args[0])
-            if sharded is not None and not sharded.gathering_allowed():
-                if func is torch.Tensor.detach:
-                    return sharded.shard_pieces(args[0])
-                sharded.write_param(args[0], args[1])
-                return args[0]
+            done, result = _shard_io(func, args)
+            if done:
+                return result
         return super().__torch_function__(func, types, args, kwargs)
 
     @staticmethod
@@ -121,6 +122,87 @@ class ShardedParameter(DeferredParameter):
         sharded.gather_param(param)
 
 
+def _shard_io(func: Any, args: Any) -> tuple[bool, Any]:
+    """``param.detach()`` or ``param.copy_(source)`` on a sharded parameter outside a forward or
+    backward: the rank's shard, read or written ([Note: stage-3 model dicts]); ``(False, None)``
+    inside one, where the use gathers."""
+    sharded = OWNERS.get(args[0])
+    if sharded is None or sharded.gathering_allowed():
+        return False, None
+    if func is torch.Tensor.detach:
+        return True, sharded.shard_pieces(args[0])
+    sharded.write_param(args[0], args[1])
+    return True, args[0]
+
+
+@functools.cache
+def sharded_dtensor_class() -> type | None:
+    """The class of a stage-3 ``DTensor`` parameter whose block is not gathered (``None`` without
+    DTensors); see [Note: sharded DTensor parameters]."""
+    base = dtensor_class()
+    if base is None:
+        return None
+    return type("ShardedDTensor", (_ShardedDTensorUses, base), {"__slots__": (), "__module__": __name__})
+
+
+class _ShardedDTensorUses:
+    """What a sharded DTensor parameter does on use (mixed into ``DTensor`` by
+    :func:`sharded_dtensor_class`).
+
+    [Note: sharded DTensor parameters]
+    A tensor-parallel parameter is a ``DTensor``; zeroplan shards its local tensor (the object the
+    DTensor holds), which at stage 3 is a view of its block's buffer, without storage while the block
+    is sharded. The local tensor cannot guard itself: DTensor's dispatch hands it to aten operations
+    below any ``__torch_function__``, so a read of it outside the forward would touch freed memory.
+    The DTensor is what modules and users touch, so it is the DTensor whose class is swapped, as a
+    plain parameter's is (``ShardedParameter``): to ``ShardedDTensor`` (a ``DTensor`` subclass that
+    adds no state) while the block is sharded, back to ``DTensor`` once gathered. Its torch
+    operations behave as ``ShardedParameter``'s (a use gathers inside the attached forward or a
+    backward, raises elsewhere; ``detach``/``copy_`` outside them read and write the rank's shard,
+    in global coordinates), and so do DTensor's own Python methods that read the local tensor
+    (``to_local``, ``full_tensor``, ``redistribute``, ``repr``), which no ``__torch_function__``
+    sees. Metadata (shape, placements, mesh, ``.grad``) reads as usual.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _SHARD_IO and args and type(args[0]) is cls:
+            done, result = _shard_io(func, args)
+            if done:
+                return result
+        name = DeferredParameter.operation(func)
+        if name not in DeferredParameter.METADATA:
+            for leaf in tree_flatten((args, kwargs))[0]:
+                if type(leaf) is cls:
+                    ShardedParameter.on_use(leaf, name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def to_local(self, *args: Any, **kwargs: Any) -> Any:
+        """The local tensor, its block gathered first (inside a forward or backward)."""
+        return _dtensor_method(self, "to_local", args, kwargs)
+
+    def full_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        """The whole tensor, its block gathered first (inside a forward or backward)."""
+        return _dtensor_method(self, "full_tensor", args, kwargs)
+
+    def redistribute(self, *args: Any, **kwargs: Any) -> Any:
+        """Redistributed, its block gathered first (inside a forward or backward)."""
+        return _dtensor_method(self, "redistribute", args, kwargs)
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return _dtensor_method(self, "__repr__", args, kwargs)
+
+
+def _dtensor_method(param: Any, name: str, args: Any, kwargs: Any) -> Any:
+    """DTensor's method ``name`` on ``param`` once its block is gathered (or raise outside a pass)."""
+    ShardedParameter.on_use(param, name)
+    return getattr(dtensor_class(), name)(param, *args, **kwargs)
+
+
 class BlockEntry:
     """One block: its buffer, plan block (shifted to start at 0), members and state."""
 
@@ -131,6 +213,7 @@ class BlockEntry:
         self.nbytes = nbytes
         self.members: list[torch.Tensor] = []
         self.swapped: list[torch.Tensor] = []  # the members whose class follows the state (``swappable``)
+        self.guarded: list[torch.Tensor] = []  # the DTensors whose local tensors are members (swapped too)
         self.indices: list[int] = []  # the members' parameter indices
         self.offsets: list[int] = []  # where each member starts in the buffer
         self.trainable = 0
@@ -147,8 +230,14 @@ class Blocks(abc.ABC):
     """
 
     def __init__(
-        self, zp: ZeroPlan, params: Sequence[torch.Tensor], entries: dict[BlockKey, BlockEntry]
+        self,
+        zp: ZeroPlan,
+        params: Sequence[torch.Tensor],
+        entries: dict[BlockKey, BlockEntry],
+        owners: Sequence[torch.Tensor] | None = None,
     ) -> None:
+        """``owners``: per parameter, the user's tensor (a ``DTensor`` whose local tensor is in
+        ``params``, or the parameter itself); both find the block."""
         self._zp = zp
         self.gather = gather_for(zp)
         """How the blocks' pieces travel ([Note: gather policy]), chosen once by ``policies``."""
@@ -165,6 +254,10 @@ class Blocks(abc.ABC):
                 entry.members.append(params[index])
                 if swappable(zp.specs[index], params[index]):
                     entry.swapped.append(params[index])
+                owner = params[index] if owners is None else owners[index]
+                if owner is not params[index]:  # [Note: sharded DTensor parameters]
+                    self._key_of[id(owner)] = (s, k)
+                    entry.guarded.append(owner)
                 entry.indices.append(index)
                 entry.offsets.append(local)
                 entry.trainable += index in managed
@@ -179,14 +272,15 @@ class Blocks(abc.ABC):
         return self.by_storage.get(storage)
 
     def members(self) -> Iterator[torch.Tensor]:
-        """Every parameter of every block."""
+        """Every parameter of every block, and the DTensors whose local tensors they are."""
         for entry in self.entries.values():
             yield from entry.members
+            yield from entry.guarded
 
     # ------------------------------------------------------------------ moves
     @abc.abstractmethod
-    def _set_class(self, entry: BlockEntry, cls: type) -> None:
-        """Give the block's parameters class ``cls`` (``nn.Parameter`` while gathered)."""
+    def _set_class(self, entry: BlockEntry, *, sharded: bool) -> None:
+        """Give the block's parameters their class: a deferred one while ``sharded``, else their own."""
 
     @abc.abstractmethod
     def start_gather(self, key: BlockKey) -> None:
@@ -214,7 +308,7 @@ class Blocks(abc.ABC):
                 pending.finish()
             entry.pending = []
             entry.state = BlockState.GATHERED
-            self._set_class(entry, torch.nn.Parameter)
+            self._set_class(entry, sharded=False)
 
     def prefetch(self, key: BlockKey, step: int, visited: set[BlockKey]) -> None:
         """Start the gather of the block ``step`` away from ``key`` in its space, once per ``visited``."""
@@ -280,25 +374,34 @@ class BlockTable(Blocks):
         buffers: Sequence[BlockBuffers],
         groups: ProcessGroups,
         log: CommLog,
+        owners: Sequence[torch.Tensor] | None = None,
     ) -> None:
+        """``owners``: per parameter, the user's tensor (a ``DTensor``, or the parameter itself)."""
         entries: dict[BlockKey, BlockEntry] = {}
         for buf in buffers:
             s = buf.space.index
             for k, (block, buffer) in enumerate(zip(buf.space.blocks, buf.blocks, strict=True)):
                 entries[s, k] = BlockEntry((s, k), buffer, block, block.numel * buffer.element_size())
-        super().__init__(zp, params, entries)
+        super().__init__(zp, params, entries, owners)
         self._buffers = buffers
         self._groups = groups
         self.log = log
         for entry in entries.values():
             self.by_storage[entry.buffer.untyped_storage()._cdata] = entry.key
-            self._set_class(entry, ShardedParameter)  # built sharded (``build_block_buffers``)
+            self._set_class(entry, sharded=True)  # built sharded (``build_block_buffers``)
 
-    def _set_class(self, entry: BlockEntry, cls: type) -> None:
-        """Swap the members' class: ``ShardedParameter`` while sharded (a read gathers or raises)."""
+    def _set_class(self, entry: BlockEntry, *, sharded: bool) -> None:
+        """Swap the members' class: ``ShardedParameter`` while sharded (a read gathers or raises), and
+        their DTensors' (``ShardedDTensor``, [Note: sharded DTensor parameters])."""
+        cls = ShardedParameter if sharded else torch.nn.Parameter
         for p in entry.swapped:
             if type(p) in (torch.nn.Parameter, ShardedParameter):  # not another optimizer's deferred class
                 p.__class__ = cls
+        if entry.guarded:
+            plain, guarded = dtensor_class(), sharded_dtensor_class()
+            for d in entry.guarded:
+                if type(d) in (plain, guarded):
+                    d.__class__ = guarded if sharded else plain
 
     def start_gather(self, key: BlockKey) -> None:
         """SHARDED -> GATHERING: allocate the buffer, write this rank's piece, start the gather."""
@@ -337,7 +440,7 @@ class BlockTable(Blocks):
         else:
             storage.resize_(0)
         entry.state = BlockState.SHARDED
-        self._set_class(entry, ShardedParameter)
+        self._set_class(entry, sharded=True)
 
     def _rehome(self, entry: BlockEntry) -> None:
         """Move the block's buffer and parameters to empty storage; the old one stays with its holders."""
@@ -355,6 +458,7 @@ class BlockTable(Blocks):
         """Let go of every parameter (another plan's buffers hold their values now); all sharded."""
         for entry in self.entries.values():
             entry.members, entry.swapped, entry.indices, entry.offsets = [], [], [], []
+            entry.guarded = []
             for pending in entry.pending:
                 pending.finish()
             entry.pending = []
@@ -407,7 +511,7 @@ class TracedBlocks(Blocks):
             key: self.gather.room(zp.partition.spaces[key[0]], entry.block) for key, entry in entries.items()
         }
 
-    def _set_class(self, entry: BlockEntry, cls: type) -> None:
+    def _set_class(self, entry: BlockEntry, *, sharded: bool) -> None:
         """Nothing: the traced parameters hold their values whatever the block's state."""
 
     def start_gather(self, key: BlockKey) -> None:
@@ -439,6 +543,7 @@ class TracedBlocks(Blocks):
         for key, entry in self.entries.items():
             self.free(key)
             entry.members, entry.swapped, entry.indices, entry.offsets = [], [], [], []
+            entry.guarded = []
 
     def detached(self) -> int | None:
         """None: the traced parameters are never moved."""

@@ -104,11 +104,17 @@ class DeferredParameter(torch.nn.Parameter):
     #: Called with a parameter of this class and the operation's name before the operation runs.
     on_use: ClassVar[Callable[[torch.Tensor, str | None], None]]
 
+    @staticmethod
+    def operation(func: Any) -> str | None:
+        """The name of the operation ``func`` (a property's, for its getter and setter)."""
+        if func.__name__ in ("__get__", "__set__"):
+            return getattr(getattr(func, "__self__", None), "__name__", None)
+        return func.__name__
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        owner = getattr(func, "__self__", None)
-        name = getattr(owner, "__name__", None) if func.__name__ in ("__get__", "__set__") else func.__name__
+        name = DeferredParameter.operation(func)
         if name not in DeferredParameter.METADATA:
             for leaf in tree_flatten((args, kwargs))[0]:
                 if isinstance(leaf, DeferredParameter):  # of any subclass: one operation may mix them

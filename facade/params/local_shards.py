@@ -8,6 +8,7 @@ its gradient into the local tensor's ``.grad`` in the parameter's own placement.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -16,8 +17,10 @@ from zeroplan.core import MeshPlacement, ParamSpec, Replicate, Shard, chunk_rows
 
 __all__ = [
     "dcp_refusal",
+    "dtensor_class",
     "global_place",
     "is_dtensor",
+    "local_source",
     "local_tensor",
     "placement_of",
     "placement_problem",
@@ -26,19 +29,22 @@ __all__ = [
 ]
 
 
-def _dtensor_types() -> tuple[type, ...]:
-    """torch's ``DTensor`` class (none in a torch without public DTensors)."""
+@functools.cache
+def dtensor_class() -> type | None:
+    """torch's ``DTensor`` class (``None`` in a torch without public DTensors)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
-        return ()
-    return (DTensor,)
+        return None
+    return DTensor
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a ``DTensor`` (a tensor-parallel parameter)."""
-    types = _dtensor_types()
-    return bool(types) and isinstance(tensor, types)
+    if type(tensor) is torch.Tensor:  # the usual case, asked per saved tensor at stage 3
+        return False
+    cls = dtensor_class()
+    return cls is not None and isinstance(tensor, cls)
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -50,6 +56,16 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
     attribute is what FSDP2 and torchtitan read too.
     """
     return param._local_tensor  # torch keeps no public handle on the object itself
+
+
+def local_source(param: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """What ``param.copy_(source)`` writes into ``param``'s (a ``DTensor``'s) local tensor: a DTensor
+    ``source`` brought to ``param``'s placement and taken local; anything else as it is."""
+    if not is_dtensor(source):
+        return source
+    if tuple(source.placements) != tuple(param.placements):
+        source = source.redistribute(param.device_mesh, param.placements)
+    return source.to_local()
 
 
 def placement_problem(param: torch.Tensor, mesh: Any) -> str | None:

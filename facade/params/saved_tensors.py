@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from zeroplan.facade.params.blocks import BlockEntry
+from zeroplan.facade.params.local_shards import is_dtensor, local_tensor
 
 __all__ = ["SavedView", "ViewsBlocks", "pack", "unpack"]
 
@@ -63,7 +64,8 @@ def pack(owner: ViewsBlocks, peers: Sequence[ViewsBlocks], tensor: torch.Tensor)
     one of its ``peers`` while their forward is open ([Note: several sharded domains]); else itself."""
     if tensor.layout is not torch.strided or tensor.is_meta:
         return tensor  # sparse and meta tensors never view a block
-    storage = tensor.untyped_storage()._cdata
+    # A DTensor's values are its local tensor's ([Note: sharded DTensor parameters] in ``params.blocks``).
+    storage = (local_tensor(tensor) if is_dtensor(tensor) else tensor).untyped_storage()._cdata
     view = owner.view_of(tensor, storage, own=True)
     if view is not None:
         return view

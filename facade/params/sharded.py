@@ -91,6 +91,7 @@ from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
 from zeroplan.facade.params import saved_tensors
 from zeroplan.facade.params.blocks import OWNERS, BlockKey, Blocks, BlockState
 from zeroplan.facade.params.buffers import BlockBuffers
+from zeroplan.facade.params.local_shards import global_place, is_dtensor, local_source, tensor_slice_of
 from zeroplan.facade.params.module_hooks import ForwardHooks, in_backward
 from zeroplan.facade.params.saved_tensors import SavedView
 
@@ -129,13 +130,18 @@ class ShardedParams:
         buffers: Sequence[BlockBuffers],
         shard_rank: int,
         peers: Peers | None = None,
+        owners: Sequence[torch.Tensor] | None = None,
     ) -> None:
         """``blocks``: the table of ``buffers``' blocks (``BlockTable``), or a trace's ``TracedBlocks``
-        (no buffers: [Note: stage 3 traced])."""
+        (no buffers: [Note: stage 3 traced]). ``owners``: per parameter, the user's tensor (a
+        ``DTensor`` whose local tensor is in ``params``, [Note: sharded DTensor parameters]): its
+        gradient arrives there, and its ``detach``/``copy_`` read and write the shard."""
+        owners = params if owners is None else owners
         self._buffers = buffers
         self._specs = zp.specs
         self._held = zp.partition.held_fragments(shard_rank)
         self._index = {id(p): i for i, p in enumerate(params)}
+        self._index.update((id(o), i) for i, o in enumerate(owners))
         # Under a parameter wire every gathered piece holds decoded values ([Note: wire formats]).
         self._published = [blocks.gather.published(buf.space, shard_rank) for buf in buffers]
         self.reshard_after_forward = zp.options.reshard_after_forward  # [Note: plan options]
@@ -146,7 +152,7 @@ class ShardedParams:
         # Held weakly, as the gradient sync's hooks: a dropped optimizer must not act on gradients.
         method = weakref.WeakMethod(self.gradient_arrived)
         self._grad_handles = [
-            params[index].register_post_accumulate_grad_hook(partial(_call_weakly, method))
+            owners[index].register_post_accumulate_grad_hook(partial(_call_weakly, method))
             for index in sorted(managed)
         ]
         self._hold = 0  # gathered_params() blocks: nothing is freed until it exits
@@ -281,14 +287,21 @@ class ShardedParams:
         a forward, so ``model.state_dict()`` holds them ([Note: stage-3 model dicts])."""
         spec, buf = self._where(param)
         parts = [(f.param_span, buf.shard[f.shard_span.as_slice()]) for f in self._held.get(spec.index, ())]
-        return FlatPieces(spec.shape, parts, dtype=buf.shard.dtype, device=buf.shard.device)
+        place = global_place(spec, tensor_slice_of(param.device_mesh)) if is_dtensor(param) else {}
+        return FlatPieces(spec.shape, parts, dtype=buf.shard.dtype, device=buf.shard.device, **place)
 
     def write_param(self, param: torch.Tensor, source: torch.Tensor) -> None:
         """``param.copy_(source)`` outside a forward: this rank's elements of ``param`` take ``source``'s
-        (whole, or pieces holding them), its masters the values, its shard their cast."""
+        (whole, or pieces holding them), its masters the values, its shard their cast.
+
+        A DTensor parameter's ``source`` is a DTensor (brought to its placement first), pieces in
+        global coordinates (``shard_pieces``'), or its local tensor's values."""
         spec, buf = self._where(param)
-        if tuple(source.shape) != tuple(spec.shape):
-            raise ValueError(f"cannot copy a tensor of shape {tuple(source.shape)} into {spec.name!r}")
+        source = local_source(param, source) if is_dtensor(param) else source
+        shape = source.local_shape if isinstance(source, FlatPieces) else tuple(source.shape)
+        if tuple(shape) != tuple(spec.shape):
+            local = " (a DTensor's local shape: copy a DTensor, or local values)" if is_dtensor(param) else ""
+            raise ValueError(f"cannot copy a tensor of shape {tuple(shape)} into {spec.name!r}{local}")
         frags = self._held.get(spec.index, ())
         values = [flat_values(source, f.param_span) for f in frags]  # all read before any write
         for f, v in zip(frags, values, strict=True):

@@ -161,10 +161,13 @@ def install(
         residency = ShardedParams(
             zp=zp,
             params=params,
-            blocks=BlockTable(zp=zp, params=params, buffers=blocks, groups=groups, log=log),
+            blocks=BlockTable(
+                zp=zp, params=params, buffers=blocks, groups=groups, log=log, owners=registry.user_params
+            ),
             buffers=blocks,
             shard_rank=shard_rank,
             peers=peers,
+            owners=registry.user_params,
         )
     else:
         residency = ParamGather(zp=zp, params=params, buffers=flat, groups=groups)

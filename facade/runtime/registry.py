@@ -258,13 +258,6 @@ def configure(
             "is a DTensor: place the model on mesh['tp'] first (torch.distributed.tensor.parallel."
             "parallelize_module), or leave 'tp' out of the mesh"
         )
-    if stage == 3 and placed:
-        raise ConfigError(
-            "stage 3 does not take tensor-parallel (DTensor) parameters yet: use stage 1 or 2 (the "
-            "local tensors sharded over dp). Stage 3 frees a block's storage between uses and guards "
-            "reads of it by the parameter's class, which a DTensor's local tensor cannot take: a read "
-            "outside the forward would touch freed memory"
-        )
     groups = [{**optimizer_defaults, **group} for group in inputs.groups]
     check_hyperparameters(optimizer_class, groups)
     check_keywords(optimizer_class, optimizer_defaults)

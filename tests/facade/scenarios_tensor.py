@@ -9,6 +9,7 @@ its own batch. Checked against one process holding the plain model and stepping
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -102,6 +103,10 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
         opt = ZeroOptimizer(first, torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings)
         if cfg.get("add_group"):
             opt.add_param_group({"params": params[-2:]})
+        if (
+            cfg["stage"] == 3
+        ):  # the forward gathers each block of local shards ([Note: sharded DTensor parameters])
+            opt.attach(model)
         ref = _plain(hidden)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
         norm_type = cfg.get("norm_type", 2.0)
@@ -129,13 +134,14 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
             ref_opt.step()
         with opt.gathered_params():  # stage 3: the local shards whole
             mine = [p.detach().full_tensor() for p in model.parameters()]
+            local_shapes = [tuple(p.to_local().shape) for p in model.parameters()]
         theirs = [p.detach() for p in ref.parameters()]
         rows.append(
             {
                 "param_err": _worst(mine, theirs),
                 "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True) if b == b),
                 "skipped": skipped,
-                "local_shapes": [tuple(p.to_local().shape) for p in model.parameters()],
+                "local_shapes": local_shapes,
             }
         )
     return rows
@@ -149,9 +155,6 @@ def bad_tensor_parameters(rank: int, world: int) -> dict[str, str | None]:
     out = {
         "no_mesh": _error(lambda: ZeroOptimizer(model.parameters(), torch.optim.AdamW)),
         "other_mesh": _error(lambda: ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=flat)),
-        "stage3": _error(
-            lambda: ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=3, device_mesh=mesh)
-        ),
     }
     from torch.distributed.tensor import Partial
 
@@ -188,24 +191,28 @@ def _step(model: torch.nn.Module, opt: ZeroOptimizer, step: int, batches: list[i
 
 
 def tensor_checkpoints(rank: int, world: int, root: str) -> dict[str, Any]:
-    """At tp=2 x dp=2: two steps, each tp slice saves into its own root, a fresh optimizer loads it bit
-    for bit; a third step's parameters are kept for :func:`tensor_checkpoint_elsewhere`."""
+    """At tp=2 x dp=2, stage 3: two steps, each tp slice saves into its own root, a fresh optimizer
+    loads it bit for bit; a third step's parameters are kept for :func:`tensor_checkpoint_elsewhere`
+    (which loads them at stage 1)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     model = _parallel(mesh, 6)
-    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=3, device_mesh=mesh)
+    opt.attach(model)
     for step in range(2):
         _step(model, opt, step, [d], t)
     checkpoint.save(opt, f"{root}/tp{t}")
     fresh_model = _parallel(mesh, 6)
-    fresh = ZeroOptimizer(fresh_model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    fresh = ZeroOptimizer(fresh_model.parameters(), torch.optim.AdamW, lr=LR, stage=3, device_mesh=mesh)
     checkpoint.load(fresh, f"{root}/tp{t}")
-    same = all(
-        torch.equal(a.to_local(), b.to_local())
-        for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True)
-    )
+    with opt.gathered_params(), fresh.gathered_params():
+        same = all(
+            torch.equal(a.to_local(), b.to_local())
+            for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True)
+        )
     _step(model, opt, 2, [d], t)
-    after = [p.detach().full_tensor() for p in model.parameters()]
+    with opt.gathered_params():
+        after = [p.detach().full_tensor() for p in model.parameters()]
     if rank == 0:
         torch.save(after, f"{root}/after.pt")
     dist.barrier()
@@ -240,6 +247,7 @@ def tensor_step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, An
     d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     with tracker:
         model = _parallel(mesh, hidden, width)
+        local_params = sum(p.to_local().numel() for p in model.parameters())
         opt = ZeroOptimizer(
             model.parameters(),
             torch.optim.AdamW,
@@ -248,6 +256,8 @@ def tensor_step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, An
             device_mesh=mesh,
             bucket_bytes=40_000,
         )
+        if cfg["stage"] == 3:
+            opt.attach(model)
         gen = torch.Generator().manual_seed(d)
         x = torch.randn(1, 2, width, generator=gen)  # this rank's half of a sequence of 4
 
@@ -267,7 +277,7 @@ def tensor_step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, An
         "planned": report.peak_bytes,
         "persistent": tracked_bytes(tracker),
         "planned_persistent": report.total_bytes,
-        "local_params": sum(p.to_local().numel() for p in model.parameters()),
+        "local_params": local_params,
         "tp": t,
     }
 
@@ -281,6 +291,8 @@ def against_fsdp2(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     ours = _parallel(mesh, 6)
     opt = ZeroOptimizer(ours.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh)
+    if cfg["stage"] == 3:
+        opt.attach(ours)
     theirs = _parallel(mesh, 6)
     fully_shard(theirs, mesh=mesh["dp"])
     their_opt = torch.optim.AdamW(theirs.parameters(), lr=LR)
@@ -291,7 +303,8 @@ def against_fsdp2(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
         _loss(out.to_local() if isinstance(out, DTensor) else out, _local(target, t, 2)).backward()
         their_opt.step()
         their_opt.zero_grad()
-    mine = [p.detach().full_tensor() for p in ours.parameters()]
+    with opt.gathered_params():
+        mine = [p.detach().full_tensor() for p in ours.parameters()]
     other = [p.detach().full_tensor() for p in theirs.parameters()]
     return {
         "param_err": _worst(mine, other),
@@ -374,6 +387,8 @@ def pipeline_with_tensor_parallel(rank: int, world: int, cfg: dict[str, Any]) ->
     peer = int(mesh.mesh[1 - s, 0, t].item())
     model = _stage_module(mesh, s)
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh)
+    if cfg["stage"] == 3:
+        opt.attach(model)
     ref = torch.nn.Sequential(_stage_module(None, 0), _stage_module(None, 1))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     norms, ref_norms = [], []
@@ -401,7 +416,8 @@ def pipeline_with_tensor_parallel(rank: int, world: int, cfg: dict[str, Any]) ->
         _loss(ref(x), target).backward()
         ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["clip"])))
         ref_opt.step()
-    mine = [p.detach().full_tensor() for p in model.parameters()]
+    with opt.gathered_params():
+        mine = [p.detach().full_tensor() for p in model.parameters()]
     theirs = [p.detach() for p in ref[s].parameters()]
     return {
         "param_err": _worst(mine, theirs),
@@ -417,6 +433,8 @@ def bf16_against_masters(rank: int, world: int, cfg: dict[str, Any]) -> dict[str
     d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     ours = _parallel(mesh, 6).to(torch.bfloat16)
     opt = ZeroOptimizer(ours.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh)
+    if cfg["stage"] == 3:
+        opt.attach(ours)
     theirs = _parallel(mesh, 6).to(torch.bfloat16)
     masters = [p.to_local().detach().float().clone() for p in theirs.parameters()]
     master_opt = torch.optim.AdamW(masters, lr=LR)
@@ -438,22 +456,22 @@ def bf16_against_masters(rank: int, world: int, cfg: dict[str, Any]) -> dict[str
             for p, master in zip(theirs.parameters(), masters, strict=True):
                 p.to_local().copy_(master)
                 p.grad = None
+    with opt.gathered_params():
+        pairs = [
+            (a.to_local().clone(), b.to_local())
+            for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
+        ]
     return {
-        "equal": [
-            torch.equal(a.to_local(), b.to_local())
-            for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
-        ],
-        "err": max(
-            float((a.to_local().float() - b.to_local().float()).abs().max())
-            for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
-        ),
+        "equal": [torch.equal(a, b) for a, b in pairs],
+        "err": max(float((a.float() - b.float()).abs().max()) for a, b in pairs),
     }
 
 
-def tensor_dcp_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
-    """torch's DCP of a tp=2 x dp=2 zeroplan run (the model's DTensors from torch's
-    ``get_model_state_dict``, the optimizer's pieces in global coordinates from torch's
-    ``get_optimizer_state_dict``) loads into a fresh zeroplan at stage 1 and into FSDP2 with the same tp
+def tensor_dcp_round_trip(rank: int, world: int, root: str, stage: int = 2) -> dict[str, Any]:
+    """torch's DCP of a tp=2 x dp=2 zeroplan run at ``stage`` (the model's DTensors from torch's
+    ``get_model_state_dict``, at stage 3 the rank's pieces of them in global coordinates; the
+    optimizer's pieces in global coordinates from torch's ``get_optimizer_state_dict``) loads into a
+    fresh zeroplan (stage 1 after stage 2, stage 3 after stage 3) and into FSDP2 with the same tp
     plan; each takes the third step, and their parameters equal the uninterrupted run's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -472,21 +490,26 @@ def tensor_dcp_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
         return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
 
     model = _parallel(mesh, 6)
-    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=stage, device_mesh=mesh)
+    opt.attach(model)
     for step in range(2):
         _step(model, opt, step, [d], t)
     dcp.save(states(model, opt), checkpoint_id=f"{root}/dcp")
     whole = StateDictOptions(full_state_dict=True)
     refused = _error(lambda: interchange.get_optimizer_state_dict(model, opt, options=whole))
     _step(model, opt, 2, [d], t)
-    after = [p.detach().full_tensor() for p in model.parameters()]
+    with opt.gathered_params():
+        after = [p.detach().full_tensor() for p in model.parameters()]
     errors = {}
     for name in ("zeroplan", "fsdp2"):
         fresh = _parallel(mesh, 6)
+        gathered: Any = contextlib.nullcontext()
         if name == "zeroplan":
             fresh_opt: torch.optim.Optimizer = ZeroOptimizer(
-                fresh.parameters(), torch.optim.AdamW, lr=LR, stage=1, device_mesh=mesh
+                fresh.parameters(), torch.optim.AdamW, lr=LR, stage=1 if stage < 3 else 3, device_mesh=mesh
             )
+            fresh_opt.attach(fresh)
+            gathered = fresh_opt.gathered_params()
         else:
             fully_shard(fresh, mesh=mesh["dp"])
             fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=LR)
@@ -501,5 +524,59 @@ def tensor_dcp_round_trip(rank: int, world: int, root: str) -> dict[str, Any]:
             out = fresh(_local(x, t, 2))
             _loss(out.to_local() if isinstance(out, DTensor) else out, _local(target, t, 2)).backward()
             fresh_opt.step()
-        errors[name] = _worst([p.detach().full_tensor() for p in fresh.parameters()], after)
+        with gathered:
+            errors[name] = _worst([p.detach().full_tensor() for p in fresh.parameters()], after)
     return {**errors, "whole": refused}
+
+
+def tensor_stage3_uses(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Stage 3 at tp=2 x dp=2 ([Note: sharded DTensor parameters]): between steps a rank holds no
+    block and a read of a DTensor parameter's values raises (metadata reads as usual); the forward
+    and backward free what they gathered; ``model.state_dict()`` gives the rank's pieces in global
+    coordinates and ``load_state_dict`` of them keeps every value."""
+    from zeroplan.core import StepOrderError
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    model = _parallel(mesh, 6)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=3, device_mesh=mesh)
+    opt.attach(model)
+    residency = opt.installed.residency
+    w = model[1].weight
+    reads = {
+        "to_local": w.to_local,
+        "full_tensor": w.full_tensor,
+        "redistribute": lambda: w.redistribute(w.device_mesh, w.placements),
+        "add": lambda: w + 1,
+        "repr": lambda: repr(w),
+        "data": lambda: w.data,
+    }
+    raised = {}
+    for name, read in reads.items():
+        try:
+            read()
+            raised[name] = False
+        except StepOrderError:
+            raised[name] = True
+    out: dict[str, Any] = {
+        "raised": raised,
+        "meta": (tuple(w.shape), tuple(w.placements) == (Shard(0),), w.grad is None, w.requires_grad),
+        "held_at_rest": residency.held_bytes(),
+    }
+    x, target = _batch(0, d)
+    y = model(_local(x, t, 2))
+    out["held_after_forward"] = residency.held_bytes()
+    opt.backward(_loss(y.to_local(), _local(target, t, 2)))
+    out["held_after_backward"] = residency.held_bytes()
+    opt.step()
+    opt.zero_grad()
+    pieces = model.state_dict()["1.weight"]
+    out["dict"] = (type(pieces).__name__, tuple(pieces.shape) == tuple(w.shape))
+    with opt.gathered_params():
+        before = [p.detach().full_tensor() for p in model.parameters()]
+    model.load_state_dict(model.state_dict())
+    with opt.gathered_params():
+        out["kept"] = all(
+            torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters(), strict=True)
+        )
+    return out
