@@ -13,14 +13,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import enum
-import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any, Protocol
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from zeroplan.core import Block, StepOrderError, ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog, Pending
@@ -30,7 +28,7 @@ from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.policies import gather_for
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.params.buffers import BlockBuffers, block_positions
-from zeroplan.facade.params.gather import DeferredParameter, swappable
+from zeroplan.facade.params.gather import DeferredParameter, deferred_dtensor_class, swappable
 from zeroplan.facade.params.local_shards import dtensor_class
 from zeroplan.facade.params.owners import Owners
 
@@ -101,11 +99,18 @@ class ShardedParameter(DeferredParameter):
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         """``detach`` and ``copy_`` outside a forward or backward read and write the rank's shard
         ([Note: stage-3 model dicts]); every other use is :class:`DeferredParameter`'s."""
-        if func in _SHARD_IO and args and type(args[0]) is ShardedParameter:
+        if func in _SHARD_IO and args and type(args[0]) is ShardedParameter:  # inline: per use, no call
             done, result = _shard_io(func, args)
             if done:
                 return result
         return super().__torch_function__(func, types, args, kwargs)
+
+    @classmethod
+    def intercept(cls, func: Any, args: Any, kind: type) -> tuple[bool, Any]:
+        """``detach``/``copy_`` of a sharded parameter of class ``kind`` (or its DTensor) outside a pass."""
+        if func in _SHARD_IO and args and type(args[0]) is kind:
+            return _shard_io(func, args)
+        return False, None
 
     @staticmethod
     @between_graphs  # [Note: hooks under torch.compile] in ``params.module_hooks``
@@ -135,72 +140,10 @@ def _shard_io(func: Any, args: Any) -> tuple[bool, Any]:
     return True, args[0]
 
 
-@functools.cache
 def sharded_dtensor_class() -> type | None:
     """The class of a stage-3 ``DTensor`` parameter whose block is not gathered (``None`` without
-    DTensors); see [Note: sharded DTensor parameters]."""
-    base = dtensor_class()
-    if base is None:
-        return None
-    return type("ShardedDTensor", (_ShardedDTensorUses, base), {"__slots__": (), "__module__": __name__})
-
-
-class _ShardedDTensorUses:
-    """What a sharded DTensor parameter does on use (mixed into ``DTensor`` by
-    :func:`sharded_dtensor_class`).
-
-    [Note: sharded DTensor parameters]
-    A tensor-parallel parameter is a ``DTensor``; zeroplan shards its local tensor (the object the
-    DTensor holds), which at stage 3 is a view of its block's buffer, without storage while the block
-    is sharded. The local tensor cannot guard itself: DTensor's dispatch hands it to aten operations
-    below any ``__torch_function__``, so a read of it outside the forward would touch freed memory.
-    The DTensor is what modules and users touch, so it is the DTensor whose class is swapped, as a
-    plain parameter's is (``ShardedParameter``): to ``ShardedDTensor`` (a ``DTensor`` subclass that
-    adds no state) while the block is sharded, back to ``DTensor`` once gathered. Its torch
-    operations behave as ``ShardedParameter``'s (a use gathers inside the attached forward or a
-    backward, raises elsewhere; ``detach``/``copy_`` outside them read and write the rank's shard,
-    in global coordinates), and so do DTensor's own Python methods that read the local tensor
-    (``to_local``, ``full_tensor``, ``redistribute``, ``repr``), which no ``__torch_function__``
-    sees. Metadata (shape, placements, mesh, ``.grad``) reads as usual.
-    """
-
-    __slots__ = ()
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _SHARD_IO and args and type(args[0]) is cls:
-            done, result = _shard_io(func, args)
-            if done:
-                return result
-        name = DeferredParameter.operation(func)
-        if name not in DeferredParameter.METADATA:
-            for leaf in tree_flatten((args, kwargs))[0]:
-                if type(leaf) is cls:
-                    ShardedParameter.on_use(leaf, name)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    def to_local(self, *args: Any, **kwargs: Any) -> Any:
-        """The local tensor, its block gathered first (inside a forward or backward)."""
-        return _dtensor_method(self, "to_local", args, kwargs)
-
-    def full_tensor(self, *args: Any, **kwargs: Any) -> Any:
-        """The whole tensor, its block gathered first (inside a forward or backward)."""
-        return _dtensor_method(self, "full_tensor", args, kwargs)
-
-    def redistribute(self, *args: Any, **kwargs: Any) -> Any:
-        """Redistributed, its block gathered first (inside a forward or backward)."""
-        return _dtensor_method(self, "redistribute", args, kwargs)
-
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
-        return _dtensor_method(self, "__repr__", args, kwargs)
-
-
-def _dtensor_method(param: Any, name: str, args: Any, kwargs: Any) -> Any:
-    """DTensor's method ``name`` on ``param`` once its block is gathered (or raise outside a pass)."""
-    ShardedParameter.on_use(param, name)
-    return getattr(dtensor_class(), name)(param, *args, **kwargs)
+    DTensors); see [Note: deferred DTensor parameters] in ``params.gather``."""
+    return deferred_dtensor_class(ShardedParameter)
 
 
 class BlockEntry:
@@ -255,7 +198,7 @@ class Blocks(abc.ABC):
                 if swappable(zp.specs[index], params[index]):
                     entry.swapped.append(params[index])
                 owner = params[index] if owners is None else owners[index]
-                if owner is not params[index]:  # [Note: sharded DTensor parameters]
+                if owner is not params[index]:  # [Note: deferred DTensor parameters] in ``params.gather``
                     self._key_of[id(owner)] = (s, k)
                     entry.guarded.append(owner)
                 entry.indices.append(index)
@@ -392,7 +335,7 @@ class BlockTable(Blocks):
 
     def _set_class(self, entry: BlockEntry, *, sharded: bool) -> None:
         """Swap the members' class: ``ShardedParameter`` while sharded (a read gathers or raises), and
-        their DTensors' (``ShardedDTensor``, [Note: sharded DTensor parameters])."""
+        their DTensors' (``ShardedDTensor``, [Note: deferred DTensor parameters] in ``params.gather``)."""
         cls = ShardedParameter if sharded else torch.nn.Parameter
         for p in entry.swapped:
             if type(p) in (torch.nn.Parameter, ShardedParameter):  # not another optimizer's deferred class

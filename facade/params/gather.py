@@ -24,9 +24,10 @@ wait, so ``zero_grad()`` keeps the overlap. Every ``ZeroOptimizer`` call that
 reads or writes parameters, masters or state (``step()``, state dicts,
 checkpoints, re-planning) waits for all first, and ``opt.wait_for_params()``
 does so on demand. Only parameters whose spec is plain and which are
-``nn.Parameter`` objects are swapped (:func:`swappable`); a block holding a
-plain ``torch.Tensor`` is waited for inside ``step()``. Construction refuses
-any other tensor class (a ``DTensor``, a tensor subclass).
+``nn.Parameter`` objects are swapped (:func:`swappable`), and the ``DTensor``
+parameters whose local tensors are in the buffer ([Note: deferred DTensor
+parameters]); a block holding a plain ``torch.Tensor`` is waited for inside
+``step()``. Construction refuses any other tensor class (a tensor subclass).
 
 ``overlap_param_gather=False`` waits inside ``step()`` and gives bit-identical
 results.
@@ -61,6 +62,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import weakref
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
@@ -77,9 +79,17 @@ from zeroplan.facade.mechanisms.dynamo import between_graphs, compiled_blocks
 from zeroplan.facade.mechanisms.groups import ProcessGroups
 from zeroplan.facade.mechanisms.policies import gather_for
 from zeroplan.facade.params.buffers import FlatBuffers
+from zeroplan.facade.params.local_shards import dtensor_class
 from zeroplan.facade.params.owners import Owners
 
-__all__ = ["DeferredParameter", "GatheringParameter", "ParamGather", "swappable"]
+__all__ = [
+    "DeferredParameter",
+    "GatheringParameter",
+    "ParamGather",
+    "deferred_dtensor_class",
+    "restore_class",
+    "swappable",
+]
 
 
 class DeferredParameter(torch.nn.Parameter):
@@ -104,23 +114,120 @@ class DeferredParameter(torch.nn.Parameter):
     #: Called with a parameter of this class and the operation's name before the operation runs.
     on_use: ClassVar[Callable[[torch.Tensor, str | None], None]]
 
-    @staticmethod
-    def operation(func: Any) -> str | None:
-        """The name of the operation ``func`` (a property's, for its getter and setter)."""
-        if func.__name__ in ("__get__", "__set__"):
-            return getattr(getattr(func, "__self__", None), "__name__", None)
-        return func.__name__
+    @classmethod
+    def intercept(cls, func: Any, args: Any, kind: type) -> tuple[bool, Any]:
+        """Whether ``func`` on ``args`` (the first of class ``kind``: this class, or its DTensor
+        counterpart) is answered without the values, and the answer; none is, here."""
+        del func, args, kind
+        return False, None
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Inline rather than ``_after_uses``: dynamo traces this frame at each graph break of a compiled
+        # model, and the shared helper made it recompile per operation (test_compile counts frames).
         kwargs = kwargs or {}
-        name = DeferredParameter.operation(func)
+        owner = getattr(func, "__self__", None)
+        name = getattr(owner, "__name__", None) if func.__name__ in ("__get__", "__set__") else func.__name__
         if name not in DeferredParameter.METADATA:
             for leaf in tree_flatten((args, kwargs))[0]:
                 if isinstance(leaf, DeferredParameter):  # of any subclass: one operation may mix them
                     type(leaf).on_use(leaf, name)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def _operation(func: Any) -> str | None:
+    """The name of the operation ``func`` (a property's, for its getter and setter)."""
+    if func.__name__ in ("__get__", "__set__"):
+        return getattr(getattr(func, "__self__", None), "__name__", None)
+    return func.__name__
+
+
+def _after_uses(func: Any, args: Any, kwargs: Any) -> Any:
+    """Run ``func`` once every deferred argument's ``on_use`` ran (none for a metadata read)."""
+    name = _operation(func)
+    if name not in DeferredParameter.METADATA:
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if isinstance(leaf, DeferredParameter):  # of any subclass: one operation may mix them
+                type(leaf).on_use(leaf, name)
+            elif isinstance(leaf, _DeferredDTensor):
+                type(leaf).deferred.on_use(leaf, name)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+class _DeferredDTensor:
+    """What a ``DTensor`` parameter's deferred class adds to ``DTensor`` (see
+    :func:`deferred_dtensor_class`).
+
+    [Note: deferred DTensor parameters]
+    A tensor-parallel parameter is a ``DTensor``; zeroplan shards and gathers its local tensor (the
+    object the DTensor holds, a view of a flat buffer). The local tensor cannot guard itself:
+    DTensor's dispatch hands it to aten operations below any ``__torch_function__``, so it cannot
+    take a deferred class, and a read of it while its values are elsewhere would see stale values
+    (a gather in flight) or freed memory (stage 3's sharded block). The DTensor is what modules and
+    users touch, so the DTensor's class is swapped instead, exactly when a plain parameter's would
+    be: to ``GatheringDTensor`` while its block's gather is in flight (stages 1-2, [Note: parameter
+    gather]: a use waits for it) and to ``ShardedDTensor`` while its stage-3 block is sharded
+    ([Note: stage 3]: a use gathers inside the attached forward or a backward, raises elsewhere;
+    ``detach``/``copy_`` outside them read and write the rank's shard, in global coordinates), back to
+    ``DTensor`` after. Both are ``DTensor`` subclasses adding no state, made once per deferred class
+    (:func:`deferred_dtensor_class`). DTensor's own Python methods that read the local tensor
+    (``to_local``, ``full_tensor``, ``redistribute``, ``repr``), which no ``__torch_function__`` sees,
+    wait or gather too; metadata (shape, placements, mesh, ``.grad``) reads as usual. Code that reads
+    ``_local_tensor`` itself bypasses the guard, as it bypasses DTensor.
+    """
+
+    __slots__ = ()
+
+    #: The plain parameter's deferred class whose ``on_use`` and ``intercept`` this class uses.
+    deferred: ClassVar[type[DeferredParameter]]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        done, result = cls.deferred.intercept(func, args, cls)
+        return result if done else _after_uses(func, args, kwargs or {})
+
+    def to_local(self, *args: Any, **kwargs: Any) -> Any:
+        """The local tensor, once its values are in place."""
+        return _dtensor_method(self, "to_local", args, kwargs)
+
+    def full_tensor(self, *args: Any, **kwargs: Any) -> Any:
+        """The whole tensor, once its values are in place."""
+        return _dtensor_method(self, "full_tensor", args, kwargs)
+
+    def redistribute(self, *args: Any, **kwargs: Any) -> Any:
+        """Redistributed, once its values are in place."""
+        return _dtensor_method(self, "redistribute", args, kwargs)
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return _dtensor_method(self, "__repr__", args, kwargs)
+
+
+def _dtensor_method(param: Any, name: str, args: Any, kwargs: Any) -> Any:
+    """DTensor's method ``name`` on ``param`` after its deferred class's ``on_use``."""
+    type(param).deferred.on_use(param, name)
+    return getattr(dtensor_class(), name)(param, *args, **kwargs)
+
+
+@functools.cache
+def deferred_dtensor_class(deferred: type[DeferredParameter]) -> type | None:
+    """The ``DTensor`` subclass a DTensor parameter takes where a plain one takes ``deferred`` (see
+    [Note: deferred DTensor parameters]); ``None`` in a torch without DTensors."""
+    base = dtensor_class()
+    if base is None:
+        return None
+    name = deferred.__name__.replace("Parameter", "DTensor")
+    namespace = {"__slots__": (), "deferred": deferred, "__module__": __name__, "__qualname__": name}
+    return type(name, (_DeferredDTensor, base), namespace)
+
+
+def restore_class(param: torch.Tensor) -> None:
+    """Give ``param`` its own class back if it has ``GatheringParameter`` or its DTensor counterpart."""
+    if type(param) is GatheringParameter:
+        param.__class__ = torch.nn.Parameter
+    elif type(param) is deferred_dtensor_class(GatheringParameter):
+        param.__class__ = dtensor_class()
 
 
 class GatheringParameter(DeferredParameter):
@@ -144,15 +251,15 @@ def _arrive(param: torch.Tensor) -> None:
     owner = ref() if ref is not None else None
     if owner is not None:
         owner.wait_for(param)
-    if type(param) is GatheringParameter:
-        param.__class__ = torch.nn.Parameter
+    restore_class(param)
 
 
 def _arrive_all(params: Sequence[torch.Tensor], module: torch.nn.Module, args: Any) -> None:
     """A compiled block's pre-hook: its parameters still gathering arrive before its graph runs."""
     del module, args
+    gathering = (GatheringParameter, deferred_dtensor_class(GatheringParameter))
     for param in params:
-        if type(param) is GatheringParameter:
+        if type(param) in gathering:
             _arrive(param)
 
 
@@ -166,9 +273,9 @@ def swappable(spec: ParamSpec, param: torch.Tensor) -> bool:
     The spec decides: a plain spec (``placement=()``) is one local tensor, split over data-parallel
     ranks only, and its ``nn.Parameter`` takes a deferred class (:class:`GatheringParameter`, stage
     3's ``ShardedParameter``) until its values arrive. A placed spec (a DTensor's, [Note: placements]
-    in ``zeroplan.core.placement``) is not swapped: construction refuses DTensor parameters until
-    tensor parallel is supported. A ``torch.Tensor`` that is no ``nn.Parameter`` is not swapped
-    either: the deferred classes are parameters, and its own class could not be given back.
+    in ``zeroplan.core.placement``) is a DTensor's local tensor, which is not swapped: its DTensor is
+    ([Note: deferred DTensor parameters]). A ``torch.Tensor`` that is no ``nn.Parameter`` is not
+    swapped either: the deferred classes are parameters, and its own class could not be given back.
     """
     return not spec.placement and isinstance(param, torch.nn.Parameter)
 
@@ -204,12 +311,17 @@ class ParamGather:
         params: Sequence[torch.Tensor],
         buffers: Sequence[FlatBuffers],
         groups: ProcessGroups,
+        owners: Sequence[torch.Tensor] | None = None,
     ) -> None:
+        """``owners``: per parameter, the user's tensor (a ``DTensor`` whose local tensor is in
+        ``params``, or the parameter itself): a DTensor takes the deferred class instead of its local
+        tensor ([Note: deferred DTensor parameters])."""
         self._zp = zp
         self._buffers = buffers
         self._groups = groups
         self.overlap = zp.options.overlap_param_gather  # [Note: plan options]
-        # Per (space, block), its parameters; per parameter (by identity), its blocks.
+        # Per (space, block), the tensors whose class follows it (its parameters, or their DTensors);
+        # per parameter and DTensor (by identity), its blocks.
         self._members: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._blocks_of: dict[int, list[tuple[int, int]]] = {}
         kept: set[tuple[int, int]] = set()  # blocks with a member that is not swapped
@@ -223,10 +335,11 @@ class ParamGather:
                 while k + 1 < len(blocks) and starts[k + 1] < stop:  # a parameter cut by a block boundary
                     k += 1
                     keys.append((buf.space.index, k))
-                self._blocks_of[id(params[index])] = keys
+                owner = params[index] if owners is None else owners[index]
+                self._blocks_of[id(params[index])] = self._blocks_of[id(owner)] = keys
                 for key in keys:
-                    self._members.setdefault(key, []).append(params[index])
-                    if not swappable(zp.specs[index], params[index]):
+                    self._members.setdefault(key, []).append(owner)
+                    if owner is params[index] and not swappable(zp.specs[index], owner):
                         kept.add(key)
         # The blocks whose members all take a deferred class while in flight (see :func:`swappable`).
         self._swapped = frozenset(self._members.keys() - kept)
@@ -336,10 +449,11 @@ class ParamGather:
             if key not in self._swapped:
                 self._finish_block(key)  # a plain tensor among its members: not swapped, so not deferred
                 continue
+            plain, placed = dtensor_class(), deferred_dtensor_class(GatheringParameter)
             for p in members:
                 if _OWNERS.get(p) is not self._self:  # claimed once, not every step
                     _OWNERS.claim(p, self._self)
-                p.__class__ = GatheringParameter
+                p.__class__ = placed if plain is not None and isinstance(p, plain) else GatheringParameter
 
     def _finish_block(self, key: tuple[int, int]) -> None:
         for p in self._pending.pop(key, ()):
@@ -348,13 +462,16 @@ class ParamGather:
             _IN_FLIGHT.discard(self)
             self._settle()
         pending = self._pending
+        gathering = (GatheringParameter, deferred_dtensor_class(GatheringParameter))
         for param in self._members.get(key, ()):
-            if type(param) is not GatheringParameter:
+            kind = type(param)
+            if kind not in gathering:
                 continue
             keys = self._blocks_of[id(param)]
             if len(keys) > 1 and any(k in pending for k in keys):  # cut by a block boundary
                 continue
-            param.__class__ = torch.nn.Parameter
+            # restore_class, inline: no Python call per parameter and step (test_host_work counts them)
+            param.__class__ = torch.nn.Parameter if kind is GatheringParameter else dtensor_class()
 
     def finish_param_sync(self) -> None:
         """Finish every gather in flight, in the order they started."""
@@ -423,5 +540,4 @@ class ParamGather:
         _IN_FLIGHT.discard(self)
         for members in self._members.values():
             for param in members:
-                if type(param) is GatheringParameter:
-                    param.__class__ = torch.nn.Parameter
+                restore_class(param)

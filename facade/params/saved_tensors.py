@@ -64,8 +64,9 @@ def pack(owner: ViewsBlocks, peers: Sequence[ViewsBlocks], tensor: torch.Tensor)
     one of its ``peers`` while their forward is open ([Note: several sharded domains]); else itself."""
     if tensor.layout is not torch.strided or tensor.is_meta:
         return tensor  # sparse and meta tensors never view a block
-    # A DTensor's values are its local tensor's ([Note: sharded DTensor parameters] in ``params.blocks``).
-    storage = (local_tensor(tensor) if is_dtensor(tensor) else tensor).untyped_storage()._cdata
+    # A DTensor's values are its local tensor's ([Note: deferred DTensor parameters] in ``params.gather``).
+    placed = type(tensor) is not torch.Tensor and is_dtensor(tensor)  # no call for a plain tensor
+    storage = (local_tensor(tensor) if placed else tensor).untyped_storage()._cdata
     view = owner.view_of(tensor, storage, own=True)
     if view is not None:
         return view

@@ -134,7 +134,7 @@ class ShardedParams:
     ) -> None:
         """``blocks``: the table of ``buffers``' blocks (``BlockTable``), or a trace's ``TracedBlocks``
         (no buffers: [Note: stage 3 traced]). ``owners``: per parameter, the user's tensor (a
-        ``DTensor`` whose local tensor is in ``params``, [Note: sharded DTensor parameters]): its
+        ``DTensor`` whose local tensor is in ``params``, [Note: deferred DTensor parameters]): its
         gradient arrives there, and its ``detach``/``copy_`` read and write the shard."""
         owners = params if owners is None else owners
         self._buffers = buffers

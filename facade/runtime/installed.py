@@ -170,7 +170,8 @@ def install(
             owners=registry.user_params,
         )
     else:
-        residency = ParamGather(zp=zp, params=params, buffers=flat, groups=groups)
+        owners = registry.user_params
+        residency = ParamGather(zp=zp, params=params, buffers=flat, groups=groups, owners=owners)
     return Installed(
         zp=zp,
         groups=groups,

@@ -103,10 +103,8 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
         opt = ZeroOptimizer(first, torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings)
         if cfg.get("add_group"):
             opt.add_param_group({"params": params[-2:]})
-        if (
-            cfg["stage"] == 3
-        ):  # the forward gathers each block of local shards ([Note: sharded DTensor parameters])
-            opt.attach(model)
+        # stage 3: the forward gathers its local shards ([Note: deferred DTensor parameters])
+        opt.attach(model)
         ref = _plain(hidden)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
         norm_type = cfg.get("norm_type", 2.0)
@@ -530,10 +528,11 @@ def tensor_dcp_round_trip(rank: int, world: int, root: str, stage: int = 2) -> d
 
 
 def tensor_stage3_uses(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Stage 3 at tp=2 x dp=2 ([Note: sharded DTensor parameters]): between steps a rank holds no
+    """Stage 3 at tp=2 x dp=2 ([Note: deferred DTensor parameters]): between steps a rank holds no
     block and a read of a DTensor parameter's values raises (metadata reads as usual); the forward
     and backward free what they gathered; ``model.state_dict()`` gives the rank's pieces in global
-    coordinates and ``load_state_dict`` of them keeps every value."""
+    coordinates and ``load_state_dict`` of them keeps every value. Stage 2: after ``step()`` a
+    DTensor's gather is in flight (its class says so) until its first use."""
     from zeroplan.core import StepOrderError
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -579,4 +578,12 @@ def tensor_stage3_uses(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
         out["kept"] = all(
             torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters(), strict=True)
         )
+    # stage 2: a DTensor's gather overlaps what follows step(), its first use waits for it
+    replicated = _parallel(mesh, 6)
+    opt = ZeroOptimizer(replicated.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    _step(replicated, opt, 0, [d], t)
+    w = replicated[1].weight
+    out["in_flight"] = type(w).__name__
+    w.to_local()
+    out["arrived"] = type(w).__name__
     return out

@@ -124,10 +124,11 @@ def test_dcp_round_trip_of_tensor_parallel_state_into_zeroplan_and_fsdp2(pools, 
             assert "tensor-parallel" in r["whole"] and "full_state_dict" in r["whole"], r
 
 
-def test_stage3_holds_no_block_between_steps_and_guards_dtensor_reads(pools):
+def test_dtensor_parameters_gather_on_use_stage3_holding_no_block_between_steps(pools):
     for r in pools(4).run(scenarios_tensor.tensor_stage3_uses, {}):
         assert all(r["raised"].values()), r  # values: gathered inside a forward or gathered_params only
         assert r["meta"] == ((6, 8), True, True, True), r  # the global shape, placement, grad, flag
         assert r["held_at_rest"] == r["held_after_forward"] == r["held_after_backward"] == 0, r
         assert r["dict"] == ("FlatPieces", True), r  # the rank's pieces, in global coordinates
         assert r["kept"], r
+        assert (r["in_flight"], r["arrived"]) == ("GatheringDTensor", "DTensor"), r  # stage 2's overlap
