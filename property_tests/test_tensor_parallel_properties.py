@@ -78,11 +78,15 @@ def _step_local(zp, params, grads_per_step, foreach):
 
 @budget(1.0)
 @given(
-    model=placed_models(), topology=topologies(max_shard=3, max_replica=2), seed=seeds, foreach=st.booleans()
+    model=placed_models(),
+    topology=topologies(max_shard=3, max_replica=2),
+    seed=seeds,
+    foreach=st.booleans(),
+    stage=st.sampled_from([2, 3]),
 )
-def test_tensor_parallel_slices_step_as_the_global_model(model, topology, seed, foreach):
+def test_tensor_parallel_slices_step_as_the_global_model(model, topology, seed, foreach, stage):
     shapes, degree, dims = model
-    note(f"shapes {shapes}, tp {degree}, split dims {dims}")
+    note(f"shapes {shapes}, tp {degree}, split dims {dims}, stage {stage}")
     whole = specs_from_shapes(shapes)
     gen = torch.Generator().manual_seed(seed)
     params = [torch.randn(s, generator=gen) for s in shapes]
@@ -103,7 +107,7 @@ def test_tensor_parallel_slices_step_as_the_global_model(model, topology, seed, 
         specs = tensor_parallel_specs(whole, degree, t, dims)
         mine = [_slice(p, d, t, degree) for p, d in zip(params, dims, strict=True)]
         assert [tuple(m.shape) for m in mine] == [s.shape for s in specs]  # core's chunk rule is torch's
-        zp = plan(specs, topology, stage=2, optimizer=describe_optimizer("AdamW", **HYPER))
+        zp = plan(specs, topology, stage=stage, optimizer=describe_optimizer("AdamW", **HYPER))
         my_grads = [
             [
                 [_slice(g, d, t, degree) for g, d in zip(rank_grads, dims, strict=True)]
