@@ -423,37 +423,61 @@ def pipeline_with_tensor_parallel(rank: int, world: int, cfg: dict[str, Any]) ->
     }
 
 
-def bf16_against_masters(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
-    """bf16 DTensor parameters at tp=2 x dp=2 against the same tp model stepped by hand: its local
-    gradients (bf16, in their parameter's placement) averaged over dp, ``torch.optim.AdamW`` on fp32
-    copies of the local tensors, cast back (what fp32 masters are). 3 steps, parameters compared."""
+def low_precision_against_masters(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """bf16 or fp16 (``cfg["dtype"]``) DTensor parameters at tp=2 x dp=2 against the same tp model
+    stepped by hand: its local gradients (in the model's dtype and their parameter's placement) summed
+    over dp, ``torch.optim.AdamW`` on fp32 copies of the local tensors, cast back (what fp32 masters
+    are). fp16 runs a dynamic loss scale: the hand-written side backpropagates the loss times the
+    optimizer's scale of that step, divides by it in fp32, and skips a step whose gradients are not
+    finite on any rank; at step 1 tp rank 1 alone overflows. 3 steps, parameters compared."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.get("dtype", "bf16")]
+    scaled = dtype is torch.float16
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
-    ours = _parallel(mesh, 6).to(torch.bfloat16)
-    opt = ZeroOptimizer(ours.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh)
-    if cfg["stage"] == 3:
-        opt.attach(ours)
-    theirs = _parallel(mesh, 6).to(torch.bfloat16)
+    ours = _parallel(mesh, 6).to(dtype)
+    opt = ZeroOptimizer(
+        ours.parameters(),
+        torch.optim.AdamW,
+        lr=LR,
+        stage=cfg["stage"],
+        device_mesh=mesh,
+        loss_scale="dynamic" if scaled else None,
+    )
+    opt.attach(ours)  # stage 3: the forward gathers its local shards
+    theirs = _parallel(mesh, 6).to(dtype)
     masters = [p.to_local().detach().float().clone() for p in theirs.parameters()]
     master_opt = torch.optim.AdamW(masters, lr=LR)
     dp = mesh.get_group("dp")
+    skipped, theirs_skipped = [], []
     for step in range(3):
         x, target = _batch(step, d)
+        scale = opt.loss_scale
         for model in (ours, theirs):
-            out = model(_local(x, t, 2).to(torch.bfloat16))
+            out = model(_local(x, t, 2).to(dtype))
             loss = _loss((out.to_local() if isinstance(out, DTensor) else out).float(), _local(target, t, 2))
-            opt.backward(loss) if model is ours else loss.backward()
+            if scaled and step == 1 and t == 1:
+                loss = loss * float("inf")  # tp rank 1 alone
+            opt.backward(loss) if model is ours else (loss * scale).backward()
         opt.step()
+        skipped.append(opt.last_step_skipped)
         opt.zero_grad()
-        for p, master in zip(theirs.parameters(), masters, strict=True):
+        grads = []
+        for p in theirs.parameters():
             grad = p.grad.redistribute(p.device_mesh, p.placements).to_local()
             dist.all_reduce(grad, group=dp)
-            master.grad = grad.float() / 2
+            grads.append(grad)
+            p.grad = None
+        bad = torch.tensor([float(not all(bool(g.isfinite().all()) for g in grads))])
+        dist.all_reduce(bad, dist.ReduceOp.MAX)  # over the whole mesh
+        theirs_skipped.append(bool(bad.item()))
+        if bad.item():
+            continue
+        for grad, master in zip(grads, masters, strict=True):
+            master.grad = grad.float() / (2 * scale)
         master_opt.step()
         with torch.no_grad():
             for p, master in zip(theirs.parameters(), masters, strict=True):
                 p.to_local().copy_(master)
-                p.grad = None
     with opt.gathered_params():
         pairs = [
             (a.to_local().clone(), b.to_local())
@@ -462,6 +486,8 @@ def bf16_against_masters(rank: int, world: int, cfg: dict[str, Any]) -> dict[str
     return {
         "equal": [torch.equal(a, b) for a, b in pairs],
         "err": max(float((a.float() - b.float()).abs().max()) for a, b in pairs),
+        "skipped": skipped,
+        "theirs_skipped": theirs_skipped,
     }
 
 

@@ -107,12 +107,19 @@ def test_pipeline_stages_of_tensor_parallel_modules_step_as_one_model(pools, sta
         assert r["param_err"] < TOL and r["norm_err"] < TOL, r
 
 
-@pytest.mark.parametrize("stage", [2, 1, 3])
-def test_bf16_parameters_step_as_fp32_masters_of_the_averaged_local_gradients(pools, stage):
-    """bf16 DTensor parameters: bit for bit what a hand-written step does with fp32 copies of the local
-    tensors and their gradients (in the parameter's placement) averaged over dp."""
-    for r in pools(4).run(scenarios_tensor.bf16_against_masters, {"stage": stage}):
+@pytest.mark.parametrize(
+    "cfg",
+    [{"stage": 2}, {"stage": 1}, {"stage": 3}, {"stage": 3, "dtype": "fp16"}, {"stage": 2, "dtype": "fp16"}],
+)
+def test_low_precision_parameters_step_as_fp32_masters_of_the_averaged_local_gradients(pools, cfg):
+    """bf16/fp16 DTensor parameters: bit for bit what a hand-written step does with fp32 copies of the
+    local tensors and their gradients (in the parameter's placement) averaged over dp; fp16 with a
+    dynamic loss scale, an overflow on tp rank 1 alone skipping the step on every rank."""
+    for r in pools(4).run(scenarios_tensor.low_precision_against_masters, cfg):
         assert all(r["equal"]), r
+        assert r["skipped"] == r["theirs_skipped"], r
+        if cfg.get("dtype") == "fp16":
+            assert r["skipped"] == [False, True, False], r
 
 
 def test_dcp_round_trip_of_tensor_parallel_state_into_zeroplan_and_fsdp2(pools, tmp_path):
