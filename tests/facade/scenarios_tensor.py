@@ -80,7 +80,8 @@ def _local(x: torch.Tensor, t: int, tp: int) -> torch.Tensor:
 
 
 def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each case: 3 steps at tp=2 x dp=2 and of one process; parameters and clip norms compared.
+    """Each case: 3 steps at tp=2 x dp=2 (world 4; tp=2 x dp=1 at world 2, each rank both batches)
+    and of one process; parameters and clip norms compared.
 
     ``inf_at``: the step at which tp rank 1 alone gets an infinite gradient (in its shard of the
     column-split weight): with a dynamic loss scale every rank skips that step.
@@ -90,9 +91,10 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
         if cfg.get("mesh") == "mics":  # shard groups of 1 replicated twice, inside each tp slice
             mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
             d = mesh.get_local_rank("dp_replicate")
-        else:
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        else:  # world 2: tp=2 x dp=1, both batches on each rank
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
             d = mesh.get_local_rank("dp")
+        batches = [d] if world == 4 else [0, 1]
         t = mesh.get_local_rank("tp")
         hidden = cfg.get("hidden", 6)
         model = _parallel(mesh, hidden)
@@ -110,10 +112,12 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
         norm_type = cfg.get("norm_type", 2.0)
         norms, ref_norms, skipped = [], [], []
         for step in range(3):
-            x, target = _batch(step, d)
-            out = model(_local(x, t, 2))
-            out = out.to_local() if isinstance(out, DTensor) else out
-            loss = _loss(out, _local(target, t, 2))
+            loss = 0.0
+            for q in batches:
+                x, target = _batch(step, q)
+                out = model(_local(x, t, 2))
+                out = out.to_local() if isinstance(out, DTensor) else out
+                loss = loss + _loss(out, _local(target, t, 2)) / len(batches)
             poison = cfg.get("inf_at") == step
             if poison and t == 1:
                 loss = loss + float("inf") * model[1].weight.to_local().sum()

@@ -59,6 +59,12 @@ def test_tensor_parallel_with_other_settings(pools, case):
     _check([case], pools(4).run(scenarios_tensor.tensor_against_one_process, [case]))
 
 
+def test_tensor_parallel_alone_trains_as_one_process(pools):
+    """tp=2 x dp=1 (world 2): the data-parallel dimension of one rank, stage 3 and a dynamic scale."""
+    cases = [{"stage": 3, "clip": 0.05}, {"stage": 2, "clip": 10.0, "loss_scale": "dynamic", "inf_at": 1}]
+    _check(cases, pools(2).run(scenarios_tensor.tensor_against_one_process, cases))
+
+
 def test_tensor_parameters_zeroplan_cannot_shard_raise_on_every_rank(pools):
     for r in pools(4).run(scenarios_tensor.bad_tensor_parameters):
         assert "needs ZeroOptimizer(..., device_mesh=mesh) with a 'tp' dimension" in r["no_mesh"], r
