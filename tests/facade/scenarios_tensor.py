@@ -617,3 +617,34 @@ def tensor_stage3_uses(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, 
     w.to_local()
     out["arrived"] = type(w).__name__
     return out
+
+
+def tensor_deterministic(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Deterministic mode at tp=2 over ``world // 2`` data-parallel ranks: 3 steps over 4 canonical
+    micro-batches, dp rank ``d`` running its share with ``no_sync()`` around all but its last backward
+    (each loss divided by the share); the digest of the whole parameters and the clip norms."""
+    from scenarios_deterministic import _digest
+
+    dp = world // 2
+    mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    model = _parallel(mesh, 6)
+    opt = ZeroOptimizer(
+        model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, deterministic=True
+    )
+    opt.attach(model)
+    mine = 4 // dp
+    norms = []
+    for step in range(3):
+        for k in range(d * mine, (d + 1) * mine):
+            x, target = _batch(step, k)
+            out = model(_local(x, t, 2))
+            loss = _loss(out.to_local() if isinstance(out, DTensor) else out, _local(target, t, 2)) / mine
+            with opt.no_sync() if k < (d + 1) * mine - 1 else contextlib.nullcontext():
+                opt.backward(loss)
+        norms.append(repr(opt.clip_grad_norm_(0.05).item()))
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_params():
+        params = _digest([p.detach().full_tensor() for p in model.parameters()])
+    return {"params": params, "norms": norms}

@@ -65,6 +65,14 @@ def test_tensor_parallel_alone_trains_as_one_process(pools):
     _check(cases, pools(2).run(scenarios_tensor.tensor_against_one_process, cases))
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deterministic_mode_at_a_fixed_tp_degree_is_bit_identical_across_dp_sizes(pools, stage):
+    """tp=2 x dp=2 and tp=2 x dp=1 (4 micro-batches split 2 + 2, or 4 on each rank): the same bits."""
+    two, one = (pools(w).run(scenarios_tensor.tensor_deterministic, {"stage": stage}) for w in (4, 2))
+    assert len({r["params"] for r in two + one}) == 1, (two, one)
+    assert len({tuple(r["norms"]) for r in two + one}) == 1, (two, one)
+
+
 def test_tensor_parameters_zeroplan_cannot_shard_raise_on_every_rank(pools):
     for r in pools(4).run(scenarios_tensor.bad_tensor_parameters):
         assert "needs ZeroOptimizer(..., device_mesh=mesh) with a 'tp' dimension" in r["no_mesh"], r
