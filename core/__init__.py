@@ -54,7 +54,7 @@ from zeroplan.core.memory import (
     memory_report,
     save_staging_bytes,
 )
-from zeroplan.core.mesh import MeshRoles, mesh_roles, pipeline_stages
+from zeroplan.core.mesh import MeshRoles, mesh_roles, pipeline_stages, pipeline_traffic
 from zeroplan.core.offload import Offload, offload_residences
 from zeroplan.core.optim.implementations import Implementation, resolve_implementation
 from zeroplan.core.optim.optimizers import OptimizerSpec, describe_optimizer, known_optimizers
@@ -207,6 +207,7 @@ __all__ = [
     "MeshRoles",
     "mesh_roles",
     "pipeline_stages",
+    "pipeline_traffic",
     "norm_windows",
     "tensor_parallel_specs",
     "tensor_replicas",

@@ -21,11 +21,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from zeroplan.core.comm import Collective, all_reduce_send
 from zeroplan.core.errors import ConfigError
 from zeroplan.core.specs import ParamSpec
 from zeroplan.core.tensor_parallel import TENSOR_DIM
+from zeroplan.core.traffic import CommCost
 
-__all__ = ["DATA_DIMS", "MODEL_DIMS", "STAGE_DIM", "MeshRoles", "mesh_roles", "pipeline_stages"]
+__all__ = [
+    "DATA_DIMS",
+    "MODEL_DIMS",
+    "STAGE_DIM",
+    "MeshRoles",
+    "mesh_roles",
+    "pipeline_stages",
+    "pipeline_traffic",
+]
 
 #: The names of data-parallel mesh dimensions: one ``dp``, or ``dp_replicate`` and/or ``dp_shard``.
 DATA_DIMS = ("dp", "dp_replicate", "dp_shard")
@@ -173,6 +183,29 @@ def pipeline_stages(specs: Sequence[ParamSpec], stages: int) -> tuple[tuple[Para
             stage = position[block] * stages // len(numbered)
         out[stage].append(spec)
     return tuple(tuple(replace(s, index=i) for i, s in enumerate(group)) for group in out)
+
+
+def pipeline_traffic(
+    stages: int, *, clipping: bool, loss_scaling: bool, rank: int = 0
+) -> tuple[CommCost, ...]:
+    """What zeroplan sends over the ``pp`` group per step, by stage ``rank``: the stages' gradient norms
+    summed (with ``clipping``) and their overflow verdicts joined (with ``loss_scaling``), one float32
+    scalar all-reduce each ([Note: mesh roles]). Activations between stages are the schedule's.
+
+    Example:
+        >>> [(c.group, c.calls, c.bytes) for c in pipeline_traffic(4, clipping=True, loss_scaling=True)]
+        [('pipeline', 2, 8)]
+
+    Raises:
+        ConfigError: ``stages`` below 1.
+    """
+    if type(stages) is not int or stages < 1:
+        raise ConfigError(f"the number of pipeline stages must be an int >= 1, got {stages!r}")
+    controls = int(clipping) + int(loss_scaling)
+    if stages == 1 or not controls:
+        return ()
+    sent = controls * all_reduce_send(1, stages, rank) * 4
+    return (CommCost(group="pipeline", collective=Collective.ALL_REDUCE, calls=controls, bytes=sent),)
 
 
 def _block_of(name: str) -> int | None:

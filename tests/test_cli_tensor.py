@@ -11,6 +11,7 @@ from zeroplan.core import (
     Topology,
     describe_optimizer,
     memory_report,
+    pipeline_stages,
     plan,
     preset_specs,
     tensor_parallel_specs,
@@ -47,6 +48,16 @@ def test_the_table_says_what_one_rank_holds_and_sends_over_tp():
     assert out.returncode == 0, out.stderr
     assert "tensor parallel 4:" in out.stdout and "4 x 8 ranks per pipeline stage" in out.stdout
     assert "not planned" in out.stdout
+
+
+def test_with_pipeline_stages_each_stage_sends_its_own_replicas_over_tp():
+    document = json.loads(zeroplan(*ARGS, "--pipeline-parallel", "2", "--sequence-parallel", "--json").stdout)
+    local = tensor_parallel_specs(preset_specs("llama-7b", "bf16"), 4)
+    for got, part in zip(document["stages"], pipeline_stages(local, 2), strict=True):
+        replicas = len(tensor_replicas(part))
+        assert got["tensor_parallel"]["replicated_params"] == replicas, got["tensor_parallel"]
+        assert got["tensor_parallel"]["planned_comm"][0]["calls"] == replicas
+    assert sum(s["tensor_parallel"]["replicated_params"] for s in document["stages"]) == 65
 
 
 def test_what_it_cannot_combine_is_a_one_line_error():

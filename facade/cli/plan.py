@@ -50,6 +50,7 @@ from zeroplan.core import (
     known_optimizers,
     memory_report,
     pipeline_stages,
+    pipeline_traffic,
     plan,
     plan_domains,
     preset_names,
@@ -256,10 +257,7 @@ def _tensor_document(args: argparse.Namespace, specs: Sequence[ParamSpec]) -> di
         "sequence_parallel": args.sequence_parallel,
         "sharded_params": sum(1 for s in specs if s.index not in tensor_replicas(specs)),
         "replicated_params": len(tensor_replicas(specs)),
-        "planned_comm": [
-            {"group": c.group, "collective": c.collective.value, "calls": c.calls, "bytes": c.bytes}
-            for c in costs
-        ],
+        "planned_comm": [_comm_entry(c) for c in costs],
         "not_planned": "the model's own tensor-parallel collectives (activations and their gradients, "
         "sequence-parallel gathers and reduce-scatters) are the model's, not zeroplan's",
     }
@@ -503,7 +501,8 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     """``zeroplan plan --pipeline-parallel P``: each stage's optimizer over ``--world`` ranks.
 
     Every stage is an optimizer of its own ([Note: mesh roles]); the norm and the overflow verdict
-    add one scalar all-reduce each over the ``pp`` group per step (with clipping, a loss scale).
+    add one scalar all-reduce each over the ``pp`` group per step (with clipping, a loss scale:
+    ``core.pipeline_traffic``), and with ``--tensor-parallel`` each stage's own calls over ``tp``.
     """
     stages = args.pipeline_parallel
     if stages < 1:
@@ -522,6 +521,9 @@ def _run_pipeline(args: argparse.Namespace) -> int:
     parts = pipeline_stages(specs, stages)
     plans = [plan(part, topology, **_plan_options(args)) for part in parts]
     reports = [memory_report(zp) for zp in plans]
+    pipeline_comm = [
+        pipeline_traffic(stages, clipping=True, loss_scaling=args.loss_scaling, rank=k) for k in range(stages)
+    ]
     elapsed = time.perf_counter() - started
     if args.json:
         document: dict[str, Any] = {
@@ -540,13 +542,14 @@ def _run_pipeline(args: argparse.Namespace) -> int:
                     "buckets": len(zp.buckets.buckets),
                     "layout": zp.partition.layout,
                     **report.as_dict(),
+                    "pipeline_comm": [_comm_entry(c) for c in pipeline_comm[k]],
+                    **(
+                        {} if args.tensor_parallel == 1 else {"tensor_parallel": _tensor_document(args, part)}
+                    ),
                 }
                 for k, (part, zp, report) in enumerate(zip(parts, plans, reports, strict=True))
             ],
         }
-        tensor = _tensor_document(args, specs)
-        if tensor is not None:
-            document["tensor_parallel"] = tensor
         sys.stdout.write(json.dumps(document, indent=1))  # one write, not one per token
         sys.stdout.write("\n")
         return 0
@@ -562,17 +565,29 @@ def _run_pipeline(args: argparse.Namespace) -> int:
             elapsed,
             args.rows,
         )
+        tensor_line = _tensor_line(args, part)
+        if tensor_line is not None:
+            print(tensor_line)
     worst = max(range(stages), key=lambda k: max(r.peak_bytes for r in reports[k].ranks))
+    controls = ["the norm (clipping)"] + (["the overflow verdict"] if args.loss_scaling else [])
     print(
         f"the job holds {stages} x {args.world} ranks; the busiest stage is {worst} (peak "
-        f"{gib(max(r.peak_bytes for r in reports[worst].ranks))} per rank). Each step adds a scalar "
-        "all-reduce over the pipeline group for the norm (with clipping) and one for the overflow "
-        "verdict (with a loss scale), not counted above"
+        f"{gib(max(r.peak_bytes for r in reports[worst].ranks))} per rank). Each step adds "
+        f"{sum(c.calls for c in pipeline_comm[0])} scalar all-reduce(s) over the pipeline group "
+        f"({', '.join(controls)}), {max(sum(c.bytes for c in comm) for comm in pipeline_comm)} B sent "
+        "per rank at most"
     )
-    tensor_line = _tensor_line(args, specs)
-    if tensor_line is not None:
-        print(tensor_line)
     return 0
+
+
+def _comm_entry(cost: CommCost) -> dict[str, Any]:
+    """One planned call of ``--json``'s traffic lists."""
+    return {
+        "group": cost.group,
+        "collective": cost.collective.value,
+        "calls": cost.calls,
+        "bytes": cost.bytes,
+    }
 
 
 def _print_experts(
