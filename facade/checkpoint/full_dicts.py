@@ -11,7 +11,11 @@ its pieces, one buffer per dtype, and the destinations copy every range into the
 whole tensor. Replica groups hold the same pieces and gather among themselves;
 scalars named only by ranks that hold some of a parameter ([Note: torch layout of
 shard state]) reach every destination. Memory: the whole dict on each
-destination, plus one rank's pieces of one dtype in flight.
+destination, plus one rank's pieces of one dtype in flight. A tensor-parallel
+optimizer's pieces are its slice's (global coordinates on top): each slice is
+gathered over its data-parallel ranks first, then the slices are joined over
+tp, each tp rank in turn broadcasting its slices into the global tensors
+(:func:`_join_slices`); replicas are taken as tp rank 0 holds them.
 
 ``checkpoint.interchange.get_optimizer_state_dict`` and ``model_state_dict`` take
 torch's ``StateDictOptions`` and use it when ``full_state_dict`` is set; with
@@ -42,11 +46,15 @@ Path = tuple[Any, ...]
 
 
 class _Pieces(NamedTuple):
-    """A leaf that is a ``FlatPieces``: the whole tensor's shape and dtype, the ranges this rank holds."""
+    """A leaf that is a ``FlatPieces``: the whole tensor's shape and dtype, the ranges this rank holds;
+    for a tp slice's pieces ``shape`` is the slice's (the ranges' coordinates), ``whole`` the global
+    shape and ``origin`` where the slice starts in it."""
 
     shape: tuple[int, ...]
     dtype: str
     spans: tuple[tuple[int, int], ...]
+    whole: tuple[int, ...] | None = None
+    origin: tuple[int, ...] | None = None
 
 
 class _Value(NamedTuple):
@@ -79,7 +87,8 @@ def _flatten(tree: dict[Any, Any], prefix: Path = ()) -> dict[Path, Any]:
 def _describe(leaf: Any) -> _Pieces | _Value | _Own:
     if isinstance(leaf, FlatPieces):
         spans = tuple((s.start, s.stop) for s, _ in leaf.parts)
-        return _Pieces(tuple(leaf.shape), dtype_name(leaf.dtype), spans)
+        whole = None if leaf.origin is None else tuple(leaf.shape)
+        return _Pieces(tuple(leaf.local_shape), dtype_name(leaf.dtype), spans, whole, leaf.origin)
     if torch.is_tensor(leaf) and leaf.numel() > 1:
         return _Own()
     return _Value(leaf)
@@ -91,7 +100,10 @@ def gather_full(
     """``tree`` with every ``FlatPieces`` whole, on ``to_rank`` (every rank with ``None``); collective.
 
     Ranks that are not a destination return ``{}``. Tensors are in host memory with
-    ``cpu_offload``, else on the pieces' device.
+    ``cpu_offload``, else on the pieces' device. With tensor parallelism, ``to_rank`` is a rank of
+    the data-parallel world of each tp slice (``None``: all of them): there each slice's tensors are
+    whole, then :func:`_join_slices` joins the slices into the global tensors (on tp rank 0 of
+    those ranks, or on all with ``None``).
 
     Raises:
         IncompatiblePlanError: the ranks' pieces of a tensor do not cover it (on every rank).
@@ -120,6 +132,11 @@ def gather_full(
         _receive(q, theirs, flat, whole, sh, dest)
     if not dest:
         return {}
+    if sh.tensor_group is not None:
+        placed = {path: what for path, what in merged.items() if isinstance(what, _Pieces) and what.origin}
+        whole = _join_slices(whole, placed, sh, everywhere=to_rank is None, where=where)
+        if whole is None:
+            return {}
     out: dict[str, Any] = {}
     for path, what in merged.items():
         if isinstance(what, _Pieces):
@@ -192,6 +209,67 @@ def _receive(
         for path, span in ranges:
             whole[path].view(-1)[span.as_slice()].copy_(buf[at : at + span.numel])
             at += span.numel
+
+
+def _join_slices(
+    slices: dict[Path, torch.Tensor],
+    placed: dict[Path, _Pieces],
+    sh: Shards,
+    *,
+    everywhere: bool,
+    where: torch.device,
+) -> dict[Path, torch.Tensor] | None:
+    """The tp slices' whole local tensors ``slices`` joined over the tp group: each ``placed`` one
+    into its global tensor, at its origin; the others (replicas) as this rank holds them. Collective
+    over ``sh.tensor_group``; ``None`` on ranks that are not a destination (tp rank 0 is, or every
+    rank with ``everywhere``). Each tp rank in turn broadcasts its slices, one buffer per dtype.
+
+    Raises:
+        IncompatiblePlanError: the tp ranks' dicts name other tensors, or slices that do not tile
+            their global tensors (on every rank).
+    """
+    group = sh.tensor_group
+    mine = {path: (what.whole, what.origin, what.shape, what.dtype) for path, what in placed.items()}
+    described = verdicts(None, group, failed="could not describe its tp slice", facts=mine, error=ConfigError)
+    for theirs in described:
+        if set(theirs) != set(mine) or any(t[0] != mine[p][0] for p, t in theirs.items()):
+            raise IncompatiblePlanError(
+                "the tp ranks' optimizer dicts name other tensors or global shapes: they come from "
+                "different optimizers"
+            )
+    for path, (global_shape, *_) in mine.items():
+        if sum(math.prod(theirs[path][2]) for theirs in described) != math.prod(global_shape):
+            raise IncompatiblePlanError(
+                f"the tp slices of {'/'.join(map(str, path))!r} do not tile its global shape {global_shape}"
+            )
+    dest = everywhere or sh.tensor_slice[0] == 0
+    out = dict(slices)
+    if dest:
+        for path, (global_shape, _, _, dtype) in mine.items():
+            out[path] = torch.empty(global_shape, dtype=torch_dtype(dtype), device=where)
+    for q, theirs in enumerate(described):
+        by_dtype: dict[str, list[Path]] = {}
+        for path in sorted(theirs, key=str):
+            by_dtype.setdefault(theirs[path][3], []).append(path)
+        for name, paths in by_dtype.items():
+            total = sum(math.prod(theirs[path][2]) for path in paths)
+            if total == 0:
+                continue
+            if q == sh.tensor_slice[0]:
+                buf = torch.cat([slices[path].reshape(-1) for path in paths]).to(sh.device)
+            else:
+                buf = torch.empty(total, dtype=torch_dtype(name), device=sh.device)
+            broadcast(buf, q, group)
+            if not dest:
+                continue
+            at = 0
+            for path in paths:
+                _, origin, shape, _ = theirs[path]
+                n = math.prod(shape)
+                box = tuple(slice(o, o + k) for o, k in zip(origin, shape, strict=True))
+                out[path][box].copy_(buf[at : at + n].view(shape))
+                at += n
+    return out if dest else None
 
 
 def broadcast_from_rank0(state_dict: dict[str, Any], sh: Shards) -> dict[str, Any]:

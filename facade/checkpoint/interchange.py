@@ -51,7 +51,7 @@ from zeroplan.facade.mechanisms.agreement import verdicts
 from zeroplan.facade.mechanisms.assembly import Assembly
 from zeroplan.facade.mechanisms.collectives import all_gather_objects
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
-from zeroplan.facade.params.local_shards import dcp_refusal
+from zeroplan.facade.params.local_shards import dcp_refusal, is_dtensor, local_tensor
 from zeroplan.facade.runtime.domain_states import DOMAINS_FORMAT
 from zeroplan.facade.state.dicts import Shards, torch_param_groups
 
@@ -91,23 +91,24 @@ def _domains(opt: Any) -> list[_Domain]:
     return out
 
 
-def _one_plan(domains: list[_Domain], what: str) -> Shards:
-    """The one domain's shards, for whole-tensor dicts.
+def _one_plan(domains: list[_Domain], what: str, *, tensor_parallel: bool = False) -> Shards:
+    """The one domain's shards, for whole-tensor dicts (of a tensor-parallel optimizer too, where
+    ``tensor_parallel``: its slices are joined over tp).
 
     Raises:
-        ConfigError: expert groups (no rank holds every expert), or tensor parallelism (a rank holds
-            its tp slice's local tensors, not the global ones).
+        ConfigError: expert groups (no rank holds every expert), or tensor parallelism where the
+            slices are not joined (a rank holds its tp slice's local tensors, not the global ones).
     """
     if len(domains) > 1:
         raise ConfigError(
             f"{what}: this optimizer has expert groups, and no rank holds every expert; save its "
             "pieces (full_state_dict=False) with DCP, or use zeroplan.facade.checkpoint.save"
         )
-    if domains[0].sh.tensor_slice[1] > 1:
+    if domains[0].sh.tensor_slice[1] > 1 and not tensor_parallel:
         raise ConfigError(
             f"{what}: this optimizer is tensor-parallel, and a rank holds its tp slice's local tensors, "
-            "not the global ones; save its pieces (full_state_dict=False, global coordinates) with DCP, "
-            "or use zeroplan.facade.checkpoint.save"
+            "not the global ones; save the model with torch's get_model_state_dict (its DTensors), the "
+            "optimizer with interchange.get_optimizer_state_dict, or use zeroplan.facade.checkpoint.save"
         )
     return domains[0].sh
 
@@ -124,7 +125,7 @@ def get_optimizer_state_dict(
     options = options or StateDictOptions()
     domains = _domains(opt)
     if options.full_state_dict:
-        sh = _one_plan(domains, "full_state_dict=True")
+        sh = _one_plan(domains, "full_state_dict=True", tensor_parallel=True)
         local = dataclasses.replace(options, full_state_dict=False, cpu_offload=False)
         sharded = torch_state_dict.get_optimizer_state_dict(model, opt, options=local)
         return gather_full(sharded, sh, _destination(options), cpu_offload=options.cpu_offload)
@@ -153,27 +154,35 @@ def set_optimizer_state_dict(
     model: torch.nn.Module, opt: Any, state_dict: dict[str, Any], *, options: StateDictOptions | None = None
 ) -> None:
     """torch's ``set_optimizer_state_dict``; with expert groups, a dict of :func:`get_optimizer_state_dict`
-    (each domain's state by its names, hyper-parameters by group position). Collective.
+    (each domain's state by its names, hyper-parameters by group position); with
+    ``full_state_dict=True`` (whole tensors on every rank), read by name here: torch's function
+    would name a parameter's scalars on ranks whose dict has no entry for it (those holding none of
+    its pieces, [Note: torch layout of shard state]) and fail. A tensor-parallel optimizer takes its
+    slice of each whole tensor. Collective.
 
     Raises:
         ConfigError, IncompatiblePlanError: on every rank, if any rank's dict does not fit; nothing
             changed.
     """
     domains = _domains(opt)
-    if len(domains) == 1:
+    whole = options is not None and options.full_state_dict and not options.broadcast_from_rank0
+    if len(domains) == 1 and not whole:
         torch_state_dict.set_optimizer_state_dict(model, opt, state_dict, options=options)
         return
     problem: Exception | None = None
     parts: dict[str, Any] = {}
     try:
         if options is not None and (options.full_state_dict or options.broadcast_from_rank0):
-            _one_plan(domains, "a whole-tensor optimizer dict")
+            _one_plan(domains, "a whole-tensor optimizer dict", tensor_parallel=True)
         parts = _split(state_dict, domains, _names(model.state_dict(keep_vars=True), domains))
     except Exception as exc:  # a dict one rank cannot split must fail on every rank
         problem = exc
     verdicts(
         problem, domains[0].sh.groups.world, failed="could not read the optimizer dict", error=ConfigError
     )
+    if len(domains) == 1:  # a whole-tensor dict of one domain: torch's layout, positions as ids
+        opt.load_state_dict(parts[domains[0].runtime.name])
+        return
     opt.load_state_dict({"format": DOMAINS_FORMAT, "domains": parts})
 
 
@@ -350,7 +359,7 @@ def _names(own: dict[str, Any], domains: list[_Domain]) -> list[dict[int, list[s
         position = {id(p): i for i, p in enumerate(dom.sh.params)}
         names: dict[int, list[str]] = {}
         for name, tensor in own.items():
-            index = position.get(id(tensor))
+            index = position.get(id(local_tensor(tensor) if is_dtensor(tensor) else tensor))
             if index is not None:
                 names.setdefault(index, []).append(dom.prefix + name)
         lost = [s.name for s in dom.sh.zp.specs if s.trainable and s.index not in names]

@@ -291,6 +291,7 @@ class DomainRuntime:
             scaler=scaler,
             parked=self.parked,
             tensor_slice=tensor_slice_of(self.registry.tensor_mesh),
+            tensor_group=None if self.registry.tensor_mesh is None else self.registry.tensor_mesh.get_group(),
         )
 
     def plan_with_cohorts(self, cohorts: Sequence[int]) -> ZeroPlan:

@@ -26,7 +26,15 @@ from typing import Any
 
 import torch
 
-from zeroplan.core import ConfigError, IncompatiblePlanError, Span, ZeroPlan, master_dtype
+from zeroplan.core import (
+    ConfigError,
+    IncompatiblePlanError,
+    Span,
+    ZeroPlan,
+    chunk_rows,
+    master_dtype,
+    tensor_split,
+)
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.state.parts import Shards
@@ -52,6 +60,7 @@ __all__ = [
     "named_scalars",
     "with_scalars",
     "holds_pieces",
+    "tensor_slices",
     "torch_param_groups",
     "is_sharded",
     "shard_state_from_plain",
@@ -199,6 +208,44 @@ def check_plain(state_dict: dict[str, Any], sh: Shards) -> None:
             raise IncompatiblePlanError(
                 f"master of parameter {position[saved_id]} has shape {tuple(master.shape)}"
             )
+
+
+def tensor_slices(state_dict: dict[str, Any], sh: Shards) -> dict[str, Any]:
+    """A plain dict whose whole tensors of tp-split parameters (global shape: a whole-tensor dict,
+    torch's ``full_state_dict``) are cut to this rank's tp slice, as views; anything else as it is
+    ([Note: tensor-parallel parameters] in ``zeroplan.core.tensor_parallel``). The caller's dict is not
+    changed."""
+    if sh.tensor_slice[1] == 1 or is_sharded(state_dict) or not isinstance(state_dict.get("state"), dict):
+        return state_dict
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        return state_dict  # check_plain says what is wrong
+    position = {saved_id: i for i, saved_id in enumerate(i for g in groups for i in g["params"])}
+
+    def cut(saved_id: Any, value: Any) -> Any:
+        index = position.get(saved_id)
+        if (
+            index is None
+            or index >= len(sh.zp.specs)
+            or not _per_element(value)
+            or isinstance(value, FlatPieces)
+        ):
+            return value
+        spec = sh.zp.specs[index]
+        d = tensor_split(spec)
+        if d is None or spec.global_shape is None or tuple(value.shape) != tuple(spec.global_shape):
+            return value
+        rows = chunk_rows(spec.global_shape[d], *sh.tensor_slice)
+        return value.narrow(d, rows.start, rows.numel)
+
+    state = {
+        k: {n: cut(k, v) for n, v in entry.items()} if isinstance(entry, dict) else entry
+        for k, entry in state_dict["state"].items()
+    }
+    out = {**state_dict, "state": state}
+    if isinstance(state_dict.get(MASTER_KEY), dict):
+        out[MASTER_KEY] = {k: cut(k, v) for k, v in state_dict[MASTER_KEY].items()}
+    return out
 
 
 def _by_position(state_dict: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], dict[int, torch.Tensor]]:

@@ -31,6 +31,9 @@ class Shards(NamedTuple):
     tensor_slice: tuple[int, int] = (0, 1)
     """This rank's tp position and degree (``(0, 1)`` without tensor parallelism): where its
     tensor-parallel parameters' local tensors lie in the global ones."""
+    tensor_group: Any = None
+    """The tp group (the optimizer mesh's ``tp`` dimension), ``None`` without one: whole-tensor dicts
+    join the slices over it."""
 
     @property
     def device(self) -> torch.device:

@@ -40,6 +40,7 @@ from zeroplan.facade.state.dicts import (
     parked_from_plain,
     shard_state_from_plain,
     shard_state_from_sharded,
+    tensor_slices,
 )
 from zeroplan.facade.state.inner import Inner, sync_hyperparameters
 from zeroplan.facade.state.shards import ShardState, import_state
@@ -92,6 +93,7 @@ def read_state_dict(
         return LoadedState(
             sh.zp, state, stateful, masters, state_dict["param_groups"], state_dict["scaler"], parked=parked
         )
+    state_dict = tensor_slices(state_dict, sh)  # whole global tensors of a tp optimizer: its slice
     check_plain(state_dict, sh)
     target = plan_with_cohorts(cohorts_of_plain(state_dict, sh.zp))
     state, stateful, masters = shard_state_from_plain(state_dict, target, sh)

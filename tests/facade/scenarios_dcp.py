@@ -204,7 +204,8 @@ def _full_differ(expected: dict[str, Any], optim: dict[str, Any], model: dict[st
 
 def full_state_dicts(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``full_state_dict=True`` (with and without ``cpu_offload``) gives whole plain tensors, which load
-    into FSDP2 and into a fresh zeroplan run with ``broadcast_from_rank0``, bit for bit."""
+    into FSDP2 and into a fresh zeroplan run with ``broadcast_from_rank0`` (and, whole on every rank,
+    with ``interchange.set_optimizer_state_dict``), bit for bit."""
     rows = []
     for cfg in cases:
         model, opt = _zeroplan(cfg)
@@ -213,13 +214,9 @@ def full_state_dicts(rank: int, world: int, cases: list[dict[str, Any]]) -> list
         optim = interchange.get_optimizer_state_dict(model, opt, options=FULL)
         msd = interchange.model_state_dict(model, opt, options=FULL)
         every = StateDictOptions(full_state_dict=True)
-        row: dict[str, Any] = {
-            "everywhere": _full_differ(
-                expected,
-                interchange.get_optimizer_state_dict(model, opt, options=every),
-                interchange.model_state_dict(model, opt, options=every),
-            )
-        }
+        every_optim = interchange.get_optimizer_state_dict(model, opt, options=every)
+        every_model = interchange.model_state_dict(model, opt, options=every)
+        row: dict[str, Any] = {"everywhere": _full_differ(expected, every_optim, every_model)}
         if rank == 0:
             row["rank0"] = _full_differ(expected, optim, msd)
             tensors = [v for entry in optim["state"].values() for v in entry.values()] + list(msd.values())
@@ -238,6 +235,10 @@ def full_state_dicts(rank: int, world: int, cases: list[dict[str, Any]]) -> list
         interchange.load_model_state_dict(model2, opt2, msd, options=FROM_RANK0)
         set_optimizer_state_dict(model2, opt2, optim, options=FROM_RANK0)
         row["into_zeroplan"] = _same(expected, _full_zeroplan(model2, opt2))
+        model3, opt3 = _zeroplan(cfg)  # whole tensors on every rank, read by name
+        interchange.load_model_state_dict(model3, opt3, every_model)
+        interchange.set_optimizer_state_dict(model3, opt3, every_optim, options=every)
+        row["everywhere_into_zeroplan"] = _same(expected, _full_zeroplan(model3, opt3))
         rows.append(row)
     return rows
 

@@ -52,6 +52,7 @@ def test_full_state_dicts_are_whole_plain_tensors_that_load_into_fsdp2_and_zerop
         for r in (r0, r1):
             assert r["into_fsdp2"] == [], (case, r["into_fsdp2"])
             assert r["into_zeroplan"] == [], (case, r["into_zeroplan"])
+            assert r["everywhere_into_zeroplan"] == [], (case, r["everywhere_into_zeroplan"])
 
 
 def test_torch_model_dicts_of_a_stage3_model_hold_its_pieces_and_load_both_ways(pools, tmp_path):

@@ -142,7 +142,14 @@ def test_dcp_round_trip_of_tensor_parallel_state_into_zeroplan_and_fsdp2(pools, 
     for stage in (2, 3):
         for r in pools(4).run(scenarios_tensor.tensor_dcp_round_trip, str(tmp_path / f"s{stage}"), stage):
             assert r["zeroplan"] < TOL and r["fsdp2"] < TOL, (stage, r)  # 0.0 on this machine
-            assert "tensor-parallel" in r["whole"] and "full_state_dict" in r["whole"], r
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_whole_tensor_optimizer_dicts_equal_fsdp2s_and_load_from_them(pools, stage):
+    for r in pools(4).run(scenarios_tensor.tensor_whole_dicts, stage):
+        assert r["keys"] and r["plain"] and r["rank0_only"], r
+        assert r["shapes"] == [(5,), (5, 8), (8,), (8, 5)], r  # the global shapes
+        assert r["state_err"] < TOL and r["resumed_err"] < TOL and r["broadcast_err"] < TOL, r
 
 
 def test_dtensor_parameters_gather_on_use_stage3_holding_no_block_between_steps(pools):
