@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from models import rel_err
 from scenarios_safety import _error
 from torch.distributed.device_mesh import init_device_mesh
@@ -98,7 +99,7 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
         t = mesh.get_local_rank("tp")
         hidden = cfg.get("hidden", 6)
         model = _parallel(mesh, hidden)
-        keys = ("loss_scale", "deterministic", "offload")
+        keys = ("loss_scale", "deterministic", "offload", "reshard_after_forward")
         settings = {k: cfg[k] for k in keys if k in cfg}
         params = list(model.parameters())
         first = params[:-2] if cfg.get("add_group") else params  # the last norm added as its own group
@@ -115,7 +116,10 @@ def tensor_against_one_process(rank: int, world: int, cases: list[dict[str, Any]
             loss = 0.0
             for q in batches:
                 x, target = _batch(step, q)
-                out = model(_local(x, t, 2))
+                if cfg.get("recompute"):  # activation checkpointing: the forward runs again in backward
+                    out = torch.utils.checkpoint.checkpoint(model, _local(x, t, 2), use_reentrant=False)
+                else:
+                    out = model(_local(x, t, 2))
                 out = out.to_local() if isinstance(out, DTensor) else out
                 loss = loss + _loss(out, _local(target, t, 2)) / len(batches)
             poison = cfg.get("inf_at") == step

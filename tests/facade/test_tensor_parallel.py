@@ -53,6 +53,8 @@ def test_tensor_parallel_parameters_train_as_one_process(pools):
         {"stage": 2, "clip": 0.05, "add_group": True},  # DTensors brought by add_param_group
         {"stage": 3, "clip": 0.05, "offload": "all", "deterministic": True},  # shards on the host too
         {"stage": 3, "clip": 0.05, "mesh": "mics", "add_group": True},
+        {"stage": 3, "clip": 0.05, "recompute": True},  # activation checkpointing over the whole model
+        {"stage": 3, "clip": 0.05, "reshard_after_forward": False, "recompute": True},
     ],
 )
 def test_tensor_parallel_with_other_settings(pools, case):
