@@ -181,6 +181,18 @@ def has_checkpoint(directory: Path) -> bool:
     return checkpoint.latest(directory) is not None
 
 
+def resume(opt: torch.optim.Optimizer, scheduler: Any, root: Path | None) -> int:
+    """Load the latest checkpoint in ``root`` (parameters, masters, optimizer state; any world size)
+    and the scheduler it saved; returns the step to continue from (0: nothing to resume)."""
+    if root is None or not has_checkpoint(root):
+        return 0
+    extra = checkpoint.load(opt, root)
+    scheduler.load_state_dict(extra["scheduler"])
+    for group, lr in zip(opt.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr  # schedulers compute the next rate from the current one
+    return int(extra["step"])
+
+
 def log(rank: int, message: str) -> None:
     if rank == 0:
         print(message, flush=True)
@@ -232,13 +244,8 @@ def train(args: argparse.Namespace, build: Build = build_gpt) -> float:
         f"{mine.comm_bytes_per_step / 2**20:.2f} MiB per step",
     )
 
-    start = 0
-    if args.resume and has_checkpoint(args.ckpt_dir):
-        extra = checkpoint.load(opt, args.ckpt_dir)  # parameters, masters, optimizer state; any world size
-        start = int(extra["step"])
-        scheduler.load_state_dict(extra["scheduler"])
-        for group, lr in zip(opt.param_groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr  # schedulers compute the next rate from the current one
+    start = resume(opt, scheduler, args.ckpt_dir if args.resume else None)
+    if start:
         log(rank, f"resumed from {args.ckpt_dir} at step {start}")
     elif args.resume:
         log(rank, f"no checkpoint in {args.ckpt_dir}: starting from step 0")

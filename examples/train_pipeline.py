@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import ScheduleGPipe
-from train_gpt import DTYPES, Data, parse_args, schedule, setup
+from train_gpt import DTYPES, Data, parse_args, resume, schedule, setup
 
 from zeroplan.facade import ZeroOptimizer, checkpoint
 from zeroplan.facade.cli.demo.model import IGNORE, DemoGPT, GPTConfig, SortTask, build_model
@@ -129,13 +129,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         f"{params:,} parameters; its optimizer {mine.total_bytes / 2**20:.2f} MiB on dp rank 0",
     )
     root = None if args.ckpt_dir is None else Path(args.ckpt_dir) / f"pp{s}"
-    start = 0
-    if args.resume and root is not None and checkpoint.latest(root) is not None:
-        extra = checkpoint.load(opt, root)
-        start = int(extra["step"])
-        scheduler.load_state_dict(extra["scheduler"])
-        for group, lr in zip(opt.param_groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
+    start = resume(opt, scheduler, root if args.resume else None)
+    if start:
         _log(logger, f"resumed from {args.ckpt_dir} at step {start}")
     data = Data(task, args.global_batch, args.micro_batches, d, dp, device)
     first = last = math.nan

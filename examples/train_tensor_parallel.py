@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from train_gpt import DTYPES, Data, log, parse_args, schedule, setup
+from train_gpt import DTYPES, Data, log, parse_args, resume, schedule, setup
 
 from zeroplan.facade import ZeroOptimizer, checkpoint
 from zeroplan.facade.cli.demo.model import GPTConfig, SortTask, build_model, loss_of
@@ -104,13 +104,8 @@ def train(args: argparse.Namespace, tp: int, rank: int, world: int, device: torc
         f"elements; rank 0's optimizer holds {mine.total_bytes / 2**20:.2f} MiB",
     )
     root = None if args.ckpt_dir is None else Path(args.ckpt_dir) / f"tp{t}"
-    start = 0
-    if args.resume and root is not None and checkpoint.latest(root) is not None:
-        extra = checkpoint.load(opt, root)
-        start = int(extra["step"])
-        scheduler.load_state_dict(extra["scheduler"])
-        for group, lr in zip(opt.param_groups, scheduler.get_last_lr(), strict=True):
-            group["lr"] = lr
+    start = resume(opt, scheduler, root if args.resume else None)
+    if start:
         log(rank, f"resumed from {args.ckpt_dir} at step {start}")
     data = Data(task, args.global_batch, args.micro_batches, d, dp, device)
     first = last = math.nan
