@@ -187,8 +187,7 @@ def check_plain(state_dict: dict[str, Any], sh: Shards) -> None:
                 f"param group {g} has {len(a['params'])} parameters in the state dict, "
                 f"{len(b['params'])} in the optimizer"
             )
-    ids = [i for group in saved for i in group["params"]]
-    position = {saved_id: i for i, saved_id in enumerate(ids)}
+    position = _positions(saved)
     for saved_id, entry in state_dict["state"].items():
         if saved_id not in position:
             raise IncompatiblePlanError(f"state for parameter id {saved_id!r}, which no param group lists")
@@ -220,7 +219,7 @@ def tensor_slices(state_dict: dict[str, Any], sh: Shards) -> dict[str, Any]:
     groups = state_dict.get("param_groups")
     if not isinstance(groups, list) or not all(isinstance(g, dict) and "params" in g for g in groups):
         return state_dict  # check_plain says what is wrong
-    position = {saved_id: i for i, saved_id in enumerate(i for g in groups for i in g["params"])}
+    position = _positions(groups)
 
     def cut(saved_id: Any, value: Any) -> Any:
         index = position.get(saved_id)
@@ -248,9 +247,13 @@ def tensor_slices(state_dict: dict[str, Any], sh: Shards) -> dict[str, Any]:
     return out
 
 
+def _positions(param_groups: Sequence[dict[str, Any]]) -> dict[Any, int]:
+    """Each saved parameter id's position: its index in the groups' ``params``, in order."""
+    return {saved_id: i for i, saved_id in enumerate(i for group in param_groups for i in group["params"])}
+
+
 def _by_position(state_dict: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], dict[int, torch.Tensor]]:
-    ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-    position = {saved_id: i for i, saved_id in enumerate(ids)}
+    position = _positions(state_dict["param_groups"])
     state = {position[k]: v for k, v in state_dict["state"].items()}
     masters = {position[k]: v for k, v in state_dict.get(MASTER_KEY, {}).items()}
     return state, masters
