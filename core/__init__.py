@@ -44,7 +44,7 @@ from zeroplan.core.errors import (
 )
 from zeroplan.core.experts import ExpertSplit, expert_domains
 from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_gather, two_hop_send
-from zeroplan.core.host_step import StepUnit, UpCopy, publishes_via_host_cast, step_units
+from zeroplan.core.host_step import StepUnit, UpCopy, kept_tensors, publishes_via_host_cast, step_units
 from zeroplan.core.host_traffic import HostLink, host_link
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
 from zeroplan.core.memory import (
@@ -78,7 +78,7 @@ from zeroplan.core.planner import (
     windows_in,
 )
 from zeroplan.core.reshard import Copy, ReshardPlan, compare_specs, plan_reshard
-from zeroplan.core.residence import BufferRole, Residence, Residences
+from zeroplan.core.residence import KEPT_ROLES, BufferRole, Residence, Residences
 from zeroplan.core.scaler import ScalerConfig, ScalerState, initial_state, update
 from zeroplan.core.sizing.activations import (
     ActivationMemory,
@@ -149,6 +149,8 @@ __all__ = [
     "Residences",
     "Offload",
     "offload_residences",
+    "kept_tensors",
+    "KEPT_ROLES",
     "HostLink",
     "StepUnit",
     "UpCopy",

@@ -28,7 +28,10 @@ where those live is ``zp.residences.of(BufferRole.STAGING)`` and
 
 A role placed apart from the buffer it would view (host memory,
 [Note: offload, planned]) is a buffer of its own instead (``ZeroPlan.own_master``,
-``ZeroPlan.reduces_in_place``).
+``ZeroPlan.reduces_in_place``). A partial offload ([Note: kept on the device])
+gives the gradient shard and the masters of a rank's first ``kept_numel``
+elements buffers of their own on the device (``KEPT_GRAD_SHARD``,
+``KEPT_MASTER``); the host buffers hold the rest, from element ``kept_numel``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from zeroplan.core.arena import grad_shard_dtype
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, master_dtype
 from zeroplan.core.errors import PlanInvariantError
 from zeroplan.core.planner import Stage, ZeroPlan
-from zeroplan.core.residence import BufferRole, Residence
+from zeroplan.core.residence import KEPT_ROLES, BufferRole, Residence
+from zeroplan.core.space import Space
 from zeroplan.core.span import Span
 
 __all__ = ["Allocation", "BufferRole", "BufferSpec", "SpaceAllocation", "allocation", "held_roles"]
@@ -160,11 +164,24 @@ def held_roles(zp: ZeroPlan) -> tuple[BufferRole, ...]:
         return ()
     held = {spec.role for space in allocation(zp, 0, blocks=False).spaces for spec in space.buffers}
     held |= {BufferRole.STAGING, BufferRole.OPTIMIZER_STATE}
+    if zp.residences.partial:  # [Note: kept on the device]
+        held.update(KEPT_ROLES)
     if zp.stage is Stage.PARAMETERS:
         held.add(BufferRole.BLOCK)
     if zp.param_wire is not None and zp.topology.shard_size > 1:
         held.add(BufferRole.GATHER_ROOM)
     return tuple(role for role in BufferRole if role in held)
+
+
+def _kept(zp: ZeroPlan, space: Space, kept: int) -> list[BufferSpec]:
+    """The device part of a partial offload ([Note: kept on the device]): the first ``kept`` elements
+    of the rank's gradient shard and masters (masters of their own, as the offloaded part's)."""
+    if not kept:
+        return []
+    return [
+        BufferSpec(BufferRole.KEPT_GRAD_SHARD, kept, grad_shard_dtype(zp, space)),
+        BufferSpec(BufferRole.KEPT_MASTER, kept, master_dtype(space.dtype)),
+    ]
 
 
 def allocation(zp: ZeroPlan, shard_rank: int, *, blocks: bool = True) -> Allocation:
@@ -188,10 +205,11 @@ def allocation(zp: ZeroPlan, shard_rank: int, *, blocks: bool = True) -> Allocat
         dtype, master = space.dtype, master_dtype(space.dtype)
         own_master = zp.own_master(space)
         buffers: list[BufferSpec] = []
+        kept = zp.kept_numel(space.index, shard_rank)  # [Note: kept on the device]
         if zp.stage is Stage.PARAMETERS:
             buffers.append(BufferSpec(R.PARAM_SHARD, shard, dtype, residence=where(R.PARAM_SHARD)))
             if own_master:
-                buffers.append(BufferSpec(R.MASTER, shard, master, residence=where(R.MASTER)))
+                buffers.append(BufferSpec(R.MASTER, shard - kept, master, residence=where(R.MASTER)))
             else:
                 buffers.append(
                     BufferSpec(
@@ -199,8 +217,11 @@ def allocation(zp: ZeroPlan, shard_rank: int, *, blocks: bool = True) -> Allocat
                     )
                 )
             buffers.append(
-                BufferSpec(R.GRAD_SHARD, shard, grad_shard_dtype(zp, space), residence=where(R.GRAD_SHARD))
+                BufferSpec(
+                    R.GRAD_SHARD, shard - kept, grad_shard_dtype(zp, space), residence=where(R.GRAD_SHARD)
+                )
             )
+            buffers += _kept(zp, space, kept)
             if blocks:
                 buffers += [
                     BufferSpec(R.BLOCK, b.numel, dtype, block=k, residence=where(R.BLOCK))
@@ -219,12 +240,15 @@ def allocation(zp: ZeroPlan, shard_rank: int, *, blocks: bool = True) -> Allocat
                 BufferSpec(R.GRAD_SHARD, region.numel, dtype, R.FULL_GRADS, region, residence=grad_shard)
             )
         else:
-            buffers.append(BufferSpec(R.GRAD_SHARD, shard, grad_shard_dtype(zp, space), residence=grad_shard))
+            buffers.append(
+                BufferSpec(R.GRAD_SHARD, shard - kept, grad_shard_dtype(zp, space), residence=grad_shard)
+            )
         if not zp.master_in_params(space):
-            buffers.append(BufferSpec(R.MASTER, shard, master, residence=where(R.MASTER)))
+            buffers.append(BufferSpec(R.MASTER, shard - kept, master, residence=where(R.MASTER)))
         elif region is not None:  # stepped in place: the rank's region of the full buffer
             buffers.append(
                 BufferSpec(R.MASTER, region.numel, master, R.FULL_PARAMS, region, residence=where(R.MASTER))
             )
+        buffers += _kept(zp, space, kept)
         spaces.append(SpaceAllocation(space.index, tuple(buffers)))
     return Allocation(shard_rank, tuple(spaces))

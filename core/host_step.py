@@ -46,7 +46,7 @@ from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.residence import BufferRole
 from zeroplan.core.span import Span
 
-__all__ = ["StepUnit", "UpCopy", "gather_release", "publishes_via_host_cast", "step_units"]
+__all__ = ["StepUnit", "UpCopy", "gather_release", "kept_tensors", "publishes_via_host_cast", "step_units"]
 
 #: Ranks with a piece in a gather block beyond which :func:`gather_release` does not look (the block
 #: then waits for the last unit): a rank-major chunk has one, an interleaved block is its bucket.
@@ -91,7 +91,8 @@ def step_units(
 
     A tensor belongs to the unit of the last bucket (in launch order) that
     holds any of its elements. Empty unless the plan steps in host memory
-    (``ZeroPlan.steps_on_host``).
+    (``ZeroPlan.steps_on_host``); a partial offload's kept tensors
+    (:func:`kept_tensors`) are in no unit: the device steps them.
 
     ``tensors``: ``zp.inner_tensors(shard_rank)`` when the caller has them; ``with_copies=False``
     leaves each unit's ``copies`` empty (a report needs only the units).
@@ -111,9 +112,12 @@ def step_units(
     tensors = zp.inner_tensors(shard_rank) if tensors is None else tensors
     pieces = {s.index: zp.bucket_pieces(s.index, shard_rank) for s in zp.partition.spaces}
     starts = {space: [start for start, _, _ in held] for space, held in pieces.items()}
+    kept = {s.index: zp.kept_numel(s.index, shard_rank) for s in zp.partition.spaces}
     members: dict[int, list[int]] = {}
     for t, tensor in enumerate(tensors):
         span, held = tensor.shard_span, pieces.get(tensor.space, [])
+        if span.stop <= kept[tensor.space]:
+            continue  # stepped on the device ([Note: kept on the device])
         k = max(bisect_right(starts.get(tensor.space, []), span.start) - 1, 0)
         last = None
         while k < len(held) and held[k][0] < span.stop:
@@ -132,6 +136,27 @@ def step_units(
                 copies += _up_copies(zp, shard_rank, tensors[t].space, tensors[t].shard_span, held_pieces)
         units.append(StepUnit(b, tuple(ts), tuple(copies)))
     return tuple(units)
+
+
+def kept_tensors(
+    zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTensor] | None = None
+) -> tuple[int, ...]:
+    """The inner tensors (indices into ``tensors``, ``zp.inner_tensors(shard_rank)`` by default) a
+    partial offload steps on the device ([Note: kept on the device]): those in the rank's kept
+    prefix of their space. Empty unless ``zp.residences.partial``.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(64,), (64,)], dtype="bf16"), Topology(world_size=2),
+        ...     alignment=8, bucket_bytes=128, offload="optimizer", offload_fraction=0.5)
+        >>> kept_tensors(zp, 0), [(u.bucket, u.tensors) for u in step_units(zp, 0)]
+        ((0,), [(0, (1,))])
+    """
+    if not zp.residences.partial or not zp.steps_on_host:
+        return ()
+    tensors = zp.inner_tensors(shard_rank) if tensors is None else tensors
+    kept = {s.index: zp.kept_numel(s.index, shard_rank) for s in zp.partition.spaces}
+    return tuple(t for t, tensor in enumerate(tensors) if tensor.shard_span.stop <= kept[tensor.space])
 
 
 def _up_copies(
@@ -173,7 +198,9 @@ def gather_release(zp: ZeroPlan, space: int) -> tuple[int | None, ...]:
     """Per gather block of ``space`` (``ZeroPlan.gather_blocks``), the bucket (launch order) after
     whose unit every rank has stepped all of the block: its gather may start then ([Note: offload,
     executed]). ``None``: after the last unit (a block held by more than a few ranks whose bucket is
-    not the block itself). Empty unless the plan steps in host memory at stage 1 or 2.
+    not the block itself). ``-1``: before the first unit (a partial offload kept every piece of it on
+    the device, which steps first, [Note: kept on the device]). Empty unless the plan steps in host
+    memory at stage 1 or 2.
 
     Example:
         >>> from zeroplan.core import Topology, plan, specs_from_shapes
@@ -190,10 +217,12 @@ def gather_release(zp: ZeroPlan, space: int) -> tuple[int | None, ...]:
     # buckets span the space's own coordinate, its gather blocks the buffer's).
     same_span = {(b.span.start, b.span.stop): b.index for b in buckets}
     interleaved = zp.partition.layout != "rank_major"
+    partial = zp.residences.partial
+    kept: dict[int, int] = {}  # rank -> its kept prefix, looked up on first use
     out: list[int | None] = []
     for block in zp.gather_blocks(s):
         own = same_span.get((block.span.start, block.span.stop))
-        if own is not None and interleaved:
+        if own is not None and interleaved and not partial:
             out.append(own)
             continue
         holders = []
@@ -204,11 +233,15 @@ def gather_release(zp: ZeroPlan, space: int) -> tuple[int | None, ...]:
         if len(holders) > _RELEASE_RANKS:
             out.append(None)
             continue
-        last = -1
+        last, stepped = -1, False
         for rank, span in holders:
+            if partial and rank not in kept:
+                kept[rank] = zp.kept_numel(space, rank)
             for b in buckets:
                 piece = b.piece_of(rank)
                 if piece is not None and piece.shard_span.intersect(span) is not None:
-                    last = max(last, b.index)
-        out.append(last if last >= 0 else None)
+                    stepped = True
+                    if piece.shard_span.stop > kept.get(rank, 0):  # else stepped on the device
+                        last = max(last, b.index)
+        out.append(last if last >= 0 or (partial and stepped) else None)
     return tuple(out)

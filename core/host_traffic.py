@@ -13,6 +13,9 @@ copies each step:
   parameters on the device; at stage 3 with ``PARAM_SHARD`` in host memory,
   the shard of each block before its gather instead: before the forward, and
   again before the backward when the plan reshards after the forward.
+
+The pieces a partial offload keeps on the device ([Note: kept on the device])
+go neither way.
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ def host_link(zp: ZeroPlan, shard_rank: int) -> HostLink:
     host = {role for role in BufferRole if zp.residences.of(role) is Residence.HOST}
     to_host = to_device = down = up = 0
     spaces = zp.partition.spaces
+    kept = [zp.kept_numel(space.index, shard_rank) for space in spaces]  # [Note: kept on the device]
     if BufferRole.GRAD_SHARD in host:
         for bucket in zp.buckets.buckets:
             piece = bucket.piece_of(shard_rank)
-            if piece is not None and piece.shard_span.numel:
+            if piece is not None and piece.shard_span.numel and piece.shard_span.start >= kept[bucket.space]:
                 to_host += piece.shard_span.numel * DTYPE_ITEMSIZE[grad_shard_dtype(zp, spaces[bucket.space])]
                 down += 1
     params = BufferRole.PARAM_SHARD if zp.stage is Stage.PARAMETERS else BufferRole.FULL_PARAMS
@@ -69,7 +73,7 @@ def host_link(zp: ZeroPlan, shard_rank: int) -> HostLink:
     elif BufferRole.MASTER in host and params not in host:  # bucket by bucket, as each is stepped
         for bucket in zp.buckets.buckets:
             piece = bucket.piece_of(shard_rank)
-            if piece is not None and piece.shard_span.numel:
+            if piece is not None and piece.shard_span.numel and piece.shard_span.start >= kept[bucket.space]:
                 to_device += piece.shard_span.numel * DTYPE_ITEMSIZE[spaces[bucket.space].dtype]
                 up += 1
     return HostLink(to_host, to_device, down, up)

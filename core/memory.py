@@ -51,8 +51,9 @@ from zeroplan.core.allocation import BufferRole, allocation, held_roles
 from zeroplan.core.deterministic import exact_norm_transient, partial_sums_held
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import ConfigError, require
+from zeroplan.core.host_step import kept_tensors
 from zeroplan.core.host_traffic import HostLink, host_link
-from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, step_peak
+from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, kept_temporaries, step_peak
 from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.residence import Residence
 from zeroplan.core.traffic import CommCost, step_traffic
@@ -77,8 +78,10 @@ class RankReport:
             device, each way ([Note: offload, planned]); ``None`` with everything on the device.
         step_on_host: whether the inner optimizer steps in host memory (its masters live there), so
             the step's transients are host memory, not the device's.
+        kept_step_transient_bytes: a partial offload's step of its kept part, on the device
+            ([Note: kept on the device]), before the host steps the rest: its temporaries.
         device_peak_bytes: the device's share of the peak: ``device_bytes`` plus the backward's
-            transients and, unless the step runs on the host, the step's.
+            transients and the step's, or (the step on the host) the kept part's step's.
         host_peak_bytes: the host memory the rank needs at its peak: ``host_bytes``, plus the
             step's transients when it runs on the host.
         save_staging_bytes: host memory a background save stages (:func:`save_staging_bytes`);
@@ -98,6 +101,7 @@ class RankReport:
     host_bytes: int = 0
     host_link: HostLink | None = None
     step_on_host: bool = False
+    kept_step_transient_bytes: int = 0
     save_staging_bytes: int = 0
     total_bytes: int = field(init=False)
     device_bytes: int = field(init=False)
@@ -116,6 +120,7 @@ class RankReport:
             self.buffer_bytes,
             self.backward_transient_bytes,
             self.step_transient_bytes,
+            self.kept_step_transient_bytes,
         )
         require(min(parts) >= 0, f"negative byte count in report of rank {self.rank}: {parts}")
         object.__setattr__(self, "total_bytes", sum(parts[:5]))
@@ -125,11 +130,11 @@ class RankReport:
         )
         object.__setattr__(self, "device_bytes", self.total_bytes - self.host_bytes)
         object.__setattr__(self, "comm_bytes_per_step", sum(c.bytes for c in self.comm))
-        transient = StepPeak(self.backward_transient_bytes, self.step_transient_bytes)
+        step, kept = self.step_transient_bytes, self.kept_step_transient_bytes
+        transient = StepPeak(self.backward_transient_bytes, max(step, kept))  # kept first, then the rest
         object.__setattr__(self, "peak_bytes", sum(parts[:5]) + transient.bytes)
         object.__setattr__(self, "peak_phase", transient.phase)
-        step = self.step_transient_bytes
-        device_transient = max(self.backward_transient_bytes, 0 if self.step_on_host else step)
+        device_transient = max(self.backward_transient_bytes, kept if self.step_on_host else step)
         object.__setattr__(self, "device_peak_bytes", self.device_bytes + device_transient)
         object.__setattr__(self, "host_peak_bytes", self.host_bytes + (step if self.step_on_host else 0))
 
@@ -166,6 +171,8 @@ class RankReport:
             record["host_peak_bytes"] = self.host_peak_bytes
             record["step_on_host"] = self.step_on_host
             record["host_link"] = self.host_link._asdict()
+            if self.kept_step_transient_bytes:  # [Note: kept on the device]
+                record["kept_step_transient_bytes"] = self.kept_step_transient_bytes
         return record
 
 
@@ -213,21 +220,22 @@ class _RankBytes(NamedTuple):
 
 
 def _rank_memory(
-    zp: ZeroPlan, shard_rank: int, staging: int, frozen: int, state_of: Callable[[int], int]
+    zp: ZeroPlan, shard_rank: int, staging: int, frozen: int, state_of: Callable[[int], tuple[int, int]]
 ) -> _RankBytes:
     """Bytes of a shard rank by category; ``staging``: its staging arena; ``state_of``: a rank's
-    optimizer state (stages 1-3). Stages 1-3 sum the allocation plan ([Note: allocation plan])."""
+    optimizer state (stages 1-3), and of it the part a partial offload keeps on the device ([Note:
+    kept on the device]). Stages 1-3 sum the allocation plan ([Note: allocation plan])."""
     stage, specs = zp.stage, zp.specs
     if stage is not Stage.DDP:
         plan = allocation(zp, shard_rank, blocks=False)  # persistent buffers: blocks are transients
-        state, where = state_of(shard_rank), zp.residences.of
+        (state, kept_state), where = state_of(shard_rank), zp.residences.of
         host = plan.bytes_in(Residence.HOST)
-        host += state if where(BufferRole.OPTIMIZER_STATE) is Residence.HOST else 0
+        host += state - kept_state if where(BufferRole.OPTIMIZER_STATE) is Residence.HOST else 0
         host += staging if where(BufferRole.STAGING) is Residence.HOST else 0
         return _RankBytes(
             plan.persistent_bytes(BufferRole.FULL_PARAMS, BufferRole.PARAM_SHARD) + frozen,
-            plan.persistent_bytes(BufferRole.FULL_GRADS, BufferRole.GRAD_SHARD),
-            plan.persistent_bytes(BufferRole.MASTER),
+            plan.persistent_bytes(BufferRole.FULL_GRADS, BufferRole.GRAD_SHARD, BufferRole.KEPT_GRAD_SHARD),
+            plan.persistent_bytes(BufferRole.MASTER, BufferRole.KEPT_MASTER),
             state,
             staging,
             host,
@@ -285,12 +293,17 @@ def memory_report(
     staging = [0] * n if backward is None else [p.staging for p in backward]
     # Ranks with equal inner tensors (often most of them) share one tuple: their state is summed once.
     tensors = () if zp.stage is Stage.DDP else zp.inner_tensors_by_rank()
-    states: dict[int, int] = {}  # id of a tuple of tensors -> its state bytes
+    states: dict[int, tuple[int, int]] = {}  # id of a tuple of tensors -> its state bytes, and kept
+    partial = zp.stage is not Stage.DDP and zp.residences.partial
 
-    def state_of(s: int) -> int:
+    def state_of(s: int) -> tuple[int, int]:
+        if partial:  # [Note: kept on the device]: the kept prefix differs by rank
+            listed = tensors[s]
+            kept = [listed[i] for i in kept_tensors(zp, s, listed)]
+            return _state_bytes(zp, listed), _state_bytes(zp, kept)
         key = id(tensors[s])
         if key not in states:
-            states[key] = _state_bytes(zp, tensors[s])
+            states[key] = (_state_bytes(zp, tensors[s]), 0)
         return states[key]
 
     if zp.stage is Stage.DDP:  # every rank holds everything: one rank's figures are every rank's
@@ -328,6 +341,7 @@ def memory_report(
                 host_bytes=memory.host,
                 host_link=links[s],
                 step_on_host=step_on_host,
+                kept_step_transient_bytes=kept_temporaries(zp, s, tensors[s]) if partial else 0,
                 save_staging_bytes=0 if zp.stage is Stage.DDP else _rank_staging(zp, rank, shard_staging[s]),
             )
         )

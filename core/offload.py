@@ -16,6 +16,10 @@ An offload mode is a recipe for :class:`~zeroplan.core.residence.Residences`
   the host, and each block's shard goes host→device just before its gather
   (before the forward, and again before the backward when resharded).
 
+``offload_fraction`` (``optimizer`` only) places that share of each rank's
+optimizer elements in host memory and keeps the rest on the device, the split
+chosen by the plan ([Note: kept on the device]).
+
 Where a role is otherwise a *view* of a device buffer (fp32 parameters are
 their own masters; stage 1 reduces a rank-major gradient shard in place in the
 full gradient buffer), a host placement gives it a buffer of its own
@@ -67,15 +71,18 @@ class Offload(enum.Enum):
 OPTIMIZER_ROLES = (BufferRole.GRAD_SHARD, BufferRole.MASTER, BufferRole.OPTIMIZER_STATE)
 
 
-def offload_residences(mode: Offload | str | None, stage: int) -> Residences:
+def offload_residences(mode: Offload | str | None, stage: int, fraction: float | None = None) -> Residences:
     """Where each buffer role lives under offload ``mode`` at ``stage`` ([Note: offload, planned]).
 
     Args:
         mode: ``"none"`` (or ``None``), ``"optimizer"`` or ``"all"``.
         stage: the plan's stage, 0-3.
+        fraction: ``offload_fraction``: the share of the optimizer's elements in host memory,
+            the rest kept on the device ([Note: kept on the device]); ``None`` (or 1): all.
 
     Raises:
-        ConfigError: offload at stage 0, or ``"all"`` below stage 3.
+        ConfigError: offload at stage 0, ``"all"`` below stage 3, a fraction without
+            ``"optimizer"``, or a fraction outside (0, 1].
 
     Example:
         >>> [r.value for r in offload_residences("optimizer", 2).host]
@@ -84,6 +91,12 @@ def offload_residences(mode: Offload | str | None, stage: int) -> Residences:
         ['param_shard', 'grad_shard', 'master', 'optimizer_state']
     """
     mode = Offload.parse(mode)
+    if fraction is not None and mode is not Offload.OPTIMIZER:
+        raise ConfigError(
+            f"offload_fraction={fraction!r} needs offload='optimizer' (it splits the masters, their state "
+            f"and the gradient shard between host memory and the device), got offload={mode.value!r}"
+            + ("; with offload='all' the parameter shards are offloaded whole" if mode is Offload.ALL else "")
+        )
     if mode is Offload.NONE:
         return ALL_ON_DEVICE
     if int(stage) == 0:
@@ -99,12 +112,20 @@ def offload_residences(mode: Offload | str | None, stage: int) -> Residences:
                 "or offload='optimizer'"
             )
         return Residences(host=(BufferRole.PARAM_SHARD, *OPTIMIZER_ROLES))
-    return Residences(host=OPTIMIZER_ROLES)
+    if fraction is None:
+        return Residences(host=OPTIMIZER_ROLES)
+    try:
+        return Residences(host=OPTIMIZER_ROLES, host_fraction=fraction)
+    except ConfigError:
+        raise ConfigError(
+            f"offload_fraction must be a number in (0, 1] (the share of the optimizer's elements in host "
+            f"memory), got {fraction!r}; for none, use offload='none'"
+        ) from None
 
 
 def offload_name(where: Residences, stage: int) -> str | tuple[str, ...]:
     """The offload mode that places roles as ``where`` does at ``stage`` (its name, as the user gave
-    it), or the roles in host memory when no mode does.
+    it), or the roles in host memory when no mode does. ``where.host_fraction`` is not part of it.
 
     Example:
         >>> offload_name(offload_residences("optimizer", 2), 2), offload_name(ALL_ON_DEVICE, 2)
@@ -114,7 +135,7 @@ def offload_name(where: Residences, stage: int) -> str | tuple[str, ...]:
     """
     for mode in Offload:
         try:
-            if offload_residences(mode, stage) == where:
+            if offload_residences(mode, stage).host == where.host:
                 return mode.value
         except ConfigError:
             continue

@@ -62,7 +62,7 @@ from typing import NamedTuple
 from zeroplan.core.arena import arena_bytes
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import check_config
-from zeroplan.core.host_step import step_units
+from zeroplan.core.host_step import kept_tensors, step_units
 from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.schedule import ActionKind, staging_schedule
 
@@ -76,6 +76,7 @@ __all__ = [
     "GatherRooms",
     "gather_rooms",
     "gathered_bytes",
+    "kept_temporaries",
     "step_peak",
     "step_transient",
 ]
@@ -221,7 +222,8 @@ def _temporaries_bytes(zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTen
     """The inner optimizer's temporaries of the rank's largest param group (stage 0: rank-independent).
 
     A step in host memory calls the inner optimizer once per unit ([Note: offload, executed]): the
-    largest group of the largest unit.
+    largest group of the largest unit (a partial offload's kept part is stepped on the device
+    apart: :func:`kept_temporaries`).
     """
     if zp.stage is Stage.DDP:
         groups: dict[int, dict[str, list[tuple[int, ...]]]] = {}  # group -> dtype -> shapes, in step order
@@ -243,6 +245,13 @@ def _temporaries_bytes(zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTen
             most = max(most, known)
         return most
     return _group_temporaries(zp, listed)
+
+
+def kept_temporaries(zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTensor] | None = None) -> int:
+    """The device's temporaries of stepping a partial offload's kept part ([Note: kept on the
+    device]): one call of the inner optimizer over the kept tensors (0 without a kept part)."""
+    listed = zp.inner_tensors(shard_rank) if tensors is None else tensors
+    return _group_temporaries(zp, [listed[i] for i in kept_tensors(zp, shard_rank, listed)])
 
 
 def _group_temporaries(zp: ZeroPlan, tensors: Sequence[InnerTensor]) -> int:

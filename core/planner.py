@@ -369,6 +369,12 @@ class ZeroPlan:
             "host memory; use stage 1, 2 or 3",
         )
         check_config(
+            not where.partial or where.of(R.PARAM_SHARD) is Residence.DEVICE,
+            f"residences: host_fraction={where.host_fraction} keeps part of the masters on the device, but "
+            "param_shard is placed in host memory, where the kept part would have to publish its values "
+            "to; offload the parameter shards whole (offload='all'), or keep them on the device",
+        )
+        check_config(
             where.of(R.OPTIMIZER_STATE) is where.of(R.MASTER),
             f"residences: optimizer_state is placed on the {where.of(R.OPTIMIZER_STATE).value} but master "
             f"on the {where.of(R.MASTER).value}; the inner optimizer makes its state beside the masters it "
@@ -590,6 +596,27 @@ class ZeroPlan:
                 start = stop
         return tuple(tensors)
 
+    def kept_numel(self, space: int, shard_rank: int) -> int:
+        """Elements ``[0, k)`` of shard rank ``shard_rank``'s shard of ``space`` that a partial offload
+        keeps on the device ([Note: kept on the device]); 0 unless ``residences.partial``.
+
+        ``k`` is the start of one of the rank's bucket pieces, or its extent: the one nearest
+        ``(1 - host_fraction)`` of the extent (the lower on a tie).
+
+        Example:
+            >>> from zeroplan.core import Topology, plan, specs_from_shapes
+            >>> zp = plan(specs_from_shapes([(64,)] * 4, dtype="bf16"), Topology(world_size=2),
+            ...     alignment=8, bucket_bytes=128, offload="optimizer", offload_fraction=0.5)
+            >>> zp.kept_numel(0, 0), zp.partition.spaces[0].extent(0)
+            (64, 128)
+        """
+        if not self.residences.partial or not self.steps_on_host:
+            return 0
+        extent = self.partition.spaces[space].extent(shard_rank)
+        target = (1 - self.residences.host_fraction) * extent
+        edges = [start for start, _, _ in self.bucket_pieces(space, shard_rank)] + [extent]
+        return min(edges, key=lambda k: (abs(k - target), k))
+
     @property
     def steps_on_host(self) -> bool:
         """Whether the inner optimizer steps in host memory ([Note: offload, executed])."""
@@ -686,6 +713,7 @@ class ZeroPlan:
             "wire_block": tuple(w.block for w in (grad, param) if w is not None) or None,
             **{f.name: getattr(self.options, f.name) for f in dataclasses.fields(StepOptions)},
             "offload": offload_name(self.residences, int(self.stage)),  # or the roles, if no mode
+            **({"offload_fraction": self.residences.host_fraction} if self.residences.partial else {}),
         }
 
     def fingerprint(self) -> str:
@@ -718,6 +746,7 @@ class ZeroPlan:
                     else []
                 ),
                 *([("host", tuple(r.value for r in self.residences.host))] if self.residences.host else []),
+                *([("host_fraction", self.residences.host_fraction)] if self.residences.partial else []),
             ],
         )
 
@@ -755,6 +784,7 @@ def plan(
     options: StepOptions | None = None,
     residences: Residences = ALL_ON_DEVICE,
     offload: Offload | str | None = None,
+    offload_fraction: float | None = None,
 ) -> ZeroPlan:
     """Plan a sharded optimizer for ``specs`` on ``topology``.
 
@@ -785,6 +815,9 @@ def plan(
         residences: where each buffer role lives ([Note: residences]); all on the device by default.
         offload: ``"none"`` (``None``), ``"optimizer"`` or ``"all"``: the placement of CPU
             offload ([Note: offload, planned]), instead of ``residences``.
+        offload_fraction: with ``offload="optimizer"``, the share of each rank's optimizer
+            elements placed in host memory, the rest kept on the device ([Note: kept on the
+            device]); ``None``: all of them.
 
     Raises:
         ConfigError: any argument is invalid (the message says how to fix it).
@@ -797,13 +830,13 @@ def plan(
     """
     specs = check_specs(specs)
     check_config(stage in tuple(Stage), f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if Offload.parse(offload) is not Offload.NONE:
+    if Offload.parse(offload) is not Offload.NONE or offload_fraction is not None:
         check_config(
             residences == ALL_ON_DEVICE,
             f"pass offload={Offload.parse(offload).value!r} or residences={residences!r}, not both: the "
             "offload mode is a placement of its own",
         )
-        residences = offload_residences(offload, stage)
+        residences = offload_residences(offload, stage, offload_fraction)
     if isinstance(optimizer, str):
         optimizer = describe_optimizer(optimizer)
     groups = 1 + max((s.group for s in specs), default=0)

@@ -142,6 +142,15 @@ def register(sub: Any) -> None:
         "parameter shards there too (stage 3). Shows device and host bytes, the device peak and "
         "bytes per step over the host link (default none)",
     )
+    p.add_argument(
+        "--offload-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="with --offload optimizer: the share of each rank's optimizer elements in host memory; "
+        "the plan keeps the rest (the buckets launched last) on the device, which steps them "
+        "([Note: kept on the device]; default: all of them)",
+    )
     p.add_argument("--json", action="store_true", help="print a machine-readable JSON document")
     p.add_argument("--rows", type=int, default=16, help="most rank rows in the table (default 16)")
     p.add_argument(
@@ -199,6 +208,7 @@ def _plan_options(args: argparse.Namespace) -> dict[str, Any]:
         if args.gather_dtype == "param"
         else WireCodec(args.gather_dtype, block=args.wire_block),
         **({} if args.offload == Offload.NONE.value else {"offload": args.offload}),
+        **({} if args.offload_fraction is None else {"offload_fraction": args.offload_fraction}),
     }
 
 
@@ -354,6 +364,12 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.offload != Offload.NONE.value:  # [Note: offload, planned]; absent without offload
             document["offload"] = args.offload
+            if zp.residences.partial:  # [Note: kept on the device]
+                document["offload_fraction"] = zp.residences.host_fraction
+                document["kept_on_device"] = [
+                    [zp.kept_numel(space.index, s) for s in range(zp.topology.shard_size)]
+                    for space in zp.partition.spaces
+                ]
         tensor = _tensor_document(args, specs)
         if tensor is not None:  # [Note: tensor-parallel parameters]; absent without
             document["tensor_parallel"] = tensor
@@ -368,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
     layout += f", gradients sent as {args.reduce_dtype}" if zp.grad_wire is not None else ""
     layout += f", parameters gathered as {args.gather_dtype}" if zp.param_wire is not None else ""
     layout += f", offload {args.offload}" if args.offload != Offload.NONE.value else ""
+    layout += f" ({args.offload_fraction:g} of the state)" if zp.residences.partial else ""
     _print_table(
         report, zp.optimizers[0].name, source, specs, len(zp.buckets.buckets), layout, elapsed, args.rows, fit
     )
@@ -805,6 +822,8 @@ def _where_table(report: MemoryReport) -> Any:
         table.add_row("host memory at the step GiB", _gib(r.host_peak_bytes))
         table.add_row("host memory pinned on a GPU", "yes")
         table.add_row("step runs on", "host" if r.step_on_host else "device")
+        if r.kept_step_transient_bytes:  # [Note: kept on the device]
+            table.add_row("step of the kept part on the device GiB", _gib(r.kept_step_transient_bytes))
         link = r.host_link
         table.add_row(f"to host per step GiB ({link.to_host_copies:,} copies)", _gib(link.to_host))
         table.add_row(f"to device per step GiB ({link.to_device_copies:,} copies)", _gib(link.to_device))
