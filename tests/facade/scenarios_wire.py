@@ -62,10 +62,19 @@ def reduced_error(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def with_wire(rank: int, world: int, cfg: dict[str, Any]) -> None:
-    """Construct with ``cfg``'s settings (which may differ per rank): for the refusals."""
-    settings = cfg["per_rank"][rank] if "per_rank" in cfg else cfg
-    make_optimizer(make_model(), hyper={"lr": 1e-3}, alignment=16, **settings)
+def refused_wires(rank: int, world: int, cases: list[dict[str, Any]]) -> list[str | None]:
+    """Construct with each case's settings (which may differ per rank): per case, the error this rank
+    raised (``None``: none). Caught here, so one pool serves every case: a refusal raises on every
+    rank alike and leaves the process group usable."""
+    errors: list[str | None] = []
+    for cfg in cases:
+        settings = cfg["per_rank"][rank] if "per_rank" in cfg else cfg
+        try:
+            make_optimizer(make_model(), hyper={"lr": 1e-3}, alignment=16, **settings)
+            errors.append(None)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
 
 
 def _masters(opt: Any, *, with_state: bool = True) -> list[torch.Tensor]:
