@@ -44,7 +44,14 @@ from zeroplan.core.errors import (
 )
 from zeroplan.core.experts import ExpertSplit, expert_domains
 from zeroplan.core.hierarchy import GatherCall, HopSend, TwoHopGather, two_hop_gather, two_hop_send
-from zeroplan.core.host_step import StepUnit, UpCopy, kept_tensors, publishes_via_host_cast, step_units
+from zeroplan.core.host_step import (
+    StepUnit,
+    UpCopy,
+    kept_tensors,
+    kept_unit,
+    publishes_via_host_cast,
+    step_units,
+)
 from zeroplan.core.host_traffic import HostLink, host_link
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
 from zeroplan.core.memory import (
@@ -150,6 +157,7 @@ __all__ = [
     "Offload",
     "offload_residences",
     "kept_tensors",
+    "kept_unit",
     "KEPT_ROLES",
     "HostLink",
     "StepUnit",

@@ -46,7 +46,15 @@ from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.residence import BufferRole
 from zeroplan.core.span import Span
 
-__all__ = ["StepUnit", "UpCopy", "gather_release", "kept_tensors", "publishes_via_host_cast", "step_units"]
+__all__ = [
+    "StepUnit",
+    "UpCopy",
+    "gather_release",
+    "kept_tensors",
+    "kept_unit",
+    "publishes_via_host_cast",
+    "step_units",
+]
 
 #: Ranks with a piece in a gather block beyond which :func:`gather_release` does not look (the block
 #: then waits for the last unit): a rank-major chunk has one, an interleaved block is its bucket.
@@ -157,6 +165,30 @@ def kept_tensors(
     tensors = zp.inner_tensors(shard_rank) if tensors is None else tensors
     kept = {s.index: zp.kept_numel(s.index, shard_rank) for s in zp.partition.spaces}
     return tuple(t for t, tensor in enumerate(tensors) if tensor.shard_span.stop <= kept[tensor.space])
+
+
+def kept_unit(zp: ZeroPlan, shard_rank: int, tensors: Sequence[InnerTensor] | None = None) -> StepUnit | None:
+    """The part a partial offload steps on the device ([Note: kept on the device]) as one unit,
+    stepped before the others (``bucket`` -1): its tensors (:func:`kept_tensors`) and where their
+    values go, on the device. ``None`` without a kept part.
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(64,), (64,)], dtype="bf16"), Topology(world_size=2),
+        ...     alignment=8, bucket_bytes=128, offload="optimizer", offload_fraction=0.5)
+        >>> unit = kept_unit(zp, 0)
+        >>> unit.bucket, unit.tensors, [(c.shard_span, c.target_span) for c in unit.copies]
+        (-1, (0,), [(Span(start=0, stop=32), Span(start=0, stop=32))])
+    """
+    tensors = zp.inner_tensors(shard_rank) if tensors is None else tensors
+    kept = kept_tensors(zp, shard_rank, tensors)
+    if not kept:
+        return None
+    held: dict[int, list[tuple[int, Span, int]]] = {}
+    copies = [
+        c for t in kept for c in _up_copies(zp, shard_rank, tensors[t].space, tensors[t].shard_span, held)
+    ]
+    return StepUnit(-1, kept, tuple(copies))
 
 
 def _up_copies(

@@ -601,7 +601,8 @@ class ZeroPlan:
         keeps on the device ([Note: kept on the device]); 0 unless ``residences.partial``.
 
         ``k`` is the start of one of the rank's bucket pieces, or its extent: the one nearest
-        ``(1 - host_fraction)`` of the extent (the lower on a tie).
+        ``(1 - host_fraction)`` of the extent (the lower on a tie). An optimizer that steps whole
+        parameters (not elementwise) takes only starts that cut none of the rank's parameters.
 
         Example:
             >>> from zeroplan.core import Topology, plan, specs_from_shapes
@@ -615,6 +616,12 @@ class ZeroPlan:
         extent = self.partition.spaces[space].extent(shard_rank)
         target = (1 - self.residences.host_fraction) * extent
         edges = [start for start, _, _ in self.bucket_pieces(space, shard_rank)] + [extent]
+        if not self.elementwise:  # a whole parameter is stepped in one place
+            inside = [
+                (f.shard_offset, f.shard_offset + f.param_span.numel)
+                for f in self.partition.rank_fragments(space, shard_rank)
+            ]
+            edges = [e for e in edges if not any(a < e < b for a, b in inside)]
         return min(edges, key=lambda k: (abs(k - target), k))
 
     @property

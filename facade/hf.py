@@ -111,6 +111,7 @@ ZERO_SETTINGS = frozenset(
         "collectives",
         "reshard_after_forward",
         "offload",
+        "offload_fraction",
     }
 )
 

@@ -395,9 +395,7 @@ def _shard_contents(
     """A shard file's tensors (region, masters, tensor leaves) and the manifest's entries of its leaves."""
     shard_rank = sh.groups.shard_rank
     tensors: dict[str, FileTensor] = {region_tensor(b.space.dtype): b.shard_source() for b in sh.buffers}
-    tensors.update(
-        {master_tensor(b.space.dtype): b.master_copy[: b.extent] for b in sh.buffers if b.carries_master}
-    )
+    tensors.update({master_tensor(b.space.dtype): b.master_source() for b in sh.buffers if b.carries_master})
     state: list[StateLeaf] = []
     for leaf_path, leaf in leaves.items():  # [Note: state codec]
         if torch.is_tensor(leaf) or isinstance(leaf, Assembly):

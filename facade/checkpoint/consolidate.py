@@ -39,7 +39,7 @@ def _broadcast(buf: torch.Tensor, owner: int, sh: Shards) -> None:
 def _window_chunk(sh: Shards, space: int, key: str | None, chunk: Span, out: torch.Tensor) -> None:
     """Fill ``out`` with elements ``chunk`` of this rank's shard of ``key`` (``None``: master)."""
     if key is None:
-        out.copy_(sh.buffers[space].master_copy[chunk.as_slice()])
+        out.copy_(sh.buffers[space].read_master(chunk))
         return
     for part in windows_in(sh.inner.specs, space, chunk):
         entry = sh.inner.optimizer.state.get(sh.inner.tensors[part.tensor])

@@ -338,7 +338,7 @@ def _master_copy(buf: Any) -> torch.Tensor:
     """A copy of the rank's master values of a space: its fp32 master, or the parameters' own shard
     (copied once: a shard of pieces is assembled into a tensor of its own)."""
     if buf.carries_master:
-        return buf.master_copy[: buf.extent].clone()
+        return buf.master_values()
     source = buf.shard_source()
     return source.into() if isinstance(source, Assembly) else source.clone()
 

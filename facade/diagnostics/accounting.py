@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from zeroplan.core import BufferRole, Residence, Stage
+from zeroplan.core import BufferRole, Residence, Stage, kept_tensors
 from zeroplan.facade.runtime.installed import Installed
 
 __all__ = ["MeasuredMemory", "measure", "measure_residences"]
@@ -46,8 +46,10 @@ def measure(installed: Installed, params: Sequence[torch.Tensor]) -> MeasuredMem
     buffers = installed.buffers
     return MeasuredMemory(
         params_bytes=sum(b.param_bytes for b in buffers) + frozen,
-        grads_bytes=_storage_bytes([t for b in buffers for t in (b.grads, b.grad_shard) if t is not None]),
-        master_bytes=sum(_nbytes(b.master) for b in buffers if b.owns_master),
+        grads_bytes=_storage_bytes(
+            [t for b in buffers for t in (b.grads, b.grad_shard, b.kept_grad) if t is not None]
+        ),
+        master_bytes=sum(_nbytes(b.master) + _nbytes(b.kept_master) for b in buffers if b.owns_master),
         optimizer_state_bytes=state,
         buffer_bytes=installed.sync.staging_bytes,
     )
@@ -67,8 +69,19 @@ def measure_residences(installed: Installed, params: Sequence[torch.Tensor]) -> 
     out[Residence.DEVICE] += held.params_bytes - managed  # frozen parameters stay where they are
     full_grads = _storage_bytes([b.grads for b in buffers if b.grads is not None])
     out[where(BufferRole.FULL_GRADS)] += full_grads
-    out[where(BufferRole.GRAD_SHARD)] += held.grads_bytes - full_grads
-    out[where(BufferRole.MASTER)] += held.master_bytes
-    out[where(BufferRole.OPTIMIZER_STATE)] += held.optimizer_state_bytes
+    # A partial offload's kept part lives on the device ([Note: kept on the device]).
+    kept_grads = sum(_nbytes(b.kept_grad) for b in buffers)
+    kept_masters = sum(_nbytes(b.kept_master) for b in buffers)
+    inner = installed.inner
+    kept_state = sum(
+        _nbytes(value)
+        for i in kept_tensors(installed.zp, installed.groups.shard_rank, inner.specs)
+        for value in inner.optimizer.state.get(inner.tensors[i], {}).values()
+        if torch.is_tensor(value)
+    )
+    out[Residence.DEVICE] += kept_grads + kept_masters + kept_state
+    out[where(BufferRole.GRAD_SHARD)] += held.grads_bytes - full_grads - kept_grads
+    out[where(BufferRole.MASTER)] += held.master_bytes - kept_masters
+    out[where(BufferRole.OPTIMIZER_STATE)] += held.optimizer_state_bytes - kept_state
     out[where(BufferRole.STAGING)] += held.buffer_bytes
     return out

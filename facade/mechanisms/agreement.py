@@ -134,9 +134,9 @@ def agree(
         raise IncompatiblePlanError(f"rank {rank} {_PLAN_MISMATCH[0]}")
     field = _differing_field([row[1] for row in rows])
     if field is not None:
+        values = _values_by_rank([row[1].get(field) for row in rows])
         raise IncompatiblePlanError(
-            f"ranks were given different {field}: {_values_by_rank([row[1][field] for row in rows])}; pass "
-            f"the same {field} on every rank"
+            f"ranks were given different {field}: {values}; pass the same {field} on every rank"
         )
     rank = first_differing([row[2] for row in rows])
     if rank is not None:
@@ -154,8 +154,10 @@ def agree(
 
 
 def _differing_field(settings: list[dict[str, Any]]) -> str | None:
-    """The first field (in the plan's order) on which some rank's settings differ from rank 0's."""
-    return next((key for key in settings[0] if any(s.get(key) != settings[0][key] for s in settings)), None)
+    """The first field (in the plan's order) on which some rank's settings differ from rank 0's (a field
+    only some ranks' plans name, such as ``offload_fraction``, counts as ``None`` where absent)."""
+    keys = dict.fromkeys(key for s in settings for key in s)
+    return next((key for key in keys if any(s.get(key) != settings[0].get(key) for s in settings)), None)
 
 
 def _values_by_rank(values: list[Any]) -> str:

@@ -62,6 +62,8 @@ __all__ = [
     "block_views",
     "build_block_buffers",
     "build_flat_buffers",
+    "cut_kept",
+    "kept_window",
     "param_views",
     "read_pieces",
     "write_pieces",
@@ -87,7 +89,17 @@ class SpaceBuffers:
     its pieces of ``params`` in place.
     """
 
-    __slots__ = ("extent", "grad_shard", "master", "owns_master", "shard_rank", "space")
+    __slots__ = (
+        "extent",
+        "grad_shard",
+        "kept",
+        "kept_grad",
+        "kept_master",
+        "master",
+        "owns_master",
+        "shard_rank",
+        "space",
+    )
 
     def __init__(
         self,
@@ -98,6 +110,9 @@ class SpaceBuffers:
         extent: int,
         shard_rank: int,
         owns_master: bool,
+        kept: int = 0,
+        kept_grad: torch.Tensor | None = None,
+        kept_master: torch.Tensor | None = None,
     ) -> None:
         self.space = space
         self.grad_shard = grad_shard
@@ -108,6 +123,12 @@ class SpaceBuffers:
         """Whether the master is a buffer of its own (``ZeroPlan.own_master``), which values are copied
         into and out of: fp32 copies of bf16/fp16 parameters, or masters placed apart from fp32
         parameters ([Note: offload, planned])."""
+        self.kept = kept
+        """A partial offload's kept prefix ([Note: kept on the device]): the shard's first ``kept``
+        elements have their gradients and masters in ``kept_grad`` and ``kept_master`` (on the device);
+        ``grad_shard`` and ``master`` (host memory) hold the rest, from element ``kept`` on."""
+        self.kept_grad = kept_grad
+        self.kept_master = kept_master
 
     #: Stage 1's full gradient buffer (parameter ``.grad`` are views of it); ``None`` elsewhere.
     grads: torch.Tensor | None = None
@@ -129,14 +150,66 @@ class SpaceBuffers:
 
     @property
     def master_copy(self) -> torch.Tensor:
-        """The master of bf16/fp16 parameters (``carries_master``).
+        """The master of bf16/fp16 parameters (``carries_master``), one tensor.
 
         Raises:
-            RuntimeError: the rank steps its parameters in place: they are the master.
+            RuntimeError: the rank steps its parameters in place: they are the master; or a partial
+                offload keeps the master in two parts (read :meth:`master_source`, write
+                :meth:`write_master`).
         """
         if self.master is None or not self.carries_master:
             raise RuntimeError(f"the {self.space.dtype} parameters are their own master: no master copy")
+        if self.kept:
+            raise RuntimeError(
+                f"the {self.space.dtype} master is kept in two parts ([Note: kept on the device])"
+            )
         return self.master
+
+    def master_source(self) -> torch.Tensor | Assembly:
+        """The rank's masters of bf16/fp16 parameters (``carries_master``), ``extent`` elements: a view,
+        or (a partial offload) its two parts to assemble in host memory ([Note: assembled file tensors])."""
+        if not self.kept or self.master is None or self.kept_master is None:
+            return self.master_copy[: self.extent]
+        parts = ((Span(0, self.kept), self.kept_master[: self.kept]),)
+        if self.extent > self.kept:
+            parts += ((Span(self.kept, self.extent), self.master[: self.extent - self.kept]),)
+        return Assembly(self.extent, self.master.dtype, self.master.device, parts)
+
+    def master_values(self) -> torch.Tensor:
+        """A copy of the rank's masters of bf16/fp16 parameters (``carries_master``), ``extent`` elements."""
+        source = self.master_source()
+        return source.into() if isinstance(source, Assembly) else source.clone()
+
+    def write_master(self, values: torch.Tensor, span: Span | None = None) -> None:
+        """Copy ``values`` into elements ``span`` (all ``extent`` by default) of the rank's master (its
+        own, or the parameters it steps in place), across a partial offload's two parts."""
+        span = Span(0, self.extent) if span is None else span
+        for part, view in self._master_parts(span):
+            view.copy_(values[part.shift(-span.start).as_slice()])
+
+    def read_master(self, span: Span) -> torch.Tensor:
+        """Elements ``span`` of the rank's master: a view, or a copy where ``span`` crosses the kept
+        prefix's end."""
+        parts = self._master_parts(span)
+        if len(parts) == 1:
+            return parts[0][1]
+        return torch.cat([view.to(parts[-1][1].device) for _, view in parts])
+
+    def _master_parts(self, span: Span) -> list[tuple[Span, torch.Tensor]]:
+        """``span`` of the master as (its elements, a view of them), cut at the kept prefix's end."""
+        return [(part, self.master_window(part)) for part in cut_kept(span, self.kept)]
+
+    def grad_window(self, span: Span) -> torch.Tensor:
+        """Elements ``span`` of the rank's gradient shard, as a view (in the kept part or the rest).
+
+        Raises:
+            RuntimeError: ``span`` crosses the end of a partial offload's kept prefix.
+        """
+        return kept_window(span, self.kept, self.kept_grad, self.grad_shard)
+
+    def grad_parts(self) -> list[torch.Tensor]:
+        """The rank's ``extent`` gradients: views of the kept part (if any) and the rest."""
+        return [self.grad_window(part) for part in cut_kept(Span(0, self.extent), self.kept)]
 
     @property
     def master_device(self) -> torch.device:
@@ -155,10 +228,14 @@ class SpaceBuffers:
         raise NotImplementedError
 
     def master_window(self, span: Span) -> torch.Tensor:
-        """Elements ``span`` of the rank's master, as a view."""
+        """Elements ``span`` of the rank's master, as a view (in the kept part or the rest).
+
+        Raises:
+            RuntimeError: no master of its own, or ``span`` crosses the end of the kept prefix.
+        """
         if self.master is None:
             raise RuntimeError(f"the {self.space.dtype} space has no master of its own here")
-        return self.master[span.as_slice()]
+        return kept_window(span, self.kept, self.kept_master, self.master)
 
     def shard_values(self) -> torch.Tensor:
         """The rank's shard of the parameters, flat: a view or a copy."""
@@ -213,7 +290,7 @@ class FlatBuffers(SpaceBuffers):
     def master_window(self, span: Span) -> torch.Tensor:
         """Elements ``span`` of the rank's master, as a view: of ``master``, or of its run of ``params``."""
         if self.master is not None:
-            return self.master[span.as_slice()]
+            return super().master_window(span)
         return self.params[self.space.buffer_span(self.shard_rank, span).as_slice()]
 
     def shard_source(self) -> torch.Tensor | Assembly:
@@ -227,12 +304,31 @@ class FlatBuffers(SpaceBuffers):
     def load_master(self) -> None:
         """Copy the rank's pieces of the parameters into a separate master."""
         if self.owns_master and self.master is not None:
-            read_pieces(self.params, self.space, self.shard_rank, self.master)
+            if not self.kept:
+                read_pieces(self.params, self.space, self.shard_rank, self.master)
+                return
+            masters, fulls = self._kept_pieces()
+            torch._foreach_copy_(masters, fulls)
 
     def publish_master(self) -> None:
         """Copy a separate master into the rank's pieces of the parameters (cast)."""
         if self.owns_master and self.master is not None:
-            write_pieces(self.master, self.params, self.space, self.shard_rank)
+            if not self.kept:
+                write_pieces(self.master, self.params, self.space, self.shard_rank)
+                return
+            masters, fulls = self._kept_pieces()
+            torch._foreach_copy_(fulls, masters)
+
+    def _kept_pieces(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The rank's pieces cut at a partial offload's kept prefix: views of the master's two parts
+        and of the full buffer where they go."""
+        masters, fulls = [], []
+        for p in self.space.pieces_of(self.shard_rank):
+            shift = p.buffer_span.start - p.shard_span.start
+            for part in cut_kept(p.shard_span, self.kept):
+                masters.append(self.master_window(part))
+                fulls.append(self.params[part.shift(shift).as_slice()])
+        return masters, fulls
 
     def write_shard(self, values: torch.Tensor) -> None:
         """Copy flat shard values into the rank's pieces of the full buffer (cast)."""
@@ -258,19 +354,21 @@ class FlatBuffers(SpaceBuffers):
         if not self.carries_master:
             self.load_master()  # an fp32 master of its own takes the parameters' values exactly
             return
-        full, master = self.params, self.master_copy
+        full = self.params
         if published is not None:
             for piece in published.pieces:
-                published.take_written(
-                    master[piece.shard_span.as_slice()], full[piece.buffer_span.as_slice()]
-                )
+                shift = piece.buffer_span.start - piece.shard_span.start
+                for part in cut_kept(piece.shard_span, self.kept):
+                    published.take_written(self.master_window(part), full[part.shift(shift).as_slice()])
             return
         bits = torch.int16  # bf16 and fp16 alike
         for piece in self.space.pieces_of(self.shard_rank):
             shift = piece.buffer_span.start - piece.shard_span.start
-            for chunk in piece.shard_span.chunks(_COMPARE_CHUNK):
+            for chunk in (
+                c for part in cut_kept(piece.shard_span, self.kept) for c in part.chunks(_COMPARE_CHUNK)
+            ):
                 held = full[chunk.shift(shift).as_slice()]
-                values = master[chunk.as_slice()]
+                values = self.master_window(chunk)
                 written = values.to(self.dtype).view(bits) != held.view(bits)
                 values.copy_(torch.where(written, held.to(values.dtype), values))
 
@@ -300,14 +398,18 @@ class BlockBuffers(SpaceBuffers):
         return self.shard[: self.extent]
 
     def load_master(self) -> None:
-        """Copy the shard into a separate master."""
+        """Copy the shard into a separate master (its two parts under a partial offload)."""
         if self.owns_master and self.master is not None:
-            self.master.copy_(self.shard)
+            if self.kept_master is not None:
+                self.kept_master.copy_(self.shard[: self.kept])
+            self.master.copy_(self.shard[self.kept :])
 
     def publish_master(self) -> None:
         """Copy a separate master into the shard (cast)."""
         if self.owns_master and self.master is not None:
-            self.shard.copy_(self.master)
+            if self.kept_master is not None:
+                self.shard[: self.kept].copy_(self.kept_master)
+            self.shard[self.kept :].copy_(self.master)
 
     def write_shard(self, values: torch.Tensor) -> None:
         """Copy flat shard values into the parameter shard (cast)."""
@@ -343,6 +445,23 @@ class BlockBuffers(SpaceBuffers):
         start = piece.buffer_span.start - block.start
         piece_view = self.blocks[k][start : start + piece.shard_span.numel]
         piece_view.copy_(self.shard[piece.shard_span.as_slice()], non_blocking=True)
+
+
+def cut_kept(span: Span, kept: int) -> list[Span]:
+    """``span`` cut where a partial offload's kept prefix ends (``kept``; 0: none), empty parts left out."""
+    if not kept or span.stop <= kept or span.start >= kept:
+        return [span]
+    return [Span(span.start, kept), Span(kept, span.stop)]
+
+
+def kept_window(span: Span, kept: int, head: torch.Tensor | None, rest: torch.Tensor) -> torch.Tensor:
+    """A view of elements ``span`` of a shard whose first ``kept`` elements are ``head``, the others
+    ``rest`` (from its start)."""
+    if span.start >= kept:
+        return rest[span.shift(-kept).as_slice()] if kept else rest[span.as_slice()]
+    if span.stop > kept or head is None:
+        raise RuntimeError(f"elements {span} cross the end of the kept prefix ({kept}) of a partial offload")
+    return head[span.as_slice()]
 
 
 def read_pieces(full: torch.Tensor, space: Space, shard_rank: int, out: torch.Tensor) -> None:
@@ -456,10 +575,26 @@ def build_flat_buffers(
             extent=space.extent(shard_rank),
             shard_rank=shard_rank,
             owns_master=master_spec is not None and master_spec.view_of is None,
+            **_kept_buffers(planned, made, device),
         )
         buf.load_master()
         result.append(buf)
     return tuple(result)
+
+
+def _kept_buffers(
+    planned: SpaceAllocation, made: dict[BufferRole, torch.Tensor], device: torch.device
+) -> dict[str, Any]:
+    """A partial offload's kept gradient shard and master on the device ([Note: kept on the device]),
+    as keywords of :class:`SpaceBuffers` (none without one)."""
+    grad, master = planned.get(BufferRole.KEPT_GRAD_SHARD), planned.get(BufferRole.KEPT_MASTER)
+    if grad is None or master is None:
+        return {}
+    return {
+        "kept": grad.numel,
+        "kept_grad": _allocate(grad, made, device),
+        "kept_master": _allocate(master, made, device),
+    }
 
 
 def _allocate(spec: BufferSpec, made: dict[BufferRole, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -513,6 +648,7 @@ def _stage3_buffers(
     master = _allocate(planned[BufferRole.MASTER], made, device)
     grad_shard = _allocate(planned[BufferRole.GRAD_SHARD], made, device)
     buf = BlockBuffers(
+        **_kept_buffers(planned, made, device),
         space=space,
         grad_shard=grad_shard,
         master=master,

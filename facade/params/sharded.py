@@ -307,9 +307,8 @@ class ShardedParams:
         for f, v in zip(frags, values, strict=True):
             target = buf.shard[f.shard_span.as_slice()]
             if buf.carries_master:
-                master = buf.master_copy[f.shard_span.as_slice()]
-                master.copy_(v)
-                target.copy_(master)
+                buf.write_master(v.reshape(-1), f.shard_span)
+                target.copy_(buf.read_master(f.shard_span))
             else:
                 target.copy_(v)
 

@@ -81,6 +81,7 @@ class Request:
     gather_dtype: Any = None
     wire_block: int = DEFAULT_WIRE_BLOCK
     offload: Any = None
+    offload_fraction: Any = None
     tensor_mesh: Any = None
 
     def configure(self, item: DomainInput, first: bool) -> Configured:
@@ -110,6 +111,7 @@ class Request:
             param_wire=param_wire(self.gather_dtype, self.wire_block),
             options=self.options if first else dataclasses.replace(self.options, overlap_grad_reduce=False),
             offload=self.offload,
+            offload_fraction=self.offload_fraction,
             tensor_mesh=self.tensor_mesh,
         )
 

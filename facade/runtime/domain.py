@@ -326,7 +326,7 @@ class DomainRuntime:
             if buf.space.dtype not in values:
                 continue
             if buf.master is not None:  # its own, or the rank's region of the parameters
-                buf.master[: buf.extent].copy_(values[buf.space.dtype])
+                buf.write_master(values[buf.space.dtype])
             else:
                 buf.write_shard(values[buf.space.dtype])
         inst.residency.start_param_sync(self.lifecycle.log)

@@ -421,7 +421,7 @@ class GradSync:
         bucket = self._buckets[b]
         piece = bucket.piece_of(self._groups.shard_rank)
         buf = self._buffers[bucket.space]
-        output = buf.grad_shard[piece.shard_span.as_slice()] if piece is not None else None
+        output = buf.grad_window(piece.shard_span) if piece is not None else None
         self._launched(b, self.reduction.start(bucket, self._layouts[b], self._open[b], output))
 
     def _launched(self, b: int, entry: InFlight) -> None:

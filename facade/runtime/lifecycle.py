@@ -63,7 +63,7 @@ from zeroplan.facade.mechanisms.collectives import (
 )
 from zeroplan.facade.mechanisms.gathering import PlainGather
 from zeroplan.facade.mechanisms.reduction import local_norm
-from zeroplan.facade.params.buffers import SpaceBuffers, param_views, write_pieces
+from zeroplan.facade.params.buffers import SpaceBuffers, cut_kept, kept_window, param_views, write_pieces
 from zeroplan.facade.runtime.installed import Installed
 from zeroplan.facade.state.inner import hyperparameter_digest, sync_hyperparameters
 
@@ -141,7 +141,7 @@ class StepLifecycle:
         self.phase = Phase.IDLE
         self.accumulation = Accumulation.REDUCE
         self.log = CommLog()
-        self.master_grads: list[torch.Tensor] = []
+        self.master_grads: list[MasterGrads] = []
         self.found_inf = False
         self.clipped = False
         self.last = StepRecord()
@@ -219,8 +219,8 @@ class StepLifecycle:
         overflow = torch.zeros(1, dtype=torch.float32, device=inst.device)
         if inst.zp.loss_scaling:
             for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
-                if buf.extent:
-                    overflow = torch.maximum(overflow, (~torch.isfinite(grad[: buf.extent].sum())).float())
+                for part in grad.parts(Span(0, buf.extent)) if buf.extent else ():
+                    overflow = torch.maximum(overflow, (~torch.isfinite(part.sum())).float())
             all_reduce_shard(overflow, dist.ReduceOp.MAX, inst.groups, self.log)
         return torch.cat([flags, overflow.to(torch.int64)])
 
@@ -237,7 +237,7 @@ class StepLifecycle:
         inst.residency.keep_param_writes()  # [Note: parameter writes]; only once every rank agreed
         self.found_inf = verdict[VERDICT_LENGTH - 1] > 0
         for spec, tensor in zip(inst.inner.specs, inst.inner.tensors, strict=True):
-            tensor.grad = self.master_grads[spec.space][spec.shard_span.as_slice()].view(spec.shape)
+            tensor.grad = self.master_grads[spec.space].window(spec.shard_span).view(spec.shape)
         self.phase = Phase.REDUCED
 
     def shard_norm(self, inst: Installed, norm_type: float, log: CommLog) -> torch.Tensor:
@@ -258,15 +258,20 @@ class StepLifecycle:
             skip = tensor_replicas(inst.zp.specs)
             self._windows = (inst.zp, norm_windows(inst.zp.partition, inst.groups.shard_rank, extents, skip))
         parts = [
-            grad[w.as_slice()]
+            part
             for grad, windows in zip(self.master_grads, self._windows[1], strict=True)
             for w in windows
+            for part in grad.parts(w)
         ]
         return inst.reduction.shard_norm(parts, norm_type, inst.device, log)
 
     def _parts(self, inst: Installed) -> list[torch.Tensor]:
         """The master gradients of this rank's shard, without the buffers' padding."""
-        return [grad[: buf.extent] for grad, buf in zip(self.master_grads, inst.buffers, strict=True)]
+        return [
+            part
+            for grad, buf in zip(self.master_grads, inst.buffers, strict=True)
+            for part in grad.parts(Span(0, buf.extent))
+        ]
 
     def check_unclipped(self) -> None:
         """Raise unless this step can still be clipped.
@@ -290,7 +295,7 @@ class StepLifecycle:
     def apply_clip(self, total: torch.Tensor, max_norm: float) -> None:
         """Scale the master gradients so a norm of ``total`` becomes at most ``max_norm`` (``-> CLIPPED``)."""
         coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for grad in self.master_grads:
+        for grad in (t for g in self.master_grads for t in g.tensors()):
             grad.mul_(coefficient.to(device=grad.device, dtype=grad.dtype))  # masters in host memory
         self.clipped = True
         self.phase = Phase.CLIPPED
@@ -346,7 +351,8 @@ class StepLifecycle:
         result: list[torch.Tensor | None] = [None] * len(ctx.params)
         log = CommLog()  # not part of the step's traffic
         gradients = PlainGather(inst.zp)  # gradients travel as they are, whatever the parameters do
-        for grad, buf in zip(self.master_grads, inst.buffers, strict=True):
+        for grads, buf in zip(self.master_grads, inst.buffers, strict=True):
+            grad = grads.whole(inst.device)
             full = torch.zeros(buf.space.buffer_numel, dtype=grad.dtype, device=inst.device)  # gathered there
             write_pieces(grad, full, buf.space, inst.groups.shard_rank)
             for pending in gradients.start_space(full, buf.space, inst.groups, log).values():
@@ -398,11 +404,43 @@ def _start_agreement(inst: Installed, ctx: StepContext, log: CommLog) -> tuple[t
     return flags, local
 
 
-def _averaged(buf: SpaceBuffers, divisor: float) -> torch.Tensor:
+class MasterGrads(NamedTuple):
+    """A space's averaged gradients in the master dtype: ``rest`` the rank's gradient shard, or under a
+    partial offload ([Note: kept on the device]) its elements from ``kept`` on, and ``head`` the
+    first ``kept`` (on the device)."""
+
+    kept: int
+    head: torch.Tensor | None
+    rest: torch.Tensor
+
+    def window(self, span: Span) -> torch.Tensor:
+        """Elements ``span`` (within one part), as a view."""
+        return kept_window(span, self.kept, self.head, self.rest)
+
+    def parts(self, span: Span) -> list[torch.Tensor]:
+        """Elements ``span`` as views, cut where the kept part ends."""
+        return [self.window(part) for part in cut_kept(span, self.kept)]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors that hold them."""
+        return (self.rest,) if self.head is None else (self.head, self.rest)
+
+    def whole(self, device: torch.device) -> torch.Tensor:
+        """All of them as one flat tensor on ``device`` (the shard's coordinates): the shard, or a copy."""
+        if self.head is None:
+            return self.rest
+        return torch.cat([self.head.to(device), self.rest.to(device)])
+
+
+def _averaged(buf: SpaceBuffers, divisor: float) -> MasterGrads:
     """The rank's reduced gradient shard of ``buf``, in the master dtype, divided by ``divisor``."""
-    shard = buf.grad_shard  # stage 1 with bf16/fp16 parameters: copied to fp32 for the step
-    grad = shard.to(buf.master_dtype) if shard.dtype != buf.master_dtype else shard
-    return grad.div_(divisor)
+
+    def averaged(shard: torch.Tensor) -> torch.Tensor:
+        grad = shard.to(buf.master_dtype) if shard.dtype != buf.master_dtype else shard  # stage 1, bf16
+        return grad.div_(divisor)
+
+    head = None if buf.kept_grad is None else averaged(buf.kept_grad)
+    return MasterGrads(buf.kept, head, averaged(buf.grad_shard))
 
 
 def _check_agreement(

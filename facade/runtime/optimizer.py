@@ -119,6 +119,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             the fp32 gradient shard in host memory, pinned beside a GPU; the inner optimizer
             steps on the CPU, bucket by bucket, each bucket's parameters going back to the
             device while the next is stepped); ``"all"`` (stage 3: the parameter shards too).
+        offload_fraction: with ``offload="optimizer"``, the share of each rank's optimizer
+            elements in host memory (``None``: all); the plan keeps the rest (the buckets launched
+            last) on the device, which steps them ([Note: kept on the device] in
+            ``zeroplan.core.residence``).
         **optimizer_defaults: hyper-parameters of the inner optimizer (``lr``, ...).
 
     Raises:
@@ -160,6 +164,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         gather_dtype: str | torch.dtype | None = None,
         wire_block: int = DEFAULT_WIRE_BLOCK,
         offload: str | None = None,
+        offload_fraction: float | None = None,
         **optimizer_defaults: Any,
     ) -> None:
         self._initialized = False
@@ -199,6 +204,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             gather_dtype=gather_dtype,
             wire_block=wire_block,
             offload=offload,
+            offload_fraction=offload_fraction,
             tensor_mesh=tensor_mesh,
         )
         agreed = construction.agree_over_mesh(params, world, request, meshed=device_mesh is not None)

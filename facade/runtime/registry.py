@@ -35,6 +35,7 @@ from zeroplan.core import (
     Topology,
     ZeroPlan,
     describe_optimizer,
+    offload_residences,
     plan,
 )
 from zeroplan.core.errors import ConfigTypeError
@@ -147,6 +148,7 @@ class PlanSettings:
     param_wire: WireCodec | None = None
     options: StepOptions = dataclasses.field(default_factory=StepOptions)
     offload: Offload = Offload.NONE
+    offload_fraction: float | None = None
 
     @property
     def optimizer_name(self) -> str:
@@ -193,6 +195,7 @@ class PlanSettings:
             "grad_wire": self.grad_wire,
             "param_wire": self.param_wire,
             "offload": self.offload,
+            "offload_fraction": self.offload_fraction,
         }
 
 
@@ -233,6 +236,7 @@ def configure(
     param_wire: WireCodec | None = None,
     options: StepOptions | None = None,
     offload: Offload | str | None = None,
+    offload_fraction: float | None = None,
     tensor_mesh: Any = None,
 ) -> Configured:
     """Validate the arguments of ``ZeroOptimizer(...)``; touches no tensor.
@@ -268,6 +272,7 @@ def configure(
     if type(deterministic) is not bool:
         raise ConfigTypeError(f"deterministic must be True or False, got {deterministic!r}")
     offloaded = Offload.parse(offload)  # [Note: offload, executed]
+    offload_residences(offloaded, stage, offload_fraction)  # refused here, before anything is read
     if offloaded is not Offload.NONE:
         host_kernel(optimizer_class, groups)  # the step runs on the CPU: its fused kernel, if any
     world_size = dist.get_world_size(world)
@@ -291,6 +296,7 @@ def configure(
         param_wire=param_wire,
         options=StepOptions() if options is None else options,
         offload=offloaded,
+        offload_fraction=None if offload_fraction is None else float(offload_fraction),
     )
     return Configured(
         mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs, tensor_mesh)

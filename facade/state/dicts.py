@@ -307,7 +307,7 @@ def _per_element(value: Any) -> bool:
 
 def current_masters(sh: Shards) -> dict[str, torch.Tensor]:
     """Copies of this rank's fp32 masters, per dtype space that keeps them."""
-    return {b.space.dtype: b.master_copy[: b.extent].clone() for b in sh.buffers if b.carries_master}
+    return {b.space.dtype: b.master_values() for b in sh.buffers if b.carries_master}
 
 
 def params_follow_masters(sh: Shards) -> bool:
@@ -317,7 +317,7 @@ def params_follow_masters(sh: Shards) -> bool:
     for b in sh.buffers:
         if b.carries_master:
             values = b.shard_values()
-            if not torch.equal(b.master_copy[: b.extent].to(values.dtype), values):
+            if not torch.equal(b.master_values().to(values.dtype), values):
                 return False
     return True
 

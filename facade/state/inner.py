@@ -19,7 +19,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zeroplan.core import BufferRole, ConfigError, ConfigTypeError, InnerTensor, PlanInvariantError, ZeroPlan
+from zeroplan.core import (
+    BufferRole,
+    ConfigError,
+    ConfigTypeError,
+    InnerTensor,
+    PlanInvariantError,
+    ZeroPlan,
+    kept_tensors,
+)
 from zeroplan.facade.mechanisms.buffer_devices import device_for
 from zeroplan.facade.params.buffers import SpaceBuffers
 
@@ -160,11 +168,11 @@ def build_inner(
     specs = zp.inner_tensors(shard_rank)
     tensors = tuple(buffers[t.space].master_window(t.shard_span).view(t.shape) for t in specs)
     state = device_for(zp, BufferRole.OPTIMIZER_STATE, device).device
-    for tensor in tensors:
-        if tensor.device != state:
-            raise PlanInvariantError(
-                f"a master on {tensor.device} would keep its optimizer state off {state}"
-            )
+    kept = set(kept_tensors(zp, shard_rank, specs))  # [Note: kept on the device]
+    for i, tensor in enumerate(tensors):
+        home = device_for(zp, BufferRole.KEPT_MASTER, device).device if i in kept else state
+        if tensor.device != home:
+            raise PlanInvariantError(f"a master on {tensor.device} would keep its optimizer state off {home}")
     per_group: list[list[torch.Tensor]] = [[] for _ in groups]
     for spec, tensor in zip(specs, tensors, strict=True):
         per_group[spec.group].append(tensor)

@@ -66,7 +66,9 @@ def park(
                 if index == space.index:
                     pieces.setdefault(key, []).append((frag.param_span, values[window].clone()))
             if buf.carries_master:
-                pieces.setdefault(MASTER, []).append((frag.param_span, buf.master_copy[window].clone()))
+                pieces.setdefault(MASTER, []).append(
+                    (frag.param_span, buf.read_master(frag.shard_span).clone())
+                )
         parked[p] = ParkedParam(scalars=tree_clone(scalars), pieces=pieces)
     return parked
 
@@ -130,8 +132,10 @@ def unpark(
                 if key != MASTER and (space.index, key) not in state.flat:
                     dtype = pieces[0][1].dtype
                     state.flat[space.index, key] = torch.zeros(owned, dtype=dtype, device=device)
-                target = buf.master_copy if key == MASTER else state.flat[space.index, key]
                 for shard_span, values in _placed(pieces, frag):
-                    target[shard_span.as_slice()] = values.to(device)
+                    if key == MASTER:
+                        buf.write_master(values, shard_span)
+                    else:
+                        state.flat[space.index, key][shard_span.as_slice()] = values.to(device)
         state.scalars[spec.group, spec.cohort] = tree_clone(part.scalars, device)
         stateful.add((spec.group, spec.cohort))

@@ -216,7 +216,7 @@ def commit_state(
         if loaded.masters is None or not buf.carries_master:
             buf.load_master()
         elif buf.space.dtype in loaded.masters:
-            buf.master_copy[: buf.extent].copy_(loaded.masters[buf.space.dtype])
+            buf.write_master(loaded.masters[buf.space.dtype])
     inner.optimizer.state.clear()
     import_state(zp, inner, loaded.state, loaded.stateful)
     sync_hyperparameters(loaded.param_groups, param_groups)

@@ -103,11 +103,20 @@ def import_state(zp: ZeroPlan, inner: Inner, state: ShardState, stateful: set[tu
 
 def _beside(state: Any, tensor: torch.Tensor) -> Any:
     """``state`` in host memory where ``tensor`` (a master) is stepped there (CPU offload, [Note:
-    offload, executed]): loaded or moved state may come from the parameters' device. As it is
-    otherwise: torch.optim keeps some scalars (``step``) off the parameters' device on purpose."""
+    offload, executed]): loaded or moved state may come from the parameters' device. Beside a master
+    on the device, its per-element state is moved there (a partial offload's kept part, [Note: kept on
+    the device], whose state may come from host memory); scalars stay as they are: torch.optim keeps
+    some (``step``) off the parameters' device on purpose."""
     if tensor.device.type != "cpu":
-        return state
+        return optree.tree_map(
+            lambda t: t.to(tensor.device) if _shaped_like(t, tensor) else t, state, none_is_leaf=True
+        )
     return optree.tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t, state, none_is_leaf=True)
+
+
+def _shaped_like(value: Any, tensor: torch.Tensor) -> bool:
+    """Whether ``value`` is per-element state of ``tensor`` (one element per element of it)."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == tensor.numel()
 
 
 def _extents(space: Space) -> list[int]:
@@ -173,8 +182,9 @@ def move_shards(
         if not new.carries_master or old_space is None:
             continue  # parameters of the master dtype are their own master: nothing to move
         old = next(b for b in old_buffers if b.space.dtype == new.space.dtype)
-        source = old.master_copy[: old.extent]
-        _move_flat(source, new.master_copy, reshard, new.space.dtype, _extents(old_space), groups, device)
+        target = torch.empty(new.extent, dtype=new.master_dtype, device=new.master_device)
+        _move_flat(old.master_values(), target, reshard, new.space.dtype, _extents(old_space), groups, device)
+        new.write_master(target)
 
     meta = {
         "flat": {

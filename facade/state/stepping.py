@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from zeroplan.core import ZeroPlan, publishes_via_host_cast, step_units
+from zeroplan.core import StepUnit, ZeroPlan, kept_unit, publishes_via_host_cast, step_units
 from zeroplan.facade.mechanisms.collectives import join_side_stream, on_side_stream, wait_on_host
 from zeroplan.facade.params.buffers import SpaceBuffers
 from zeroplan.facade.state.inner import Inner
@@ -66,7 +66,10 @@ class HostStep:
     After each unit, its updated values are copied to where the parameters live
     (asynchronously, on the side stream, from pinned memory beside a GPU) while
     the CPU steps the next one; the compute stream waits for the copies once, at
-    the end.
+    the end. A partial offload's kept part ([Note: kept on the device]) is
+    stepped first, by one call on the device (queued there: the CPU goes on with
+    the units), its values cast into the parameters there and its gathers
+    released before the first unit.
     """
 
     publishes = True
@@ -75,24 +78,10 @@ class HostStep:
         self, zp: ZeroPlan, buffers: Sequence[SpaceBuffers], shard_rank: int, device: torch.device
     ) -> None:
         self._device = device
-        self._units: list[_HostUnit] = []
-        for unit in step_units(zp, shard_rank):
-            sources, rooms, targets = [], [], []
-            for copy in unit.copies:
-                buf = buffers[copy.space]
-                source = buf.master_window(copy.shard_span)
-                sources.append(source)
-                target = buf.param_target[copy.target_span.as_slice()]
-                targets.append(target)
-                if publishes_via_host_cast(zp, copy.space):
-                    # The unit's gradients are consumed once it stepped: half their bytes take the cast.
-                    room = buf.grad_shard[copy.shard_span.as_slice()].view(target.dtype)[
-                        : copy.shard_span.numel
-                    ]
-                    rooms.append(room)
-            if rooms and len(rooms) != len(sources):
-                raise RuntimeError("a unit's copies mix spaces with and without a host cast")
-            self._units.append(_HostUnit(unit.bucket, unit.tensors, sources, rooms, targets))
+        tensors = zp.inner_tensors(shard_rank)
+        kept = kept_unit(zp, shard_rank, tensors)
+        self._kept = None if kept is None else _unit(zp, buffers, kept, on_host=False)
+        self._units = [_unit(zp, buffers, unit) for unit in step_units(zp, shard_rank, tensors)]
 
     def landed(self) -> None:
         """The host waits for the gradients' copies into host memory (one synchronisation per step)."""
@@ -107,6 +96,14 @@ class HostStep:
         for t in tensors:
             t.grad = None
         try:
+            if self._kept is not None:  # [Note: kept on the device]: queued on the device first
+                for i in self._kept.tensors:
+                    tensors[i].grad = grads[i]
+                inner.optimizer.step(**kwargs)
+                for i in self._kept.tensors:
+                    tensors[i].grad = None
+                torch._foreach_copy_(self._kept.targets, self._kept.sources)  # cast there
+            release(-1)  # blocks every rank keeps on the device
             for unit in self._units:
                 release(unit.bucket - 1)  # what the units of other ranks completed meanwhile
                 for i in unit.tensors:
@@ -125,6 +122,27 @@ class HostStep:
             for t, g in zip(tensors, grads, strict=True):
                 t.grad = g
         join_side_stream(self._device)
+
+
+def _unit(
+    zp: ZeroPlan, buffers: Sequence[SpaceBuffers], unit: StepUnit, *, on_host: bool = True
+) -> _HostUnit:
+    """The views ``unit`` steps and copies, built once. A unit in host memory casts bf16/fp16 values
+    on the host before they travel; the kept unit casts them on the device, in the copy."""
+    sources, rooms, targets = [], [], []
+    for copy in unit.copies:
+        buf = buffers[copy.space]
+        source = buf.master_window(copy.shard_span)
+        sources.append(source)
+        target = buf.param_target[copy.target_span.as_slice()]
+        targets.append(target)
+        if on_host and publishes_via_host_cast(zp, copy.space):
+            # The unit's gradients are consumed once it stepped: half their bytes take the cast.
+            room = buf.grad_window(copy.shard_span).view(target.dtype)[: copy.shard_span.numel]
+            rooms.append(room)
+    if rooms and len(rooms) != len(sources):
+        raise RuntimeError("a unit's copies mix spaces with and without a host cast")
+    return _HostUnit(unit.bucket, unit.tensors, sources, rooms, targets)
 
 
 def stepping_for(

@@ -32,6 +32,7 @@ _SETTINGS = (
     "reduce_dtype",
     "gather_dtype",
     "wire_block",
+    "offload_fraction",
 )
 
 
@@ -46,7 +47,8 @@ def _pair(cfg: dict[str, Any]) -> tuple[list[Any], list[Any]]:
     # The run without offload steps with the kernel the offloaded one chose (fused on the CPU, where
     # the class has one: state.inner.host_kernel), so that both run the same arithmetic.
     hyper = _same_kernel(offloaded, cfg.get("optimizer", "adamw"))
-    opts = [make_optimizer(models[0], stage=cfg["stage"], hyper=hyper, **settings), offloaded]
+    plain = {k: v for k, v in settings.items() if k != "offload_fraction"}
+    opts = [make_optimizer(models[0], stage=cfg["stage"], hyper=hyper, **plain), offloaded]
     if cfg["stage"] == 3:
         for m, opt in zip(models, opts, strict=True):
             opt.attach(m)
@@ -86,6 +88,13 @@ def _train(rank: int, models: list[Any], opts: list[Any], cfg: dict[str, Any]) -
     return equal
 
 
+def _max_diff(models: list[Any], opts: list[Any]) -> float:
+    """The largest difference between the two models' parameters."""
+    with opts[0].gathered_params(), opts[1].gathered_params():
+        pairs = zip(models[0].parameters(), models[1].parameters(), strict=True)
+        return max(float((a.detach().float() - b.detach().float()).abs().max()) for a, b in pairs)
+
+
 def _state_equal(opts: list[Any]) -> bool:
     """Both optimizers' state dicts, leaf for leaf (tensors bit for bit)."""
     leaves, specs = zip(*(optree.tree_flatten(opt.state_dict()["state"]) for opt in opts), strict=True)
@@ -110,6 +119,9 @@ def offloaded_against_default(rank: int, world: int, cfg: dict[str, Any]) -> lis
                 "stepping": type(installed.stepping).__name__,
                 "scales": [opt.loss_scale for opt in opts],
                 "fused": opts[1].installed.inner.optimizer.param_groups[0].get("fused"),
+                "kept": [buf.kept for buf in installed.buffers],
+                "extent": [buf.extent for buf in installed.buffers],
+                "max_diff": _max_diff(models, opts),
             }
         )
     return results
@@ -143,7 +155,12 @@ def save_offloaded(rank: int, world: int, cfg: dict[str, Any], root: str) -> Non
     """Train an offloaded optimizer 3 steps and save a checkpoint; rank 0 keeps the consolidated
     state and the parameters beside it."""
     model = make_model(dtype=DTYPES[cfg.get("dtype", "fp32")])
-    opt = make_optimizer(model, stage=cfg["stage"], offload=cfg.get("offload", "optimizer"))
+    opt = make_optimizer(
+        model,
+        stage=cfg["stage"],
+        offload=cfg.get("offload", "optimizer"),
+        offload_fraction=cfg.get("fraction"),
+    )
     if cfg["stage"] == 3:
         opt.attach(model)
     for step in range(3):
@@ -164,7 +181,10 @@ def load_with_and_without_offload(rank: int, world: int, cfg: dict[str, Any], ro
     dtype = DTYPES[cfg.get("dtype", "fp32")]
     models = [make_model(dtype=dtype, seed=123) for _ in range(2)]
     offloaded = make_optimizer(
-        models[1], stage=cfg["load_stage"], offload=cfg.get("load_offload", "optimizer")
+        models[1],
+        stage=cfg["load_stage"],
+        offload=cfg.get("load_offload", "optimizer"),
+        offload_fraction=cfg.get("load_fraction"),
     )
     opts = [
         make_optimizer(models[0], stage=cfg["load_stage"], hyper=_same_kernel(offloaded, "adamw")),
@@ -198,13 +218,13 @@ def _tree_equal(a: Any, b: Any) -> bool:
 
 
 def refused(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    """Construct with ``case`` (its settings on rank 1 only, with ``one_rank``): the error, and
-    whether the parameters kept their values and storage."""
+    """Construct with ``case`` (its ``one_rank`` setting on rank 1 only): the error, and whether the
+    parameters kept their values and storage."""
     model = make_model()
     before = [(p.detach().clone(), p.data_ptr()) for p in model.parameters()]
     settings = {k: v for k, v in case.items() if k != "one_rank"}
     if case.get("one_rank") and rank != 1:
-        settings.pop("offload", None)
+        settings.pop(case["one_rank"], None)
     try:
         make_optimizer(model, **settings)
         error = None

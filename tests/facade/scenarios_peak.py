@@ -46,6 +46,7 @@ def step_peak(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
             gather_dtype=cfg.get("gather"),
             wire_block=16,
             offload=cfg.get("offload"),
+            offload_fraction=cfg.get("fraction"),
             **cfg.get("hyper", {"lr": 1e-3}),
         )
         opt.attach(model)  # stage 3: the forward gathers what it uses (a no-op at stages 1 and 2)

@@ -63,6 +63,9 @@ CASES = (
         (2, {"stage": 2, "dtype": "bf16", "offload": "optimizer", **SGD}),
         (2, {"stage": 3, "dtype": "bf16", "offload": "all", **ADAMW_FOREACH}),
         (4, {"stage": 3, "dtype": "fp32", "shard": 2, "offload": "optimizer", **ADAMW_FUSED}),
+        # a partial offload: the kept part stepped on the device first, then the units
+        (2, {"stage": 2, "dtype": "bf16", "offload": "optimizer", "fraction": 0.5, **ADAMW_FOREACH}),
+        (2, {"stage": 3, "dtype": "fp32", "offload": "optimizer", "fraction": 0.3, **ADAMW_FUSED}),
     ]
     + [  # parameter wire formats: every block's encoded gather holds a room until it is decoded
         (2, {"stage": 2, "dtype": "bf16", "gather": "int8", **ADAMW_FOREACH}),
@@ -86,8 +89,10 @@ def _id(case):
         "wire",
         "gather",
         "offload",
+        "fraction",
     )
-    extras = [f"{k}={cfg[k]}" if k in ("wire", "gather", "offload") else k for k in keys if k in cfg]
+    named = ("wire", "gather", "offload", "fraction")
+    extras = [f"{k}={cfg[k]}" if k in named else k for k in keys if k in cfg]
     return "-".join([f"w{world}", f"s{cfg['stage']}", cfg["dtype"], inner, *extras])
 
 
