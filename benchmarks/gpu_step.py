@@ -11,8 +11,9 @@ One process, one GPU, ``init_process_group("nccl")`` at world 1, the demo GPT
                     bf16 compute and gradient reduction, ``AdamW(fused=True)``
 * ``zero2 fp32``, ``adamw fp32`` (plain ``AdamW(fused=True)`` on an fp32 model), ``fsdp2 fp32``
 * with ``--only``: ``zero2 bf16 offload`` (``offload="optimizer"``: masters, state and gradient shard in
-  pinned host memory, the fused CPU AdamW step bucket by bucket) and ``fsdp2 bf16 offload``
-  (``CPUOffloadPolicy``), side by side with ``zero2 bf16`` and ``fsdp2 bf16`` (``docs/offload.md``)
+  pinned host memory, the fused CPU AdamW step bucket by bucket), ``zero2 bf16 offload half``
+  (``offload_fraction=0.5``: half of each shard kept on the GPU and stepped there) and ``fsdp2 bf16
+  offload`` (``CPUOffloadPolicy``), side by side with ``zero2 bf16`` and ``fsdp2 bf16`` (``docs/offload.md``)
 
 At world 1 a ZeroOptimizer reduction is a copy, while FSDP2 still runs its
 one-rank all-gathers and reduce-scatters: this measures each method's own
@@ -89,6 +90,7 @@ class Variant:
     precision: str  # "bf16" or "fp32"
     note: str
     offload: bool = False  # CPU offload: ZeroOptimizer(offload="optimizer"), FSDP2's CPUOffloadPolicy
+    fraction: float | None = None  # ZeroOptimizer(offload_fraction=...): the rest kept on the device
 
 
 VARIANTS = (
@@ -102,6 +104,14 @@ VARIANTS = (
 #: CPU offload ([Note: offload, executed]): not in the default run (``--only``, or ``--offload``).
 OFFLOAD_VARIANTS = (
     Variant("zero2 bf16 offload", "zero", "bf16", "stage 2, offload='optimizer': the step on the CPU", True),
+    Variant(
+        "zero2 bf16 offload half",
+        "zero",
+        "bf16",
+        "stage 2, offload='optimizer', offload_fraction=0.5: half of the state kept on the GPU",
+        True,
+        0.5,
+    ),
     Variant(
         "fsdp2 bf16 offload", "fsdp2", "bf16", "fully_shard + CPUOffloadPolicy (pinned), bf16 compute", True
     ),
@@ -133,7 +143,14 @@ class Runner:
         self.params = list(self.model.parameters())
         if variant.kind == "zero":
             offload = "optimizer" if variant.offload else None
-            self.optimizer = ZeroOptimizer(self.params, torch.optim.AdamW, stage=2, offload=offload, **HYPER)
+            self.optimizer = ZeroOptimizer(
+                self.params,
+                torch.optim.AdamW,
+                stage=2,
+                offload=offload,
+                offload_fraction=variant.fraction,
+                **HYPER,
+            )
         elif dtype == torch.float32:
             self.optimizer = torch.optim.AdamW(self.params, **HYPER)
         else:

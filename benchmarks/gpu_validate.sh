@@ -73,7 +73,7 @@ if [ "${BENCH_S:-150}" -gt 0 ]; then
 fi
 if [ "${OFFLOAD_S:-150}" -gt 0 ]; then  # CPU offload against FSDP2's (docs/offload.md)
     timeout "${OFFLOAD_S:-150}" $PY benchmarks/gpu_step.py --rounds "${OFFLOAD_ROUNDS:-8}" \
-        --only "zero2 bf16,zero2 bf16 offload,fsdp2 bf16,fsdp2 bf16 offload" \
+        --only "zero2 bf16,zero2 bf16 offload,zero2 bf16 offload half,fsdp2 bf16,fsdp2 bf16 offload" \
         --json "$OUT/gpu_offload.json" >"$OUT/gpu_offload.txt" 2>&1
     echo "offload benchmark rc=$?"; tail -n 20 "$OUT/gpu_offload.txt"
 fi

@@ -13,7 +13,8 @@ It is compared with
   both moments: 28 bytes per element. ZeroOptimizer's step also divides the summed gradient (read
   and write, 8) and writes the masters into the bf16 parameters (read 4, write 2): 42 bytes; the
   offloaded step casts into host room, then copies it into the parameters (read 2, write 2 more):
-  46 bytes per element;
+  46 bytes per element; with ``offload_fraction=0.5`` the kept half casts straight into the
+  parameters (42), so 44 on average;
 * ``torch.optim.AdamW`` on the same number of fp32 elements, shaped as the model's parameters
   (for-loop, the CPU default, and ``fused=True``), gradients set, step alone;
 * ``ZeroOptimizer`` without offload on the same bf16 model (on the CPU: the same memory);
@@ -61,10 +62,11 @@ CONFIGS = {
     "zero": "ZeroOptimizer(AdamW, stage=2) on the bf16 model, no offload",
     "zero_offload": "ZeroOptimizer(AdamW, stage=2, offload='optimizer') on the bf16 model",
     "zero_offload_fused": "the same with AdamW(fused=True) as the inner optimizer",
+    "zero_offload_half": "the same with offload_fraction=0.5: half of each shard kept on the device",
     "fsdp2_offload": "FSDP2 per layer, CPUOffloadPolicy, bf16 compute (fp32 sharded params) + AdamW",
 }
 #: Bytes per element each configuration's step must move (see the module docstring).
-BYTES = {"adamw": 28, "zero": 42, "zero_offload": 46, "fsdp2": 28}
+BYTES = {"adamw": 28, "zero": 42, "zero_offload": 46, "zero_offload_half": 44, "fsdp2": 28}
 
 
 def _model(args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.Module:
@@ -129,8 +131,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, config: 
             model = _model(args, torch.bfloat16)
             offload = "optimizer" if "offload" in config else None
             fused = {"fused": True} if config.endswith("fused") else {}
+            fraction = 0.5 if config.endswith("half") else None  # [Note: kept on the device]
             opt = ZeroOptimizer(
-                model.parameters(), torch.optim.AdamW, lr=1e-4, stage=2, offload=offload, **fused
+                model.parameters(),
+                torch.optim.AdamW,
+                lr=1e-4,
+                stage=2,
+                offload=offload,
+                offload_fraction=fraction,
+                **fused,
             )
             x = torch.randn(8, args.width, dtype=torch.bfloat16)
 

@@ -34,7 +34,9 @@ place. The prefix holds the buckets launched last (the model's first layers,
 whose gradients arrive at the end of backward and whose parameters the next
 forward needs first), so their copies down and up, which nothing could hide,
 are the ones that go. The kept part steps on the device; the rest on the host,
-unit by unit ([Note: offload, executed]).
+unit by unit ([Note: offload, executed]). The kept masters are a buffer of their
+own, as the offloaded part's: for fp32 parameters that is a copy on the device
+that a view of the parameters could spare (not done: the plan counts it).
 """
 
 from __future__ import annotations

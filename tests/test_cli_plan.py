@@ -633,6 +633,37 @@ def test_offload_that_cannot_work_is_refused(extra, message):
     assert out.returncode != 0 and message in out.stderr
 
 
+def test_offload_fraction_keeps_the_planned_part_on_the_device():
+    """[Note: kept on the device]: the table and the JSON give the split ``memory_report`` plans."""
+    args = ("--preset", "gpt2", "--world", "4", "--stage", "2", "--dtype", "bf16", "--offload", "optimizer")
+    partial = (*args, "--offload-fraction", "0.5")
+    table, document = zeroplan(*partial), json.loads(zeroplan(*partial, "--json").stdout)
+    assert table.returncode == 0, table.stderr
+    whole = json.loads(zeroplan(*args, "--json").stdout)["ranks"][0]
+    zp = plan(
+        preset_specs("gpt2", dtype="bf16"),
+        Topology(world_size=4),
+        stage=2,
+        offload="optimizer",
+        offload_fraction=0.5,
+    )
+    expected = memory_report(zp).ranks[0]
+    rank = document["ranks"][0]
+    assert document["offload_fraction"] == 0.5
+    assert document["kept_on_device"] == [[zp.kept_numel(0, s) for s in range(4)]]
+    assert {document["residences"][f"kept_{k}"] for k in ("grad_shard", "master", "optimizer_state")} == {
+        "device"
+    }
+    assert (rank["device_bytes"], rank["host_bytes"]) == (expected.device_bytes, expected.host_bytes)
+    assert rank["kept_step_transient_bytes"] == expected.kept_step_transient_bytes > 0
+    assert rank["total_bytes"] == whole["total_bytes"] and rank["host_bytes"] < whole["host_bytes"]
+    assert rank["host_link"]["to_host"] < whole["host_link"]["to_host"]
+    text = " ".join(table.stdout.split())
+    assert "offload optimizer (0.5 of the state)" in text and "kept master │ device" in text
+    refused = zeroplan("--preset", "gpt2", "--world", "4", "--offload-fraction", "0.5")
+    assert refused.returncode != 0 and "needs offload='optimizer'" in refused.stderr
+
+
 def test_offload_all_at_stage_3_moves_the_parameter_shards_too():
     document = json.loads(
         zeroplan("--preset", "gpt2", "--world", "4", "--stage", "3", "--offload", "all", "--json").stdout

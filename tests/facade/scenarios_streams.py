@@ -146,12 +146,17 @@ def logged_copies(fake: FakeCuda) -> Any:
 def offload_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """One offloaded step's log: the gradients' copies to host memory during backward, the host's
     wait, each unit stepped on the host and its copy back ([Note: offload, executed])."""
-    from zeroplan.core import host_link, step_units
+    from zeroplan.core import host_link, kept_tensors, step_units
+    from zeroplan.core.host_step import gather_release
 
     torch.manual_seed(0)
     model = make_model(dtype=DTYPES[cfg.get("dtype", "fp32")])
     opt = make_optimizer(
-        model, stage=cfg["stage"], hyper={"lr": 1e-3}, offload=cfg.get("offload", "optimizer")
+        model,
+        stage=cfg["stage"],
+        hyper={"lr": 1e-3},
+        offload=cfg.get("offload", "optimizer"),
+        offload_fraction=cfg.get("offload_fraction"),
     )
     opt.attach(model)
     inner = opt.installed.inner.optimizer
@@ -174,11 +179,15 @@ def offload_streams(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any
             phases = _logged_steps(fake, model, opt, rank)
         finally:
             collectives._start = launch  # type: ignore[assignment]
-    shard_rank = opt.installed.groups.shard_rank
-    link = host_link(opt.plan, shard_rank)
+    zp, shard_rank = opt.plan, opt.installed.groups.shard_rank
+    link = host_link(zp, shard_rank)
+    pieces = [b.piece_of(shard_rank) for b in zp.buckets.buckets]
     return {
         **phases,
         "to_host_copies": link.to_host_copies,
         "to_device_copies": link.to_device_copies,
-        "units": len(step_units(opt.plan, shard_rank)),
+        "units": len(step_units(zp, shard_rank)),
+        "kept_tensors": len(kept_tensors(zp, shard_rank)),
+        "bucket_pieces": sum(p is not None and p.shard_span.numel > 0 for p in pieces),
+        "kept_blocks": sum(b == -1 for s in zp.partition.spaces for b in gather_release(zp, s.index)),
     }

@@ -99,3 +99,28 @@ def test_offloaded_copies_run_on_the_side_stream_in_bucket_order(pools, cfg):
             assert ("compute", "waits for", "side") in step[ups[0] : first], step  # after the copies
         else:  # the next forward gathers
             assert launches == [], step
+
+
+def test_a_partial_offload_steps_its_kept_part_first_on_the_device(pools):
+    """[Note: kept on the device]: the kept buckets' sums land on the device (on the side stream, as the
+    others, which go to host memory); after the host's one wait the inner optimizer steps the kept part
+    first, its values go into the parameters on the compute stream (no copy over the side stream), the
+    gathers of blocks every rank kept start before the first host unit, then the units as before."""
+    cfg = {"stage": 2, "dtype": "bf16", "offload_fraction": 0.5}
+    for r in pools(2).run(scenarios_streams.offload_streams, cfg):
+        backward, step = r["backward"], r["step"]
+        assert r["kept_tensors"] > 0 and r["units"] > 1 and r["kept_blocks"] > 0, r
+        waits = [i for i, e in enumerate(step) if e == ("host", "waits for", "side")]
+        assert len(waits) == 1, step
+        down = [e for e in backward + step[: waits[0]] if e[:2] == ("side", "copies")]
+        assert len(down) == r["bucket_pieces"] > r["to_host_copies"], (down, r)  # kept ones land apart
+        calls = [i for i, e in enumerate(step) if e == ("host", "steps a unit")]
+        assert len(calls) == r["units"] + 1 and waits[0] < calls[0], step  # the kept call, then the units
+        kept, first = calls[0], calls[1]
+        assert not any(e[:2] == ("side", "copies") for e in step[kept:first]), step
+        launched = [e for e in step[kept:first] if e[1] == "launches a collective"]
+        assert launched, step  # the blocks every rank kept: gathered while the host steps the units
+        ups = [i for i, e in enumerate(step) if e[:2] == ("side", "copies") and i > first]
+        assert len(ups) == r["units"], step
+        for unit, up, following in zip(calls[1:], ups, [*calls[2:], len(step)], strict=True):
+            assert unit < up < following, step
