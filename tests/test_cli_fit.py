@@ -467,3 +467,31 @@ def test_the_recommender_considers_offload_only_when_nothing_fits_on_the_device(
     text = " ".join(table.stdout.split())
     assert "stage 3, offload optimizer" in text and "stage 3, offload all" in text
     assert "offload all: fits with" in text and "nothing fits without offload" in text
+
+
+def test_the_recommender_keeps_on_the_device_what_fits_there():
+    """[Note: kept on the device]: where offload optimizer fits with room, the partial offload that
+    keeps the most on the device and fits is the choice, and plans as the JSON says."""
+    args = (
+        "--preset",
+        "gpt2",
+        "--world",
+        "2",
+        "--dtype",
+        "bf16",
+        "--activation-bytes",
+        "100M",
+        "--recommend",
+    )
+    document = json.loads(zeroplan(*args, "--device-memory", "1000MiB", "--json").stdout)["recommendation"]
+    best = document["best"]
+    assert (best["stage"], best["offload"], best["offload_fraction"]) == (2, "optimizer", 0.5), best
+    assert "offload optimizer (offload_fraction=0.5): fits with" in document["reason"]
+    full = [
+        o
+        for o in document["options"]
+        if o.get("offload") == "optimizer" and "offload_fraction" not in o and o["stage"] == 2
+    ]
+    assert full and all(o["host_link_bytes"] > best["host_link_bytes"] for o in full)
+    table = zeroplan(*args, "--device-memory", "1000MiB")
+    assert table.returncode == 0 and "offload_fraction=0.5" in " ".join(table.stdout.split())

@@ -19,7 +19,11 @@ When nothing fits on the device, it assesses CPU offload too
 ([Note: offload, planned]): ``offload="optimizer"`` at every stage and ``offload="all"`` at
 stage 3, the masters, optimizer state and gradient shard (and the parameter
 shards) in host memory. These options come after every other: among them, the
-one that moves fewer bytes over the host link (``"optimizer"``) first.
+one that moves fewer bytes over the host link (``"optimizer"``) first. Where
+``"optimizer"`` fits, a partial offload may too ([Note: kept on the device]):
+the smallest of :data:`OFFLOAD_FRACTIONS` that fits (the most kept on the
+device) is an option of its own, which moves fewer bytes over the host link
+and so comes first.
 
 With traced activations (``trace``: [Note: traced activations]) each
 configuration's need is its step's timeline ([Note: one timeline],
@@ -56,6 +60,7 @@ from zeroplan.core.specs import ParamSpec
 from zeroplan.core.topology import Topology
 
 __all__ = [
+    "OFFLOAD_FRACTIONS",
     "TRAFFIC_TOLERANCE",
     "Option",
     "Recommendation",
@@ -97,6 +102,8 @@ class Option:
             backward's transient and the activations are added, an estimate, ``False``).
         offload: its CPU offload mode (``"none"``, ``"optimizer"``, ``"all"``; [Note: offload, planned]).
         host_link_bytes: with offload, the busiest rank's bytes per step over the host link, both ways.
+        offload_fraction: with ``"optimizer"``, the share of the optimizer's elements in host memory
+            (``None``: all; [Note: kept on the device]).
     """
 
     fit: FitReport
@@ -106,17 +113,26 @@ class Option:
     exact: bool = False
     offload: str = Offload.NONE.value
     host_link_bytes: int = 0
+    offload_fraction: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", Offload.parse(self.offload).value)
+        require(
+            self.offload_fraction is None or self.offload == Offload.OPTIMIZER.value,
+            f"an option with offload_fraction={self.offload_fraction} offloads 'optimizer', "
+            f"not {self.offload!r}",
+        )
 
     @property
     def label(self) -> str:
-        """``"stage 2 with shard groups of 8"``, with ``AdamW(fused=True)`` when fused was added and
-        ``offload optimizer`` with CPU offload."""
+        """``"stage 2 with shard groups of 8"``, with ``AdamW(fused=True)`` when fused was added,
+        ``offload optimizer`` with CPU offload and ``(offload_fraction=0.5)`` with a partial one."""
         text = f"{stage_label(self.fit.stage)} with shard groups of {self.fit.shard_size}"
         text = f"{text}, {self.optimizer}(fused=True)" if self.fused else text
-        return text if self.offload == Offload.NONE.value else f"{text}, offload {self.offload}"
+        text = text if self.offload == Offload.NONE.value else f"{text}, offload {self.offload}"
+        return (
+            text if self.offload_fraction is None else f"{text} (offload_fraction={self.offload_fraction:g})"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready mapping (``offload`` only for an option with offload)."""
@@ -130,8 +146,14 @@ class Option:
         if self.offload != Offload.NONE.value:
             record["offload"] = self.offload
             record["host_link_bytes"] = self.host_link_bytes
+        if self.offload_fraction is not None:
+            record["offload_fraction"] = self.offload_fraction
         return record
 
+
+#: The partial offloads assessed where ``offload="optimizer"`` fits, the most kept on the device first
+#: ([Note: kept on the device]).
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75)
 
 #: Offload modes in the recommender's order of preference: fewer bytes over the host link first.
 _OFFLOADS = tuple(m.value for m in (Offload.NONE, Offload.OPTIMIZER, Offload.ALL))
@@ -335,6 +357,8 @@ def recommend(
         'nothing fits in 512.0 MiB: the least any configuration needs is 816.0 MiB (stage 3 ...'
         >>> recommend(specs, 4, device_bytes=2**29, activation_bytes=2**26).best.label
         'stage 2 with shard groups of 4, offload optimizer'
+        >>> recommend(specs, 4, device_bytes=800 * 2**20, activation_bytes=2**26).best.label
+        'stage 2 with shard groups of 4, offload optimizer (offload_fraction=0.5)'
     """
     check_config(
         all(s in (Stage.OPTIMIZER, Stage.GRADIENTS, Stage.PARAMETERS) for s in stages) and stages,
@@ -373,17 +397,21 @@ def recommend(
                         fit = fit_report(report, activation_bytes=activation_bytes, device_bytes=device_bytes)
                     else:
                         fit, exact = traced_fit(zp, trace, device_bytes=device_bytes)
-                    options.append(
-                        Option(
-                            fit=fit,
-                            optimizer=spec.name,
-                            implementation=spec.implementation,
-                            fused=fused,
-                            exact=exact,
-                            offload=mode.value,
-                            host_link_bytes=0 if report is None else _host_link_bytes(report),
-                        )
+                    option = Option(
+                        fit=fit,
+                        optimizer=spec.name,
+                        implementation=spec.implementation,
+                        fused=fused,
+                        exact=exact,
+                        offload=mode.value,
+                        host_link_bytes=0 if report is None else _host_link_bytes(report),
                     )
+                    options.append(option)
+                    if mode is Offload.OPTIMIZER and fit.fits:  # [Note: kept on the device]
+                        assess = partial(_assessed, activation_bytes, device_bytes, trace)
+                        plan_of = partial(_plan_of, specs, world_size, stage, shard, spec, ranks_per_node)
+                        kept = _partial_offload(option, plan_of, plan_options, assess)
+                        options += [kept] if kept is not None else []
         if mode is Offload.NONE and offload and not any(o.fit.fits for o in options):
             modes = [Offload.OPTIMIZER, Offload.ALL]  # nothing fits on the device: [Note: offload, planned]
     if trace is not None and confirm is not None:
@@ -394,6 +422,34 @@ def recommend(
         options=tuple(options),
         traced=trace is not None,
     )
+
+
+def _assessed(
+    activation_bytes: int, device_bytes: int, trace: ActivationTrace | None, zp: ZeroPlan
+) -> tuple[FitReport, bool, int]:
+    """An offloaded plan's fit, whether it is exact, and its busiest rank's bytes over the host link."""
+    report = memory_report(zp)
+    if trace is None:
+        fit, exact = fit_report(report, activation_bytes=activation_bytes, device_bytes=device_bytes), False
+    else:
+        fit, exact = traced_fit(zp, trace, device_bytes=device_bytes)
+    return fit, exact, _host_link_bytes(report)
+
+
+def _partial_offload(
+    full: Option,
+    plan_of: Callable[..., ZeroPlan],
+    plan_options: Mapping[str, Any],
+    assess: Callable[[ZeroPlan], tuple[FitReport, bool, int]],
+) -> Option | None:
+    """The partial offload of ``full``'s configuration that keeps the most on the device and fits (the
+    smallest of :data:`OFFLOAD_FRACTIONS`), or ``None``."""
+    for fraction in OFFLOAD_FRACTIONS:
+        zp = plan_of({**plan_options, "offload_fraction": fraction}, Offload.OPTIMIZER)
+        fit, exact, link = assess(zp)
+        if fit.fits:
+            return replace(full, fit=fit, exact=exact, host_link_bytes=link, offload_fraction=fraction)
+    return None
 
 
 def _host_link_bytes(report: MemoryReport) -> int:
@@ -461,6 +517,7 @@ def option_plan(
     optimizer ``settings`` and ``plan_options``): to check it further, or to run it."""
     extra = {"fused": True} if option.fused else {}
     spec = describe_optimizer(option.optimizer, {**(settings or {}), **extra})
+    fraction = {} if option.offload_fraction is None else {"offload_fraction": option.offload_fraction}
     return _plan_of(
         specs,
         world_size,
@@ -468,7 +525,7 @@ def option_plan(
         option.fit.shard_size,
         spec,
         ranks_per_node,
-        plan_options,
+        {**plan_options, **fraction},
         Offload(option.offload),
     )
 

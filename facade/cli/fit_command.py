@@ -382,7 +382,7 @@ def grid(advice: Recommendation) -> Any:
         table.add_column(f"stage {stage}{offload}", justify="right")
     cells: dict[tuple[int, int, int], str] = {}
     for o in advice.options:
-        if not o.fused:  # the optimizer as given; fused=True is in the reason
+        if not o.fused and o.offload_fraction is None:  # as given; fused=True and a partial offload: reason
             mark = "fits" if o.fit.fits else "no"
             cells[o.fit.shard_size, modes.index(o.offload), o.fit.stage] = (
                 f"{o.fit.need_bytes / scale:,.2f} {mark}"

@@ -207,10 +207,6 @@ class SpaceBuffers:
         """
         return kept_window(span, self.kept, self.kept_grad, self.grad_shard)
 
-    def grad_parts(self) -> list[torch.Tensor]:
-        """The rank's ``extent`` gradients: views of the kept part (if any) and the rest."""
-        return [self.grad_window(part) for part in cut_kept(Span(0, self.extent), self.kept)]
-
     @property
     def master_device(self) -> torch.device:
         """Where the rank's master values live: its own master, or the parameters it steps in place."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from zeroplan.core import (
@@ -189,3 +191,35 @@ def test_recommend_passes_plan_options_and_checks_stages():
         recommend(SPECS, 2, device_bytes=2**32, stages=(0,))
     with pytest.raises(ConfigError, match="unknown optimizer 'Lion'"):
         recommend(SPECS, 2, device_bytes=2**32, optimizer="Lion")
+
+
+@pytest.mark.parametrize("device_mib", [600, 700, 800])
+def test_a_partial_offload_is_recommended_where_it_fits_keeping_the_most_on_the_device(device_mib):
+    """[Note: kept on the device]: where offload="optimizer" fits, the smallest host share that fits
+    is an option of its own, moving fewer bytes over the host link, so it is chosen."""
+    from zeroplan.core.sizing.recommend import OFFLOAD_FRACTIONS, option_plan
+
+    specs = specs_from_shapes([(4096, 4096)] * 8, dtype="bf16")
+    r = recommend(specs, 4, device_bytes=device_mib * MiB, activation_bytes=64 * MiB)
+    partial = [o for o in r.options if o.offload_fraction is not None]
+    assert partial and all(o.fit.fits and o.offload == "optimizer" for o in partial)
+    assert r.best in partial and "offload_fraction=" in r.best.label
+    for o in partial:
+        full = next(
+            f
+            for f in r.options
+            if f.offload == "optimizer"
+            and f.offload_fraction is None
+            and (f.fit.stage, f.fit.shard_size, f.fused) == (o.fit.stage, o.fit.shard_size, o.fused)
+        )
+        assert full.fit.fits and o.host_link_bytes < full.host_link_bytes
+        smaller = [x for x in OFFLOAD_FRACTIONS if x < o.offload_fraction]
+        for fraction in smaller:  # keeping more on the device would not fit
+            zp = option_plan(specs, 4, dataclasses.replace(o, offload_fraction=fraction))
+            fit = fit_report(memory_report(zp), activation_bytes=64 * MiB, device_bytes=device_mib * MiB)
+            assert not fit.fits, (o.label, fraction)
+        zp = option_plan(specs, 4, o)
+        assert zp.residences.host_fraction == o.offload_fraction
+        assert o.as_dict()["offload_fraction"] == o.offload_fraction
+    tight = recommend(specs, 4, device_bytes=512 * MiB, activation_bytes=64 * MiB)
+    assert tight.best.offload == "optimizer" and tight.best.offload_fraction is None  # none fits partly
