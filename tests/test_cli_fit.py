@@ -471,7 +471,7 @@ def test_the_recommender_considers_offload_only_when_nothing_fits_on_the_device(
 
 def test_the_recommender_keeps_on_the_device_what_fits_there():
     """[Note: kept on the device]: where offload optimizer fits with room, the partial offload that
-    keeps the most on the device and fits is the choice, and plans as the JSON says."""
+    keeps the most on the device and fits is the choice: fewer bytes over the host link."""
     args = (
         "--preset",
         "gpt2",
