@@ -443,19 +443,23 @@ def test_seq_len_needs_model_dimensions(tmp_path):
     )
 
 
+#: GPT-2 at world 2 in bf16 with 100M of activations: the recommender's offload cases, by device size.
+GPT2_ADVICE = (
+    "--preset",
+    "gpt2",
+    "--world",
+    "2",
+    "--dtype",
+    "bf16",
+    "--activation-bytes",
+    "100M",
+    "--recommend",
+)
+
+
 def test_the_recommender_considers_offload_only_when_nothing_fits_on_the_device():
     """[Note: offload, planned]: columns of offload after the stages', and a choice with offload."""
-    args = (
-        "--preset",
-        "gpt2",
-        "--world",
-        "2",
-        "--dtype",
-        "bf16",
-        "--activation-bytes",
-        "100M",
-        "--recommend",
-    )
+    args = GPT2_ADVICE
     roomy = zeroplan(*args, "--device-memory", "2GiB", "--json")
     assert all("offload" not in o for o in json.loads(roomy.stdout)["recommendation"]["options"])
     table = zeroplan(*args, "--device-memory", "400MiB")
@@ -472,17 +476,7 @@ def test_the_recommender_considers_offload_only_when_nothing_fits_on_the_device(
 def test_the_recommender_keeps_on_the_device_what_fits_there():
     """[Note: kept on the device]: where offload optimizer fits with room, the partial offload that
     keeps the most on the device and fits is the choice: fewer bytes over the host link."""
-    args = (
-        "--preset",
-        "gpt2",
-        "--world",
-        "2",
-        "--dtype",
-        "bf16",
-        "--activation-bytes",
-        "100M",
-        "--recommend",
-    )
+    args = GPT2_ADVICE
     document = json.loads(zeroplan(*args, "--device-memory", "1000MiB", "--json").stdout)["recommendation"]
     best = document["best"]
     assert (best["stage"], best["offload"], best["offload_fraction"]) == (2, "optimizer", 0.5), best
