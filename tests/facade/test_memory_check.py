@@ -16,8 +16,9 @@ def test_a_peak_that_fits_says_nothing(pools):
     ("free", "advice"),
     [
         # 64 KiB free: nothing fits on the device without offload (the parameters alone are 120 KiB
-        # in fp32, its shard of them 60), the optimizer's fp32 buffers in host memory do.
-        (2**16, "stage 2 with shard groups of 2, offload optimizer would fit"),
+        # in fp32, its shard of them 60), the optimizer's fp32 buffers in host memory do, and a
+        # quarter of them can stay on the device ([Note: kept on the device]).
+        (2**16, "stage 2 with shard groups of 2, offload optimizer (offload_fraction=0.75) would fit"),
         (2**12, "no stage 1 or 2 configuration fits"),  # 4 KiB: nothing does
     ],
 )
