@@ -44,7 +44,7 @@ def _optimizer(model: moe.MoELM, ep_dp: Any, cfg: dict[str, Any]) -> Any:
     name = cfg.get("optimizer", "adamw")
     cls, hyper = OPTIMIZERS[name]
     keys = ("stage", "loss_scale", "shard", "collectives", "overlap_grad_reduce", "reshard_after_forward")
-    keys += ("reduce_dtype", "gather_dtype", "offload")  # [Note: wire formats], offload: every domain's
+    keys += ("reduce_dtype", "gather_dtype", "offload", "offload_fraction")  # wires, offload: every domain's
     if "reduce_dtype" in cfg or "gather_dtype" in cfg:
         cfg = {**cfg, "wire_block": 16}  # dividing make_optimizer's alignment
         keys += ("wire_block",)

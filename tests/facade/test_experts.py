@@ -28,6 +28,7 @@ REFERENCE_CASES = [
     # CPU offload in both domains ([Note: offload, executed]), MiCS for the dense parameters
     {"stage": 2, "offload": "optimizer", "shard": 2, "clip": 0.05, "loss_scale": "dynamic"},
     {"stage": 3, "offload": "all", "dtype": "bf16", "clip": 0.05},
+    {"stage": 2, "offload": "optimizer", "offload_fraction": 0.5, "clip": 0.05},  # each domain splits
     # wire formats in both domains: int8 / fp8 gradients and parameters, added in fp32. SGD: AdamW
     # would step every element by about lr whatever its (rounded) gradient, far from the reference
     {"stage": 2, "dtype": "bf16", "optimizer": "sgd", "reduce_dtype": "int8", "gather_dtype": "int8"},
