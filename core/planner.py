@@ -215,6 +215,11 @@ class ZeroPlan:
     param_wire: WireCodec | None = None
     options: StepOptions = dataclasses.field(default_factory=StepOptions)
     residences: Residences = ALL_ON_DEVICE
+    #: Values derived from the fields, computed once on first use (:meth:`kept_numel`): a memo, not
+    #: state; neither compared nor copied by ``dataclasses.replace``.
+    _derived: dict[tuple[object, ...], int] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         check_config(
@@ -613,6 +618,14 @@ class ZeroPlan:
         """
         if not self.residences.partial or not self.steps_on_host:
             return 0
+        key = ("kept", space, shard_rank)  # the allocation, the report and the step each ask, per rank
+        kept = self._derived.get(key)
+        if kept is None:
+            kept = self._derived[key] = self._kept_numel(space, shard_rank)
+        return kept
+
+    def _kept_numel(self, space: int, shard_rank: int) -> int:
+        """:meth:`kept_numel`, computed."""
         extent = self.partition.spaces[space].extent(shard_rank)
         target = (1 - self.residences.host_fraction) * extent
         edges = [start for start, _, _ in self.bucket_pieces(space, shard_rank)] + [extent]
