@@ -54,13 +54,17 @@ def host_link(zp: ZeroPlan, shard_rank: int) -> HostLink:
     host = {role for role in BufferRole if zp.residences.of(role) is Residence.HOST}
     to_host = to_device = down = up = 0
     spaces = zp.partition.spaces
-    kept = [zp.kept_numel(space.index, shard_rank) for space in spaces]  # [Note: kept on the device]
+    # The rank's bucket pieces beyond the kept prefix ([Note: kept on the device]), per space.
+    moved = []
+    for s in spaces:
+        kept = zp.kept_numel(s.index, shard_rank)
+        moved.append(
+            [stop - start for start, stop, _ in zp.bucket_pieces(s.index, shard_rank) if start >= kept]
+        )
     if BufferRole.GRAD_SHARD in host:
-        for bucket in zp.buckets.buckets:
-            piece = bucket.piece_of(shard_rank)
-            if piece is not None and piece.shard_span.numel and piece.shard_span.start >= kept[bucket.space]:
-                to_host += piece.shard_span.numel * DTYPE_ITEMSIZE[grad_shard_dtype(zp, spaces[bucket.space])]
-                down += 1
+        for space, numels in zip(spaces, moved, strict=True):
+            to_host += sum(numels) * DTYPE_ITEMSIZE[grad_shard_dtype(zp, space)]
+            down += len(numels)
     params = BufferRole.PARAM_SHARD if zp.stage is Stage.PARAMETERS else BufferRole.FULL_PARAMS
     if zp.stage is Stage.PARAMETERS and params in host and BufferRole.BLOCK not in host:
         times = 2 if zp.options.reshard_after_forward else 1
@@ -71,9 +75,7 @@ def host_link(zp: ZeroPlan, shard_rank: int) -> HostLink:
                     to_device += times * numel * DTYPE_ITEMSIZE[space.dtype]
                     up += times
     elif BufferRole.MASTER in host and params not in host:  # bucket by bucket, as each is stepped
-        for bucket in zp.buckets.buckets:
-            piece = bucket.piece_of(shard_rank)
-            if piece is not None and piece.shard_span.numel and piece.shard_span.start >= kept[bucket.space]:
-                to_device += piece.shard_span.numel * DTYPE_ITEMSIZE[spaces[bucket.space].dtype]
-                up += 1
+        for space, numels in zip(spaces, moved, strict=True):
+            to_device += sum(numels) * DTYPE_ITEMSIZE[space.dtype]
+            up += len(numels)
     return HostLink(to_host, to_device, down, up)

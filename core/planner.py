@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from itertools import groupby, pairwise
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from zeroplan.core.buckets import Bucket, BucketLayout, plan_buckets
+from zeroplan.core.buckets import BlockPieces, Bucket, BucketLayout, plan_buckets
 from zeroplan.core.chunks import owner_chunks
 from zeroplan.core.comm import Collective, CollectivePolicy
 from zeroplan.core.deterministic import check_power_of_two
@@ -215,9 +215,9 @@ class ZeroPlan:
     param_wire: WireCodec | None = None
     options: StepOptions = dataclasses.field(default_factory=StepOptions)
     residences: Residences = ALL_ON_DEVICE
-    #: Values derived from the fields, computed once on first use (:meth:`kept_numel`): a memo, not
-    #: state; neither compared nor copied by ``dataclasses.replace``.
-    _derived: dict[tuple[object, ...], int] = dataclasses.field(
+    #: Values derived from the fields, computed once on first use (:meth:`kept_numel`,
+    #: :meth:`bucket_pieces`): a memo, not state; neither compared nor copied by ``dataclasses.replace``.
+    _derived: dict[tuple[object, ...], Any] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -644,14 +644,34 @@ class ZeroPlan:
 
     def bucket_pieces(self, space: int, shard_rank: int) -> list[tuple[int, int, int]]:
         """Shard rank ``shard_rank``'s non-empty bucket pieces of ``space``: ``(start, stop, bucket
-        index)`` in its shard, sorted by start (they are disjoint)."""
-        held = []
+        index)`` in its shard, sorted by start (they are disjoint).
+
+        The pieces of buckets that list them (rank-major: a few ranks each) are indexed by rank
+        once, on first use; a block's (interleaved: every rank has one) are read per call.
+        """
+        listed = self._derived.get(("bucket pieces",))
+        if listed is None:
+            listed = self._derived["bucket pieces",] = self._listed_pieces()
+        held = list(listed.get((space, shard_rank), ()))
         for bucket in self.buckets.buckets:
-            if bucket.space == space:
+            if bucket.space == space and type(bucket.pieces) is BlockPieces:
                 piece = bucket.piece_of(shard_rank)
                 if piece is not None and piece.shard_span.numel:
                     held.append((piece.shard_span.start, piece.shard_span.stop, bucket.index))
         return sorted(held)
+
+    def _listed_pieces(self) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
+        """``(space, rank) -> (start, stop, bucket)`` of the non-empty pieces of buckets that list
+        their pieces (not a block's), in one pass over them."""
+        index: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for bucket in self.buckets.buckets:
+            if type(bucket.pieces) is not BlockPieces:
+                for p in bucket.pieces:
+                    if p.shard_span.numel:
+                        index.setdefault((bucket.space, p.rank), []).append(
+                            (p.shard_span.start, p.shard_span.stop, bucket.index)
+                        )
+        return index
 
     def inner_tensors_by_rank(self) -> tuple[tuple[InnerTensor, ...], ...]:
         """:meth:`inner_tensors` of every shard rank.
