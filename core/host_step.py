@@ -160,7 +160,7 @@ def kept_tensors(
         >>> kept_tensors(zp, 0), [(u.bucket, u.tensors) for u in step_units(zp, 0)]
         ((0,), [(0, (1,))])
     """
-    if not zp.residences.partial or not zp.steps_on_host:
+    if not zp.residences.partial:
         return ()
     tensors = zp.inner_tensors(shard_rank) if tensors is None else tensors
     kept = {s.index: zp.kept_numel(s.index, shard_rank) for s in zp.partition.spaces}

@@ -54,9 +54,11 @@ def host_link(zp: ZeroPlan, shard_rank: int) -> HostLink:
     host = {role for role in BufferRole if zp.residences.of(role) is Residence.HOST}
     to_host = to_device = down = up = 0
     spaces = zp.partition.spaces
+    params = BufferRole.PARAM_SHARD if zp.stage is Stage.PARAMETERS else BufferRole.FULL_PARAMS
+    moves_up = BufferRole.MASTER in host and params not in host  # bucket by bucket, as each is stepped
     # The rank's bucket pieces beyond the kept prefix ([Note: kept on the device]), per space.
     moved = []
-    for s in spaces:
+    for s in spaces if BufferRole.GRAD_SHARD in host or moves_up else ():
         kept = zp.kept_numel(s.index, shard_rank)
         moved.append(
             [stop - start for start, stop, _ in zp.bucket_pieces(s.index, shard_rank) if start >= kept]
@@ -65,7 +67,6 @@ def host_link(zp: ZeroPlan, shard_rank: int) -> HostLink:
         for space, numels in zip(spaces, moved, strict=True):
             to_host += sum(numels) * DTYPE_ITEMSIZE[grad_shard_dtype(zp, space)]
             down += len(numels)
-    params = BufferRole.PARAM_SHARD if zp.stage is Stage.PARAMETERS else BufferRole.FULL_PARAMS
     if zp.stage is Stage.PARAMETERS and params in host and BufferRole.BLOCK not in host:
         times = 2 if zp.options.reshard_after_forward else 1
         for space in spaces:
@@ -74,7 +75,7 @@ def host_link(zp: ZeroPlan, shard_rank: int) -> HostLink:
                 if numel:
                     to_device += times * numel * DTYPE_ITEMSIZE[space.dtype]
                     up += times
-    elif BufferRole.MASTER in host and params not in host:  # bucket by bucket, as each is stepped
+    elif moves_up:
         for space, numels in zip(spaces, moved, strict=True):
             to_device += sum(numels) * DTYPE_ITEMSIZE[space.dtype]
             up += len(numels)

@@ -616,7 +616,7 @@ class ZeroPlan:
             >>> zp.kept_numel(0, 0), zp.partition.spaces[0].extent(0)
             (64, 128)
         """
-        if not self.residences.partial or not self.steps_on_host:
+        if not self.residences.partial:  # partial places the masters in host memory: steps there
             return 0
         key = ("kept", space, shard_rank)  # the allocation, the report and the step each ask, per rank
         kept = self._derived.get(key)
