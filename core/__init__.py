@@ -52,7 +52,7 @@ from zeroplan.core.host_step import (
     publishes_via_host_cast,
     step_units,
 )
-from zeroplan.core.host_traffic import HostLink, host_link
+from zeroplan.core.host_traffic import HostLink, host_link, host_links
 from zeroplan.core.layout import AUTO_MAX_PIECES, LAYOUTS, build_partition
 from zeroplan.core.memory import (
     MemoryReport,
@@ -163,6 +163,7 @@ __all__ = [
     "StepUnit",
     "UpCopy",
     "host_link",
+    "host_links",
     "publishes_via_host_cast",
     "step_units",
     "StepPeak",

@@ -1,6 +1,6 @@
 # zeroplan.core — pure planning: no torch, no I/O.
 # Bytes a step moves between host memory and the device, each way, read off the plan's placement.
-"""Bytes over the host link per step: :class:`HostLink`, :func:`host_link`.
+"""Bytes over the host link per step: :class:`HostLink`, :func:`host_link`, :func:`host_links`.
 
 What a rank of a plan with roles in host memory ([Note: offload, planned])
 copies each step:
@@ -27,7 +27,7 @@ from zeroplan.core.dtypes import DTYPE_ITEMSIZE
 from zeroplan.core.planner import Stage, ZeroPlan
 from zeroplan.core.residence import BufferRole, Residence
 
-__all__ = ["HostLink", "host_link"]
+__all__ = ["HostLink", "host_link", "host_links"]
 
 
 class HostLink(NamedTuple):
@@ -80,3 +80,28 @@ def host_link(zp: ZeroPlan, shard_rank: int) -> HostLink:
             to_device += sum(numels) * DTYPE_ITEMSIZE[space.dtype]
             up += len(numels)
     return HostLink(to_host, to_device, down, up)
+
+
+def host_links(zp: ZeroPlan) -> tuple[HostLink, ...]:
+    """:func:`host_link` of every shard rank of ``zp``, computed once where every rank's is the same.
+
+    They are where every rank's pieces are alike in every space (``ZeroPlan.pieces_alike``) and its
+    kept prefix, if any, is theirs too: an elementwise optimizer's depends on the pieces alone (a
+    whole-parameter one's on where the rank's parameters start).
+
+    Example:
+        >>> from zeroplan.core import Topology, plan, specs_from_shapes
+        >>> zp = plan(specs_from_shapes([(64,)] * 4, dtype="bf16"), Topology(world_size=2),
+        ...     alignment=8, stage=3, offload="optimizer")
+        >>> host_links(zp)[1] == host_link(zp, 1)
+        True
+    """
+    n = zp.topology.shard_size
+    alike = (
+        zp.stage is not Stage.DDP
+        and (zp.elementwise or not zp.residences.partial)
+        and all(zp.pieces_alike(space.index) for space in zp.partition.spaces)
+    )
+    if alike:
+        return (host_link(zp, 0),) * n
+    return tuple(host_link(zp, s) for s in range(n))

@@ -52,7 +52,7 @@ from zeroplan.core.deterministic import exact_norm_transient, partial_sums_held
 from zeroplan.core.dtypes import DTYPE_ITEMSIZE, LOW_PRECISION, master_dtype
 from zeroplan.core.errors import ConfigError, require
 from zeroplan.core.host_step import kept_tensors
-from zeroplan.core.host_traffic import HostLink, host_link
+from zeroplan.core.host_traffic import HostLink, host_links
 from zeroplan.core.peak import PeakPhase, StepPeak, backward_peak, kept_temporaries, step_peak
 from zeroplan.core.planner import InnerTensor, Stage, ZeroPlan
 from zeroplan.core.residence import Residence
@@ -292,19 +292,28 @@ def memory_report(
     backward = None if zp.stage is Stage.DDP else backward_peak(zp, arrivals=arrivals)
     staging = [0] * n if backward is None else [p.staging for p in backward]
     # Ranks with equal inner tensors (often most of them) share one tuple: their state is summed once.
+    # Ranks share a tuple only where their pieces are alike too (``ZeroPlan.inner_tensors_by_rank``),
+    # so a partial offload's kept prefix is theirs alike as well ([Note: kept on the device]).
     tensors = () if zp.stage is Stage.DDP else zp.inner_tensors_by_rank()
     states: dict[int, tuple[int, int]] = {}  # id of a tuple of tensors -> its state bytes, and kept
+    kept_steps: dict[int, int] = {}  # ... -> the device's step of its kept part
     partial = zp.stage is not Stage.DDP and zp.residences.partial
 
     def state_of(s: int) -> tuple[int, int]:
-        if partial:  # [Note: kept on the device]: the kept prefix differs by rank
-            listed = tensors[s]
-            kept = [listed[i] for i in kept_tensors(zp, s, listed)]
-            return _state_bytes(zp, listed), _state_bytes(zp, kept)
         key = id(tensors[s])
         if key not in states:
-            states[key] = (_state_bytes(zp, tensors[s]), 0)
+            listed = tensors[s]
+            kept = [listed[i] for i in kept_tensors(zp, s, listed)] if partial else ()
+            states[key] = (_state_bytes(zp, listed), _state_bytes(zp, kept))
         return states[key]
+
+    def kept_step(s: int) -> int:
+        if not partial:
+            return 0
+        key = id(tensors[s])
+        if key not in kept_steps:
+            kept_steps[key] = kept_temporaries(zp, s, tensors[s])
+        return kept_steps[key]
 
     if zp.stage is Stage.DDP:  # every rank holds everything: one rank's figures are every rank's
         per_shard = [_rank_memory(zp, 0, 0, frozen, state_of)] * n
@@ -316,7 +325,7 @@ def memory_report(
     )
     traffic = step_traffic(zp, clipping)
     offloaded = zp.stage is not Stage.DDP and not zp.residences.all_on_device
-    links = [host_link(zp, s) for s in range(n)] if offloaded else [None] * n
+    links = host_links(zp) if offloaded else [None] * n
     step_on_host = offloaded and zp.residences.of(BufferRole.MASTER) is Residence.HOST
     ranks = []
     for rank in range(topo.world_size):
@@ -341,7 +350,7 @@ def memory_report(
                 host_bytes=memory.host,
                 host_link=links[s],
                 step_on_host=step_on_host,
-                kept_step_transient_bytes=kept_temporaries(zp, s, tensors[s]) if partial else 0,
+                kept_step_transient_bytes=kept_step(s),
                 save_staging_bytes=0 if zp.stage is Stage.DDP else _rank_staging(zp, rank, shard_staging[s]),
             )
         )

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
@@ -642,23 +643,71 @@ class ZeroPlan:
         """Whether the inner optimizer steps in host memory ([Note: offload, executed])."""
         return self.residences.of(BufferRole.MASTER) is Residence.HOST
 
-    def bucket_pieces(self, space: int, shard_rank: int) -> list[tuple[int, int, int]]:
+    def bucket_pieces(self, space: int, shard_rank: int) -> tuple[tuple[int, int, int], ...]:
         """Shard rank ``shard_rank``'s non-empty bucket pieces of ``space``: ``(start, stop, bucket
         index)`` in its shard, sorted by start (they are disjoint).
 
         The pieces of buckets that list them (rank-major: a few ranks each) are indexed by rank
-        once, on first use; a block's (interleaved: every rank has one) are read per call.
+        once, on first use; a block's (interleaved: every rank has one) are read off the block per
+        call, and once for all ranks where they are alike (:meth:`pieces_alike`).
         """
+        if self.pieces_alike(space):
+            key = ("alike pieces", space)
+            alike = self._derived.get(key)
+            if alike is None:
+                alike = self._derived[key] = self._bucket_pieces(space, 0)
+            return alike
+        return self._bucket_pieces(space, shard_rank)
+
+    def _bucket_pieces(self, space: int, shard_rank: int) -> tuple[tuple[int, int, int], ...]:
+        """:meth:`bucket_pieces`, computed."""
         listed = self._derived.get(("bucket pieces",))
         if listed is None:
             listed = self._derived["bucket pieces",] = self._listed_pieces()
         held = list(listed.get((space, shard_rank), ()))
-        for bucket in self.buckets.buckets:
-            if bucket.space == space and type(bucket.pieces) is BlockPieces:
-                piece = bucket.piece_of(shard_rank)
-                if piece is not None and piece.shard_span.numel:
-                    held.append((piece.shard_span.start, piece.shard_span.stop, bucket.index))
-        return sorted(held)
+        for index, block in self._block_buckets().get(space, ()):
+            size = block.pieces[shard_rank] if shard_rank < len(block.pieces) else 0
+            if size:
+                start = block.shard_starts[shard_rank]
+                held.append((start, start + size, index))
+        return tuple(sorted(held))
+
+    def _block_buckets(self) -> dict[int, list[tuple[int, Block]]]:
+        """Per space, ``(bucket index, block)`` of its buckets that are one block each (their
+        ``pieces`` a :class:`~zeroplan.core.buckets.BlockPieces`), in launch order; on first use."""
+        found = self._derived.get(("block buckets",))
+        if found is None:
+            found = self._derived["block buckets",] = {}
+            for bucket in self.buckets.buckets:
+                if type(bucket.pieces) is BlockPieces:
+                    found.setdefault(bucket.space, []).append((bucket.index, bucket.pieces.block))
+        return found
+
+    def pieces_alike(self, space: int) -> bool:
+        """Whether every shard rank holds the same pieces of ``space`` (the same starts and sizes in
+        its shard, in every gather block and every bucket).
+
+        True for a space of blocks of equal pieces whose buckets are blocks (stage 3's default
+        layout, when each block divides evenly): then a rank's shard, buckets and windows differ
+        from another's only in which parameters they hold, and what depends on the pieces alone
+        (:meth:`bucket_pieces`, and with an elementwise optimizer the windows' cuts, the kept
+        prefix and the host link) is computed once for all ranks.
+        """
+        key = ("alike", space)
+        alike = self._derived.get(key)
+        if alike is None:
+            listed = self._derived.get(("bucket pieces",))
+            if listed is None:
+                listed = self._derived["bucket pieces",] = self._listed_pieces()
+            blocks = [
+                *self.partition.spaces[space].blocks,
+                *(b for _, b in self._block_buckets().get(space, ())),
+            ]
+            alike = self._derived[key] = not any(s == space for s, _ in listed) and all(
+                block.equal and block.shard_starts.count(block.shard_starts[0]) == len(block.shard_starts)
+                for block in blocks
+            )
+        return alike
 
     def _listed_pieces(self) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
         """``(space, rank) -> (start, stop, bucket)`` of the non-empty pieces of buckets that list
@@ -677,8 +726,10 @@ class ZeroPlan:
         """:meth:`inner_tensors` of every shard rank.
 
         For a compact plan (see [Note: compact plans] in :mod:`zeroplan.core.runs`)
-        stepped in windows without cuts, computed for all ranks at once from its
-        runs (:func:`~zeroplan.core.runs.rank_windows`), not rank by rank, and
+        stepped in windows without cuts, or cut only where buckets start when
+        every rank's bucket pieces are alike (:meth:`pieces_alike`: an
+        offloaded stage 3), computed for all ranks at once from its runs
+        (:func:`~zeroplan.core.runs.rank_windows`), not rank by rank, and
         ranks with equal tensors share one tuple (a memory report computes
         their state and temporaries once).
         """
@@ -686,15 +737,20 @@ class ZeroPlan:
         spaces = self.partition.spaces
         compact = (
             bool(spaces)
-            and not self.steps_on_host
             and all(
                 space.block_runs and not (self.master_in_params(space) and not space.shard_is_region)
                 for space in spaces
             )
+            and (not self.steps_on_host or all(self.pieces_alike(space.index) for space in spaces))
         )
         if not (compact and self.elementwise):
             return tuple(map(self.inner_tensors, range(n)))
         windows = [rank_windows(space, self.specs) for space in spaces]
+        # [Note: offload, executed]: a window per bucket; the buckets start alike on every rank.
+        cuts = [
+            [start for start, _, _ in self.bucket_pieces(space.index, 0)] if self.steps_on_host else []
+            for space in spaces
+        ]
         shared: dict[tuple[object, ...], tuple[InnerTensor, ...]] = {}
         result = []
         for r in range(n):
@@ -703,8 +759,9 @@ class ZeroPlan:
             if tensors is None:
                 tensors = shared[key] = tuple(
                     InnerTensor(space=space.index, group=g, shard_span=Span(a, b), shape=(b - a,), cohort=c)
-                    for space, mine in zip(spaces, key, strict=True)
-                    for g, c, a, b in mine
+                    for space, mine, at in zip(spaces, key, cuts, strict=True)
+                    for g, c, start, stop in mine
+                    for a, b in pairwise([start, *at[bisect_right(at, start) : bisect_left(at, stop)], stop])
                 )
             result.append(tensors)
         return tuple(result)

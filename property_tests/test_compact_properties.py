@@ -10,7 +10,9 @@ inner tensors rank by rank). Every value must be the same:
 * the spaces field by field (``runs`` and ``by_rank`` equal to the tuples, in both directions);
 * the partition's, the buckets' and the plan's fingerprints;
 * the buckets, their pieces and copies included;
-* every rank's inner tensors, and the memory report of every world rank.
+* every rank's inner tensors, and the memory report of every world rank;
+* offloaded, stepped bucket by bucket in host memory (whole or in part): every rank's bucket pieces
+  as the buckets give them, and its host link, where ranks' pieces are alike and computed once.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from zeroplan.core import (
     PartitionPlan,
     Stage,
     ZeroPlan,
+    host_link,
+    host_links,
     memory_report,
     plan,
     plan_buckets,
@@ -50,9 +54,10 @@ def _as_tuples(partition: PartitionPlan) -> PartitionPlan:
     policy=st.sampled_from(list(CollectivePolicy)),
     clipping=st.booleans(),
     stage=st.sampled_from([Stage.PARAMETERS, Stage.GRADIENTS, Stage.OPTIMIZER]),
+    offload=st.sampled_from([None, 1.0, 0.5]),
 )
 def test_a_compact_plan_equals_its_plan_of_tuples(
-    specs, topology, alignment, bucket_bytes, optimizer, policy, clipping, stage
+    specs, topology, alignment, bucket_bytes, optimizer, policy, clipping, stage, offload
 ):
     zp = plan(
         specs,
@@ -64,6 +69,8 @@ def test_a_compact_plan_equals_its_plan_of_tuples(
         alignment=alignment,
         bucket_bytes=bucket_bytes,
         policy=policy,
+        offload="optimizer" if offload else None,
+        offload_fraction=offload if offload != 1.0 else None,
     )
     compact = zp.partition
     tuples = _as_tuples(compact)
@@ -84,6 +91,7 @@ def test_a_compact_plan_equals_its_plan_of_tuples(
         partition=tuples,
         buckets=plan_buckets(tuples, bucket_bytes, alignment, policy),
         optimizers=zp.optimizers,
+        residences=zp.residences,
     )
     assert zp.buckets == reference.buckets
     for a, b in zip(zp.buckets.buckets, reference.buckets.buckets, strict=True):
@@ -94,6 +102,16 @@ def test_a_compact_plan_equals_its_plan_of_tuples(
         ]
     assert zp.fingerprint() == reference.fingerprint()
     n = topology.shard_size
+    for space in zp.partition.spaces:
+        event(f"pieces alike: {zp.pieces_alike(space.index)}")
+        for r in range(n):
+            pieces = [(b.index, b.piece_of(r)) for b in zp.buckets.buckets if b.space == space.index]
+            assert zp.bucket_pieces(space.index, r) == tuple(
+                sorted(
+                    (p.shard_span.start, p.shard_span.stop, b) for b, p in pieces if p and p.shard_span.numel
+                )
+            )
+    assert host_links(zp) == tuple(host_link(zp, r) for r in range(n))
     assert zp.inner_tensors_by_rank() == tuple(reference.inner_tensors(r) for r in range(n))
     assert zp.inner_tensors_by_rank() == reference.inner_tensors_by_rank()
     assert [zp.inner_tensors(r) for r in range(n)] == [reference.inner_tensors(r) for r in range(n)]

@@ -5,8 +5,9 @@ per rank per bucket or gather chunk builds tens of millions, and took minutes. R
 spaces are gathered in chunks described by rule ([Note: gather blocks] in ``core.planner``,
 ``core/chunks.py``); interleaved ``flat_even`` spaces hold runs ([Note: compact plans] in
 ``core.runs``). These tests count what planning and its memory report build: blocks, the
-per-rank numbers of the blocks' pieces (tuple entries, or entries read from a rule), and
-fragments.
+per-rank numbers of the blocks' pieces (tuple entries, or entries read from a rule), fragments,
+and the inner optimizer's tensors (an offloaded stage 3 steps a window per bucket on every rank:
+ranks whose pieces are alike share them, ``ZeroPlan.pieces_alike``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from zeroplan.core import Topology, memory_report, plan, specs_from_shapes
+from zeroplan.core import InnerTensor, Topology, memory_report, plan, specs_from_shapes
 from zeroplan.core.chunks import ChunkStarts, OwnerOffsets, OwnerPieces, owner_chunks
 from zeroplan.core.computed import Repeated
 from zeroplan.core.space import Block, Fragment
@@ -32,6 +33,7 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
     counts: Counter[str] = Counter()
     block_post_init = Block.__post_init__
     fragment_init = Fragment.__init__
+    tensor_init = InnerTensor.__init__
 
     held: dict[int, tuple[int, ...]] = {}  # tuples counted, by id (kept alive: ids stay unique)
 
@@ -47,8 +49,13 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
         counts["fragments"] += 1
         fragment_init(self, *args, **kwargs)
 
+    def init_tensor(self: InnerTensor, *args: object, **kwargs: object) -> None:
+        counts["inner tensors"] += 1
+        tensor_init(self, *args, **kwargs)
+
     monkeypatch.setattr(Block, "__post_init__", post_init)
     monkeypatch.setattr(Fragment, "__init__", init)
+    monkeypatch.setattr(InnerTensor, "__init__", init_tensor)
     for rule in (OwnerPieces, OwnerOffsets, ChunkStarts, Repeated):
         item = rule._item
 
@@ -69,24 +76,37 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
 
 
 def _plan_and_report(
-    world: int, stage: int, layout: str, counts: Counter[str]
+    world: int, stage: int, layout: str, counts: Counter[str], **settings: object
 ) -> tuple[Counter[str], int, int]:
     owner_chunks.cache_clear()  # (chunks are cached by block: count them for each plan)
     counts.clear()
-    zp = plan(SPECS, Topology(world_size=world), stage=stage, layout=layout, bucket_bytes=BUCKET_BYTES)
+    zp = plan(
+        SPECS, Topology(world_size=world), stage=stage, layout=layout, bucket_bytes=BUCKET_BYTES, **settings
+    )
     memory_report(zp, clipping=True)
     chunks = sum(len(zp.gather_blocks(space)) for space in zp.partition.spaces)
     return Counter(counts), len(zp.buckets.buckets), chunks
 
 
-CASES = [(1, "rank_major"), (2, "rank_major"), (1, "interleaved"), (2, "interleaved"), (3, "auto")]
+OFFLOADED = {"offload": "optimizer"}
+CASES = [
+    (1, "rank_major", {}),
+    (2, "rank_major", {}),
+    (1, "interleaved", {}),
+    (2, "interleaved", {}),
+    (3, "auto", {}),
+    (3, "auto", OFFLOADED),
+    (3, "auto", {**OFFLOADED, "offload_fraction": 0.5}),
+]
 
 
-@pytest.mark.parametrize(("stage", "layout"), CASES)
-def test_planning_builds_objects_by_world_plus_buckets_not_their_product(monkeypatch, stage, layout):
+@pytest.mark.parametrize(("stage", "layout", "settings"), CASES)
+def test_planning_builds_objects_by_world_plus_buckets_not_their_product(
+    monkeypatch, stage, layout, settings
+):
     with counting(monkeypatch) as counts:
-        small, small_buckets, _ = _plan_and_report(64, stage, layout, counts)
-        large, buckets, chunks = _plan_and_report(4096, stage, layout, counts)
+        small, small_buckets, _ = _plan_and_report(64, stage, layout, counts, **settings)
+        large, buckets, chunks = _plan_and_report(4096, stage, layout, counts, **settings)
     assert small_buckets == buckets == (32 if stage == 3 else 64)  # stage 3: a block per parameter
     if layout == "rank_major":
         assert chunks >= 4096  # a chunk per rank at least: each rank broadcasts its region
@@ -95,7 +115,7 @@ def test_planning_builds_objects_by_world_plus_buckets_not_their_product(monkeyp
     # 4,096 x buckets (262,144) or more (the gather chunks as tuples held 16.7 million).
     bound = 5 * 4096 + 2 * (buckets + chunks)
     assert bound < 4096 * buckets // 4
-    for what in ("blocks", "rank numbers", "fragments"):
+    for what in ("blocks", "rank numbers", "fragments", "inner tensors"):
         assert large[what] <= bound, (what, large[what], bound)
         # From world 64 to 4,096 (64x) at the same buckets: what grows, grows with the world only.
         assert large[what] - small[what] <= 5 * (4096 - 64) + 2 * chunks, (what, small[what], large[what])
