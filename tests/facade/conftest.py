@@ -14,14 +14,15 @@ from dist_worker import DistPool
 
 
 class Pools:
-    """One reusable worker pool per world size; a pool that failed is replaced."""
+    """One reusable worker pool per world size; a pool that failed, or whose workers hold too many
+    process groups (``DistPool.worn``), is replaced."""
 
     def __init__(self) -> None:
         self._pools: dict[int, DistPool] = {}
 
     def __call__(self, world: int) -> DistPool:
         pool = self._pools.get(world)
-        if pool is None or pool.broken:
+        if pool is None or pool.broken or pool.worn:
             if pool is not None:
                 pool.close()
             pool = self._pools[world] = DistPool(world)
