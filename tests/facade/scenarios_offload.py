@@ -103,6 +103,26 @@ def _state_equal(opts: list[Any]) -> bool:
     return all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(*leaves, strict=True))
 
 
+def _state_rel_diff(opts: list[Any]) -> float:
+    """The largest difference between the two optimizers' state tensors, relative to the larger
+    value (0.0: bit for bit; ``inf``: their structures differ)."""
+    leaves, specs = zip(*(optree.tree_flatten(opt.state_dict()["state"]) for opt in opts), strict=True)
+    if specs[0] != specs[1]:
+        return float("inf")
+    most = 0.0
+    for a, b in zip(*leaves, strict=True):
+        if not torch.is_tensor(a):
+            most = max(most, 0.0 if a == b else float("inf"))
+            continue
+        parts = zip(a.parts, b.parts, strict=True) if hasattr(a, "parts") else [((None, a), (None, b))]
+        for (_, x), (_, y) in parts:
+            x, y = x.double(), y.double()
+            scale = torch.maximum(x.abs(), y.abs()).clamp_min(torch.finfo(torch.float32).tiny)
+            if x.numel():
+                most = max(most, float(((x - y).abs() / scale).max()))
+    return most
+
+
 def offloaded_against_default(rank: int, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Each case of ``cfg["cases"]`` trained with and without offload side by side."""
     results = []
@@ -114,6 +134,7 @@ def offloaded_against_default(rank: int, world: int, cfg: dict[str, Any]) -> lis
             {
                 "equal": equal,
                 "state": _state_equal(opts),
+                "state_rel_diff": _state_rel_diff(opts),
                 "units": len(step_units(opts[1].plan, installed.groups.shard_rank)),
                 "host": [role.value for role in opts[1].plan.residences.host],
                 "stepping": type(installed.stepping).__name__,
