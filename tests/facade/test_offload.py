@@ -41,7 +41,7 @@ def _state_matches(case: dict[str, Any], r: dict[str, Any]) -> bool:
     a window the run without offload steps whole, and the offloaded run cuts that window where a
     bucket starts, 441 elements in (not a multiple of 8): on an AVX2 machine (AMD EPYC, torch
     2.13.0) two elements of ``exp_avg_sq`` per rank then differ, by 4.4e-16 (3e-8 relative),
-    while every parameter is bit for bit. Machines with AVX-512 showed no difference.
+    while every parameter is bit for bit. Earlier sessions' machines (CPU not recorded) passed bit for bit.
     """
     if case.get("replan"):
         return r["state_rel_diff"] <= 2**-22  # two ulps of float32
