@@ -295,25 +295,21 @@ def memory_report(
     # Ranks share a tuple only where their pieces are alike too (``ZeroPlan.inner_tensors_by_rank``),
     # so a partial offload's kept prefix is theirs alike as well ([Note: kept on the device]).
     tensors = () if zp.stage is Stage.DDP else zp.inner_tensors_by_rank()
-    states: dict[int, tuple[int, int]] = {}  # id of a tuple of tensors -> its state bytes, and kept
-    kept_steps: dict[int, int] = {}  # ... -> the device's step of its kept part
+    shared: dict[int, tuple[int, int, int]] = {}  # id of a tuple of tensors -> state, kept state, kept step
     partial = zp.stage is not Stage.DDP and zp.residences.partial
 
-    def state_of(s: int) -> tuple[int, int]:
+    def of_tensors(s: int) -> tuple[int, int, int]:
+        """Rank ``s``'s state bytes, of them the kept part's, and the device's step of the kept part."""
         key = id(tensors[s])
-        if key not in states:
+        if key not in shared:
             listed = tensors[s]
-            kept = [listed[i] for i in kept_tensors(zp, s, listed)] if partial else ()
-            states[key] = (_state_bytes(zp, listed), _state_bytes(zp, kept))
-        return states[key]
+            kept = [listed[i] for i in kept_tensors(zp, s, listed)] if partial else []
+            step = kept_temporaries(zp, s, listed) if partial else 0
+            shared[key] = (_state_bytes(zp, listed), _state_bytes(zp, kept), step)
+        return shared[key]
 
-    def kept_step(s: int) -> int:
-        if not partial:
-            return 0
-        key = id(tensors[s])
-        if key not in kept_steps:
-            kept_steps[key] = kept_temporaries(zp, s, tensors[s])
-        return kept_steps[key]
+    def state_of(s: int) -> tuple[int, int]:
+        return of_tensors(s)[:2]
 
     if zp.stage is Stage.DDP:  # every rank holds everything: one rank's figures are every rank's
         per_shard = [_rank_memory(zp, 0, 0, frozen, state_of)] * n
@@ -350,7 +346,7 @@ def memory_report(
                 host_bytes=memory.host,
                 host_link=links[s],
                 step_on_host=step_on_host,
-                kept_step_transient_bytes=kept_step(s),
+                kept_step_transient_bytes=of_tensors(s)[2] if partial else 0,
                 save_staging_bytes=0 if zp.stage is Stage.DDP else _rank_staging(zp, rank, shard_staging[s]),
             )
         )

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from itertools import groupby, pairwise
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from zeroplan.core.buckets import BlockPieces, Bucket, BucketLayout, plan_buckets
 from zeroplan.core.chunks import owner_chunks
@@ -39,6 +39,8 @@ from zeroplan.core.span import Span
 from zeroplan.core.specs import ParamSpec, check_specs, specs_fingerprint
 from zeroplan.core.topology import Topology
 from zeroplan.core.wire import GatherRoom, WireCodec, WireFormat, check_wire, gather_room
+
+_T = TypeVar("_T")
 
 #: What updated parameters may travel as (fp32 is never smaller than the parameters).
 _PARAM_WIRES = (WireFormat.BF16, WireFormat.INT8, WireFormat.FP8)
@@ -619,11 +621,8 @@ class ZeroPlan:
         """
         if not self.residences.partial:  # partial places the masters in host memory: steps there
             return 0
-        key = ("kept", space, shard_rank)  # the allocation, the report and the step each ask, per rank
-        kept = self._derived.get(key)
-        if kept is None:
-            kept = self._derived[key] = self._kept_numel(space, shard_rank)
-        return kept
+        # The allocation, the report and the step each ask, per rank.
+        return self._memo(("kept", space, shard_rank), lambda: self._kept_numel(space, shard_rank))
 
     def _kept_numel(self, space: int, shard_rank: int) -> int:
         """:meth:`kept_numel`, computed."""
@@ -652,19 +651,12 @@ class ZeroPlan:
         call, and once for all ranks where they are alike (:meth:`pieces_alike`).
         """
         if self.pieces_alike(space):
-            key = ("alike pieces", space)
-            alike = self._derived.get(key)
-            if alike is None:
-                alike = self._derived[key] = self._bucket_pieces(space, 0)
-            return alike
+            return self._memo(("alike pieces", space), lambda: self._bucket_pieces(space, 0))
         return self._bucket_pieces(space, shard_rank)
 
     def _bucket_pieces(self, space: int, shard_rank: int) -> tuple[tuple[int, int, int], ...]:
         """:meth:`bucket_pieces`, computed."""
-        listed = self._derived.get(("bucket pieces",))
-        if listed is None:
-            listed = self._derived["bucket pieces",] = self._listed_pieces()
-        held = list(listed.get((space, shard_rank), ()))
+        held = list(self._memo(("bucket pieces",), self._listed_pieces).get((space, shard_rank), ()))
         for index, block in self._block_buckets().get(space, ()):
             size = block.pieces[shard_rank] if shard_rank < len(block.pieces) else 0
             if size:
@@ -675,13 +667,15 @@ class ZeroPlan:
     def _block_buckets(self) -> dict[int, list[tuple[int, Block]]]:
         """Per space, ``(bucket index, block)`` of its buckets that are one block each (their
         ``pieces`` a :class:`~zeroplan.core.buckets.BlockPieces`), in launch order; on first use."""
-        found = self._derived.get(("block buckets",))
-        if found is None:
-            found = self._derived["block buckets",] = {}
+
+        def index() -> dict[int, list[tuple[int, Block]]]:
+            found: dict[int, list[tuple[int, Block]]] = {}
             for bucket in self.buckets.buckets:
                 if type(bucket.pieces) is BlockPieces:
                     found.setdefault(bucket.space, []).append((bucket.index, bucket.pieces.block))
-        return found
+            return found
+
+        return self._memo(("block buckets",), index)
 
     def pieces_alike(self, space: int) -> bool:
         """Whether every shard rank holds the same pieces of ``space`` (the same starts and sizes in
@@ -693,21 +687,25 @@ class ZeroPlan:
         (:meth:`bucket_pieces`, and with an elementwise optimizer the windows' cuts, the kept
         prefix and the host link) is computed once for all ranks.
         """
-        key = ("alike", space)
-        alike = self._derived.get(key)
-        if alike is None:
-            listed = self._derived.get(("bucket pieces",))
-            if listed is None:
-                listed = self._derived["bucket pieces",] = self._listed_pieces()
+
+        def alike() -> bool:
+            listed = self._memo(("bucket pieces",), self._listed_pieces)
             blocks = [
                 *self.partition.spaces[space].blocks,
                 *(b for _, b in self._block_buckets().get(space, ())),
             ]
-            alike = self._derived[key] = not any(s == space for s, _ in listed) and all(
+            return not any(s == space for s, _ in listed) and all(
                 block.equal and block.shard_starts.count(block.shard_starts[0]) == len(block.shard_starts)
                 for block in blocks
             )
-        return alike
+
+        return self._memo(("alike", space), alike)
+
+    def _memo(self, key: tuple[object, ...], compute: Callable[[], _T]) -> _T:
+        """``compute()``, remembered in ``_derived`` under ``key`` (computed on first use)."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     def _listed_pieces(self) -> dict[tuple[int, int], list[tuple[int, int, int]]]:
         """``(space, rank) -> (start, stop, bucket)`` of the non-empty pieces of buckets that list
