@@ -95,22 +95,26 @@ def _max_diff(models: list[Any], opts: list[Any]) -> float:
         return max(float((a.detach().float() - b.detach().float()).abs().max()) for a, b in pairs)
 
 
+def _state_leaves(opts: list[Any]) -> list[tuple[Any, Any]] | None:
+    """Both optimizers' state dicts, leaf beside leaf; ``None`` when their structures differ."""
+    leaves, specs = zip(*(optree.tree_flatten(opt.state_dict()["state"]) for opt in opts), strict=True)
+    return list(zip(*leaves, strict=True)) if specs[0] == specs[1] else None
+
+
 def _state_equal(opts: list[Any]) -> bool:
     """Both optimizers' state dicts, leaf for leaf (tensors bit for bit)."""
-    leaves, specs = zip(*(optree.tree_flatten(opt.state_dict()["state"]) for opt in opts), strict=True)
-    if specs[0] != specs[1]:
-        return False
-    return all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(*leaves, strict=True))
+    pairs = _state_leaves(opts)
+    return pairs is not None and all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in pairs)
 
 
 def _state_rel_diff(opts: list[Any]) -> float:
     """The largest difference between the two optimizers' state tensors, relative to the larger
     value (0.0: bit for bit; ``inf``: their structures differ)."""
-    leaves, specs = zip(*(optree.tree_flatten(opt.state_dict()["state"]) for opt in opts), strict=True)
-    if specs[0] != specs[1]:
+    pairs = _state_leaves(opts)
+    if pairs is None:
         return float("inf")
     most = 0.0
-    for a, b in zip(*leaves, strict=True):
+    for a, b in pairs:
         if not torch.is_tensor(a):
             most = max(most, 0.0 if a == b else float("inf"))
             continue

@@ -33,15 +33,15 @@ CASES = [
 
 
 def _state_matches(case: dict[str, Any], r: dict[str, Any]) -> bool:
-    """The state bit for bit, or where the plan re-plans (``replan``) within an ulp of float32.
+    """The state bit for bit, or where the plan re-plans (``replan``) within two ulps of float32.
 
-    torch's fused CPU AdamW computes a tensor's last
-    elements (beyond a multiple of its vector width, 8 floats on AVX2) by another path than the
-    rest, one ulp apart. After re-planning, a parameter cohort starts at shard position 4,631 of
-    a window the run without offload steps whole, and the offloaded run cuts that window where a
-    bucket starts, 441 elements in (not a multiple of 8): on an AVX2 machine (AMD EPYC, torch
-    2.13.0) two elements of ``exp_avg_sq`` per rank then differ, by 4.4e-16 (3e-8 relative),
-    while every parameter is bit for bit. Earlier sessions' machines (CPU not recorded) passed bit for bit.
+    torch's fused CPU AdamW computes a tensor's last elements (beyond a multiple of its vector
+    width, 8 floats on AVX2) by another path than the rest, one ulp apart. After re-planning, a
+    parameter cohort starts at shard position 4,631 of a window the run without offload steps
+    whole, and the offloaded run cuts that window where a bucket starts, 441 elements in (not a
+    multiple of 8): on an AVX2 machine (AMD EPYC, torch 2.13.0) two elements of ``exp_avg_sq``
+    per rank then differ, by 4.4e-16 (3e-8 relative), while every parameter is bit for bit.
+    Earlier sessions' machines (CPU not recorded) passed bit for bit.
     """
     if case.get("replan"):
         return r["state_rel_diff"] <= 2**-22  # two ulps of float32
