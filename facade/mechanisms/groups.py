@@ -101,6 +101,15 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else None
 
 
+def _alive(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered with ``torch.distributed`` (not destroyed)."""
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
 #: Per ranks: the job's default group when it was made (a new job's groups are new), and the group.
 _BACKGROUND: dict[tuple[int, ...], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
@@ -119,7 +128,7 @@ def background_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
     ranks = tuple(dist.get_process_group_ranks(world))
     job = dist.group.WORLD
     made = _BACKGROUND.get(ranks)
-    if made is None or made[0] is not job:
+    if made is None or made[0] is not job or not _alive(made[1]):
         local = len(ranks) < dist.get_world_size()
         group = dist.new_group(
             list(ranks), backend="gloo", timeout=group_timeout(world), use_local_synchronization=local
@@ -128,20 +137,46 @@ def background_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
     return made[1]
 
 
-def new_groups(groups: Sequence[Sequence[int]], timeout: timedelta) -> dist.ProcessGroup:
+#: Per partition of the job's ranks and timeout: the job's default group when it was made, and this
+#: rank's group of the partition ([Note: groups made once per job]).
+_MADE: dict[
+    tuple[tuple[tuple[int, ...], ...], timedelta | None], tuple[dist.ProcessGroup, dist.ProcessGroup]
+] = {}
+
+
+def new_groups(groups: Sequence[Sequence[int]], timeout: timedelta | None) -> dist.ProcessGroup:
     """A group for each list of global ranks, made in order by every rank of the job (``new_group`` is
-    collective over it); the one holding this rank.
+    collective over it); the one holding this rank. Made once per job: a second call with the same
+    partition and timeout returns the first call's group.
+
+    [Note: groups made once per job]
+    torch keeps every group until the process ends or it is destroyed, and a gloo group keeps
+    threads polling its sockets (150 idle groups of 4 ranks kept 0.8 of a core busy). A process that
+    builds optimizers repeatedly over part of its world (MiCS, two-hop gathers, expert groups,
+    pipeline stages; a sweep, a notebook, a test pool) would make new groups each time, so the
+    groups are kept here per partition and timeout, for as long as the job's default group is the
+    one they were made in and they were not destroyed. Every rank makes the same calls in the same
+    order, so every rank finds or makes them alike; a rank that destroys a group alone makes the
+    next construction collective on that rank only (don't).
 
     Raises:
         RuntimeError: this rank is in none of them.
     """
+    key = (tuple(tuple(int(r) for r in ranks) for ranks in groups), timeout)
+    job = dist.group.WORLD
+    made = _MADE.get(key)
+    if made is not None and made[0] is job and _alive(made[1]):
+        return made[1]
     me, mine = dist.get_rank(), None
-    for ranks in groups:
+    for ranks in key[0]:
         group = dist.new_group(list(ranks), timeout=timeout)
         if me in ranks:
             mine = group
     if mine is None:
         raise RuntimeError(f"rank {me} is in none of the groups {list(groups)[:8]}")
+    for stale in [k for k, (j, _) in _MADE.items() if j is not job]:
+        del _MADE[stale]
+    _MADE[key] = (job, mine)
     return mine
 
 

@@ -81,3 +81,48 @@ def disagreeing_ranks_per_node(rank: int, world: int) -> str | None:
     except ZeroplanError as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def groups_made_once(rank: int, world: int) -> dict[str, Any]:
+    """Optimizers built again over the same shard and node groups reuse the groups ([Note: groups made
+    once per job]); a destroyed group is made again. Returns, per setting, whether the second
+    optimizer's groups are the first's, the groups made by the second and third constructions, and
+    whether all three optimizers trained their copies of one model alike."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    for name, settings in (("mics", {"shard": 2}), ("nodes", {"ranks_per_node": 2})):
+        models = [make_model() for _ in range(3)]
+        first = make_optimizer(models[0], stage=2, **settings)
+        before = dist.get_pg_count()
+        second = make_optimizer(models[1], stage=2, **settings)
+        made_by_second = dist.get_pg_count() - before
+        kept = first.process_groups
+        same = [
+            getattr(second.process_groups, g) is getattr(kept, g)
+            for g in ("shard", "replica", "node", "cross_node")
+        ]
+        destroyed = kept.shard if name == "mics" else kept.node
+        dist.destroy_process_group(destroyed)
+        before = dist.get_pg_count()
+        third = make_optimizer(models[2], stage=2, **settings)
+        made_by_third = dist.get_pg_count() - before
+        renewed = third.process_groups.shard if name == "mics" else third.process_groups.node
+        # the second and third optimizers train alike on the kept and the renewed group
+        for step in range(2):
+            tokens, targets = batch(step, rank)
+            for model, opt in ((models[1], second), (models[2], third)):
+                opt.backward(loss_of(model, tokens, targets))
+                opt.step()
+                opt.zero_grad()
+        equal = all(
+            torch.equal(a, b) for a, b in zip(models[1].parameters(), models[2].parameters(), strict=True)
+        )
+        out[name] = {
+            "same": same,
+            "made_by_second": made_by_second,
+            "made_by_third": made_by_third,
+            "renewed": renewed is not destroyed and renewed is not None,
+            "equal": equal,
+        }
+    return out

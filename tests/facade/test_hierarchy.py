@@ -56,3 +56,15 @@ def test_ranks_must_agree_on_ranks_per_node(pools):
     errors = pools(4).run(scenarios_hierarchy.disagreeing_ranks_per_node)
     for error in errors:
         assert error is not None and "ranks_per_node" in error, error
+
+
+def test_optimizers_built_again_reuse_their_groups_and_remake_destroyed_ones(pools):
+    """[Note: groups made once per job]: a second optimizer over the same shard, replica, node and
+    cross-node groups makes none; after one is destroyed, the next construction makes its partition
+    again (two groups: MiCS shard groups of 2, or nodes of 2, at world 4) and trains alike."""
+    for result in pools(4).run(scenarios_hierarchy.groups_made_once):
+        for name, r in result.items():
+            assert r["same"] == [True, True, True, True], (name, r)
+            assert r["made_by_second"] == 0, (name, r)
+            assert r["made_by_third"] == 2, (name, r)
+            assert r["renewed"] and r["equal"], (name, r)
