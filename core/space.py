@@ -273,6 +273,16 @@ class Space:
     runs: Sequence[Fragment]
     by_rank: tuple[Sequence[Fragment], ...]
     block_runs: tuple[tuple[ParamRun, ...], ...] = field(default=(), repr=False, compare=False)
+    _even_extent: int = field(init=False, repr=False, compare=False)
+    _uneven: tuple[Block, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Derived once for :meth:`extent`: a report of 4,096 ranks asks it of every rank, and an
+        # interleaved space has thousands of blocks, each of equal pieces (the same on every rank).
+        uneven = tuple(block for block in self.blocks if not block.equal)
+        even = sum(block.pieces[0] for block in self.blocks if block.equal)
+        object.__setattr__(self, "_even_extent", even)
+        object.__setattr__(self, "_uneven", uneven)
 
     def _position(self, param: int) -> int:
         position = bisect_left(self.params, param)
@@ -297,7 +307,7 @@ class Space:
 
     def extent(self, rank: int) -> int:
         """Elements of rank ``rank``'s shard that lie in the full buffer (its pieces, padding included)."""
-        return sum(block.pieces[rank] for block in self.blocks)
+        return self._even_extent + sum(block.pieces[rank] for block in self._uneven)
 
     def pieces_of(self, rank: int) -> tuple[ShardPiece, ...]:
         """Rank ``rank``'s non-empty pieces, in shard (and buffer) order."""
