@@ -156,8 +156,9 @@ def new_groups(groups: Sequence[Sequence[int]], timeout: timedelta | None) -> di
     pipeline stages; a sweep, a notebook, a test pool) would make new groups each time, so the
     groups are kept here per partition and timeout, for as long as the job's default group is the
     one they were made in and they were not destroyed. Every rank makes the same calls in the same
-    order, so every rank finds or makes them alike; a rank that destroys a group alone makes the
-    next construction collective on that rank only (don't).
+    order, so every rank finds or makes them alike. Destroy a group on every rank or on none: a
+    rank that destroys one alone would make the next construction's groups alone, and wait for
+    the others there until the timeout.
 
     Raises:
         RuntimeError: this rank is in none of them.

@@ -83,11 +83,20 @@ def disagreeing_ranks_per_node(rank: int, world: int) -> str | None:
     return None
 
 
+def _train_two_steps(model: Any, opt: Any, rank: int) -> None:
+    for step in range(2):
+        tokens, targets = batch(step, rank)
+        opt.backward(loss_of(model, tokens, targets))
+        opt.step()
+        opt.zero_grad()
+
+
 def groups_made_once(rank: int, world: int) -> dict[str, Any]:
     """Optimizers built again over the same shard and node groups reuse the groups ([Note: groups made
     once per job]); a destroyed group is made again. Returns, per setting, whether the second
     optimizer's groups are the first's, the groups made by the second and third constructions, and
-    whether all three optimizers trained their copies of one model alike."""
+    whether the second (on the kept groups, before one was destroyed) and the third (on the group made
+    again) trained their copies of one model alike."""
     import torch.distributed as dist
 
     out: dict[str, Any] = {}
@@ -102,19 +111,14 @@ def groups_made_once(rank: int, world: int) -> dict[str, Any]:
             getattr(second.process_groups, g) is getattr(kept, g)
             for g in ("shard", "replica", "node", "cross_node")
         ]
+        _train_two_steps(models[1], second, rank)
         destroyed = kept.shard if name == "mics" else kept.node
-        dist.destroy_process_group(destroyed)
+        dist.destroy_process_group(destroyed)  # on every rank
         before = dist.get_pg_count()
         third = make_optimizer(models[2], stage=2, **settings)
         made_by_third = dist.get_pg_count() - before
         renewed = third.process_groups.shard if name == "mics" else third.process_groups.node
-        # the second and third optimizers train alike on the kept and the renewed group
-        for step in range(2):
-            tokens, targets = batch(step, rank)
-            for model, opt in ((models[1], second), (models[2], third)):
-                opt.backward(loss_of(model, tokens, targets))
-                opt.step()
-                opt.zero_grad()
+        _train_two_steps(models[2], third, rank)
         equal = all(
             torch.equal(a, b) for a, b in zip(models[1].parameters(), models[2].parameters(), strict=True)
         )
