@@ -101,13 +101,16 @@ def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
     return timeout if isinstance(timeout, timedelta) else None
 
 
-def _alive(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` is still registered with ``torch.distributed`` (not destroyed)."""
+def _live(made: tuple[dist.ProcessGroup, dist.ProcessGroup] | None) -> dist.ProcessGroup | None:
+    """The group of a cache entry (the job's default group when it was made, the group), if it was
+    made in this job and is still registered with ``torch.distributed`` (not destroyed)."""
+    if made is None or made[0] is not dist.group.WORLD:
+        return None
     try:
-        dist.get_backend(group)
+        dist.get_backend(made[1])
     except (ValueError, RuntimeError):
-        return False
-    return True
+        return None
+    return made[1]
 
 
 #: Per ranks: the job's default group when it was made (a new job's groups are new), and the group.
@@ -126,15 +129,14 @@ def background_group(world: dist.ProcessGroup) -> dist.ProcessGroup:
     other ranks), whose ranks name the group.
     """
     ranks = tuple(dist.get_process_group_ranks(world))
-    job = dist.group.WORLD
-    made = _BACKGROUND.get(ranks)
-    if made is None or made[0] is not job or not _alive(made[1]):
+    group = _live(_BACKGROUND.get(ranks))
+    if group is None:
         local = len(ranks) < dist.get_world_size()
         group = dist.new_group(
             list(ranks), backend="gloo", timeout=group_timeout(world), use_local_synchronization=local
         )
-        made = _BACKGROUND[ranks] = (job, group)
-    return made[1]
+        _BACKGROUND[ranks] = (dist.group.WORLD, group)
+    return group
 
 
 #: Per partition of the job's ranks and timeout: the job's default group when it was made, and this
@@ -164,10 +166,9 @@ def new_groups(groups: Sequence[Sequence[int]], timeout: timedelta | None) -> di
         RuntimeError: this rank is in none of them.
     """
     key = (tuple(tuple(int(r) for r in ranks) for ranks in groups), timeout)
-    job = dist.group.WORLD
-    made = _MADE.get(key)
-    if made is not None and made[0] is job and _alive(made[1]):
-        return made[1]
+    kept = _live(_MADE.get(key))
+    if kept is not None:
+        return kept
     me, mine = dist.get_rank(), None
     for ranks in key[0]:
         group = dist.new_group(list(ranks), timeout=timeout)
@@ -175,6 +176,7 @@ def new_groups(groups: Sequence[Sequence[int]], timeout: timedelta | None) -> di
             mine = group
     if mine is None:
         raise RuntimeError(f"rank {me} is in none of the groups {list(groups)[:8]}")
+    job = dist.group.WORLD
     for stale in [k for k, (j, _) in _MADE.items() if j is not job]:
         del _MADE[stale]
     _MADE[key] = (job, mine)
