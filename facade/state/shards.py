@@ -182,7 +182,9 @@ def move_shards(
         if not new.carries_master or old_space is None:
             continue  # parameters of the master dtype are their own master: nothing to move
         old = next(b for b in old_buffers if b.space.dtype == new.space.dtype)
-        target = torch.empty(new.extent, dtype=new.master_dtype, device=new.master_device)
+        # Start from the new masters (the parameters' values, loaded at install): elements no
+        # reshard copy writes belong to parameters new to the plan, whose masters are their values.
+        target = new.master_values()
         _move_flat(old.master_values(), target, reshard, new.space.dtype, _extents(old_space), groups, device)
         new.write_master(target)
 

@@ -101,6 +101,54 @@ def add_group(rank: int, world: int, stage: int) -> dict[str, Any]:
     return {"errors": errors, "groups": groups}
 
 
+def new_bf16_params_keep_their_values(rank: int, world: int) -> dict[str, Any]:
+    """bf16 parameters new to the plan (``add_param_group``; unfrozen before they ever stepped) start
+    their fp32 masters from their own values: a step with ``lr=0`` changes no parameter, at stages 1-3,
+    with and without offload. Freed memory is first filled with 3e30, which an uninitialised master
+    would pick up."""
+    changes: dict[str, float] = {}
+    for stage in (1, 2, 3):
+        for offload in (None, "optimizer"):
+            for how in ("add_param_group", "refresh_trainable"):
+                model = make_model(dtype=torch.bfloat16)
+                params = list(model.parameters())
+                first, head = params[:-2], params[-2:]
+                if how == "refresh_trainable":
+                    for p in head:
+                        p.requires_grad_(False)
+                opt = make_optimizer(
+                    params if how == "refresh_trainable" else first,
+                    hyper={"lr": 0.0, "weight_decay": 0.0},
+                    stage=stage,
+                    offload=offload,
+                )
+                if stage == 3:
+                    opt.attach(model)
+                with opt.gathered_params():
+                    before = [p.detach().clone() for p in params]
+                for step in range(2):
+                    if step == 1:
+                        junk = torch.full((1 << 16,), 3.0e30)
+                        del junk
+                        if how == "add_param_group":
+                            opt.add_param_group({"params": head})
+                        else:
+                            for p in head:
+                                p.requires_grad_(True)
+                            opt.refresh_trainable()
+                        if stage == 3:
+                            opt.attach(model)
+                    opt.backward(loss_of(model, *batch(step, rank)))
+                    opt.step()
+                    opt.zero_grad()
+                with opt.gathered_params():
+                    after = [p.detach().clone() for p in params]
+                changes[f"stage {stage} offload {offload} {how}"] = max(
+                    float((a.float() - b.float()).abs().max()) for a, b in zip(before, after, strict=True)
+                )
+    return {"changes": changes}
+
+
 def bad_add_group(rank: int, world: int) -> dict[str, Any]:
     """A bad add_param_group raises everywhere and leaves the optimizer working as before."""
     model = make_model()

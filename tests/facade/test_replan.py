@@ -27,6 +27,11 @@ def test_add_param_group_mid_run(pools, stage):
     assert r["groups"][-1] == [1e-2, 3e-3]
 
 
+def test_new_bf16_parameters_start_from_their_own_values(pools):
+    for r in pools(2).run(scenarios_replan.new_bf16_params_keep_their_values):
+        assert set(r["changes"].values()) == {0.0}, r["changes"]
+
+
 def test_bad_add_param_group_changes_nothing(pools):
     for r in pools(2).run(scenarios_replan.bad_add_group):
         assert r["error"] is not None and "already listed" in r["error"], r["error"]
