@@ -117,7 +117,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         loss = nn.functional.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE
         )
-        return loss / args.micro_batches * opt.loss_scale  # what opt.backward would backpropagate
+        return loss / args.micro_batches * opt.backward_scale  # what opt.backward would backpropagate
 
     pipe = ScheduleGPipe(stage, n_microbatches=args.micro_batches, loss_fn=loss_fn, scale_grads=False)
     params = sum(p.numel() for p in module.parameters())
@@ -151,7 +151,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         if done % args.log_every == 0 or done == stop or step == start:
             total = torch.zeros((), device=device)
             if losses:
-                total += sum(loss.detach().float() for loss in losses) / opt.loss_scale
+                total += sum(loss.detach().float() for loss in losses) / opt.backward_scale
             dist.all_reduce(total, group=mesh.get_group("dp"))  # the last stage's; zeros elsewhere
             last = float(total) / dp
             first = last if math.isnan(first) else first

@@ -128,6 +128,16 @@ class JointStep:
         """The current loss scale (1.0 without loss scaling)."""
         return self.scaler.scale if self.scaler is not None else self._static_scale
 
+    @property
+    def backward_scale(self) -> float:
+        """What :meth:`backward` multiplies a loss by: the loss scale, divided by the world in
+        deterministic mode with loss scaling ([Note: reduction policy])."""
+        installed = self.data.installed
+        if not installed.zp.loss_scaling:
+            return 1.0
+        world = installed.zp.topology.world_size if installed.reduction.divides_loss_by_world else 1
+        return self.loss_scale / world
+
     def context(self, domain: DomainRuntime) -> StepContext:
         """What a step of ``domain`` needs: the one loss scale and the data-parallel divisor."""
         scaled_by_world = self.data.installed.reduction.divides_loss_by_world  # backward() divided it
@@ -360,10 +370,8 @@ class JointStep:
         subnormal there are here too), and the divisor leaves the world out
         (:meth:`context`, [Note: deterministic mode]).
         """
-        installed = self.data.installed
-        if installed.zp.loss_scaling:  # [Note: reduction policy]: whether backward divides by the world
-            world = installed.zp.topology.world_size if installed.reduction.divides_loss_by_world else 1
-            loss = loss * (self.loss_scale / world)
+        if self.data.installed.zp.loss_scaling:
+            loss = loss * self.backward_scale
         loss.backward(**kwargs)
 
     def add_param_group(

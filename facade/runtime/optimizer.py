@@ -269,6 +269,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._joint.loss_scale
 
     @property
+    def backward_scale(self) -> float:
+        """The factor :meth:`backward` multiplies a loss by (1.0 without loss scaling).
+
+        The loss scale, divided by the world size in deterministic mode (whose
+        step then leaves the world out of its divisor). Code that calls
+        ``backward`` itself, such as a pipeline schedule's ``loss_fn``,
+        multiplies its loss by this, not by :attr:`loss_scale`.
+        """
+        return self._joint.backward_scale
+
+    @property
     def scaler_state(self) -> ScalerState | None:
         """The dynamic loss scaler's state, or ``None``."""
         return self._joint.scaler

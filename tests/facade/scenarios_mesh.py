@@ -63,7 +63,7 @@ def pipeline_against_one_process(rank: int, world: int, cases: list[dict[str, An
                 dist.send(h.detach(), peer)
                 grad = torch.empty_like(h)
                 dist.recv(grad, peer)
-                h.backward(grad * opt.loss_scale)  # stage 1 sent d(loss)/dh unscaled
+                h.backward(grad * opt.backward_scale)  # stage 1 sent d(loss)/dh unscaled
             else:
                 h = torch.empty(4, WIDTH)
                 dist.recv(h, peer)
@@ -72,7 +72,7 @@ def pipeline_against_one_process(rank: int, world: int, cases: list[dict[str, An
                 if poison:
                     loss = loss + float("inf") * model[-1].bias.sum()
                 opt.backward(loss)
-                dist.send(h.grad / opt.loss_scale, peer)
+                dist.send(h.grad / opt.backward_scale, peer)
             norms.append(float(opt.clip_grad_norm_(cfg["clip"], norm_type=cfg.get("norm_type", 2.0))))
             opt.step()
             skipped.append(opt.last_step_skipped)
@@ -107,7 +107,7 @@ def pipeline_against_one_process(rank: int, world: int, cases: list[dict[str, An
 def _stage_optimizer(cfg: dict[str, Any], mesh: Any, s: int) -> tuple[torch.nn.Module, ZeroOptimizer]:
     """Stage ``s`` of the model and its optimizer over ``mesh`` (attached at stage 3)."""
     model = _stage(_full(), s)
-    settings = {k: cfg[k] for k in ("loss_scale",) if k in cfg}
+    settings = {k: cfg[k] for k in ("loss_scale", "deterministic") if k in cfg}
     opt = ZeroOptimizer(
         model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh, **settings
     )
@@ -191,7 +191,7 @@ def schedule_against_one_process(rank: int, world: int, cases: list[dict[str, An
         def loss_fn(
             out: torch.Tensor, target: torch.Tensor, opt: ZeroOptimizer = opt, k: int = divide
         ) -> torch.Tensor:
-            return _loss(out, target) / k * opt.loss_scale  # scaled as opt.backward would
+            return _loss(out, target) / k * opt.backward_scale  # scaled as opt.backward would
 
         schedule = ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=loss_fn, scale_grads=scale)
         ref = _full()

@@ -47,6 +47,8 @@ SCHEDULE_CASES = [
     {"stage": 3, "clip": 0.05},
     {"stage": 2, "clip": 0.05, "loss_scale": "dynamic"},  # loss_fn multiplies by opt.loss_scale
     {"stage": 2, "clip": 0.05, "scale_grads": True},  # torch divides: the optimizer does it
+    # opt.backward_scale is the loss scale / world here: loss_fn times opt.loss_scale made W x gradients
+    {"stage": 2, "clip": 0.05, "loss_scale": 1024.0, "deterministic": True},
 ]
 
 
