@@ -306,7 +306,7 @@ class ShardedParams:
         values = [flat_values(source, f.param_span) for f in frags]  # all read before any write
         for f, v in zip(frags, values, strict=True):
             target = buf.shard[f.shard_span.as_slice()]
-            if buf.carries_master:
+            if buf.master is not None:  # a master of its own: bf16/fp16, or fp32 kept apart (offload)
                 buf.write_master(v.reshape(-1), f.shard_span)
                 target.copy_(buf.read_master(f.shard_span))
             else:

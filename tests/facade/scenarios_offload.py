@@ -73,6 +73,10 @@ def _train(rank: int, models: list[Any], opts: list[Any], cfg: dict[str, Any]) -
             for m, opt in zip(models, opts, strict=True):
                 m.blocks[1].fc.weight.requires_grad_(step == 2)
                 opt.refresh_trainable()
+        if cfg.get("load") and step == 1:  # model.load_state_dict outside a forward: the masters take it
+            weights = make_model(seed=1, dtype=DTYPES[cfg.get("dtype", "fp32")]).state_dict()
+            for m in models:
+                m.load_state_dict(weights)
         for m, opt in zip(models, opts, strict=True):
             for k in range(micro):  # no_sync() around all but the last micro-batch
                 tokens, targets = batch(step * micro + k, rank)

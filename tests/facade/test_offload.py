@@ -29,6 +29,8 @@ CASES = [
     {"stage": 3, "replan": True, "steps": 4},
     {"stage": 2, "dtype": "bf16", "reduce_dtype": "int8", "gather_dtype": "fp8", "wire_block": 16},
     {"stage": 3, "dtype": "bf16", "offload": "all", "gather_dtype": "int8", "wire_block": 16},
+    {"stage": 3, "load": True},  # fp32 masters apart from the shards take model.load_state_dict
+    {"stage": 2, "load": True},
 ]
 
 
@@ -131,6 +133,7 @@ PARTIAL = [
     {"stage": 2, "optimizer": "adafactor", "dtype": "bf16", "offload_fraction": 0.5},
     {"stage": 2, "dtype": "bf16", "reduce_dtype": "int8", "gather_dtype": "fp8", "wire_block": 16}
     | {"offload_fraction": 0.5},
+    {"stage": 3, "load": True, "offload_fraction": 0.5},
 ]
 
 
