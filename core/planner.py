@@ -405,13 +405,19 @@ class ZeroPlan:
             "deterministic=True and a parameter wire format (gather_dtype) cannot be combined: a world "
             "of one gathers nothing, so its parameters are never encoded; use one or the other",
         )
-        in_place = [s.dtype for s in self.partition.spaces if self.master_in_params(s)]
+        # Stages 1-2 hold no exact copy of fp32 parameters but the parameters themselves: stepped in
+        # place, or (offload) copied from host masters that checkpoints and re-plans do not read.
+        in_place = [
+            s.dtype
+            for s in self.partition.spaces
+            if self.stage in (Stage.OPTIMIZER, Stage.GRADIENTS) and master_dtype(s.dtype) == s.dtype
+        ]
         if in_place:
             raise ConfigError(
                 f"gather_dtype={codec.format.value!r} at stage {int(self.stage)} needs fp32 masters apart "
-                f"from the parameters, but the {in_place[0]} parameters are stepped in place (they are "
-                "their own master, and every rank must hold the decoded values); train in bf16/fp16 "
-                "(fp32 masters are kept) or use stage 3 (its shard stays exact)"
+                f"from the parameters, but the {in_place[0]} parameters are their own master (every rank "
+                "would hold, save and re-plan from the decoded values, with or without offload); train "
+                "in bf16/fp16 (fp32 masters are kept) or use stage 3 (its shard stays exact)"
             )
         check_wire(codec, self.partition.alignment)
 

@@ -150,3 +150,14 @@ def test_combinations_that_cannot_work_are_refused(stage, mode, message):
 def test_offload_and_residences_are_one_placement():
     with pytest.raises(ConfigError, match="not both"):
         _plan(2, offload="optimizer", residences=Residences(host=("master", "optimizer_state")))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_wire_over_fp32_parameters_is_refused_with_offload_too(stage):
+    """Offloaded fp32 parameters get host masters, but checkpoints and re-plans read the parameters
+    (their own master at stages 1-2): under a lossy wire they would hold the decoded values."""
+    for offload in (None, "optimizer"):
+        with pytest.raises(ConfigError, match="are their own master"):
+            _plan(stage, dtype="fp32", offload=offload, param_wire="int8")
+    assert _plan(stage, dtype="bf16", offload="optimizer", param_wire="int8").param_wire is not None
+    assert _plan(3, dtype="fp32", offload="optimizer", param_wire="int8").param_wire is not None
