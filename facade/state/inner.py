@@ -117,17 +117,29 @@ def host_kernel(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[
     default is the for-loop, one tensor at a time, scalar by scalar; its fused CPU kernels (Adam,
     AdamW, SGD, Adagrad) are vectorised and multi-threaded, about 5x faster on AdamW (measured in
     ``benchmarks/offload_step.py``). A group that sets ``fused`` or ``foreach`` keeps its choice.
+
+    The probe steps a tensor, then that tensor beside a fresh one, as after ``refresh_trainable``
+    unfreezes a parameter of the group: a kernel that cannot take state present for some tensors and
+    missing for others (fused SGD's momentum buffers) is not chosen, since it would fail mid-step.
     """
     if "fused" not in inspect.signature(optimizer_class.__init__).parameters:
         return
+    accepted = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
     for group in groups:
         if group.get("fused") is not None or group.get("foreach") is not None:
             continue
-        probe = torch.zeros(2, requires_grad=True)
-        probe.grad = torch.zeros(2)
+        hyper = hyperparameters(group)
+        kwargs = {k: v for k, v in hyper.items() if k in accepted}  # other keys ride along in the group
+        extra = {k: v for k, v in hyper.items() if k not in accepted}
+        stepped, fresh = (torch.zeros(2, requires_grad=True) for _ in range(2))
         try:
-            optimizer_class([probe], **{**hyperparameters(group), "fused": True}).step()
-        except (TypeError, ValueError, RuntimeError):  # no fused kernel for this group's settings on CPU
+            probe = optimizer_class([{"params": [stepped], **extra}], **{**kwargs, "fused": True})
+            stepped.grad = torch.ones(2)
+            probe.step()
+            probe.param_groups[0]["params"].append(fresh)
+            fresh.grad = torch.ones(2)
+            probe.step()
+        except (TypeError, ValueError, RuntimeError):  # no fused kernel for these settings on the CPU
             continue
         group["fused"] = True
 

@@ -40,6 +40,9 @@ def _pair(cfg: dict[str, Any]) -> tuple[list[Any], list[Any]]:
     """The same model twice: an optimizer without offload, and one with ``cfg["offload"]``."""
     dtype = DTYPES[cfg.get("dtype", "fp32")]
     models = [make_model(dtype=dtype) for _ in range(2)]
+    if cfg.get("fresh_at"):  # frozen until then: unfrozen with no optimizer state yet
+        for m in models:
+            m.blocks[1].fc.weight.requires_grad_(False)
     settings = {k: cfg[k] for k in _SETTINGS if k in cfg}
     offloaded = make_optimizer(
         models[1], stage=cfg["stage"], offload=cfg.get("offload", "optimizer"), **settings
@@ -72,6 +75,10 @@ def _train(rank: int, models: list[Any], opts: list[Any], cfg: dict[str, Any]) -
         if cfg.get("replan") and step in (1, 2):  # freeze a trained layer, then unfreeze it: re-planning
             for m, opt in zip(models, opts, strict=True):
                 m.blocks[1].fc.weight.requires_grad_(step == 2)
+                opt.refresh_trainable()
+        if step == cfg.get("fresh_at"):
+            for m, opt in zip(models, opts, strict=True):
+                m.blocks[1].fc.weight.requires_grad_(True)
                 opt.refresh_trainable()
         if cfg.get("load") and step == 1:  # model.load_state_dict outside a forward: the masters take it
             weights = make_model(seed=1, dtype=DTYPES[cfg.get("dtype", "fp32")]).state_dict()
