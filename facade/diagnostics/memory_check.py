@@ -68,7 +68,7 @@ def _advice(configured: Configured, available: int) -> str:
             settings=groups[0] if groups else None,  # the implementation (fused, foreach) of the first group
             stages=(1, 2),
             # Offload is advised where nothing fits without it ([Note: offload, executed]).
-            **{k: v for k, v in settings.plan_options().items() if k != "offload"},
+            **{k: v for k, v in settings.plan_options().items() if k not in ("offload", "offload_fraction")},
         )
     except ConfigError as exc:  # e.g. an optimizer zeroplan has no description of
         return f"no advice on other configurations ({exc})"

@@ -37,6 +37,7 @@ def construct(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 bucket_bytes=4096,
                 alignment=8,
                 lr=1e-3,
+                **cfg.get("settings", {}),
             )
         error = None
     except (ConfigError, RuntimeError) as exc:

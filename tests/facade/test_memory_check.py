@@ -13,17 +13,24 @@ def test_a_peak_that_fits_says_nothing(pools):
 
 
 @pytest.mark.parametrize(
-    ("free", "advice"),
+    ("free", "advice", "settings"),
     [
         # 64 KiB free: nothing fits on the device without offload (the parameters alone are 120 KiB
         # in fp32, its shard of them 60), the optimizer's fp32 buffers in host memory do, and a
         # quarter of them can stay on the device ([Note: kept on the device]).
-        (2**16, "stage 2 with shard groups of 2, offload optimizer (offload_fraction=0.75) would fit"),
-        (2**12, "no stage 1 or 2 configuration fits"),  # 4 KiB: nothing does
+        (2**16, "stage 2 with shard groups of 2, offload optimizer (offload_fraction=0.75) would fit", {}),
+        (2**12, "no stage 1 or 2 configuration fits", {}),  # 4 KiB: nothing does
+        # The user's own offload fraction is not carried into the advice (it was, without its mode).
+        (
+            2**16,
+            "offload optimizer (offload_fraction=0.75) would fit",
+            {"offload": "optimizer"} | {"offload_fraction": 0.1},
+        ),
     ],
 )
-def test_strict_raises_on_every_rank_when_one_rank_is_short(pools, free, advice):
-    results = pools(2).run(scenarios_memory_check.construct, {"free": free, "short_rank": 1, "strict": True})
+def test_strict_raises_on_every_rank_when_one_rank_is_short(pools, free, advice, settings):
+    cfg = {"free": free, "short_rank": 1, "strict": True, "settings": settings}
+    results = pools(2).run(scenarios_memory_check.construct, cfg)
     for r in results:
         assert r["error"] is not None and r["unchanged"], r
         assert "rank 1: the plan's peak is" in r["error"], r["error"]
