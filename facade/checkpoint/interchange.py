@@ -37,6 +37,7 @@ rank before anything changes.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, NamedTuple
 
 import torch
@@ -131,7 +132,7 @@ def get_optimizer_state_dict(
         return gather_full(sharded, sh, _destination(options), cpu_offload=options.cpu_offload)
     if len(domains) == 1:
         return torch_state_dict.get_optimizer_state_dict(model, opt, options=options)
-    names = _names(model.state_dict(keep_vars=True), domains)
+    names = _names(_model_dict(model), domains)
     parts = opt.state_dict()["domains"]
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
@@ -174,7 +175,7 @@ def set_optimizer_state_dict(
     try:
         if options is not None and (options.full_state_dict or options.broadcast_from_rank0):
             _one_plan(domains, "a whole-tensor optimizer dict", tensor_parallel=True)
-        parts = _split(state_dict, domains, _names(model.state_dict(keep_vars=True), domains))
+        parts = _split(state_dict, domains, _names(_model_dict(model), domains))
     except Exception as exc:  # a dict one rank cannot split must fail on every rank
         problem = exc
     verdicts(
@@ -234,7 +235,7 @@ def model_state_dict(
 
 def _pieces_dict(model: torch.nn.Module, domains: list[_Domain]) -> dict[str, Any]:
     """The model's dict: trainable parameters as this rank's pieces of their masters, the rest whole."""
-    own = model.state_dict(keep_vars=True)
+    own = _model_dict(model)
     names = _names(own, domains)
     out = {key: tensor.detach() for key, tensor in _whole(own, domains, names).items()}
     for dom, named in zip(domains, names, strict=True):
@@ -283,7 +284,7 @@ def load_model_state_dict(
     world = domains[0].sh.groups.world
     if options is not None and options.broadcast_from_rank0:
         state_dict = broadcast_from_rank0(state_dict, _one_plan(domains, "broadcast_from_rank0"))
-    own = model.state_dict(keep_vars=True)
+    own = _model_dict(model)
     problem: Exception | None = None
     masters: list[dict[str, torch.Tensor]] = []
     whole: dict[str, torch.Tensor] = {}
@@ -345,6 +346,27 @@ def _master_copy(buf: Any) -> torch.Tensor:
 
 def _space_index(sh: Shards, dtype: str) -> int:
     return next(space.index for space in sh.zp.partition.spaces if space.dtype == dtype)
+
+
+def _model_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """``model.state_dict(keep_vars=True)`` under the names torch's ``get_model_state_dict`` and
+    ``get_optimizer_state_dict`` give: without the ``_orig_mod`` of a ``torch.compile`` wrapper and
+    the ``_checkpoint_wrapped_module`` of an activation-checkpoint wrapper, so that a compiled run's
+    checkpoint loads into an uncompiled one (or FSDP2), and the model's entries match the optimizer's."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # nothing is compiled before it loads
+    compiled = () if eval_frame is None else (eval_frame.OptimizedModule,)
+    out: dict[str, Any] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        kept, module = [], model
+        for segment in name.split("."):
+            wrapper = segment == "_checkpoint_wrapped_module" or (
+                segment == "_orig_mod" and isinstance(module, compiled)
+            )
+            if not wrapper:
+                kept.append(segment)
+            module = getattr(module, segment, None)
+        out[".".join(kept)] = tensor
+    return out
 
 
 def _names(own: dict[str, Any], domains: list[_Domain]) -> list[dict[int, list[str]]]:
