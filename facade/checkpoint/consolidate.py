@@ -13,22 +13,59 @@ The output is on the CPU whatever the parameters' device: with AdamW it holds
 no GPU beside the model could take. Chunks travel on the parameters' device (NCCL
 carries no CPU tensor) and each is copied to the host once, through one pinned
 staging chunk, before it is scattered into the outputs.
+
+[Note: consolidating tensor-parallel slices]
+A tensor-parallel optimizer's ranks hold their tp slice's local tensors; a dict
+of them under the global parameter ids would load silently into another slice
+of the same local shape. So each slice is consolidated over its data-parallel
+ranks as above, then the slices are joined over tp into the global tensors
+(:func:`_join_slices`): the whole model's dict, on tp rank 0 of data-parallel
+rank ``to_rank`` (every rank with ``None``), what ``interchange``'s
+``full_state_dict=True`` gives and what ``load_state_dict`` cuts back to each
+slice. Each tp rank in turn broadcasts its slice of one tensor in chunks of
+``chunk_bytes``; a destination assembles it in host memory (one slice of one
+tensor beyond the result) and copies it into its place. A non-elementwise
+optimizer's state of a tp-split parameter is computed on the slice (factored
+moments of the local tensor) and has no global form: refused. Pipeline stages
+each consolidate their own parameters; the dict records the stage
+(``"zeroplan_pipeline_stage"``) and :func:`check_consolidated` refuses it in
+another stage, whose parameters may have the same ids and shapes.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from zeroplan.core import ConfigError, Space, Span, windows_in
+from zeroplan.core import (
+    ConfigError,
+    IncompatiblePlanError,
+    Space,
+    Span,
+    chunk_rows,
+    tensor_split,
+    windows_in,
+)
+from zeroplan.facade.mechanisms.agreement import first_differing, verdicts
 from zeroplan.facade.mechanisms.collectives import HostStaging, all_gather_objects, broadcast
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
-from zeroplan.facade.state.dicts import MASTER_KEY, Shards, torch_param_groups
+from zeroplan.facade.state.dicts import MASTER_KEY, Shards, is_sharded, torch_param_groups
 from zeroplan.facade.state.parked import gather_parked
 from zeroplan.facade.state.tree import MASTER, TensorMeta, describe_state, tree_clone
 
-__all__ = ["consolidated_state_dict"]
+__all__ = ["PIPELINE_STAGE_KEY", "check_consolidated", "consolidated_state_dict"]
+
+#: Where a consolidated dict records ``[stage, stages]`` of the pipeline stage it holds.
+PIPELINE_STAGE_KEY = "zeroplan_pipeline_stage"
+
+_NOT_WHOLE = (
+    "a dict of one tp slice's local tensors cannot say which slice it holds (consolidated_state_dict() "
+    "of zeroplan before the slices were joined gave tp slice 0's); load a dict of whole tensors "
+    "(consolidated_state_dict(), or interchange.get_optimizer_state_dict(..., "
+    "options=StateDictOptions(full_state_dict=True))), or each slice's zeroplan.facade.checkpoint root"
+)
 
 
 def _broadcast(buf: torch.Tensor, owner: int, sh: Shards) -> None:
@@ -58,16 +95,32 @@ def _scatter_chunk(
             outputs[part.param].view(-1)[part.param_span.as_slice()] = chunk[part.chunk_span.as_slice()]
 
 
-def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -> dict[str, Any] | None:
+def consolidated_state_dict(
+    sh: Shards, to_rank: int | None, chunk_bytes: int, *, pipeline_stage: tuple[int, int] | None = None
+) -> dict[str, Any] | None:
     """Gather a plain torch state dict on ``to_rank`` (all with ``None``): [Note: bounded consolidation].
 
-    Collective over the shard group; ranks that are not a destination return ``None``.
+    Collective over the shard group, and over tp with tensor parallelism ([Note: consolidating
+    tensor-parallel slices]: the slices joined, on tp rank 0 of data-parallel rank ``to_rank``);
+    ranks that are not a destination return ``None``. ``pipeline_stage`` (``(stage, stages)``) is
+    recorded under ``"zeroplan_pipeline_stage"``.
+
+    Raises:
+        ConfigError: a bad argument, or a non-elementwise optimizer of tp-split parameters (on every
+            rank, nothing gathered).
     """
     world = sh.zp.topology.world_size
     if to_rank is not None and not (type(to_rank) is int and 0 <= to_rank < world):
         raise ConfigError(f"to_rank must be None or a rank in 0..{world - 1}, got {to_rank!r}")
     if not (type(chunk_bytes) is int and chunk_bytes >= 1):
         raise ConfigError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    split = [s.name for s in sh.zp.specs if sh.tensor_slice[1] > 1 and tensor_split(s) is not None]
+    if split and not sh.zp.elementwise:
+        raise ConfigError(
+            f"consolidated_state_dict(): {sh.optimizer_name} is not elementwise, and its state of the "
+            f"tp-split parameters {split[:3]} is computed on each tp slice, with no global form: save "
+            "with zeroplan.facade.checkpoint.save (each slice's root) or the sharded state_dict()"
+        )
     dest = to_rank is None or sh.groups.rank == to_rank
     zp, shard_rank = sh.zp, sh.groups.shard_rank
     # Every rank's state leaves, described ([Note: state codec]): which per-element keys and dtypes
@@ -181,7 +234,103 @@ def consolidated_state_dict(sh: Shards, to_rank: int | None, chunk_bytes: int) -
     }
     if masters:
         state_dict[MASTER_KEY] = {p: masters[p] for p in sorted(masters)}
+    if pipeline_stage is not None:
+        state_dict[PIPELINE_STAGE_KEY] = list(pipeline_stage)
+    if sh.tensor_group is not None and split:
+        return _join_slices(state_dict, sh, everywhere=to_rank is None, chunk_bytes=chunk_bytes)
     return state_dict
+
+
+def _join_slices(
+    state_dict: dict[str, Any], sh: Shards, *, everywhere: bool, chunk_bytes: int
+) -> dict[str, Any] | None:
+    """``state_dict``'s tp slices joined into global tensors ([Note: consolidating tensor-parallel
+    slices]); collective over ``sh.tensor_group``, ``None`` on ranks that are not a destination (tp
+    rank 0, or every tp rank with ``everywhere``).
+
+    Raises:
+        IncompatiblePlanError: the tp ranks consolidated other tensors (on every tp rank).
+    """
+    mine, degree = sh.tensor_slice
+    placed: list[tuple[dict[Any, Any], Any, int, tuple[int, ...], int]] = []  # holder, key, id, shape, dim
+    holders = [(entry, key, p) for p, entry in state_dict["state"].items() for key in entry]
+    holders += [(state_dict[MASTER_KEY], p, p) for p in state_dict.get(MASTER_KEY, {})]
+    for holder, key, p in holders:
+        spec, d = sh.zp.specs[p], tensor_split(sh.zp.specs[p])
+        if torch.is_tensor(holder[key]) and holder[key].dim() and d is not None and spec.global_shape:
+            placed.append((holder, key, p, tuple(spec.global_shape), d))
+    described = [(p, str(key), str(holder[key].dtype)) for holder, key, p, _, _ in placed]
+    rows = verdicts(None, sh.tensor_group, failed="could not describe its tp slice", facts=described)
+    if (rank := first_differing(rows)) is not None:
+        raise IncompatiblePlanError(
+            f"tp rank {rank} consolidated other tensors than tp rank 0: the tp ranks' optimizers differ"
+        )
+    dest = everywhere or mine == 0
+    home = torch.device("cpu")
+    staging = HostStaging(sh.device)
+    for holder, key, _, whole, d in placed:
+        local: torch.Tensor = holder[key]
+        out = torch.empty(whole, dtype=local.dtype, device=home) if dest else None
+        step = max(1, chunk_bytes // local.element_size())
+        for q in range(degree):
+            rows_q = chunk_rows(whole[d], q, degree)
+            shape = (*whole[:d], rows_q.numel, *whole[d + 1 :])
+            piece = local if q == mine or not dest else torch.empty(shape, dtype=local.dtype, device=home)
+            for at in Span(0, math.prod(shape)).chunks(step):
+                if q == mine:
+                    chunk = local.view(-1)[at.as_slice()].to(sh.device, copy=True)
+                else:
+                    chunk = torch.empty(at.numel, dtype=local.dtype, device=sh.device)
+                broadcast(chunk, q, sh.tensor_group)
+                if dest and q != mine:
+                    piece.view(-1)[at.as_slice()] = staging.to_host(chunk)
+            if out is not None:
+                out.narrow(d, rows_q.start, rows_q.numel).copy_(piece)
+        holder[key] = out  # the slice's tensor is freed as its global one is made
+    return state_dict if dest else None
+
+
+def check_consolidated(state_dict: Any, sh: Shards, pipeline_stage: tuple[int, int] | None) -> None:
+    """Refuse a plain dict that holds another pipeline stage's state, or one tp slice's local tensors
+    of tp-split parameters ([Note: consolidating tensor-parallel slices]); local, changes nothing.
+
+    Anything else passes (a malformed dict is for ``load_state_dict``'s own checks to name).
+
+    Raises:
+        IncompatiblePlanError: what the dict holds and what to load instead.
+    """
+    if not isinstance(state_dict, dict) or is_sharded(state_dict):
+        return
+    saved = state_dict.get(PIPELINE_STAGE_KEY)
+    if saved is not None and pipeline_stage is not None and tuple(saved) != pipeline_stage:
+        raise IncompatiblePlanError(
+            f"the consolidated dict holds pipeline stage {saved[0]} of {saved[1]}, this optimizer steps "
+            f"stage {pipeline_stage[0]} of {pipeline_stage[1]}: load each stage's own dict into its "
+            "optimizer (consolidate and save one per stage)"
+        )
+    groups, state = state_dict.get("param_groups"), state_dict.get("state")
+    if sh.tensor_slice[1] == 1 or not isinstance(groups, list) or not isinstance(state, dict):
+        return
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        return
+    position = {saved_id: i for i, saved_id in enumerate(i for g in groups for i in g["params"])}
+    entries = [(k, key, v) for k, e in state.items() if isinstance(e, dict) for key, v in e.items()]
+    masters = state_dict.get(MASTER_KEY)
+    entries += [(k, "master", v) for k, v in masters.items()] if isinstance(masters, dict) else []
+    for saved_id, key, value in entries:
+        index = position.get(saved_id)
+        if index is None or index >= len(sh.zp.specs) or type(value) is not torch.Tensor or not value.dim():
+            continue
+        spec = sh.zp.specs[index]
+        if tensor_split(spec) is None or spec.global_shape is None:
+            continue
+        shape, whole, local = tuple(value.shape), tuple(spec.global_shape), tuple(spec.shape)
+        if shape != whole and (shape == local or sh.zp.elementwise or key == "master"):
+            raise IncompatiblePlanError(
+                f"state {key!r} of parameter {index} ({spec.name}) has shape {shape}, not the global "
+                f"shape {whole} of this tensor-parallel parameter (tp slice {sh.tensor_slice[0]} of "
+                f"{sh.tensor_slice[1]} holds {local}): {_NOT_WHOLE}"
+            )
 
 
 def _tensor_of(sh: Shards, param: int) -> torch.Tensor:

@@ -32,6 +32,13 @@ several expert groups use the same name (experts named per rank): those become
 from the parameters (bf16/fp16 parameters); fp32 parameters are their own
 masters, and frozen parameters, which have none, are cast up exactly.
 
+A tensor-parallel slice's checkpoint (its manifest records ``tensor_slice``)
+is refused: its shard files hold the slice's local tensors under the global
+parameter names, and export reads one root. The whole model comes from every
+slice's root loaded in tp order into the model without tensor parallelism
+(``checkpoint.load(opt, [root_0, ..., root_K-1])``, [Note: reslicing
+tensor-parallel checkpoints]) and saved once more, then exported.
+
 Output goes to ``OUT/.zeroplan-export.partial`` and is moved into ``OUT`` only
 when every file is written: a damaged checkpoint leaves ``OUT`` as it was.
 """
@@ -89,6 +96,16 @@ class SavedParam:
     name: str
     spec: ParamSpec
     source: Source
+
+
+_TP_SLICE = (
+    "{path!r} was saved by tp slice {rank} of {degree}: its files hold that slice's local tensors "
+    "under the global parameter names, not the model's weights, and export reads one slice's root. "
+    "Load every slice's root in tp order into the model without tensor parallelism "
+    "(checkpoint.load(opt, [f'ckpt/tp{{k}}' for k in range({degree})])), save it with "
+    "checkpoint.save and export that root; or save the model's DTensors whole with torch's "
+    "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))"
+)
 
 
 class Snapshot:
@@ -321,7 +338,8 @@ def export(
         What was written.
 
     Raises:
-        ConfigError: ``out`` exists and is not an empty directory (nothing written).
+        ConfigError: ``out`` exists and is not an empty directory, or the checkpoint is one
+            tensor-parallel slice's (nothing written; [Note: offline export]).
         CheckpointError: the checkpoint is missing, damaged or of a newer format
             (``out`` left as it was).
     """
@@ -332,6 +350,9 @@ def export(
             "directory and overwrites nothing; choose another OUT or empty it first"
         )
     snapshot = Snapshot(checkpoint)
+    if snapshot.manifest.tensor_slice is not None:
+        rank, degree = snapshot.manifest.tensor_slice
+        raise ConfigError(_TP_SLICE.format(path=str(snapshot.path), rank=rank, degree=degree))
     snapshot.cross_check()  # every file's names, dtypes and shapes before anything is written
     params = {p.name: p for p in snapshot.params()}  # names are unique (see Snapshot.params)
     tensors = [

@@ -33,7 +33,9 @@ def register(sub: Any) -> None:
             "Write the model weights of a zeroplan checkpoint (any world, stage, layout, shard or expert "
             "groups) into OUT, one tensor at a time: model.safetensors, or model-0000k-of-0000n.safetensors "
             "with model.safetensors.index.json above --max-shard-size. A ZeroTrainer checkpoint folder's "
-            "config.json is copied too, so that OUT loads with from_pretrained."
+            "config.json is copied too, so that OUT loads with from_pretrained. A tensor-parallel slice's "
+            "root is refused (it holds the slice's local tensors): load every slice's root into the model "
+            "without tensor parallelism, save it, and export that root."
         ),
     )
     p.add_argument(

@@ -31,8 +31,9 @@ from zeroplan.core import (
     ZeroPlan,
 )
 from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
-from zeroplan.facade.checkpoint.consolidate import consolidated_state_dict
+from zeroplan.facade.checkpoint.consolidate import check_consolidated, consolidated_state_dict
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory
+from zeroplan.facade.mechanisms.agreement import verdicts
 from zeroplan.facade.mechanisms.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.params.buffers import SpaceBuffers
 from zeroplan.facade.params.local_shards import tensor_slice_of
@@ -503,9 +504,47 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Gathered in chunks of at most ``chunk_bytes``, so no rank needs more
         extra memory than that beyond the result. Collective; ranks that are
         not a destination return ``None``. fp32 master weights of bf16/fp16
-        parameters come along under ``"zeroplan_master"``.
+        parameters come along under ``"zeroplan_master"``. With tensor
+        parallelism the tp slices are joined into the global tensors, on tp
+        rank 0 of data-parallel rank ``to_rank``; a pipeline stage's dict holds
+        that stage and says so (``"zeroplan_pipeline_stage"``): [Note:
+        consolidating tensor-parallel slices] in ``checkpoint.consolidate``.
+
+        Raises:
+            ConfigError: a bad argument, expert groups, or a non-elementwise
+                optimizer of tp-split parameters (its state has no global form).
         """
-        return consolidated_state_dict(self.shards(), to_rank, chunk_bytes)
+        return consolidated_state_dict(
+            self.shards(), to_rank, chunk_bytes, pipeline_stage=self._pipeline_stage()
+        )
+
+    def _pipeline_stage(self) -> tuple[int, int] | None:
+        """``(stage, stages)`` of this rank's pipeline stage, ``None`` without a mesh ``pp`` dimension."""
+        stages = self._joint.stages
+        if stages is None:
+            return None
+        return dist.get_group_rank(stages, dist.get_rank()), dist.get_world_size(stages)
+
+    def _check_consolidated(self, state_dict: Any) -> None:
+        """Refuse another pipeline stage's or one tp slice's plain dict on every rank of this optimizer's
+        data-parallel x tp grid before any rank loads (the load's own agreement is over dp alone)."""
+        if self._joint.stages is None and self.tensor_slice[1] == 1:
+            return
+        sh = self._data.shards(self._joint.scaler)
+        problem: Exception | None = None
+        try:
+            check_consolidated(state_dict, sh, self._pipeline_stage())
+        except Exception as exc:  # every rank of the grid must hear of it, not wait in the load
+            problem = exc
+        for group in (sh.tensor_group, sh.groups.world):  # a tp group's verdict, then each dp group's
+            if group is None:
+                continue
+            try:  # every rank takes part in both, so a refusal reaches the whole grid
+                verdicts(problem, group, failed="rejected the state dict")
+            except Exception as exc:
+                problem = exc
+        if problem is not None:
+            raise problem
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -518,10 +557,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         and changes nothing on any. With expert groups only this optimizer's
         own ``state_dict()`` loads (same world and groups).
 
+        A tensor-parallel optimizer takes whole tensors (cut to each slice) and
+        refuses one slice's local tensors of tp-split parameters; a pipeline
+        stage refuses another stage's consolidated dict.
+
         Raises:
             ConfigError, IncompatiblePlanError: on every rank, if any rank's
                 dict is invalid or the ranks' dicts disagree.
         """
+        self._check_consolidated(state_dict)
         domain_states.load_state_dict(self._joint, state_dict)
 
     @torch.no_grad()

@@ -16,7 +16,7 @@ from scenarios_checkpoint_experts import _build as build_moe
 from scenarios_checkpoint_experts import _train as train_moe
 
 from zeroplan.core import DEFAULT_ALIGNMENT, DEFAULT_BUCKET_BYTES
-from zeroplan.facade import checkpoint
+from zeroplan.facade import ZeroOptimizer, checkpoint
 from zeroplan.facade.state.dicts import MASTER_KEY
 
 
@@ -62,6 +62,21 @@ def experts_saved(rank: int, world: int, root: str) -> dict[str, Any]:
         dense = [p.detach().clone() for p in model.dense_parameters()]
         experts = [p.detach().clone() for p in model.expert_parameters()]
     return {"dense": dense, "experts": experts, "ep": moe.EP}
+
+
+def tensor_slices_saved(rank: int, world: int, root: str) -> None:
+    """tp=2 x dp=1 (world 2): a column- then row-split model, each tp slice saved into ``root/tp<t>``
+    (the documented recipe), named as ``named_parameters()`` names them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    del rank, world
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = ZeroOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.1, stage=2, device_mesh=mesh)
+    checkpoint.save(opt, f"{root}/tp{mesh.get_local_rank('tp')}")
 
 
 def large_and_small(rank: int, world: int, root: str) -> None:

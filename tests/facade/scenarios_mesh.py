@@ -260,3 +260,27 @@ def stage_checkpoints(rank: int, world: int, root: str) -> dict[str, bool]:
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
         out["blocking" if blocking else "background"] = same
     return out
+
+
+def stage_consolidated_dicts(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Each stage's ``consolidated_state_dict()`` (the two stages' parameters have the same ids and
+    shapes) loads into its own stage and is refused, on every rank, by the other, changing nothing."""
+    mesh, s, d, peer = _pipeline_mesh({"stage": 2})
+    del peer
+    model, opt = _stage_optimizer({"stage": 2}, mesh, s)
+    for step in range(2):
+        opt.backward(sum(p.square().sum() for p in model.parameters()) * (step + 1))
+        opt.step()
+        opt.zero_grad()
+    mine = opt.consolidated_state_dict(to_rank=None)
+    assert mine is not None
+    if d == 0:
+        torch.save(mine, f"{root}/stage{s}.pt")
+    dist.barrier()
+    opt.load_state_dict(torch.load(f"{root}/stage{s}.pt", weights_only=True))
+    other = torch.load(f"{root}/stage{1 - s}.pt", weights_only=True)
+    refused = _error(lambda: opt.load_state_dict(other))
+    after = opt.consolidated_state_dict(to_rank=None)
+    assert after is not None
+    same = all(torch.equal(after["state"][i][n], e[n]) for i, e in mine["state"].items() for n in e)
+    return {"recorded": mine["zeroplan_pipeline_stage"] == [s, 2], "refused": refused, "unchanged": same}

@@ -715,3 +715,58 @@ def tensor_whole_dicts(rank: int, world: int, stage: int) -> dict[str, Any]:
     with again_opt.gathered_params():
         out["broadcast_err"] = _worst([p.detach().full_tensor() for p in again.parameters()], after)
     return out
+
+
+def tensor_consolidated_dicts(rank: int, world: int, root: str) -> dict[str, Any]:
+    """``consolidated_state_dict()`` of a tp=2 x dp=2 run, the tp split even (slices of 3 and 3 rows,
+    so one slice's local tensors fit the other's shapes): the whole model's tensors on rank 0 alone,
+    equal to interchange's whole-tensor dict; rank 0's dict saved and loaded by every rank (fairscale's
+    pattern) changes no slice's state; one slice's local tensors (what consolidation gave before the
+    slices were joined) are refused on every rank, changing nothing."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    model = _parallel(mesh, 6)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    for step in range(2):
+        _step(model, opt, step, [d], t)
+    on_rank0 = opt.consolidated_state_dict(to_rank=0)
+    everywhere = opt.consolidated_state_dict(to_rank=None)
+    assert everywhere is not None
+    theirs = interchange.get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out: dict[str, Any] = {
+        "rank0_only": (on_rank0 is not None) == (rank == 0),
+        "shapes": sorted({tuple(e["exp_avg"].shape) for e in everywhere["state"].values()}),
+        "state_err": max(
+            float((everywhere["state"][i][n] - theirs["state"][name][n]).abs().max())
+            for i, name in enumerate(n for n, _ in model.named_parameters())
+            for n in ("exp_avg", "exp_avg_sq")
+        ),
+    }
+    if rank == 0:
+        torch.save(on_rank0, f"{root}/optim.pt")
+    dist.barrier()
+    opt.load_state_dict(torch.load(f"{root}/optim.pt", weights_only=True))
+    after = opt.consolidated_state_dict(to_rank=None)
+    assert after is not None
+    out["unchanged_by_load"] = all(
+        torch.equal(after["state"][i][n], e[n]) for i, e in everywhere["state"].items() for n in e
+    )
+    # tp slice 0's local tensors under the global ids (zeroplan's consolidation before the fix), on the
+    # last rank only: refused there, and on every other rank through the agreement
+    split = {2: 0, 3: 0, 4: 1}  # column-split weight and bias, row-split weight: the split dimension
+    sliced = {
+        "state": {
+            i: {n: v.narrow(split[i], 0, 3) if i in split and v.dim() else v for n, v in e.items()}
+            for i, e in everywhere["state"].items()
+        },
+        "param_groups": everywhere["param_groups"],
+    }
+    out["one_slice"] = _error(lambda: opt.load_state_dict(sliced if rank == world - 1 else everywhere))
+    again = opt.consolidated_state_dict(to_rank=None)
+    assert again is not None
+    out["unchanged_by_refusal"] = all(
+        torch.equal(again["state"][i][n], e[n]) for i, e in everywhere["state"].items() for n in e
+    )
+    return out

@@ -21,6 +21,8 @@ import scenarios_export
 import torch
 from checkpoint_damage import flip_tensor_byte, snapshot_of
 
+from zeroplan.core import ConfigError
+from zeroplan.facade.checkpoint.export import export
 from zeroplan.facade.checkpoint.manifest import seal
 from zeroplan.facade.cli import main
 
@@ -193,6 +195,20 @@ def test_export_into_a_non_empty_directory_is_refused_and_writes_nothing(saved, 
     err = _fails(capsys, "export", str(saved["stage2"][0]), str(out))
     assert "not an empty directory" in err
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+
+def test_export_of_one_tensor_parallel_slice_is_refused_and_writes_nothing(pools, tmp_path, capsys):
+    """A tp slice's root holds its local tensors under the global names: exporting it would write
+    them as the model's weights (a (4, 4) slice as the (8, 4) "0.weight")."""
+    pools(2).run(scenarios_export.tensor_slices_saved, str(tmp_path / "ckpt"))
+    for t in range(2):
+        out = tmp_path / f"out{t}"
+        err = _fails(capsys, "export", str(tmp_path / "ckpt" / f"tp{t}"), str(out))
+        assert f"was saved by tp slice {t} of 2" in err and "checkpoint.load(opt, [" in err, err
+        assert not out.exists()
+    with pytest.raises(ConfigError, match="local tensors under the global parameter names"):
+        export(tmp_path / "ckpt" / "tp0", tmp_path / "out")
+    assert main(["inspect", str(tmp_path / "ckpt" / "tp1")]) == 0  # inspecting it is fine
 
 
 @pytest.mark.parametrize(

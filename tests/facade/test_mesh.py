@@ -63,3 +63,9 @@ def test_torch_pipelining_schedules_accumulate_micro_batches_and_reduce_once(poo
 def test_each_stage_saves_and_loads_its_own_checkpoint_in_the_background_too(pools, tmp_path):
     for r in pools(4).run(scenarios_mesh.stage_checkpoints, str(tmp_path)):
         assert r == {"blocking": True, "background": True}, r
+
+
+def test_a_stages_consolidated_dict_is_refused_by_the_other_stage(pools, tmp_path):
+    for r in pools(4).run(scenarios_mesh.stage_consolidated_dicts, str(tmp_path)):
+        assert r["recorded"] and r["unchanged"], r
+        assert r["refused"].startswith("IncompatiblePlanError") and "holds pipeline stage" in r["refused"], r

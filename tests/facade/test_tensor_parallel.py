@@ -162,3 +162,14 @@ def test_dtensor_parameters_gather_on_use_stage3_holding_no_block_between_steps(
         assert r["dict"] == ("FlatPieces", True), r  # the rank's pieces, in global coordinates
         assert r["kept"], r
         assert (r["in_flight"], r["arrived"]) == ("GatheringDTensor", "DTensor"), r  # stage 2's overlap
+
+
+def test_consolidated_dicts_hold_the_whole_model_and_refuse_one_slices_tensors(pools, tmp_path):
+    for rank, r in enumerate(pools(4).run(scenarios_tensor.tensor_consolidated_dicts, str(tmp_path))):
+        assert r["rank0_only"], r
+        assert r["shapes"] == [(6,), (6, 8), (8,), (8, 6)], r  # the global shapes
+        assert r["state_err"] == 0.0, r  # the same values as interchange's whole-tensor dict
+        assert r["unchanged_by_load"] and r["unchanged_by_refusal"], r
+        assert r["one_slice"].startswith("IncompatiblePlanError"), r  # on every rank
+        assert "cannot say which slice it holds" in r["one_slice"], r
+        assert ("rejected the state dict" in r["one_slice"]) == (rank != 3), r  # rank 3's dict, heard
