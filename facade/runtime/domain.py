@@ -224,6 +224,7 @@ class DomainRuntime:
             log=self.lifecycle.log,
             from_rank_zero=from_rank_zero,
             peers=self._peers,
+            optimizer_kwargs=dict(self.settings.optimizer_kwargs),
         )
         # Show the inner optimizer's full settings (LR schedulers read e.g. ``betas``).
         inner = installed.inner.optimizer

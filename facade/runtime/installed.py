@@ -9,7 +9,7 @@ registered. Re-planning installs a new plan and moves state into it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -107,6 +107,7 @@ def install(
     log: CommLog,
     from_rank_zero: bool = False,
     peers: Peers | None = None,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
 ) -> Installed:
     """Allocate ``zp``'s buffers (parameters become views), build the inner optimizer, hook gradients.
 
@@ -142,7 +143,7 @@ def install(
     else:
         flat = build_flat_buffers(zp, params, shard_rank, device)
         buffers = flat
-    inner = build_inner(zp, buffers, shard_rank, optimizer_class, param_groups, device)
+    inner = build_inner(zp, buffers, shard_rank, optimizer_class, param_groups, device, optimizer_kwargs)
     reduction = reduction_for(zp, groups, log)  # [Note: policies chosen once]
     sync = GradSync(
         zp=zp,

@@ -149,6 +149,9 @@ class PlanSettings:
     options: StepOptions = dataclasses.field(default_factory=StepOptions)
     offload: Offload = Offload.NONE
     offload_fraction: float | None = None
+    #: The user's keyword arguments of the inner optimizer, as given: its constructor takes them
+    #: (state made at construction reads them, e.g. Adagrad's ``initial_accumulator_value``).
+    optimizer_kwargs: tuple[tuple[str, Any], ...] = ()
 
     @property
     def optimizer_name(self) -> str:
@@ -297,6 +300,7 @@ def configure(
         options=StepOptions() if options is None else options,
         offload=offloaded,
         offload_fraction=None if offload_fraction is None else float(offload_fraction),
+        optimizer_kwargs=tuple(optimizer_defaults.items()),
     )
     return Configured(
         mode=mode, groups=groups, settings=settings, registry=ParamRegistry.of(inputs, tensor_mesh)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -170,8 +170,13 @@ def build_inner(
     optimizer_class: type[torch.optim.Optimizer],
     groups: Sequence[dict[str, Any]],
     device: torch.device,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
 ) -> Inner:
     """Create the inner optimizer over views of this rank's master shards (parameters on ``device``).
+
+    ``optimizer_kwargs`` (the user's keyword arguments) go to its constructor as well as into every
+    group, as ``torch.optim`` users pass them: state made at construction reads the constructor's
+    (Adagrad's ``initial_accumulator_value``), not the group's.
 
     Raises:
         PlanInvariantError: a master is not where the plan places the optimizer state (which
@@ -192,7 +197,8 @@ def build_inner(
         [
             {"params": members, **hyperparameters(group)}
             for members, group in zip(per_group, groups, strict=True)
-        ]
+        ],
+        **(optimizer_kwargs or {}),
     )
     return Inner(optimizer=optimizer, tensors=tensors, specs=specs)
 
