@@ -16,7 +16,17 @@
   under ``"zeroplan_master"`` so no precision is lost on the way round.
 
 Loading validates everything first and copies only then, so a rejected dict
-leaves the optimizer exactly as it was.
+leaves the optimizer exactly as it was. A plain dict's state is read as
+``torch.optim.Optimizer.load_state_dict`` reads it ([Note: loaded state as
+kept]); an entry whose ``step`` is 0 is a parameter that never stepped and
+loads as no state ([Note: fresh entries] in ``state.torch_view``).
+
+[Note: loaded state as kept]
+``torch.optim`` casts a parameter's floating state to the parameter's dtype on
+load (not ``step``) and makes a Python-number ``step`` (torch before 1.12) a
+scalar tensor. The inner optimizer's parameters are the fp32 masters, so a
+bf16 run's dict (bf16 moments) loads as fp32 moments: kept in the dict's dtype,
+the step would fail beside the masters.
 """
 
 from __future__ import annotations
@@ -193,10 +203,10 @@ def check_plain(state_dict: dict[str, Any], sh: Shards) -> None:
             raise IncompatiblePlanError(f"state for parameter id {saved_id!r}, which no param group lists")
         param = sh.params[position[saved_id]]
         for key, value in entry.items():
-            if _per_element(value) and not sh.zp.elementwise:
-                continue  # whole-parameter optimizers may keep any shapes (factored moments)
+            if not _per_element(value) or not sh.zp.elementwise:
+                continue  # scalars (a Python-number step); whole-parameter optimizers keep any shapes
             shape = value.local_shape if isinstance(value, FlatPieces) else value.shape  # a tp slice's
-            if _per_element(value) and shape != param.shape:
+            if shape != param.shape:
                 raise IncompatiblePlanError(
                     f"state {key!r} of parameter {position[saved_id]} has shape {tuple(value.shape)}, the "
                     f"parameter has {tuple(param.shape)}: a state dict of another model?"
@@ -253,8 +263,9 @@ def _positions(param_groups: Sequence[dict[str, Any]]) -> dict[Any, int]:
 
 
 def _by_position(state_dict: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], dict[int, torch.Tensor]]:
+    """Per position, the dict's state (fresh entries left out: those parameters start fresh) and masters."""
     position = _positions(state_dict["param_groups"])
-    state = {position[k]: v for k, v in state_dict["state"].items()}
+    state = {position[k]: v for k, v in state_dict["state"].items() if not _is_fresh(v)}
     masters = {position[k]: v for k, v in state_dict.get(MASTER_KEY, {}).items()}
     return state, masters
 
@@ -298,6 +309,42 @@ def with_scalars(state_dict: dict[str, Any], named: Sequence[dict[Any, dict[str,
             if known is not None:
                 state[k] = {**tree_clone(known), **entry}
     return {**state_dict, "state": state}
+
+
+def _is_fresh(entry: Any) -> bool:
+    """Whether a torch-layout entry is the state of a parameter that never stepped: ``step`` 0 (every
+    torch optimizer with a ``step`` counts it up before its first update), [Note: fresh entries] in
+    ``state.torch_view``."""
+    step = entry.get("step") if isinstance(entry, dict) else None
+    counted = (torch.is_tensor(step) and step.numel() == 1) or isinstance(step, int | float)
+    return counted and float(step) == 0
+
+
+def _kept_dtype(value: Any, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a loaded per-element value is kept in: floating state in ``dtype``, the state's
+    (the master's), anything else in its own ([Note: loaded state as kept])."""
+    return dtype if value.dtype.is_floating_point else value.dtype
+
+
+def _kept_scalar(key: str, value: Any) -> Any:
+    """A loaded scalar as torch keeps it: a Python-number ``step`` as a scalar tensor, as torch's
+    optimizers' ``__setstate__`` makes it ([Note: loaded state as kept])."""
+    if key == "step" and isinstance(value, int | float) and not isinstance(value, bool):
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        return torch.tensor(float(value), dtype=scalar)
+    return value
+
+
+def _kept_entry(entry: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """A whole parameter's loaded entry as kept: plain floating tensors of any shape in ``dtype``
+    (torch casts them all but ``step``), scalars by :func:`_kept_scalar`."""
+
+    def kept(key: str, value: Any) -> Any:
+        if type(value) is torch.Tensor and value.dim() > 0:
+            return value.to(_kept_dtype(value, dtype))
+        return _kept_scalar(key, value)
+
+    return {key: kept(key, value) for key, value in entry.items()}
 
 
 def _per_element(value: Any) -> bool:
@@ -380,17 +427,18 @@ def shard_state_from_plain(
             if entry is None:
                 continue
             if not target.elementwise:
-                whole[f.param] = tree_clone(entry, device)
+                whole[f.param] = tree_clone(_kept_entry(entry, torch_dtype(master)), device)
                 continue
             shared = scalars.setdefault((spec.group, spec.cohort), {})
             for key, value in entry.items():
                 if _per_element(value):
                     out = flat.get((space.index, key))
                     if out is None:
-                        out = flat[space.index, key] = torch.zeros(owned, dtype=value.dtype, device=device)
-                    out[f.shard_span.as_slice()] = flat_values(value, f.param_span).to(device)
+                        dtype = _kept_dtype(value, torch_dtype(master))  # [Note: loaded state as kept]
+                        out = flat[space.index, key] = torch.zeros(owned, dtype=dtype, device=device)
+                    out[f.shard_span.as_slice()] = flat_values(value, f.param_span).to(device, out.dtype)
                 else:
-                    shared[key] = tree_clone(value, device)
+                    shared[key] = tree_clone(_kept_scalar(key, value), device)
     stateful = {(target.specs[p].group, target.specs[p].cohort) for p in state}
     return ShardState(flat=flat, scalars=scalars, whole=whole), stateful, master_out
 
@@ -408,17 +456,18 @@ def parked_from_plain(state_dict: dict[str, Any], target: ZeroPlan, sh: Shards) 
     for p, entry in state.items():
         if target.specs[p].trainable or p % shard_size != shard_rank:
             continue
+        kept = torch_dtype(master_dtype(target.specs[p].dtype))  # [Note: loaded state as kept]
         if not target.elementwise:
-            parked[p] = ParkedParam(scalars={}, pieces={}, whole=tree_clone(entry, device))
+            parked[p] = ParkedParam(scalars={}, pieces={}, whole=tree_clone(_kept_entry(entry, kept), device))
             continue
         whole = Span(0, target.specs[p].numel)
         pieces = {
-            key: [(whole, flat_values(value.detach(), whole).to(device, copy=True))]
+            key: [(whole, flat_values(value.detach(), whole).to(device, _kept_dtype(value, kept), copy=True))]
             for key, value in entry.items()
             if _per_element(value)
         }
         if p in masters:
             pieces[MASTER] = [(whole, flat_values(masters[p].detach(), whole).float().to(device, copy=True))]
-        scalars = {k: v for k, v in entry.items() if not _per_element(v)}
+        scalars = {k: _kept_scalar(k, v) for k, v in entry.items() if not _per_element(v)}
         parked[p] = ParkedParam(scalars=tree_clone(scalars, device), pieces=pieces)
     return parked

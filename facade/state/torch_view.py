@@ -12,16 +12,30 @@ frozen here with parked state is held whole by the rank that parks it. This is w
 parameter names and ``dcp.save`` / ``dcp.load`` write and fill in place, so a
 zeroplan run and an FSDP2 run read each other's checkpoints.
 
-A cohort with no state yet (a fresh optimizer) gets the entries its first step
-would make, from one step of the inner optimizer's class on a two-element
-scratch tensor at learning rate zero (what torch's own ``_init_optim_state``
-does to the real optimizer): ``dcp.load`` needs tensors to fill, and the real
-optimizer is left as it is. State of a tensor subclass (torchao's low-bit
-moments) has no torch layout: its pieces refuse to be saved or loaded by DCP.
+A cohort with no state yet gets fresh entries ([Note: fresh entries]). State
+of a tensor subclass (torchao's low-bit moments) has no torch layout: its
+pieces refuse to be saved or loaded by DCP.
+
+[Note: fresh entries]
+A cohort that has not stepped (a fresh optimizer, a group just added, a
+parameter just unfrozen) has no state, but ``dcp.load`` needs tensors to fill:
+it gets the state the inner optimizer's class makes before its first update,
+recorded from one step on a two-element scratch tensor (``step`` 0, zero
+moments for the Adam family, NAdam's ``mu_product`` 1, Rprop's step sizes at
+the learning rate, ...). The real optimizer is left as it is, unlike torch's
+``_init_optim_state``, which steps it once at learning rate zero so that its
+own ``step`` reads 1. Loading reads an entry with ``step`` 0 as no state: the
+cohort starts fresh, so a resumed run steps as the continued run does, bit for
+bit, and an FSDP2 run that loads the entries starts as torch does from that
+state. SGD keeps no ``step``: its fresh entry is a zero ``momentum_buffer``,
+what torch's helper writes too, exact with ``dampening=0`` (the default);
+with ``dampening`` above 0 a fresh buffer (the first gradient) and a zero one
+differ, and the torch layout has no way to say "none yet".
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -71,24 +85,25 @@ def torch_state(
         buf = sh.buffers[si]
         device = buf.master_device
         scalars = state.scalars.get((spec.group, spec.cohort))
-        flat: dict[str, torch.Tensor | None]
+        flat: dict[str, torch.Tensor | float]
         if scalars is None:
-            scalars, keys = fresh.entry(spec.group)
-            flat = dict.fromkeys(keys)
+            scalars, flat = fresh.entry(spec.group)
         else:
             flat = {k: values for (space, k), values in state.flat.items() if space == si}
         frags = held[spec.index]
         # A rank that holds none of the parameter does not know its cohort's scalars: it names none.
         entry: dict[str, Any] = tree_clone(dict(scalars)) if frags else {}
         for key, values in flat.items():
-            dtype = buf.master_dtype if values is None else values.dtype
-            if values is None:
+            if not torch.is_tensor(values):  # a fresh cohort's start ([Note: fresh entries])
+                dtype = buf.master_dtype
                 parts = [
-                    (f.param_span, torch.zeros(f.param_span.numel, dtype=dtype, device=device)) for f in frags
+                    (f.param_span, torch.full((f.param_span.numel,), values, dtype=dtype, device=device))
+                    for f in frags
                 ]
             else:
+                dtype = values.dtype
                 parts = [(f.param_span, values[f.shard_span.as_slice()]) for f in frags]
-            plain = values is None or type(values) is torch.Tensor
+            plain = not torch.is_tensor(values) or type(values) is torch.Tensor
             refusal = None if plain else _SUBCLASS.format(cls=type(values))
             entry[key] = FlatPieces(
                 spec.shape, parts, dtype=dtype, device=device, refusal=refusal, **placed(spec)
@@ -105,19 +120,19 @@ def torch_state(
 
 
 class _FreshEntries:
-    """The state a fresh cohort's first step makes, per param group (from a scratch optimizer)."""
+    """The state a fresh cohort holds before its first update, per param group ([Note: fresh entries])."""
 
     def __init__(self, sh: Shards) -> None:
         self._sh = sh
-        self._groups: dict[int, tuple[dict[str, Any], list[str]]] = {}
+        self._groups: dict[int, tuple[dict[str, Any], dict[str, float]]] = {}
 
-    def entry(self, group: int) -> tuple[dict[str, Any], list[str]]:
-        """(scalars, per-element keys) of a fresh cohort of ``group``."""
+    def entry(self, group: int) -> tuple[dict[str, Any], dict[str, float]]:
+        """(scalars, per-element key -> the value every element starts at) of a fresh cohort of ``group``."""
         if group not in self._groups:
             self._groups[group] = self._scratch(group)
         return self._groups[group]
 
-    def _scratch(self, group: int) -> tuple[dict[str, Any], list[str]]:
+    def _scratch(self, group: int) -> tuple[dict[str, Any], dict[str, float]]:
         inner = self._sh.inner.optimizer
         settings = next(
             (g for g in inner.param_groups if any(s.group == group for s in self._windows(g))),
@@ -125,20 +140,35 @@ class _FreshEntries:
         )
         tensor = torch.zeros(2, device=self._sh.device, requires_grad=True)
         scratch = type(inner)([tensor])
-        scratch.param_groups[0].update(hyperparameters(settings))
-        lr = scratch.param_groups[0].get("lr")
-        if lr is not None:
-            scratch.param_groups[0]["lr"] = torch.zeros_like(lr) if torch.is_tensor(lr) else 0.0
-        tensor.grad = torch.zeros_like(tensor)
-        scratch.step()
-        made = scratch.state[tensor]
-        scalars = {k: v for k, v in made.items() if not is_per_element(v, tensor)}
-        per_element = [k for k, v in made.items() if is_per_element(v, tensor)]
-        return scalars, per_element
+        scratch.param_groups[0].update(hyperparameters(settings))  # the real learning rate: Rprop, ASGD
+        made = dict(scratch.state.get(tensor, {}))  # Adagrad makes its state when constructed
+        if not made:
+            scratch.state = defaultdict(_FirstValues)
+            tensor.grad = torch.zeros_like(tensor)
+            scratch.step()
+            made = scratch.state[tensor].first
+        scalars = {k: tree_clone(v) for k, v in made.items() if not is_per_element(v, tensor)}
+        starts = {k: v.reshape(-1)[0].item() for k, v in made.items() if is_per_element(v, tensor)}
+        return scalars, starts
 
     def _windows(self, group: dict[str, Any]) -> list[Any]:
         ids = {id(t) for t in group["params"]}
         return [s for t, s in zip(self._sh.inner.tensors, self._sh.inner.specs, strict=True) if id(t) in ids]
+
+
+class _FirstValues(dict[str, Any]):
+    """A scratch optimizer's state of one tensor that keeps a copy of each key's first value: what the
+    optimizer makes before it updates the values in place (SGD's momentum buffer, made after the update
+    from a zero gradient, is zero)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: dict[str, Any] = {}
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key not in self.first:
+            self.first[key] = tree_clone(value)
+        super().__setitem__(key, value)
 
 
 class ParamStates(Mapping[torch.Tensor, dict[str, Any]]):

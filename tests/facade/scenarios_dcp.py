@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from factory import make_optimizer
-from models import DTYPES, batch, loss_of, make_model, rel_err
+from models import DTYPES, Reference, averaged_grads, batch, loss_of, make_model, rel_err
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from zeroplan.core import ZeroplanError
+from zeroplan.facade import ZeroOptimizer
 from zeroplan.facade.checkpoint import interchange
 
 LR = 0.01
@@ -56,6 +57,12 @@ def _train(model: Any, opt: Any, rank: int, steps: range) -> None:
         opt.backward(loss) if hasattr(opt, "backward") else loss.backward()
         opt.step()
         opt.zero_grad()
+
+
+def _maybe_compiled(model: Any, cfg: dict[str, Any]) -> Any:
+    """``torch.compile(model)`` for a ``"compiled"`` case (its names gain ``_orig_mod.``; no forward
+    runs through it, so nothing compiles), else ``model``."""
+    return torch.compile(model) if cfg.get("compiled") else model
 
 
 def _ours(model: Any, opt: Any) -> dict[str, Any]:
@@ -110,7 +117,8 @@ def interchange_both_ways(
         there, back = os.path.join(root, f"{n}-zeroplan"), os.path.join(root, f"{n}-fsdp2")
         model, opt = _zeroplan(cfg)
         _train(model, opt, rank, range(2))
-        dcp.save(_ours(model, opt), checkpoint_id=there)
+        # A compiled run saves (and loads) under the uncompiled names, as torch's own helpers do.
+        dcp.save(_ours(_maybe_compiled(model, cfg), opt), checkpoint_id=there)
         saved = _full_zeroplan(model, opt)
 
         fmodel, fopt = _fsdp2(cfg)
@@ -130,7 +138,7 @@ def interchange_both_ways(
         )
         fsdp2_saved = _full_fsdp2(fmodel, fopt)
         model2, opt2 = _zeroplan(cfg)  # fresh: torch's recipe initializes no state first
-        _load_ours(model2, opt2, back)
+        _load_ours(_maybe_compiled(model2, cfg), opt2, back)
         into_zeroplan = _same(fsdp2_saved, _full_zeroplan(model2, opt2))
         _train(model2, opt2, rank, range(4, 6))
         _train(fmodel, fopt, rank, range(4, 6))
@@ -315,4 +323,132 @@ def full_dicts_refused(rank: int, world: int) -> dict[str, str | None]:
         out["pieces_from_rank0"] = None
     except ZeroplanError as exc:
         out["pieces_from_rank0"] = str(exc)
+    return out
+
+
+#: Inner optimizers of the fresh-cohort cases (every elementwise one zeroplan plans), and their settings.
+FRESH_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "Adam": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    "NAdam": (torch.optim.NAdam, {"lr": 1e-2}),
+    "RAdam": (torch.optim.RAdam, {"lr": 1e-2}),
+    "Adamax": (torch.optim.Adamax, {"lr": 1e-2}),
+    "Adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 1e-2, "initial_accumulator_value": 0.1}),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 1e-3, "momentum": 0.9, "centered": True}),
+    "Rprop": (torch.optim.Rprop, {"lr": 1e-3}),
+    "ASGD": (torch.optim.ASGD, {"lr": 1e-2, "t0": 1.0}),
+    "SGD": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+}
+
+
+def _fresh_zeroplan(name: str) -> tuple[Any, Any]:
+    cls, hyper = FRESH_OPTIMIZERS[name]
+    model = make_model(seed=0)
+    return model, ZeroOptimizer(model.parameters(), cls, stage=2, bucket_bytes=2048, alignment=16, **hyper)
+
+
+def _fresh_run(cfg: dict[str, Any], rank: int, world: int) -> tuple[Any, Any, Reference]:
+    """(model, zeroplan optimizer, unsharded reference) at the moment a cohort is fresh: before the first
+    step, or right after ``refresh_trainable`` unfroze the last block after two steps."""
+    cls, hyper = FRESH_OPTIMIZERS[cfg["optimizer"]]
+    model, opt = _fresh_zeroplan(cfg["optimizer"])
+    ref = Reference(make_model(seed=0), cls, **hyper)
+    if cfg["when"] == "unfrozen":
+        frozen = [*model.blocks[-1].parameters(), *ref.model.blocks[-1].parameters()]
+        for p in frozen:
+            p.requires_grad_(False)
+        opt.refresh_trainable()
+        _train(model, opt, rank, range(2))
+        for step in range(2):
+            ref.step(world, step)
+        for p in frozen:
+            p.requires_grad_(True)
+        opt.refresh_trainable()
+    return model, opt, ref
+
+
+def fresh_cohorts_resume_as_they_continue(
+    rank: int, world: int, cases: list[dict[str, Any]], root: str
+) -> list[dict[str, Any]]:
+    """A cohort that has not stepped, saved with DCP: the resumed run equals the continued run bit for
+    bit ([Note: fresh entries]), and both the unsharded optimizer on the same data."""
+    rows = []
+    for n, cfg in enumerate(cases):
+        path = os.path.join(root, f"fresh-{n}")
+        model, opt, ref = _fresh_run(cfg, rank, world)
+        dcp.save(_ours(model, opt), checkpoint_id=path)
+        saved = {float(v["step"]) for v in opt.state_dict()["state"].values() if "step" in v}
+        start = 2 if cfg["when"] == "unfrozen" else 0
+        _train(model, opt, rank, range(start, start + 2))
+        for step in range(start, start + 2):
+            ref.step(world, step)
+        model2, opt2 = _fresh_zeroplan(cfg["optimizer"])
+        _load_ours(model2, opt2, path)
+        _train(model2, opt2, rank, range(start, start + 2))
+        continued, resumed = _params(model, opt), _params(model2, opt2)
+        rows.append(
+            {
+                "saved_steps": sorted(saved),
+                "differ": [k for k in continued if not torch.equal(continued[k], resumed[k])],
+                "to_reference": max(
+                    rel_err(continued[k], m) for k, m in zip(continued, ref.master, strict=True)
+                ),
+            }
+        )
+    return rows
+
+
+def bf16_torch_dicts_load_as_torch_does(rank: int, world: int) -> dict[str, Any]:
+    """A plain AdamW run of bf16 parameters (bf16 moments) loads, plain and as a whole-tensor dict, with its
+    moments cast to the masters' fp32 as ``torch.optim`` casts them ([Note: loaded state as kept]): equal
+    to the unsharded optimizer that loaded the same dict, then stepping as it does."""
+    plain = make_model(seed=0, dtype=torch.bfloat16)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=LR)
+    for step in range(2):
+        for p, g in zip(plain.parameters(), averaged_grads(plain, world, step), strict=True):
+            p.grad = g.to(p.dtype)
+        adamw.step()
+    ref = Reference(copy.deepcopy(plain), torch.optim.AdamW, lr=LR)
+    ref.optimizer.load_state_dict(adamw.state_dict())  # torch casts the moments to the masters' fp32
+    names = [n for n, _ in plain.named_parameters()]
+    loaded = {n: dict(ref.optimizer.state[m]) for n, m in zip(names, ref.master, strict=True)}
+    full = get_optimizer_state_dict(plain, adamw, options=StateDictOptions(full_state_dict=True))
+    old = adamw.state_dict()  # as torch before 1.12 wrote it
+    old["state"] = {k: {**v, "step": float(v["step"])} for k, v in old["state"].items()}
+    ways = {
+        "load_state_dict": lambda model, opt: opt.load_state_dict(old),  # Python-number steps
+        "interchange": lambda model, opt: interchange.set_optimizer_state_dict(
+            model, opt, full, options=StateDictOptions(full_state_dict=True)
+        ),
+    }
+    runs = {}
+    for way, load in ways.items():
+        model = copy.deepcopy(plain)
+        opt = make_optimizer(model, hyper={"lr": LR})
+        load(model, opt)
+        state = _full_zeroplan(model, opt)
+        kinds = {str(v.dtype) for st in opt.shards().inner.optimizer.state.values() for v in st.values()}
+        runs[way] = (
+            model,
+            opt,
+            [
+                f"{n}/{k}"
+                for n in loaded
+                for k, v in loaded[n].items()
+                if not torch.equal(state[n][k], v.float())
+            ],
+            kinds,
+        )
+    out: dict[str, Any] = {}
+    for step in range(2, 4):
+        ref.step(world, step)
+    for way, (model, opt, differ, kinds) in runs.items():
+        try:
+            _train(model, opt, rank, range(2, 4))
+            with opt.gathered_params():
+                drift = max(rel_err(p, m) for p, m in zip(model.parameters(), ref.master, strict=True))
+        except Exception as exc:  # before the fix: a dtype mismatch, then a stuck optimizer
+            drift = f"{type(exc).__name__}: {exc}"
+        out[way] = {"differ": differ, "kinds": sorted(kinds), "drift": drift}
     return out

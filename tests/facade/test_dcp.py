@@ -14,6 +14,7 @@ CASES = [
     {"stage": 2},
     {"stage": 3, "dtype": "bf16"},
     {"stage": 2, "dtype": "bf16", "settings": {"shard": 1}},  # replicas: DCP writes one copy
+    {"stage": 2, "compiled": True},  # torch.compile(model): saved and loaded under the plain names
 ]
 #: Two steps after the move, the loading side's parameters against the saving side's (max-norm relative).
 #: fp32: measured 0.0 (the same kernels on CPU), held to test_equivalence's fp32 tolerance. bf16: 0.043
@@ -73,3 +74,27 @@ def test_what_whole_tensor_dicts_cannot_take_raises_on_every_rank(pools):
     for r in pools(2).run(scenarios_dcp.full_dicts_refused):
         assert "held whole by some ranks only" in r["whole_state"], r
         assert "not a whole tensor" in r["pieces_from_rank0"], r
+
+
+#: Every elementwise inner optimizer fresh before its first step; the Adam family and SGD also with a
+#: cohort fresh after ``refresh_trainable`` unfroze a block.
+FRESH_CASES = [{"optimizer": name, "when": "start"} for name in scenarios_dcp.FRESH_OPTIMIZERS] + [
+    {"optimizer": name, "when": "unfrozen"} for name in ("AdamW", "NAdam", "SGD")
+]
+
+
+def test_a_cohort_saved_before_its_first_step_resumes_as_it_continues(pools, tmp_path):
+    """[Note: fresh entries]: saved as the state before the first update (``step`` 0), loaded as no state."""
+    for rows in pools(2).run(scenarios_dcp.fresh_cohorts_resume_as_they_continue, FRESH_CASES, str(tmp_path)):
+        for case, r in zip(FRESH_CASES, rows, strict=True):
+            assert r["differ"] == [], (case, r)
+            assert r["to_reference"] < DRIFT["fp32"], (case, r)  # Adagrad's initial_accumulator_value too
+            assert r["saved_steps"] in ([], [0.0]) if case["when"] == "start" else [0.0, 2.0], (case, r)
+
+
+def test_a_bf16_torch_run_dicts_load_with_fp32_moments_and_step_as_torch(pools):
+    """[Note: loaded state as kept]: plain and whole-tensor dicts of bf16 moments load as torch.optim's."""
+    for r in pools(2).run(scenarios_dcp.bf16_torch_dicts_load_as_torch_does):
+        for way, row in r.items():
+            assert row["differ"] == [] and row["kinds"] == ["torch.float32"], (way, row)
+            assert isinstance(row["drift"], float) and row["drift"] < DRIFT["bf16"], (way, row)
