@@ -39,6 +39,7 @@ ALLOWED = {
     ("state/tree.py", "describe_state"): "scalar state described for an object collective",
     ("state/shards.py", "move_shards"): "scalars and whole-parameter state travel pickled",
     ("checkpoint/consolidate.py", "consolidated_state_dict"): "the consolidated result is built on the host",
+    ("checkpoint/consolidate.py", "_join_slices"): "tp slices joined on the host; chunks go on the device",
     ("checkpoint/full_dicts.py", "gather_full"): "a full dict with cpu_offload is built on the host",
     ("checkpoint/interchange.py", "_to_host"): "cpu_offload of a dict's pieces: no collective",
     ("checkpoint/files.py", "__init__"): "a shard file is read to the host, then copied to the device",
