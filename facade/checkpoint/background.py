@@ -46,7 +46,16 @@ from zeroplan.facade.mechanisms.collectives import (
 )
 from zeroplan.facade.mechanisms.groups import background_group
 
-__all__ = ["SaveHandle", "Staging", "finish_pending", "stage", "staging_buffers", "staging_bytes", "start"]
+__all__ = [
+    "SaveHandle",
+    "Staging",
+    "committed",
+    "finish_pending",
+    "stage",
+    "staging_buffers",
+    "staging_bytes",
+    "start",
+]
 
 Files = list[tuple[str, dict[str, FileTensor]]]
 
@@ -79,6 +88,10 @@ class SaveHandle:
     def done(self) -> bool:
         """Whether the snapshot is committed or the save failed (``wait()`` then returns at once)."""
         return not self._thread.is_alive()
+
+    def succeeded(self) -> bool:
+        """Whether the snapshot is committed (the thread ended without error); never waits."""
+        return self.done() and self._error is None
 
     def wait(self) -> Path:
         """The committed snapshot, once written and sealed.
@@ -162,6 +175,19 @@ def finish_pending(opt: Any) -> Path | None:
     if handle.reported:  # the caller's wait() returned or raised it already
         return None
     return handle.wait()
+
+
+def committed(opt: Any) -> bool:
+    """Whether ``opt`` has no save in flight or it committed; never waits, raises nothing.
+
+    A thread that ended without error committed (its last agreement follows rank 0's commit), so
+    what depends on the snapshot (deleting an older one) may go ahead; a failed save's error waits
+    for the next ``wait()``, save or load, where every rank raises it.
+    """
+    found = _BY_OPTIMIZER.get(opt)
+    if found is None or found.handle is None:
+        return True
+    return found.handle.succeeded()
 
 
 def stage(opt: Any, files: Files, device: torch.device) -> Files:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from zeroplan.core import (
     CheckpointError,
@@ -47,9 +48,11 @@ from zeroplan.facade.checkpoint.names import (
     param_tensor,
     region_tensor,
     shard_file,
+    snapshot_number,
     state_tensor,
 )
-from zeroplan.facade.checkpoint.root import resolve
+from zeroplan.facade.checkpoint.root import held_snapshots, resolve
+from zeroplan.facade.checkpoint.slices import SaveIdentity, agree_across_slices, identity_of
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
 from zeroplan.facade.state.dicts import Shards
 from zeroplan.facade.state.restore import LoadedState, agreed_state
@@ -98,15 +101,31 @@ def load(opt: ZeroOptimizer, path: str | Path) -> dict[str, Any]:
     extra: list[dict[str, Any]] = []
     expert_states: list[LoadedState] = []
 
+    identity: list[SaveIdentity] = []
+
     def read() -> LoadedState:
-        loaded, saved_extra, states = _prepare(sh, opt.plan_with_cohorts, Path(path), domains, experts)
+        loaded, saved_extra, states, saved = _prepare(sh, opt.plan_with_cohorts, Path(path), domains, experts)
         extra.append(saved_extra)
         expert_states.extend(states)
+        identity.append(saved)
         return loaded
 
     # One agreement over the world covers every domain: any rank's failure, expert files included,
     # raises on every rank before anything changes.
-    opt.restore(agreed_state(read, sh, what="checkpoint", wrap=CheckpointError))
+    problem: Exception | None = None
+    agreed: LoadedState | None = None
+    try:
+        agreed = agreed_state(read, sh, what="checkpoint", wrap=CheckpointError)
+    except Exception as exc:  # the other tp slices and pipeline stages must hear of it too
+        problem = exc
+    slices = opt.model_slices
+    if slices:  # [Note: one save across slices]
+        agree_across_slices(slices, _slice_label(opt), problem, identity[0] if identity else None)
+    if problem is not None:
+        raise problem
+    if agreed is None:  # unreachable: agreed_state raised
+        raise RuntimeError("checkpoint: nothing read and no error")
+    opt.restore(agreed)
     for domain, state in zip(domains, expert_states, strict=True):
         domain.restore(state)
     return extra[0]
@@ -160,18 +179,27 @@ def saved_param(
     ]
 
 
+def _slice_label(opt: ZeroOptimizer) -> str:
+    """This rank's part of the model, for messages: "pp stage 1, tp slice 0", "tp slice 1"."""
+    parts = []
+    for name, group in opt.model_slices:
+        position = dist.get_group_rank(group, dist.get_rank())
+        parts.append(f"tp slice {position}" if name == "tp" else f"pp stage {position}")
+    return ", ".join(reversed(parts))
+
+
 def _prepare(
     sh: Shards,
     plan_with_cohorts: Callable[[Iterable[int]], ZeroPlan],
     path: Path,
     domains: Sequence[DomainRuntime] = (),
     experts: Sequence[Shards] = (),
-) -> tuple[LoadedState, dict[str, Any], list[LoadedState]]:
+) -> tuple[LoadedState, dict[str, Any], list[LoadedState], SaveIdentity]:
     """Read and check everything this rank needs; change nothing.
 
-    Returns the data domain's state, ``extra`` and each expert domain's state
-    (``domains``, whose parts are ``experts``). This rank's tp slice (``sh.tensor_slice``) must be
-    the one that saved the snapshot.
+    Returns the data domain's state, ``extra``, each expert domain's state
+    (``domains``, whose parts are ``experts``) and which save it read ([Note: one save across
+    slices]). This rank's tp slice (``sh.tensor_slice``) must be the one that saved the snapshot.
     """
     snapshot = resolve(path)
     manifest = read_manifest(snapshot)  # [Note: manifest integrity]
@@ -217,7 +245,10 @@ def _prepare(
         _read_experts(domain, esh, group, snapshot, open_file, manifest)
         for domain, esh, group in zip(domains, experts, expert_groups, strict=True)
     ]
-    return loaded, decode(manifest.extra), states
+    number = snapshot_number(snapshot.name)
+    held = held_snapshots(snapshot.parent)  # a snapshot directory loads like its root
+    saved = identity_of(path, snapshot, -1 if number is None else number, manifest.extra, held)
+    return loaded, decode(manifest.extra), states, saved
 
 
 def read_state(

@@ -89,6 +89,7 @@ def load_resliced(opt: ZeroOptimizer, roots: Sequence[str | Path]) -> dict[str, 
         slices = [_Slice.open(Path(root)) for root in roots]
         if not slices:
             raise CheckpointError("no checkpoint roots given: pass every tp slice's root, in tp order")
+        one_save(slices)
         extra.append(decode(slices[0].manifest.extra))
         saved_by = {s.manifest.optimizer for s in slices}
         if saved_by != {sh.optimizer_name}:
@@ -171,6 +172,19 @@ class _Slice:
             for f in shards.partition.fragments[index]
         ]
         return torch.cat(parts).view(spec.shape) if parts else torch.empty(spec.shape)
+
+
+def one_save(slices: Sequence[_Slice]) -> None:
+    """Raise unless the slices' snapshots are one save: the same number ([Note: one save across slices]
+    in ``checkpoint.slices``)."""
+    saves = {s.snapshot.name for s in slices}
+    if len(saves) > 1:
+        listing = "; ".join(f"slice {k}: {str(s.snapshot)!r}" for k, s in enumerate(slices))
+        raise CheckpointError(
+            f"the tp slices' roots hold different saves ({listing}; their snapshot numbers "
+            "differ): a job stopped between the slices' commits leaves this. Pass the snapshot "
+            "directories of one save, the same number in every root"
+        )
 
 
 def _check(slices: Sequence[_Slice], specs: Sequence[ParamSpec]) -> None:

@@ -83,6 +83,11 @@ def _numbered(root: Path, number_of: Callable[[str], int | None]) -> list[tuple[
     return sorted(found)
 
 
+def held_snapshots(root: Path) -> tuple[int, ...]:
+    """The numbers of the committed snapshot directories in ``root``, increasing (none if not a root)."""
+    return tuple(n for n, _ in _numbered(root, snapshot_number))
+
+
 def next_name(root: Path) -> str:
     """The name of the next snapshot: one more than any committed or partial number in ``root``."""
     used = [n for n, _ in _numbered(root, snapshot_number) + _numbered(root, partial_number)]

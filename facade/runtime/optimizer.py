@@ -245,6 +245,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return tensor_slice_of(self._data.registry.tensor_mesh)
 
     @property
+    def model_slices(self) -> tuple[tuple[str, dist.ProcessGroup], ...]:
+        """The groups joining this rank to the model's other parts: ``("tp", group)`` (the other
+        tensor-parallel slices) and ``("pp", group)`` (the other pipeline stages) where the mesh has
+        them, in that order; empty without a device mesh."""
+        named = (("tp", self._joint.tensor), ("pp", self._joint.stages))
+        return tuple((name, group) for name, group in named if group is not None)
+
+    @property
     def installed(self) -> Installed:
         """The installed plan: plan, groups, buffers, inner optimizer, gradient sync (for tools)."""
         return self._data.installed

@@ -262,6 +262,43 @@ def stage_checkpoints(rank: int, world: int, root: str) -> dict[str, bool]:
     return out
 
 
+def stage_roots_apart(rank: int, world: int, root: str) -> dict[str, Any]:
+    """pp=2 x dp=2, a root per stage: stage 1's second save fails (as a job killed between the stages'
+    commits leaves them); loading each stage's latest is refused on every rank ([Note: one save across
+    slices]), the parameters unchanged; the snapshot both roots hold loads."""
+    import zeroplan.facade.checkpoint as ckpt
+
+    mesh, s, d, peer = _pipeline_mesh({"stage": 2})
+    del d, peer
+    model = _stage(_full(), s)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    where = f"{root}/stage{s}"
+    out: dict[str, Any] = {"stage": s}
+    for step in (1, 2):
+        opt.backward(sum(p.square().sum() for p in model.parameters()) * step)
+        opt.step()
+        opt.zero_grad()
+        real = ckpt.write_tensors
+        if step == 2 and s == 1:
+
+            def killed(path: Any, tensors: Any) -> int:
+                raise OSError("killed before stage 1 committed")
+
+            ckpt.write_tensors = killed
+        try:
+            out[f"save{step}"] = _error(lambda n=step: checkpoint.save(opt, where, extra={"step": n}, keep=2))
+        finally:
+            ckpt.write_tensors = real
+    torch.manual_seed(7)
+    again = _stage(torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]), s)
+    fresh = ZeroOptimizer(again.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    before = [p.detach().clone() for p in again.parameters()]
+    out["latest"] = _error(lambda: checkpoint.load(fresh, where))
+    out["unchanged"] = all(torch.equal(a, b) for a, b in zip(before, again.parameters(), strict=True))
+    out["older"] = checkpoint.load(fresh, f"{where}/snapshot-00000001")
+    return out
+
+
 def stage_consolidated_dicts(rank: int, world: int, root: str) -> dict[str, Any]:
     """Each stage's ``consolidated_state_dict()`` (the two stages' parameters have the same ids and
     shapes) loads into its own stage and is refused, on every rank, by the other, changing nothing."""

@@ -366,6 +366,46 @@ def tensor_checkpoint_sliced(rank: int, world: int, root: str) -> dict[str, Any]
     return {"param_err": _worst(mine, after)}
 
 
+def tensor_slices_commit_apart(rank: int, world: int, root: str) -> dict[str, Any]:
+    """tp=2 x dp=2, each slice its own root ([Note: one save across slices]): the second save fails on
+    tp slice 1 only (as a job killed between the slices' commits leaves them); loading each slice's
+    latest is refused on every rank, nothing changes; the older snapshot both roots hold loads."""
+    import zeroplan.facade.checkpoint as ckpt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    d, t = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+    model = _parallel(mesh, 6)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    out: dict[str, Any] = {"rank": rank}
+    for step in (1, 2):
+        _step(model, opt, step, [d], t)
+        real = ckpt.write_tensors
+        if step == 2 and t == 1:
+
+            def killed(path: Any, tensors: Any) -> int:
+                raise OSError("killed before slice 1 committed")
+
+            ckpt.write_tensors = killed
+        try:
+            out[f"save{step}"] = _error(
+                lambda s=step: checkpoint.save(opt, f"{root}/tp{t}", extra={"step": s}, keep=2)
+            )
+        finally:
+            ckpt.write_tensors = real
+    fresh_model = _parallel(mesh, 6)
+    fresh = ZeroOptimizer(fresh_model.parameters(), torch.optim.AdamW, lr=LR, stage=2, device_mesh=mesh)
+    before = [p.detach().to_local().clone() for p in fresh_model.parameters()]
+    stateful = len(fresh.state)
+    out["latest"] = _error(lambda: checkpoint.load(fresh, f"{root}/tp{t}"))
+    out["unchanged"] = all(
+        torch.equal(a, b.detach().to_local()) for a, b in zip(before, fresh_model.parameters(), strict=True)
+    )
+    out["no_state"] = len(fresh.state) == stateful
+    out["resliced"] = _error(lambda: checkpoint.load(fresh, [f"{root}/tp0", f"{root}/tp1"]))
+    out["older"] = checkpoint.load(fresh, f"{root}/tp{t}/snapshot-00000001")
+    return out
+
+
 def _stage_module(mesh: Any, s: int) -> torch.nn.Sequential:
     """Pipeline stage ``s`` of a two-stage model: the tensor-parallel model of :func:`_parallel`, its
     initial values drawn for the stage."""

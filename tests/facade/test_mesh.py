@@ -65,6 +65,15 @@ def test_each_stage_saves_and_loads_its_own_checkpoint_in_the_background_too(poo
         assert r == {"blocking": True, "background": True}, r
 
 
+def test_stages_holding_different_saves_refuse_to_load_on_every_rank(pools, tmp_path):
+    for r in pools(4).run(scenarios_mesh.stage_roots_apart, str(tmp_path)):
+        assert r["save1"] is None and (r["save2"] is None) == (r["stage"] == 0), r
+        assert r["latest"] is not None and r["latest"].startswith("CheckpointError"), r
+        assert "pp stage 0 has snapshot-00000002" in r["latest"], r
+        assert "pp stage 1 has snapshot-00000001" in r["latest"], r
+        assert r["unchanged"] and r["older"] == {"step": 1}, r
+
+
 def test_a_stages_consolidated_dict_is_refused_by_the_other_stage(pools, tmp_path):
     for r in pools(4).run(scenarios_mesh.stage_consolidated_dicts, str(tmp_path)):
         assert r["recorded"] and r["unchanged"], r

@@ -103,6 +103,20 @@ def test_tensor_checkpoints_load_at_another_dp_size_and_another_tp_degree(pools,
         assert r["unchanged"], r
 
 
+def test_slices_holding_different_saves_refuse_to_load_on_every_rank(pools, tmp_path):
+    # [Note: one save across slices]: slice 1's second save failed, slice 0's committed
+    for r in pools(4).run(scenarios_tensor.tensor_slices_commit_apart, str(tmp_path)):
+        assert r["save1"] is None, r
+        assert (r["save2"] is None) == (r["rank"] % 2 == 0), r
+        assert r["latest"] is not None and r["latest"].startswith("CheckpointError"), r
+        assert "tp slice 0 has snapshot-00000002" in r["latest"], r
+        assert "tp slice 1 has snapshot-00000001" in r["latest"], r
+        assert "'snapshot-00000001'" in r["latest"], r  # the newest snapshot both roots hold
+        assert r["unchanged"] and r["no_state"], r
+        assert "CheckpointError" in r["resliced"] and "hold different saves" in r["resliced"], r
+        assert r["older"] == {"step": 1}, r
+
+
 @pytest.mark.parametrize("stage", [2, 1, 3])
 def test_planned_memory_of_the_local_shards_is_what_memtracker_measures(pools, stage):
     for r in pools(4).run(scenarios_tensor.tensor_step_peak, {"stage": stage}):
