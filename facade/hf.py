@@ -28,7 +28,8 @@ wrapper's ``no_sync`` and saves ``optimizer.state_dict()`` from rank 0 only.
   state) with ``zeroplan.facade.checkpoint`` into ``zeroplan/`` inside
   ``Trainer``'s ``checkpoint-N`` folder, which also holds the model, scheduler,
   RNG and trainer state as usual; ``train(resume_from_checkpoint=...)`` loads
-  it back on every rank, so a resumed run continues exactly.
+  it back on every rank, so a resumed run continues exactly. With
+  ``background_saves=True`` see [Note: background saves and rotation].
 * Stage 3 (``zero_kwargs={"stage": 3}``): ``create_optimizer`` attaches the
   model (``opt.attach``), so its forward and backward gather what they use
   (evaluation and prediction are forwards too). ``save_model`` (hence
@@ -52,6 +53,20 @@ layer-wise and factory optimizers) and a loss scale in ``zero_kwargs``. A plain
 names :class:`ZeroTrainer` (the model it moved no longer shares the optimizer's
 storage).
 
+[Note: background saves and rotation]
+``Trainer`` deletes older ``checkpoint-N`` folders (``save_total_limit``) at the
+end of ``_save_checkpoint``, right after ``_save_optimizer_and_scheduler``. A
+background save has not committed then: a crash or a failed write would leave
+the newest folder without an optimizer snapshot and the previous one deleted.
+So with ``background_saves=True``, ``_save_checkpoint`` runs with the limit
+lifted and the rotation waits for the save to commit: it runs as soon as the
+save is seen committed (checked at each ``training_step``, no collective), or
+when the save is waited for, at the next save and at the end of training (every
+rank waits there, so a failed background save raises the same error on every
+rank, and nothing is rotated). ``train(resume_from_checkpoint=True)`` resumes from
+the newest folder whose optimizer save committed, passing over one whose save
+did not.
+
 [Note: Accelerate]
 In a hand-written ``accelerate`` loop the same points apply (see docs/huggingface.md):
 move the model to ``accelerator.device`` *before* building the optimizer; pass
@@ -69,6 +84,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -78,8 +95,9 @@ import torch.distributed as dist
 from torch import nn
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, trainer_utils
     from transformers.trainer import SCHEDULER_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "zeroplan.facade.hf needs transformers and accelerate: pip install 'zeroplan[hf]'"
@@ -93,6 +111,14 @@ from zeroplan.facade.params.module_buffers import broadcast_buffers
 from zeroplan.facade.runtime.optimizer import ZeroOptimizer
 
 __all__ = ["CHECKPOINT_DIR", "ZeroTrainer"]
+
+_log = logging.getLogger(__name__)
+
+_NOT_COMMITTED = (
+    "{folder!r} holds no committed optimizer snapshot in {root}/: its save did not complete (the job "
+    "ended, or a background save failed, before it committed). Resume from the checkpoint before it, or "
+    "pass resume_from_checkpoint=True to take the newest complete one"
+)
 
 #: The folder inside each of ``Trainer``'s ``checkpoint-N`` folders that holds the optimizer.
 CHECKPOINT_DIR = TRAINER_DIR
@@ -183,6 +209,8 @@ class ZeroTrainer(Trainer):
         self.zero_kwargs = _check_zero_kwargs(zero_kwargs)
         self.background_saves = bool(background_saves)
         self._zero: ZeroOptimizer | None = None
+        self._rotation: str | None = None
+        """The run directory whose older checkpoints are deleted once the save in flight commits."""
         optimizers = kwargs.get("optimizers", (None, None))
         if optimizers[0] is not None:
             raise ConfigError(f"optimizers: {_PASSED_OPTIMIZER}")
@@ -273,6 +301,8 @@ class ZeroTrainer(Trainer):
     ) -> torch.Tensor:
         """``Trainer.training_step``, inside ``no_sync()`` unless the optimizer steps after it."""
         opt = self.zero_optimizer
+        if self._rotation is not None and background.committed(opt):
+            self._rotate()  # [Note: background saves and rotation]
         if self._buffers_from_rank_zero:
             broadcast_buffers(self.model, opt.process_groups.world)
         step = functools.partial(super().training_step, model, inputs, num_items_in_batch)
@@ -303,12 +333,81 @@ class ZeroTrainer(Trainer):
         with self._whole_weights(writeback=True):
             super()._load_best_model()
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; a background save still running at the end is waited for (its error raised)."""
-        result = super().train(*args, **kwargs)
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a background save still running at the end is waited for (its error raised).
+
+        ``resume_from_checkpoint=True`` resumes from the newest ``checkpoint-N`` whose optimizer save
+        committed ([Note: background saves and rotation]).
+        """
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self._last_committed_checkpoint() or True
+        result = super().train(resume_from_checkpoint, *args, **kwargs)
+        self._finish_background_save()
+        return result
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        # Before Trainer's own deletions at the end (save_total_limit=1 with a best checkpoint).
+        self._finish_background_save()
+        return super()._finalize_training(*args, **kwargs)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """``Trainer._save_checkpoint``; with background saves, older checkpoints are deleted only once
+        this one's optimizer save committed ([Note: background saves and rotation])."""
+        if not self.background_saves:
+            super()._save_checkpoint(model, trial)
+            return
+        self._finish_background_save()  # every rank: the previous save's error raises here
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        self._rotation = self._get_output_dir(trial=trial)
+        if self._zero is None or background.committed(self._zero):  # nothing in flight (save_only_model)
+            self._rotate()
+
+    def _finish_background_save(self) -> None:
+        """Wait for the save in flight (its error raised, the same on every rank), then rotate."""
         if self._zero is not None:
             background.finish_pending(self._zero)
-        return result
+        if self._rotation is not None:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        """Delete the checkpoints ``save_total_limit`` leaves out, as ``Trainer`` would have."""
+        run_dir, self._rotation = self._rotation, None
+        if run_dir is None or not self.args.should_save:
+            return
+        rotate = getattr(trainer_utils, "rotate_checkpoints", None)
+        if rotate is None:  # transformers 4: a method of Trainer
+            self._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
+            return
+        rotate(
+            output_dir=run_dir,
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+
+    def _last_committed_checkpoint(self) -> str | None:
+        """The newest ``checkpoint-N`` of ``args.output_dir`` whose optimizer save committed (or that
+        holds no ``zeroplan/`` at all), ``None`` if there is none."""
+        found = []
+        for folder in Path(self.args.output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+            number = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", folder.name)
+            if number is not None and folder.is_dir():
+                found.append((int(number.group(1)), folder))
+        for _, folder in sorted(found, reverse=True):
+            root = folder / CHECKPOINT_DIR
+            if not root.exists() or checkpoint.latest(root) is not None:
+                return str(folder)
+            _log.warning(
+                "passing over %s: its optimizer save did not commit (the job ended, or the background save "
+                "failed, before it did)",
+                folder,
+            )
+        return None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         root = Path(output_dir) / CHECKPOINT_DIR
@@ -320,6 +419,8 @@ class ZeroTrainer(Trainer):
         if checkpoint_dir is None:
             return
         root = Path(checkpoint_dir) / CHECKPOINT_DIR
+        if checkpoint.latest(root) is None and root.is_dir():
+            raise CheckpointError(_NOT_COMMITTED.format(folder=checkpoint_dir, root=CHECKPOINT_DIR))
         if checkpoint.latest(root) is None:
             raise CheckpointError(
                 f"{checkpoint_dir!r} holds no zeroplan optimizer checkpoint ({CHECKPOINT_DIR}/): it was not "

@@ -136,6 +136,77 @@ def resumed_latest(out: Path, checkpoint: Path, **kwargs: Any) -> dict[str, Any]
     return trainer_run(out, resume_from=True, **kwargs)
 
 
+def _committed(out: Path) -> dict[str, bool]:
+    """Each ``checkpoint-N`` folder of ``out``: whether its optimizer snapshot is committed."""
+    from zeroplan.facade import checkpoint
+
+    folders = sorted(p for p in out.glob("checkpoint-*") if p.is_dir())
+    return {p.name: checkpoint.latest(p / "zeroplan") is not None for p in folders}
+
+
+@contextlib.contextmanager
+def _background_writes(*, delay: float = 0.0, fail_in: str | None = None) -> Any:
+    """Checkpoint files written by the background thread take ``delay`` seconds more (a big model's
+    write); on rank 1, those of a path holding ``fail_in`` fail (a full disk)."""
+    import time
+
+    import zeroplan.facade.checkpoint as ckpt
+
+    real = ckpt.write_tensors
+
+    def write(path: Path, tensors: Any) -> int:
+        time.sleep(delay)
+        if fail_in is not None and fail_in in str(path) and dist.get_rank() == 1:
+            raise OSError(28, "No space left on device")
+        return real(path, tensors)
+
+    ckpt.write_tensors = write
+    try:
+        yield
+    finally:
+        ckpt.write_tensors = real
+
+
+def background_rotation_run(out: Path, *, fail_in: str | None = None) -> dict[str, Any]:
+    """``ZeroTrainer(background_saves=True)`` with ``save_total_limit=1``, each write slowed: which
+    checkpoint folders exist (and are committed) right after each save returned, and at the end."""
+    from transformers import TrainerCallback
+
+    seen: dict[int, dict[str, bool]] = {}
+
+    class Look(TrainerCallback):
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen[state.global_step] = _committed(out)
+
+    args = training_args(out, save_strategy="steps", save_steps=2, save_total_limit=1)
+    trainer = ZeroTrainer(
+        model=make_model(), args=args, train_dataset=Data(), zero_kwargs={"stage": 2}, background_saves=True
+    )
+    trainer.add_callback(Look())
+    with _background_writes(delay=1.0, fail_in=fail_in):
+        trainer.train()
+    dist.barrier()
+    return {**_history(trainer), "at_save": seen, "at_end": _committed(out), "params": _params(trainer.model)}
+
+
+def background_failure_resumed(out: Path) -> dict[str, Any]:
+    """After ``background_rotation_run(out, fail_in="checkpoint-4")`` raised: what is left, and
+    ``resume_from_checkpoint=True`` from it."""
+    before = _committed(out)
+    dist.barrier()
+    result = trainer_run(
+        out,
+        zero={"stage": 2},
+        seed=1,
+        resume_from=True,
+        background=True,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=1,
+    )
+    return {**result, "before": before}
+
+
 def plain_trainer_with_zero_optimizer(out: Path) -> dict[str, Any]:
     """What a new user tries first: ``Trainer(optimizers=(ZeroOptimizer(...), scheduler))``."""
     model = make_model()
@@ -262,6 +333,12 @@ def runs(out: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         "accelerate_ddp_clip": lambda: accelerate_run(zero=False, accumulate=2, clip=0.5),
         "accelerate_zero_clip": lambda: accelerate_run(zero=True, accumulate=2, clip=0.5),
         "ERROR_plain_trainer": lambda: plain_trainer_with_zero_optimizer(out / "plain"),
+        # Background saves: older checkpoints deleted once the newer one committed, never before.
+        "zero_background_rotation": lambda: background_rotation_run(out / "zero_background_rotation"),
+        "ERROR_background_failure": lambda: background_rotation_run(
+            out / "background_failure", fail_in="checkpoint-4"
+        ),
+        "zero_background_failure_resumed": lambda: background_failure_resumed(out / "background_failure"),
     }
 
 

@@ -33,7 +33,8 @@ RUNS = (
     "ddp", "zero", "ddp_gas", "zero_gas", "ddp_clip", "zero_clip", "zero1_clip", "zero_clip_resumed",
     "zero_bf16", "zero_bf16_background", "zero_bf16_resumed", "accelerate_ddp", "accelerate_zero",
     "accelerate_ddp_clip", "accelerate_zero_clip", "ERROR_plain_trainer", "zero3", "zero3_clip",
-    "zero3_clip_resumed", "zero3_best",
+    "zero3_clip_resumed", "zero3_best", "zero_background_rotation", "ERROR_background_failure",
+    "zero_background_failure_resumed",
 )  # fmt: skip
 
 
@@ -122,6 +123,33 @@ def test_background_saves_change_no_result_and_write_the_same_checkpoints(result
         assert a.keys() == b.keys() and optree.tree_structure(a) == optree.tree_structure(b)
         leaves = zip(optree.tree_leaves(a), optree.tree_leaves(b), strict=True)
         assert all(torch.equal(x, y) if torch.is_tensor(x) else x == y for x, y in leaves), shard
+
+
+def test_background_saves_delete_older_checkpoints_only_once_the_newer_one_committed(results):
+    """[Note: background saves and rotation]: with ``save_total_limit=1`` the previous checkpoint stays
+    while the newer one's optimizer is written, and goes once it committed."""
+    for rank in range(2):
+        r = results["zero_background_rotation"][rank]
+        assert r["steps"] == list(range(1, 7)), r["steps"]
+        # right after checkpoint-4's save returned, its optimizer still being written
+        assert r["at_save"][4] == {"checkpoint-2": True, "checkpoint-4": False}, r["at_save"]
+        assert r["at_end"] == {"checkpoint-6": True}, r["at_end"]
+
+
+def test_a_failed_background_save_raises_on_every_rank_and_leaves_the_previous_checkpoint(results):
+    for rank in range(2):
+        error = results["ERROR_background_failure"][rank]["error"]
+        assert error.startswith("CheckpointError") and "No space left on device" in error, error
+    resumed = results["zero_background_failure_resumed"]
+    for rank in range(2):
+        r = resumed[rank]
+        # checkpoint-4's optimizer never committed; checkpoint-2 was kept, complete
+        assert r["before"] == {"checkpoint-2": True, "checkpoint-4": False}, r["before"]
+        # resume_from_checkpoint=True passes over checkpoint-4 and continues from checkpoint-2
+        assert r["steps"] == list(range(1, 7)), r["steps"]
+        whole = results["zero_background_rotation"][rank]
+        assert r["losses"] == whole["losses"]
+        assert _max_abs(r["params"], whole["params"]) == 0.0
 
 
 def _saved_model(folder: Path) -> dict[str, Any]:
