@@ -86,6 +86,17 @@ def hyperparameter_digest(groups: Sequence[dict[str, Any]]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 2
 
 
+def _split_arguments(
+    optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A group's hyper-parameters as (the constructor's keyword arguments, other keys that ride along
+    in the group): the class validates the first, torch lets groups carry the others."""
+    accepted = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
+    hyper = hyperparameters(group)
+    kwargs = {k: v for k, v in hyper.items() if k in accepted}
+    return kwargs, {k: v for k, v in hyper.items() if k not in accepted}
+
+
 def check_hyperparameters(
     optimizer_class: type[torch.optim.Optimizer], groups: Sequence[dict[str, Any]]
 ) -> None:
@@ -98,12 +109,8 @@ def check_hyperparameters(
         raise ConfigError(
             f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
         )
-    accepted = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
     for g, group in enumerate(groups):
-        hyper = hyperparameters(group)
-        # Constructor arguments are validated by the class; other keys ride along in the group.
-        kwargs = {k: v for k, v in hyper.items() if k in accepted}
-        extra = {k: v for k, v in hyper.items() if k not in accepted}
+        kwargs, extra = _split_arguments(optimizer_class, group)
         try:
             optimizer_class([{"params": [torch.zeros(2, 2)], **extra}], **kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
@@ -124,13 +131,10 @@ def host_kernel(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[
     """
     if "fused" not in inspect.signature(optimizer_class.__init__).parameters:
         return
-    accepted = set(inspect.signature(optimizer_class.__init__).parameters) - {"self", "params"}
     for group in groups:
         if group.get("fused") is not None or group.get("foreach") is not None:
             continue
-        hyper = hyperparameters(group)
-        kwargs = {k: v for k, v in hyper.items() if k in accepted}  # other keys ride along in the group
-        extra = {k: v for k, v in hyper.items() if k not in accepted}
+        kwargs, extra = _split_arguments(optimizer_class, group)
         stepped, fresh = (torch.zeros(2, requires_grad=True) for _ in range(2))
         try:
             probe = optimizer_class([{"params": [stepped], **extra}], **{**kwargs, "fused": True})
