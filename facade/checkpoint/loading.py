@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from zeroplan.core import (
     CheckpointError,
@@ -181,11 +180,9 @@ def saved_param(
 
 def _slice_label(opt: ZeroOptimizer) -> str:
     """This rank's part of the model, for messages: "pp stage 1, tp slice 0", "tp slice 1"."""
-    parts = []
-    for name, group in opt.model_slices:
-        position = dist.get_group_rank(group, dist.get_rank())
-        parts.append(f"tp slice {position}" if name == "tp" else f"pp stage {position}")
-    return ", ".join(reversed(parts))
+    (index, degree), stage = opt.tensor_slice, opt.pipeline_stage
+    parts = [] if stage is None else [f"pp stage {stage[0]}"]
+    return ", ".join(parts + ([f"tp slice {index}"] if degree > 1 else []))
 
 
 def _prepare(

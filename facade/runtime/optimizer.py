@@ -523,10 +523,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 optimizer of tp-split parameters (its state has no global form).
         """
         return consolidated_state_dict(
-            self.shards(), to_rank, chunk_bytes, pipeline_stage=self._pipeline_stage()
+            self.shards(), to_rank, chunk_bytes, pipeline_stage=self.pipeline_stage
         )
 
-    def _pipeline_stage(self) -> tuple[int, int] | None:
+    @property
+    def pipeline_stage(self) -> tuple[int, int] | None:
         """``(stage, stages)`` of this rank's pipeline stage, ``None`` without a mesh ``pp`` dimension."""
         stages = self._joint.stages
         if stages is None:
@@ -541,7 +542,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sh = self._data.shards(self._joint.scaler)
         problem: Exception | None = None
         try:
-            check_consolidated(state_dict, sh, self._pipeline_stage())
+            check_consolidated(state_dict, sh, self.pipeline_stage)
         except Exception as exc:  # every rank of the grid must hear of it, not wait in the load
             problem = exc
         for group in (sh.tensor_group, sh.groups.world):  # a tp group's verdict, then each dp group's
