@@ -16,7 +16,7 @@ time). It serves ``refresh_trainable`` and ``add_param_group``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optree
@@ -33,7 +33,7 @@ from zeroplan.facade.params.buffers import SpaceBuffers
 from zeroplan.facade.state.inner import Inner
 from zeroplan.facade.state.tree import ShardState, is_per_element, tree_clone
 
-__all__ = ["ShardState", "export_state", "import_state", "move_shards"]
+__all__ = ["ShardState", "export_state", "import_state", "move_shards", "state_beside"]
 
 
 def export_state(
@@ -86,9 +86,10 @@ def import_state(zp: ZeroPlan, inner: Inner, state: ShardState, stateful: set[tu
     optimizer initialises them on its first step, as for new parameters.
     """
     for spec, tensor in zip(inner.specs, inner.tensors, strict=True):
+        group = inner.optimizer.param_groups[spec.group]
         if not zp.elementwise:
             if spec.param in state.whole:
-                inner.optimizer.state[tensor] = _beside(state.whole[spec.param], tensor)
+                inner.optimizer.state[tensor] = state_beside(state.whole[spec.param], tensor, group)
             continue
         if (spec.group, spec.cohort) not in stateful:
             continue
@@ -98,20 +99,29 @@ def import_state(zp: ZeroPlan, inner: Inner, state: ShardState, stateful: set[tu
                 entry[key] = value[spec.shard_span.as_slice()]
         for key, value in state.scalars.get((spec.group, spec.cohort), {}).items():
             entry[key] = tree_clone(value)
-        inner.optimizer.state[tensor] = _beside(entry, tensor)
+        inner.optimizer.state[tensor] = state_beside(entry, tensor, group)
 
 
-def _beside(state: Any, tensor: torch.Tensor) -> Any:
-    """``state`` in host memory where ``tensor`` (a master) is stepped there (CPU offload, [Note:
-    offload, executed]): loaded or moved state may come from the parameters' device. Beside a master
-    on the device, its per-element state is moved there (a partial offload's kept part, [Note: kept on
-    the device], whose state may come from host memory); scalars stay as they are: torch.optim keeps
-    some (``step``) off the parameters' device on purpose."""
-    if tensor.device.type != "cpu":
-        return optree.tree_map(
-            lambda t: t.to(tensor.device) if _shaped_like(t, tensor) else t, state, none_is_leaf=True
-        )
-    return optree.tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t, state, none_is_leaf=True)
+def state_beside(state: Any, tensor: torch.Tensor, group: Mapping[str, Any]) -> Any:
+    """``state`` where the inner optimizer of ``group`` steps ``tensor`` (a master) with it.
+
+    In host memory where the master is stepped there (CPU offload, [Note: offload, executed]):
+    loaded or moved state may come from the parameters' device. Beside a master on the device (a
+    partial offload's kept part, [Note: kept on the device], whose state comes from host memory),
+    its per-element state moves there; its scalars too where the group is ``fused`` or
+    ``capturable`` (their kernels read ``step`` on the device, as ``torch.optim``'s loading puts
+    it), and stay where they are otherwise (torch keeps ``step`` on the host on purpose).
+    """
+    if tensor.device.type == "cpu":
+        return optree.tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t, state, none_is_leaf=True)
+    scalars_too = bool(group.get("fused") or group.get("capturable"))
+
+    def place(value: Any) -> Any:
+        if torch.is_tensor(value) and (scalars_too or _shaped_like(value, tensor)):
+            return value.to(tensor.device)
+        return value
+
+    return optree.tree_map(place, state, none_is_leaf=True)
 
 
 def _shaped_like(value: Any, tensor: torch.Tensor) -> bool:

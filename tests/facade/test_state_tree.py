@@ -7,6 +7,7 @@ import torch
 
 from zeroplan.core import ParamSpec, Space, Topology, ZeroPlan, plan
 from zeroplan.facade.mechanisms.torch_dtypes import torch_dtype
+from zeroplan.facade.state.shards import state_beside
 from zeroplan.facade.state.tree import (
     ShardState,
     TensorMeta,
@@ -77,3 +78,19 @@ def test_dtype_helpers():
     with pytest.raises(ValueError, match="not a torch dtype"):
         torch_dtype("Tensor")
     assert tensor_meta(torch.zeros(2, 3, dtype=torch.float16)) == TensorMeta((2, 3), "float16")
+
+
+@pytest.mark.parametrize(
+    ("group", "step_there"),
+    [({"fused": True}, True), ({"capturable": True}, True), ({"fused": False, "capturable": False}, False)],
+)
+def test_state_beside_a_device_master_puts_step_there_for_fused_and_capturable_kernels(group, step_there):
+    """A partial offload's kept master on the device gets loaded state from host memory: its moments
+    move beside it, and ``step`` too where the group's kernel reads it on the device (as torch.optim's
+    loading puts it); the meta device stands in for a GPU."""
+    master = torch.empty(4, device="meta")
+    state = {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4), "factor": 0.5}
+    placed = state_beside(state, master, group)
+    assert placed["exp_avg"].device.type == "meta"
+    assert placed["step"].device.type == ("meta" if step_there else "cpu")
+    assert placed["factor"] == 0.5
