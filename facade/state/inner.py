@@ -40,6 +40,7 @@ __all__ = [
     "comparable_hyperparameters",
     "hyperparameter_digest",
     "hyperparameters",
+    "split_arguments",
     "sync_hyperparameters",
 ]
 
@@ -86,7 +87,7 @@ def hyperparameter_digest(groups: Sequence[dict[str, Any]]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 2
 
 
-def _split_arguments(
+def split_arguments(
     optimizer_class: type[torch.optim.Optimizer], group: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A group's hyper-parameters as (the constructor's keyword arguments, other keys that ride along
@@ -110,7 +111,7 @@ def check_hyperparameters(
             f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
         )
     for g, group in enumerate(groups):
-        kwargs, extra = _split_arguments(optimizer_class, group)
+        kwargs, extra = split_arguments(optimizer_class, group)
         try:
             optimizer_class([{"params": [torch.zeros(2, 2)], **extra}], **kwargs)
         except (TypeError, ValueError, RuntimeError) as exc:
@@ -134,7 +135,7 @@ def host_kernel(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[
     for group in groups:
         if group.get("fused") is not None or group.get("foreach") is not None:
             continue
-        kwargs, extra = _split_arguments(optimizer_class, group)
+        kwargs, extra = split_arguments(optimizer_class, group)
         stepped, fresh = (torch.zeros(2, requires_grad=True) for _ in range(2))
         try:
             probe = optimizer_class([{"params": [stepped], **extra}], **{**kwargs, "fused": True})

@@ -44,7 +44,7 @@ import torch
 from zeroplan.core import ConfigError, ParamSpec
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces
 from zeroplan.facade.params.local_shards import global_place
-from zeroplan.facade.state.inner import hyperparameters
+from zeroplan.facade.state.inner import split_arguments
 from zeroplan.facade.state.parts import Shards
 from zeroplan.facade.state.tree import MASTER, ParkedParam, ShardState, is_per_element, tree_clone
 
@@ -139,9 +139,9 @@ class _FreshEntries:
             self._sh.param_groups[group],
         )
         tensor = torch.zeros(2, device=self._sh.device, requires_grad=True)
-        scratch = type(inner)([tensor])
-        scratch.param_groups[0].update(hyperparameters(settings))  # the real learning rate: Rprop, ASGD
-        made = dict(scratch.state.get(tensor, {}))  # Adagrad makes its state when constructed
+        kwargs, extra = split_arguments(type(inner), settings)  # the real learning rate: Rprop, ASGD
+        scratch = type(inner)([{"params": [tensor], **extra}], **kwargs)
+        made = dict(scratch.state.get(tensor, {}))  # Adagrad makes its state when constructed, from kwargs
         if not made:
             scratch.state = defaultdict(_FirstValues)
             tensor.grad = torch.zeros_like(tensor)
