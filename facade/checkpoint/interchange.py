@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from zeroplan.core import ConfigError, IncompatiblePlanError
 from zeroplan.facade.checkpoint.full_dicts import broadcast_from_rank0, gather_full
 from zeroplan.facade.checkpoint.loading import domain_shards
-from zeroplan.facade.mechanisms.agreement import verdicts
+from zeroplan.facade.mechanisms.agreement import verdicts_across
 from zeroplan.facade.mechanisms.assembly import Assembly
 from zeroplan.facade.mechanisms.collectives import all_gather_objects
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
@@ -178,9 +178,8 @@ def set_optimizer_state_dict(
         parts = _split(state_dict, domains, _names(_model_dict(model), domains))
     except Exception as exc:  # a dict one rank cannot split must fail on every rank
         problem = exc
-    verdicts(
-        problem, domains[0].sh.groups.world, failed="could not read the optimizer dict", error=ConfigError
-    )
+    grid = (*(group for _, group in opt.model_slices), domains[0].sh.groups.world)
+    verdicts_across(problem, grid, failed="could not read the optimizer dict", error=ConfigError)
     if len(domains) == 1:  # a whole-tensor dict of one domain: torch's layout, positions as ids
         opt.load_state_dict(parts[domains[0].runtime.name])
         return
@@ -295,7 +294,8 @@ def load_model_state_dict(
         masters = [_read(dom.sh, named, state_dict) for dom, named in zip(domains, names, strict=True)]
     except Exception as exc:  # a failure on any rank must reach every rank before anything changes
         problem = exc
-    verdicts(problem, world, failed="could not read the model state dict", error=IncompatiblePlanError)
+    grid = (*(group for _, group in opt.model_slices), world)  # no slice or stage loads alone
+    verdicts_across(problem, grid, failed="could not read the model state dict", error=IncompatiblePlanError)
     for key, tensor in whole.items():
         tensor.detach().copy_(state_dict[key])
     for dom, values in zip(domains, masters, strict=True):

@@ -10,6 +10,7 @@ others never enter, and nothing was modified.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from zeroplan.core import (
 )
 from zeroplan.facade.mechanisms.collectives import all_gather_objects
 
-__all__ = ["agree", "as_zeroplan_error", "first_differing", "verdicts"]
+__all__ = ["agree", "as_zeroplan_error", "first_differing", "verdicts", "verdicts_across"]
 
 #: Error classes a rank re-creates from another rank's verdict, by name.
 _ERRORS: dict[str, type[ZeroplanError]] = {
@@ -90,6 +91,46 @@ def verdicts(
             cls = error or _ERRORS.get(name, ZeroplanError)
             raise cls(f"rank {rank} {failed}: {name}: {message}")
     return [row_facts for _, row_facts in rows]
+
+
+def verdicts_across(
+    problem: Exception | None,
+    groups: Sequence[dist.ProcessGroup | None],
+    *,
+    failed: str,
+    error: type[ZeroplanError] | None = None,
+) -> None:
+    """:func:`verdicts` over each of ``groups`` in turn, then raise on every rank if any rank failed.
+
+    [Note: agreement over a grid]
+    One exchange reaches the ranks of one group. A job of several mesh
+    dimensions (data-parallel x tensor x pipeline) spreads a verdict over
+    its whole grid by exchanging over one dimension's group after another:
+    after the tp exchange every rank of a tp group knows, after the pp
+    exchange every rank of that data-parallel row, after the dp exchange
+    every rank. Every rank takes part in every exchange (an error is kept,
+    not raised, in between), so none waits in a collective another left.
+
+    Args:
+        problem: this rank's error, or ``None``.
+        groups: one group per mesh dimension, in the order every rank uses; ``None`` entries
+            (a dimension the job does not have) are skipped.
+        failed: what a failing rank failed to do, for the others' message.
+        error: the class the other ranks raise; ``None``: the failing rank's class.
+
+    Raises:
+        ZeroplanError: ``problem`` on its own rank; on the others, the error a group's exchange
+            brought them.
+    """
+    for group in groups:
+        if group is None:
+            continue
+        try:
+            verdicts(problem, group, failed=failed, error=error)
+        except Exception as exc:  # kept until every exchange ran
+            problem = exc
+    if problem is not None:
+        raise problem
 
 
 def first_differing(facts: list[Any]) -> int | None:

@@ -190,20 +190,42 @@ def agree_over_mesh(
     every data-parallel group agreed (one of another tensor slice or pipeline stage may have failed
     alone, and its peers would wait for it in their first model-parallel collective).
 
+    A mesh with a tensor-parallel dimension of size > 1 needs DTensor parameters on some rank: a
+    pipeline stage may hold only plain ones (replicated over tp, as a norm is), but a job where no
+    stage placed any would train a whole replica per tp slice.
+
     Raises:
-        ConfigError: on every rank of the job, as :func:`agree` raises on the ranks of ``world``.
+        ConfigError: on every rank of the job, as :func:`agree` raises on the ranks of ``world``; or
+            no rank's parameters are DTensors though the mesh's tp dimension has several slices.
     """
     if not meshed:
         return agree(params, world, request)
     problem: Exception | None = None
+    placed = False
     try:
         agreed = agree(params, world, request)
+        placed = agreed.configured[0].registry.placed
     except Exception as exc:  # every rank of the job must hear of it
         problem = exc
-    verdicts(
-        problem, dist.group.WORLD, failed="(in another data-parallel group of the mesh) refused the optimizer"
+    rows = verdicts(
+        problem,
+        dist.group.WORLD,
+        failed="(in another data-parallel group of the mesh) refused the optimizer",
+        facts=placed,
     )
+    tensor_mesh = request.tensor_mesh
+    if tensor_mesh is not None and tensor_mesh.size() > 1 and not any(rows):
+        raise ConfigError(_UNPLACED.format(names=tensor_mesh.mesh_dim_names, size=tensor_mesh.size()))
     return agreed
+
+
+#: A job whose mesh has a tp dimension of size > 1 but whose parameters (on no pipeline stage) are
+#: DTensors: every tp slice would train a whole replica, a model nobody parallelized.
+_UNPLACED = (
+    "the device mesh has a tensor-parallel dimension {names} of size {size}, but no parameter of any "
+    "pipeline stage is a DTensor: place the model on mesh['tp'] first (torch.distributed.tensor."
+    "parallel.parallelize_module), or build the mesh without 'tp'"
+)
 
 
 class MeshGroups(NamedTuple):

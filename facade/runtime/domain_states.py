@@ -8,11 +8,14 @@ such a dict, at the same world and groups.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+import torch.distributed as dist
+
 from zeroplan.core import ConfigError
-from zeroplan.facade.mechanisms.agreement import verdicts
+from zeroplan.facade.mechanisms.agreement import verdicts, verdicts_across
 from zeroplan.facade.runtime.domain import DomainRuntime
 from zeroplan.facade.runtime.joint import JointStep
 from zeroplan.facade.state import restore as state_restore
@@ -41,19 +44,34 @@ def state_dict(joint: JointStep) -> dict[str, Any]:
     }
 
 
-def load_state_dict(joint: JointStep, state: dict[str, Any]) -> None:
-    """Validate ``state`` on every rank, agree, then install it (or raise on every rank, changing nothing)."""
-    if joint.joint:
-        joint.restore(_read_domains(joint, state))
-        return
+def load_state_dict(
+    joint: JointStep, state: dict[str, Any], across: Sequence[dist.ProcessGroup] = ()
+) -> None:
+    """Validate ``state`` on every rank, agree, then install it (or raise on every rank, changing nothing).
+
+    ``across``: the groups joining this rank to the other tensor slices and pipeline stages; each
+    data-parallel group agrees on its own load, then their verdicts cross those groups ([Note:
+    agreement over a grid] in ``mechanisms.agreement``), so no slice installs what another refused.
+    """
+    problem: Exception | None = None
+    loaded: list[LoadedState] = []
+    try:
+        loaded = _read_domains(joint, state) if joint.joint else [_read_data(joint, state)]
+    except Exception as exc:  # raised on every rank of this data-parallel group already
+        problem = exc
+    verdicts_across(problem, across, failed="rejected the state dict (its tensor slice or pipeline stage)")
+    joint.restore(loaded)
+
+
+def _read_data(joint: JointStep, state: dict[str, Any]) -> LoadedState:
+    """The data domain's validated state (the only domain); raises on every rank of its group if any fails."""
     data = joint.data
     sh = data.shards(joint.scaler)
     state = _agreed_scalars(state, sh)
     with joint.gathered_params(writeback=False):  # a plain dict without masters reads the parameters
-        loaded = state_restore.agreed_state(
+        return state_restore.agreed_state(
             lambda: state_restore.read_state_dict(state, sh, data.plan_with_cohorts), sh, what="state dict"
         )
-    joint.restore([loaded])
 
 
 def _read_domains(joint: JointStep, state: dict[str, Any]) -> list[LoadedState]:

@@ -33,7 +33,7 @@ from zeroplan.core import (
 from zeroplan.core.wire import DEFAULT_WIRE_BLOCK
 from zeroplan.facade.checkpoint.consolidate import check_consolidated, consolidated_state_dict
 from zeroplan.facade.diagnostics.accounting import MeasuredMemory
-from zeroplan.facade.mechanisms.agreement import verdicts
+from zeroplan.facade.mechanisms.agreement import verdicts_across
 from zeroplan.facade.mechanisms.groups import ProcessGroups, data_parallel_group
 from zeroplan.facade.params.buffers import SpaceBuffers
 from zeroplan.facade.params.local_shards import tensor_slice_of
@@ -534,27 +534,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return None
         return dist.get_group_rank(stages, dist.get_rank()), dist.get_world_size(stages)
 
-    def _check_consolidated(self, state_dict: Any) -> None:
-        """Refuse another pipeline stage's or one tp slice's plain dict on every rank of this optimizer's
-        data-parallel x tp grid before any rank loads (the load's own agreement is over dp alone)."""
-        if self._joint.stages is None and self.tensor_slice[1] == 1:
-            return
-        sh = self._data.shards(self._joint.scaler)
-        problem: Exception | None = None
-        try:
-            check_consolidated(state_dict, sh, self.pipeline_stage)
-        except Exception as exc:  # every rank of the grid must hear of it, not wait in the load
-            problem = exc
-        for group in (sh.tensor_group, sh.groups.world):  # a tp group's verdict, then each dp group's
-            if group is None:
-                continue
-            try:  # every rank takes part in both, so a refusal reaches the whole grid
-                verdicts(problem, group, failed="rejected the state dict")
-            except Exception as exc:
-                problem = exc
-        if problem is not None:
-            raise problem
-
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a sharded dict (same plan) or a plain ``torch.optim`` dict (any plan).
@@ -574,8 +553,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ConfigError, IncompatiblePlanError: on every rank, if any rank's
                 dict is invalid or the ranks' dicts disagree.
         """
-        self._check_consolidated(state_dict)
-        domain_states.load_state_dict(self._joint, state_dict)
+        across = tuple(group for _, group in self.model_slices)
+        if across:  # another stage's or one slice's plain dict, refused on every rank of the job
+            problem: Exception | None = None
+            try:
+                check_consolidated(state_dict, self._data.shards(self._joint.scaler), self.pipeline_stage)
+            except Exception as exc:  # every rank of the job must hear of it, not wait in the load
+                problem = exc
+            grid = (*across, self._data.groups.world)
+            verdicts_across(problem, grid, failed="rejected the state dict")
+        domain_states.load_state_dict(self._joint, state_dict, across=across)
 
     @torch.no_grad()
     def restore_masters(self, values: dict[str, torch.Tensor]) -> None:

@@ -88,6 +88,11 @@ class ParamRegistry:
             tensor_mesh=tensor_mesh,
         )
 
+    @property
+    def placed(self) -> bool:
+        """Whether any parameter is a ``DTensor`` (placed on ``tensor_mesh``)."""
+        return any(u is not p for u, p in zip(self.user_params, self.params, strict=True))
+
     def specs(self) -> tuple[ParamSpec, ...]:
         """Planner descriptions of the parameters (trainability read from ``requires_grad`` now)."""
         groups = tuple({"params": members} for members in self.members)
@@ -256,15 +261,9 @@ def configure(
     if refused is not None:
         raise ConfigError(f"{optimizer_class.__name__} cannot be sharded: it {refused}")
     mode = scale_mode(loss_scale)
-    inputs = collect_params(params, tensor_mesh=tensor_mesh)
-    placed = any(u is not p for u, p in zip(inputs.user_params, inputs.params, strict=True))
-    if tensor_mesh is not None and not placed:
-        raise ConfigError(
-            f"the device mesh has a tensor-parallel dimension ({tensor_mesh.mesh_dim_names}) but no "
-            "parameter "
-            "is a DTensor: place the model on mesh['tp'] first (torch.distributed.tensor.parallel."
-            "parallelize_module), or leave 'tp' out of the mesh"
-        )
+    inputs = collect_params(
+        params, tensor_mesh=tensor_mesh
+    )  # none placed: the mesh decides (agree_over_mesh)
     groups = [{**optimizer_defaults, **group} for group in inputs.groups]
     check_hyperparameters(optimizer_class, groups)
     check_keywords(optimizer_class, optimizer_defaults)

@@ -148,6 +148,9 @@ def bad_meshes(rank: int, world: int) -> dict[str, str | None]:
         )
         for name, build in cases.items()
     }
+    # a tp dimension of one slice needs no DTensor: nothing is split
+    single = init_device_mesh("cpu", (1, 4), mesh_dim_names=("tp", "dp"))
+    out["tp_one"] = _error(lambda: ZeroOptimizer(model.parameters(), torch.optim.AdamW, device_mesh=single))
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     out["both"] = _error(
         lambda: ZeroOptimizer(
@@ -317,7 +320,14 @@ def stage_consolidated_dicts(rank: int, world: int, root: str) -> dict[str, Any]
     opt.load_state_dict(torch.load(f"{root}/stage{s}.pt", weights_only=True))
     other = torch.load(f"{root}/stage{1 - s}.pt", weights_only=True)
     refused = _error(lambda: opt.load_state_dict(other))
+    # stage 1 alone is given stage 0's dict; stage 0 its own with other moments: no stage loads alone
+    doubled = {
+        **mine,
+        "state": {i: {n: v * 2 if v.dim() else v for n, v in e.items()} for i, e in mine["state"].items()},
+    }
+    one_stage = _error(lambda: opt.load_state_dict(other if s == 1 else doubled))
     after = opt.consolidated_state_dict(to_rank=None)
     assert after is not None
     same = all(torch.equal(after["state"][i][n], e[n]) for i, e in mine["state"].items() for n in e)
-    return {"recorded": mine["zeroplan_pipeline_stage"] == [s, 2], "refused": refused, "unchanged": same}
+    recorded = mine["zeroplan_pipeline_stage"] == [s, 2]
+    return {"recorded": recorded, "refused": refused, "one_stage": one_stage, "unchanged": same}

@@ -406,16 +406,19 @@ def tensor_slices_commit_apart(rank: int, world: int, root: str) -> dict[str, An
     return out
 
 
-def _stage_module(mesh: Any, s: int) -> torch.nn.Sequential:
+def _stage_module(mesh: Any, s: int, plain_last: bool = False) -> torch.nn.Sequential:
     """Pipeline stage ``s`` of a two-stage model: the tensor-parallel model of :func:`_parallel`, its
-    initial values drawn for the stage."""
+    initial values drawn for the stage. ``plain_last``: stage 0 splits its Linears alone (whole
+    activations in and out, its norms plain), stage 1 is not parallelized at all (replicated over tp)."""
     torch.manual_seed(100 + s)
     plain = _plain(6)
     with torch.no_grad():
         for p in plain.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    if mesh is None:
+    if mesh is None or (plain_last and s == 1):
         return plain
+    if plain_last:
+        return parallelize_module(plain, mesh["tp"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
     plan = {
         "0": SequenceParallel(),
         "1": ColwiseParallel(input_layouts=Shard(1)),
@@ -428,11 +431,14 @@ def _stage_module(mesh: Any, s: int) -> torch.nn.Sequential:
 def pipeline_with_tensor_parallel(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
     """A ``("pp", "dp", "tp")`` mesh of 2 x 1 x 2: each stage's optimizer over its tp-placed module,
     activations (sequence shards) sent between the stages' ranks of one tp coordinate; 3 steps against
-    one process holding both stages; the clip norm is the whole model's on every rank."""
+    one process holding both stages; the clip norm is the whole model's on every rank. ``plain_last``:
+    stage 1 holds no DTensor (whole activations, the whole loss on every tp rank)."""
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
     s, t = mesh.get_local_rank("pp"), mesh.get_local_rank("tp")
     peer = int(mesh.mesh[1 - s, 0, t].item())
-    model = _stage_module(mesh, s)
+    plain_last = cfg.get("plain_last", False)
+    part = (lambda v: v) if plain_last else (lambda v: _local(v, t, 2))  # what one tp rank feeds
+    model = _stage_module(mesh, s, plain_last)
     opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=cfg["stage"], device_mesh=mesh)
     if cfg["stage"] == 3:
         opt.attach(model)
@@ -442,18 +448,18 @@ def pipeline_with_tensor_parallel(rank: int, world: int, cfg: dict[str, Any]) ->
     for step in range(3):
         x, target = _batch(step, 0)
         if s == 0:
-            out = model(_local(x, t, 2))
+            out = model(part(x))
             h = out.to_local() if isinstance(out, DTensor) else out
             dist.send(h.detach().contiguous(), peer)
             grad = torch.empty_like(h)
             dist.recv(grad, peer)
             h.backward(grad)
         else:
-            h = torch.empty(BATCH, SEQ // 2, WIDTH)
+            h = torch.empty(BATCH, SEQ if plain_last else SEQ // 2, WIDTH)
             dist.recv(h, peer)
             h.requires_grad_(True)
             out = model(h)
-            loss = _loss(out.to_local() if isinstance(out, DTensor) else out, _local(target, t, 2))
+            loss = _loss(out.to_local() if isinstance(out, DTensor) else out, part(target))
             opt.backward(loss)
             dist.send(h.grad.contiguous(), peer)
         norms.append(float(opt.clip_grad_norm_(cfg["clip"])))
@@ -464,9 +470,12 @@ def pipeline_with_tensor_parallel(rank: int, world: int, cfg: dict[str, Any]) ->
         ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg["clip"])))
         ref_opt.step()
     with opt.gathered_params():
-        mine = [p.detach().full_tensor() for p in model.parameters()]
+        mine = [
+            p.detach().full_tensor() if isinstance(p, DTensor) else p.detach() for p in model.parameters()
+        ]
     theirs = [p.detach() for p in ref[s].parameters()]
     return {
+        "placed": any(isinstance(p, DTensor) for p in model.parameters()),
         "param_err": _worst(mine, theirs),
         "norm_err": max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)),
     }
@@ -754,6 +763,18 @@ def tensor_whole_dicts(rank: int, world: int, stage: int) -> dict[str, Any]:
     _step(again, again_opt, 2, [d], t)
     with again_opt.gathered_params():
         out["broadcast_err"] = _worst([p.detach().full_tensor() for p in again.parameters()], after)
+    # the last rank's dict names a param group too many: its tp slice's dp group cannot split it, and
+    # the other slice hears of it too (no slice loads alone, nobody waits)
+    before = interchange.get_optimizer_state_dict(fresh, fresh_opt, options=whole)
+    broken = {"state": other["state"], "param_groups": other["param_groups"] * 2}
+    given = broken if rank == world - 1 else other
+    out["one_rank"] = _error(
+        lambda: interchange.set_optimizer_state_dict(fresh, fresh_opt, given, options=whole)
+    )
+    now = interchange.get_optimizer_state_dict(fresh, fresh_opt, options=whole)
+    out["unchanged"] = all(
+        torch.equal(now["state"][k][n], e[n]) for k, e in before["state"].items() for n in e if n != "step"
+    )
     return out
 
 
@@ -808,5 +829,20 @@ def tensor_consolidated_dicts(rank: int, world: int, root: str) -> dict[str, Any
     assert again is not None
     out["unchanged_by_refusal"] = all(
         torch.equal(again["state"][i][n], e[n]) for i, e in everywhere["state"].items() for n in e
+    )
+    # tp slice 1's data-parallel group refuses (the last rank's dict has no param groups) while slice
+    # 0's would take its dict (other moments) alone: every rank raises, no slice changes
+    doubled = {
+        "state": {
+            i: {n: v * 2 if v.dim() else v for n, v in e.items()} for i, e in everywhere["state"].items()
+        },
+        "param_groups": everywhere["param_groups"],
+    }
+    broken = {"state": everywhere["state"], "param_groups": []}
+    out["one_group"] = _error(lambda: opt.load_state_dict(broken if rank == world - 1 else doubled))
+    last = opt.consolidated_state_dict(to_rank=None)
+    assert last is not None
+    out["unchanged_by_one_group"] = all(
+        torch.equal(last["state"][i][n], e[n]) for i, e in everywhere["state"].items() for n in e
     )
     return out

@@ -35,7 +35,8 @@ def test_meshes_zeroplan_cannot_use_raise_on_every_rank(pools):
     for r in pools(4).run(scenarios_mesh.bad_meshes):
         assert "mesh_dim_names" in r["no_names"], r
         assert "no data-parallel dimension" in r["no_dp"], r
-        assert "tensor-parallel dimension" in r["tp"] and "no parameter is a DTensor" in r["tp"], r
+        assert "tensor-parallel dimension" in r["tp"] and "no parameter of any pipeline stage" in r["tp"], r
+        assert r["tp_one"] is None, r
         assert "not both" in r["both"], r
         assert "different device meshes or settings" in r["differ"], r
         assert "expert groups" in r["experts"], r
@@ -78,3 +79,4 @@ def test_a_stages_consolidated_dict_is_refused_by_the_other_stage(pools, tmp_pat
     for r in pools(4).run(scenarios_mesh.stage_consolidated_dicts, str(tmp_path)):
         assert r["recorded"] and r["unchanged"], r
         assert r["refused"].startswith("IncompatiblePlanError") and "holds pipeline stage" in r["refused"], r
+        assert r["one_stage"] is not None and "holds pipeline stage" in r["one_stage"], r  # every rank

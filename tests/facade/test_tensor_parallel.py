@@ -131,10 +131,14 @@ def test_the_same_numbers_as_fsdp2_with_the_same_tensor_parallel_plan(pools, sta
         assert r["param_err"] < TOL, r  # bit for bit on this machine (0.0), the tolerance as elsewhere
 
 
-@pytest.mark.parametrize("stage", [2, 1, 3])
-def test_pipeline_stages_of_tensor_parallel_modules_step_as_one_model(pools, stage):
-    for r in pools(4).run(scenarios_tensor.pipeline_with_tensor_parallel, {"stage": stage, "clip": 0.05}):
+@pytest.mark.parametrize("cfg", [{"stage": 2}, {"stage": 1}, {"stage": 3}, {"stage": 3, "plain_last": True}])
+def test_pipeline_stages_of_tensor_parallel_modules_step_as_one_model(pools, cfg):
+    """``plain_last``: a stage without DTensors (replicated over tp) beside a tp-split one."""
+    for rank, r in enumerate(
+        pools(4).run(scenarios_tensor.pipeline_with_tensor_parallel, {**cfg, "clip": 0.05})
+    ):
         assert r["param_err"] < TOL and r["norm_err"] < TOL, r
+        assert r["placed"] == (rank < 2 or not cfg.get("plain_last")), r  # pp-major: ranks 2, 3 stage 1
 
 
 @pytest.mark.parametrize(
@@ -166,6 +170,8 @@ def test_whole_tensor_optimizer_dicts_equal_fsdp2s_and_load_from_them(pools, sta
         assert r["keys"] and r["plain"] and r["rank0_only"], r
         assert r["shapes"] == [(5,), (5, 8), (8,), (8, 5)], r  # the global shapes
         assert r["state_err"] < TOL and r["resumed_err"] < TOL and r["broadcast_err"] < TOL, r
+        assert r["one_rank"] is not None and r["unchanged"], r  # one rank's bad dict: no slice loads
+        assert "param groups" in r["one_rank"], r
 
 
 def test_dtensor_parameters_gather_on_use_stage3_holding_no_block_between_steps(pools):
@@ -187,3 +193,5 @@ def test_consolidated_dicts_hold_the_whole_model_and_refuse_one_slices_tensors(p
         assert r["one_slice"].startswith("IncompatiblePlanError"), r  # on every rank
         assert "cannot say which slice it holds" in r["one_slice"], r
         assert ("rejected the state dict" in r["one_slice"]) == (rank != 3), r  # rank 3's dict, heard
+        assert r["one_group"] is not None and r["unchanged_by_one_group"], r  # no slice loads alone
+        assert "param group" in r["one_group"], r
