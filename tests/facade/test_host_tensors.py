@@ -30,7 +30,7 @@ ALLOWED = {
         "buffer_device",
     ): "host residence: offload's roles in pinned host memory beside a GPU, which no collective takes "
     "(install refuses the buffers collectives run on there; [Note: offload, executed])",
-    ("state/shards.py", "_beside"): "state of masters stepped in host memory moves there: no collective",
+    ("state/shards.py", "state_beside"): "state of masters stepped in host memory moves there: no collective",
     (
         "runtime/registry.py",
         "plan",
