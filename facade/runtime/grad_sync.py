@@ -197,6 +197,8 @@ class GradSync:
                     raise RuntimeError("stage 1 needs full gradient buffers")
                 self._grad_views.update(param_views(buf.grads, buf.space, params))
         self._trainable = sorted(zp.trainable_indices)
+        trainable = set(self._trainable)
+        self._frozen = [(i, self._user_params[i]) for i in range(len(zp.specs)) if i not in trainable]
         self._sums = reduction.micro_batch_sums()  # [Note: deterministic mode]: a tree, or None
         self._passes = BackwardPasses()
         self.uneven_micro_batches: int | None = None
@@ -487,6 +489,16 @@ class GradSync:
         )
         spaces = [buf.space for buf in self._buffers if buf.grads is not None]
         return next((i for i in spaces[changed].params if i in self._grad_views), spaces[changed].params[0])
+
+    def unplanned_gradient(self) -> int | None:
+        """A parameter the plan holds frozen that has a gradient now, or ``None``.
+
+        Its ``requires_grad`` was turned on without ``refresh_trainable()``: no hook
+        takes its gradient, so the step would never update it (``torch.optim`` would).
+        One attribute read per frozen parameter and step.
+        """
+        with torch._C.DisableTorchFunctionSubclass():  # stage 3: a sharded parameter's .grad, unhooked
+            return next((i for i, p in self._frozen if p.grad is not None), None)
 
     def zero_grad(self, set_to_none: bool) -> None:
         """Reset every parameter's ``.grad`` as ``torch.optim.Optimizer.zero_grad`` would.

@@ -379,6 +379,8 @@ class _Local(NamedTuple):
     rewritten: int | None
     uneven: int | None = None
     """Deterministic mode: this rank's count of micro-batches, when it is not a power of two."""
+    unplanned: int | None = None
+    """A parameter planned frozen that has a gradient (unfrozen without ``refresh_trainable()``)."""
 
 
 VERDICT_LENGTH = 5
@@ -394,10 +396,13 @@ def _start_agreement(inst: Installed, ctx: StepContext, log: CommLog) -> tuple[t
     ([Note: control calls] in ``zeroplan.core.comm``). The integers travel to
     the device without a host sync (``to_device``).
     """
-    local = _Local(inst.detached(ctx.params), inst.sync.written_back(), inst.sync.uneven_micro_batches)
+    sync = inst.sync
+    local = _Local(
+        inst.detached(ctx.params), sync.written_back(), sync.uneven_micro_batches, sync.unplanned_gradient()
+    )
     digest = hyperparameter_digest(ctx.param_groups)
     digest = inst.reduction.step_digest(digest, inst.sync.micro_batches)  # [Note: reduction policy]
-    astray = local.detached is not None or local.uneven is not None
+    astray = local.detached is not None or local.uneven is not None or local.unplanned is not None
     values = [int(astray), int(local.rewritten is not None), digest, -digest]
     flags = to_device(values, torch.int64, inst.device)
     all_reduce_world(flags, dist.ReduceOp.MAX, inst.groups, log)
@@ -449,7 +454,14 @@ def _check_agreement(
     """Raise unless no rank's gradients or parameters went astray and all share settings (every rank
     reads the same ``flags``, so every rank raises alike). ``counts_micro_batches``: the reduction
     policy mixes the count of micro-batches into the digest ([Note: reduction policy])."""
-    detached, rewritten, uneven = local
+    detached, rewritten, uneven, unplanned = local
+    if unplanned is not None:
+        raise ConfigError(
+            f"{call}: parameter {ctx.names[unplanned]!r} has a gradient, but it was frozen when this "
+            "optimizer planned its parameters: its requires_grad was turned on since, so the step would "
+            "never update it. Call opt.refresh_trainable() on every rank after changing requires_grad "
+            "(it keeps every parameter's optimizer state); nothing was changed"
+        )
     if uneven is not None:
         raise ConfigError(
             f"{call}: deterministic=True, but this rank ran {uneven} backward passes in this step: "
@@ -484,8 +496,9 @@ def _check_agreement(
     if flags[0] > 0 or flags[1] > 0:
         raise ConfigError(
             f"{call}: another rank has a parameter detached from the optimizer's flat buffer, a gradient "
-            "written back after the reduction, or (deterministic=True) a count of micro-batches that is "
-            "not a power of two; see the error on that rank"
+            "written back after the reduction, a gradient of a parameter unfrozen without "
+            "refresh_trainable(), or (deterministic=True) a count of micro-batches that is not a power "
+            "of two; see the error on that rank"
         )
     if flags[2] != -flags[3]:
         counts = (

@@ -169,6 +169,38 @@ def bad_add_group(rank: int, world: int) -> dict[str, Any]:
     return {"error": error, "same": same, "applied": applied}
 
 
+def unfrozen_without_refresh(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """A parameter frozen at construction whose ``requires_grad`` the last rank turns on without
+    ``refresh_trainable()``: its gradient would never reach the step, so ``step()`` raises on every
+    rank and changes nothing; frozen again, the next step trains."""
+    model = make_model()
+    model.pos.weight.requires_grad_(False)
+    opt = make_optimizer(model, hyper={"lr": 1e-2}, stage=stage, bucket_bytes=1024, alignment=8)
+    if stage == 3:
+        opt.attach(model)
+    loss_of(model, *batch(0, rank)).backward()
+    opt.step()
+    opt.zero_grad()
+    if rank == world - 1:
+        model.pos.weight.requires_grad_(True)
+    with opt.gathered_params():
+        before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, *batch(1, rank)).backward()
+    try:
+        opt.step()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    with opt.gathered_params():
+        same = all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    model.pos.weight.requires_grad_(False)
+    model.pos.weight.grad = None
+    opt.zero_grad()
+    loss_of(model, *batch(2, rank)).backward()
+    opt.step()
+    return {"error": error, "same": same, "applied": not opt.last_step_skipped}
+
+
 def reference_grads(model: torch.nn.Module, world: int, step: int) -> list[torch.Tensor]:
     return averaged_grads(model, world, step)
 

@@ -38,6 +38,15 @@ def test_bad_add_param_group_changes_nothing(pools):
         assert r["same"] and r["applied"]
 
 
+@pytest.mark.parametrize("stage", [2, 1, 3])
+def test_a_parameter_unfrozen_without_refresh_trainable_is_refused(pools, stage):
+    """torch.optim would train it; without refresh_trainable() no hook takes its gradient."""
+    for rank, r in enumerate(pools(2).run(scenarios_replan.unfrozen_without_refresh, stage)):
+        assert r["error"] is not None and r["error"].startswith("ConfigError"), r
+        assert ("refresh_trainable" in r["error"]) and ("another rank" in r["error"]) == (rank == 0), r
+        assert r["same"] and r["applied"], r
+
+
 @pytest.mark.parametrize(
     ("world", "stage", "dtype", "optimizer", "shard"),
     [
