@@ -237,6 +237,7 @@ class GradSync:
         self._schedule = staging_schedule(self._zp, tables=self._tables)
         next(self._schedule)
         self._next = 0
+        self._finished = False  # finish_grad_sync ran in this step
         self._written: list[int] | None = None  # stage 1: expected buffer versions, once all launched
         self._open: dict[int, torch.Tensor] = {}
         self._inflight: deque[InFlight] = deque()
@@ -455,6 +456,8 @@ class GradSync:
         accumulated under ``no_sync()`` but untouched by the last backward are
         reduced as they are.
         """
+        if self._finished:  # a step refused after its reduction is retried with what it reduced
+            return
         if self._sums is not None:  # gradients of earlier micro-batches only: their trees end here
             for index in self._trainable:
                 if not self._ready[index]:
@@ -466,6 +469,7 @@ class GradSync:
         join_side_stream(self._device)  # before anything reads a gradient shard
         self.last_arrivals = tuple(self._arrivals)
         self._replica = []
+        self._finished = True
 
     def written_back(self) -> int | None:
         """After :meth:`finish`: a parameter whose gradient something wrote after this optimizer took it.

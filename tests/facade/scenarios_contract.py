@@ -85,17 +85,35 @@ def diverging_param_groups(rank: int, world: int) -> dict[str, Any]:
     """A hand edit of ``param_groups`` on one rank only is caught at step(), on every rank."""
     model = make_model()
     opt = make_optimizer(model)
+    lr = opt.param_groups[0]["lr"]
     opt.backward(loss_of(model, *batch(0, rank)))
     if rank == world - 1:
         opt.param_groups[0]["lr"] = 0.5
     before = _everything(opt, model)
     error = _error(opt.step)
     unchanged = _same(before, _everything(opt, model))
+    # edit undone on that rank: the refused step is retried with the gradients it kept, as an
+    # optimizer that was never refused steps
+    opt.param_groups[0]["lr"] = lr
+    retried = _error(opt.step)
+    plain_model = make_model()
+    plain = make_optimizer(plain_model)
+    plain.backward(loss_of(plain_model, *batch(0, rank)))
+    plain.step()
+    as_never_refused = all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), plain_model.parameters(), strict=True)
+    )
     opt.zero_grad()
     opt.param_groups[0]["lr"] = 0.5  # the same edit everywhere is fine
     opt.backward(loss_of(model, *batch(1, rank)))
     opt.step()
-    return {"error": error, "unchanged": unchanged, "then": not opt.last_step_skipped}
+    return {
+        "error": error,
+        "unchanged": unchanged,
+        "retried": retried,
+        "as_never_refused": as_never_refused,
+        "then": not opt.last_step_skipped,
+    }
 
 
 def no_sync_after_synchronised_backward(rank: int, world: int, stage: int, overlap: bool) -> dict[str, Any]:

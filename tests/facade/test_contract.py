@@ -35,6 +35,7 @@ def test_param_groups_edited_on_one_rank_are_caught_at_step(pools):
     for result in results:
         assert result["error"] is not None and "different hyper-parameters" in result["error"], result
         assert result["unchanged"] and result["then"]
+        assert result["retried"] is None and result["as_never_refused"], result  # a retry steps
 
 
 @pytest.mark.parametrize(("stage", "overlap"), [(2, True), (1, True), (2, False)])
