@@ -19,8 +19,9 @@ wrapper's ``no_sync`` and saves ``optimizer.state_dict()`` from rank 0 only.
   DDP, and marks it prepared, so ``accelerator.prepare`` leaves it alone.
 * ``training_step`` runs the backward passes of every micro-batch but the last
   inside ``opt.no_sync()`` (the micro-batches after which ``Trainer`` does not
-  step), and first copies rank 0's buffers to every rank as DDP did
-  (:func:`~zeroplan.facade.broadcast_buffers`, unless
+  step), and copies rank 0's buffers to every rank before the first
+  micro-batch of each step, as DDP does before a forward that follows a
+  synchronised backward (:func:`~zeroplan.facade.broadcast_buffers`, unless
   ``args.ddp_broadcast_buffers`` is ``False``).
 * ``_clip_grad_norm`` is ``opt.clip_grad_norm_(args.max_grad_norm)`` and the
   logged ``grad_norm`` without clipping is ``opt.grad_norm()``.
@@ -237,6 +238,7 @@ class ZeroTrainer(Trainer):
                 "zero_kwargs['process_group'] must span every process"
             )
         self._buffers_from_rank_zero = self.args.ddp_broadcast_buffers is not False
+        self._after_synced_backward = True  # DDP copies buffers before a forward that follows one
 
     @property
     def zero_optimizer(self) -> ZeroOptimizer:
@@ -303,9 +305,10 @@ class ZeroTrainer(Trainer):
         opt = self.zero_optimizer
         if self._rotation is not None and background.committed(opt):
             self._rotate()  # [Note: background saves and rotation]
-        if self._buffers_from_rank_zero:
+        if self._buffers_from_rank_zero and self._after_synced_backward:  # the cycle's first micro-batch
             broadcast_buffers(self.model, opt.process_groups.world)
         step = functools.partial(super().training_step, model, inputs, num_items_in_batch)
+        self._after_synced_backward = self.accelerator.sync_gradients
         if self.accelerator.sync_gradients:
             return step()
         with opt.no_sync():

@@ -50,6 +50,25 @@ def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> GPT2LMHeadM
     return model
 
 
+class Stats(torch.nn.Module):
+    """A tiny model with running statistics (a BatchNorm's buffers), which each rank updates from its
+    own batches: what DDP's copy of rank 0's buffers before a step's first forward is for."""
+
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, VOCAB)
+        self.to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = self.norm(self.embed(input_ids).transpose(1, 2)).transpose(1, 2)
+        logits = self.head(hidden)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
 class Data(torch.utils.data.Dataset):
     """Arithmetic sequences modulo ``VOCAB``: learnable, deterministic, in memory."""
 
@@ -106,11 +125,12 @@ def trainer_run(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     background: bool = False,
+    model_class: Callable[[int, torch.dtype], torch.nn.Module] = make_model,
     **overrides: Any,
 ) -> dict[str, Any]:
     """``Trainer`` + ``torch.optim.AdamW`` under DDP (``zero=None``) or ``ZeroTrainer(zero_kwargs=zero)``
     (``background``: its checkpoints saved with ``background_saves=True``)."""
-    model = make_model(seed, dtype)
+    model = model_class(seed, dtype)
     args = training_args(out, **overrides)
     data = {"train_dataset": Data(), "eval_dataset": Data() if "eval_strategy" in overrides else None}
     if zero is None:
@@ -125,7 +145,15 @@ def trainer_run(
     with whole:
         params = _params(model)
     best = trainer.state.best_model_checkpoint
-    return {**_history(trainer), "eval_losses": evals, "params": params, "wrapped": wrapped, "best": best}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return {
+        **_history(trainer),
+        "eval_losses": evals,
+        "params": params,
+        "buffers": buffers,
+        "wrapped": wrapped,
+        "best": best,
+    }
 
 
 def resumed_latest(out: Path, checkpoint: Path, **kwargs: Any) -> dict[str, Any]:
@@ -268,6 +296,7 @@ def accelerate_run(*, zero: bool, accumulate: int, clip: float | None) -> dict[s
 def runs(out: Path) -> dict[str, Callable[[], dict[str, Any]]]:
     """Every run by name; ``*_resumed`` runs read the checkpoints of the run before them."""
     gas = {"gradient_accumulation_steps": 2}
+    stats = {"gradient_accumulation_steps": 3, "eval_strategy": "steps", "eval_steps": 2}
     clip = {"max_grad_norm": 0.5, "gradient_accumulation_steps": 2}
     save = {"save_strategy": "steps", "save_steps": 3}
     evaluate = {"eval_strategy": "steps", "eval_steps": 3}
@@ -278,6 +307,10 @@ def runs(out: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         "zero": lambda: trainer_run(out / "zero", zero={"stage": 2}),
         "ddp_gas": lambda: trainer_run(out / "ddp_gas", zero=None, **gas),
         "zero_gas": lambda: trainer_run(out / "zero_gas", zero={"stage": 2}, **gas),
+        "ddp_buffers": lambda: trainer_run(out / "ddp_buffers", zero=None, model_class=Stats, **stats),
+        "zero_buffers": lambda: trainer_run(
+            out / "zero_buffers", zero={"stage": 2}, model_class=Stats, **stats
+        ),
         "ddp_clip": lambda: trainer_run(out / "ddp_clip", zero=None, **clip, **evaluate),
         "zero_clip": lambda: trainer_run(out / "zero_clip", zero={"stage": 2}, **clip, **save, **evaluate),
         "zero1_clip": lambda: trainer_run(out / "zero1_clip", zero={"stage": 1}, **clip),

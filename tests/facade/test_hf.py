@@ -34,7 +34,7 @@ RUNS = (
     "zero_bf16", "zero_bf16_background", "zero_bf16_resumed", "accelerate_ddp", "accelerate_zero",
     "accelerate_ddp_clip", "accelerate_zero_clip", "ERROR_plain_trainer", "zero3", "zero3_clip",
     "zero3_clip_resumed", "zero3_best", "zero_background_rotation", "ERROR_background_failure",
-    "zero_background_failure_resumed",
+    "zero_background_failure_resumed", "ddp_buffers", "zero_buffers",
 )  # fmt: skip
 
 
@@ -91,6 +91,19 @@ def test_clipping_and_accumulation_match_ddp_with_adamw(results, ours, theirs):
     assert _max_abs(mine["params"], ref["params"]) <= 2 * TOL
     if mine.get("eval_losses"):
         assert max(abs(x - y) for x, y in zip(mine["eval_losses"], ref["eval_losses"], strict=True)) <= TOL
+
+
+def test_buffers_are_copied_from_rank_zero_where_ddp_copies_them(results):
+    """Each rank's running statistics and the eval losses equal DDP's with 3 micro-batches a step: rank
+    0's buffers reach the others before a step's first micro-batch only (after a synchronised
+    backward), not before every micro-batch."""
+    for rank in range(2):
+        mine, ref = results["zero_buffers"][rank], results["ddp_buffers"][rank]
+        assert mine["eval_losses"] == ref["eval_losses"] and len(ref["eval_losses"]) == 3, (mine, ref)
+        assert _max_abs(mine["buffers"], ref["buffers"]) == 0.0, rank
+        assert _max_abs(mine["params"], ref["params"]) == 0.0, rank
+    ranks = results["ddp_buffers"]  # the ranks' own batches since the last copy: their statistics differ
+    assert _max_abs(ranks[0]["buffers"], ranks[1]["buffers"]) > 0
 
 
 @pytest.mark.parametrize("run", ["zero_clip", "zero_bf16", "zero3_clip"])
