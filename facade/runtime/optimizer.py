@@ -480,9 +480,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Loads back with :meth:`load_state_dict` on the same plan and restores
         training bit for bit. For another world or shard size use
         :meth:`consolidated_state_dict` or ``zeroplan.facade.checkpoint``. With
-        expert groups it holds one sharded dict per domain (``"domains"``).
+        expert groups it holds one sharded dict per domain (``"domains"``). The
+        hooks of ``register_state_dict_pre_hook`` and ``register_state_dict_post_hook``
+        run around it as ``torch.optim`` runs them (a post-hook may return another dict).
         """
-        return domain_states.state_dict(self._joint)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = domain_states.state_dict(self._joint)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state)
+            state = state if returned is None else returned
+        return state
 
     @property
     def state(self) -> Mapping[torch.Tensor, dict[str, Any]]:  # type: ignore[override]
@@ -496,7 +504,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         inner: dict[torch.Tensor, dict[str, Any]] = {}
         for domain in self._joint.domains:
             inner.update(domain.installed.inner.optimizer.state)
-        return ParamStates(params, inner, self.state_dict)
+        return ParamStates(params, inner, lambda: domain_states.state_dict(self._joint))  # not hooked
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -547,22 +555,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         A tensor-parallel optimizer takes whole tensors (cut to each slice) and
         refuses one slice's local tensors of tp-split parameters; a pipeline
-        stage refuses another stage's consolidated dict.
+        stage refuses another stage's consolidated dict. The hooks of
+        ``register_load_state_dict_pre_hook``/``_post_hook`` run as ``torch.optim``
+        runs them; a pre-hook that raises on one rank refuses the load on all.
 
         Raises:
             ConfigError, IncompatiblePlanError: on every rank, if any rank's
                 dict is invalid or the ranks' dicts disagree.
         """
         across = tuple(group for _, group in self.model_slices)
-        if across:  # another stage's or one slice's plain dict, refused on every rank of the job
-            problem: Exception | None = None
-            try:
+        problem: Exception | None = None
+        try:  # the hooks of register_load_state_dict_pre_hook, as torch.optim runs them
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                returned = pre_hook(self, state_dict)
+                state_dict = state_dict if returned is None else returned
+            if across:  # another stage's or one slice's plain dict, refused on every rank of the job
                 check_consolidated(state_dict, self._data.shards(self._joint.scaler), self.pipeline_stage)
-            except Exception as exc:  # every rank of the job must hear of it, not wait in the load
-                problem = exc
-            grid = (*across, self._data.groups.world)
-            verdicts_across(problem, grid, failed="rejected the state dict")
+        except Exception as exc:  # every rank of the job must hear of it, not wait in the load
+            problem = exc
+        verdicts_across(problem, (*across, self._data.groups.world), failed="rejected the state dict")
         domain_states.load_state_dict(self._joint, state_dict, across=across)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     @torch.no_grad()
     def restore_masters(self, values: dict[str, torch.Tensor]) -> None:

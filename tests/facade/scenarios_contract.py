@@ -295,3 +295,46 @@ def tensor_subclass_params(rank: int, world: int, stage: int) -> dict[str, Any]:
         "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
         "plain_after": all(type(p) in (nn.Parameter, _OwnParameter) for p in other.parameters()),
     }
+
+
+def state_dict_hooks(rank: int, world: int) -> dict[str, Any]:
+    """The four state-dict hooks of ``torch.optim.Optimizer`` run as they run on ``torch.optim.AdamW``
+    (order, arguments, a returned dict taking the place of the one given); a load pre-hook that
+    raises on one rank refuses the load on every rank, changing nothing."""
+
+    def hooked(opt: torch.optim.Optimizer, calls: list[str]) -> None:
+        opt.register_state_dict_pre_hook(lambda o: calls.append("save_pre"))
+        opt.register_state_dict_post_hook(lambda o, sd: calls.append("save_post") or {**sd, "mark": 1})
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd: (
+                calls.append(f"load_pre:{sd.get('mark')}") or {k: v for k, v in sd.items() if k != "mark"}
+            )
+        )
+        opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+
+    out: dict[str, Any] = {}
+    for name, make in (
+        ("torch", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)),
+        ("zero", lambda m: make_optimizer(m, hyper={"lr": 1e-2})),
+    ):
+        model = make_model()
+        opt = make(model)
+        loss_of(model, *batch(0, rank)).backward()
+        opt.step()
+        calls: list[str] = []
+        hooked(opt, calls)
+        state = opt.state_dict()
+        opt.load_state_dict(state)
+        out[name] = calls
+        out[f"{name}_marked"] = state.get("mark")
+    model = make_model()
+    opt = make_optimizer(model, hyper={"lr": 1e-2})
+    loss_of(model, *batch(0, rank)).backward()
+    opt.step()
+    state = opt.state_dict()
+    if rank == world - 1:
+        opt.register_load_state_dict_pre_hook(lambda o, sd: (_ for _ in ()).throw(ValueError("hook refuses")))
+    before = _everything(opt, model)
+    out["refused"] = _error(lambda: opt.load_state_dict(copy.deepcopy(state)))
+    out["unchanged"] = _same(before, _everything(opt, model))
+    return out

@@ -104,3 +104,11 @@ def test_tensor_subclass_parameters_are_refused_naming_them(pools, stage):
         assert result["own"] is not None and "head.weight" in result["own"], result
         assert "_OwnParameter" in result["own"], result
         assert result["unchanged"] and result["plain_after"]
+
+
+def test_state_dict_hooks_run_as_on_torch_optim(pools):
+    for r in pools(2).run(scenarios_contract.state_dict_hooks):
+        assert r["zero"] == r["torch"] == ["save_pre", "save_post", "load_pre:1", "load_post"], r
+        assert r["zero_marked"] == r["torch_marked"] == 1, r
+        assert r["refused"] is not None and "hook refuses" in r["refused"], r  # on every rank
+        assert r["unchanged"], r
