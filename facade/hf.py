@@ -261,7 +261,7 @@ class ZeroTrainer(Trainer):
                 keys = ", ".join(built_from_model) or "a factory"
                 raise ConfigError(_FROM_MODEL.format(optim=str(self.args.optim), keys=keys))
             decay = set(self.get_decay_parameter_names(opt_model))
-            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            named = list(opt_model.named_parameters())  # frozen too: checkpoints hold the whole model
             groups = [
                 {"params": [(n, p) for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                 {"params": [(n, p) for n, p in named if n not in decay], "weight_decay": 0.0},

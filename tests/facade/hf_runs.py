@@ -126,11 +126,15 @@ def trainer_run(
     dtype: torch.dtype = torch.float32,
     background: bool = False,
     model_class: Callable[[int, torch.dtype], torch.nn.Module] = make_model,
+    frozen: tuple[str, ...] = (),
     **overrides: Any,
 ) -> dict[str, Any]:
     """``Trainer`` + ``torch.optim.AdamW`` under DDP (``zero=None``) or ``ZeroTrainer(zero_kwargs=zero)``
-    (``background``: its checkpoints saved with ``background_saves=True``)."""
+    (``background``: its checkpoints saved with ``background_saves=True``; ``frozen``: parameters
+    whose ``requires_grad`` is off)."""
     model = model_class(seed, dtype)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
     args = training_args(out, **overrides)
     data = {"train_dataset": Data(), "eval_dataset": Data() if "eval_strategy" in overrides else None}
     if zero is None:
@@ -297,6 +301,7 @@ def runs(out: Path) -> dict[str, Callable[[], dict[str, Any]]]:
     """Every run by name; ``*_resumed`` runs read the checkpoints of the run before them."""
     gas = {"gradient_accumulation_steps": 2}
     stats = {"gradient_accumulation_steps": 3, "eval_strategy": "steps", "eval_steps": 2}
+    frozen = ("transformer.wpe.weight", "transformer.h.0.ln_1.weight")
     clip = {"max_grad_norm": 0.5, "gradient_accumulation_steps": 2}
     save = {"save_strategy": "steps", "save_steps": 3}
     evaluate = {"eval_strategy": "steps", "eval_steps": 3}
@@ -307,6 +312,9 @@ def runs(out: Path) -> dict[str, Callable[[], dict[str, Any]]]:
         "zero": lambda: trainer_run(out / "zero", zero={"stage": 2}),
         "ddp_gas": lambda: trainer_run(out / "ddp_gas", zero=None, **gas),
         "zero_gas": lambda: trainer_run(out / "zero_gas", zero={"stage": 2}, **gas),
+        "zero3_frozen": lambda: trainer_run(
+            out / "zero3_frozen", zero={"stage": 3}, frozen=frozen, **clip, **save
+        ),
         "ddp_buffers": lambda: trainer_run(out / "ddp_buffers", zero=None, model_class=Stats, **stats),
         "zero_buffers": lambda: trainer_run(
             out / "zero_buffers", zero={"stage": 2}, model_class=Stats, **stats

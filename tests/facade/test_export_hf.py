@@ -22,7 +22,8 @@ from zeroplan.facade.cli import main
 HAS_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate", "safetensors"))
 pytestmark = pytest.mark.skipif(not HAS_HF, reason="needs transformers and accelerate (pip install '.[hf]')")
 
-RUNS = ("zero_clip", "zero3_clip")  # stage 2 and stage 3, checkpoints at steps 3 and 6
+#: stage 2 and stage 3, checkpoints at steps 3 and 6; at stage 3 with two parameters frozen too
+RUNS = ("zero_clip", "zero3_clip", "zero3_frozen")
 
 
 @pytest.fixture(scope="module")
