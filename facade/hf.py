@@ -139,8 +139,23 @@ ZERO_SETTINGS = frozenset(
         "reshard_after_forward",
         "offload",
         "offload_fraction",
+        "ranks_per_node",
+        "layout",
+        "reduce_dtype",
+        "gather_dtype",
+        "wire_block",
+        "overlap_param_gather",
+        "strict_memory",
     }
 )
+
+#: ``ZeroOptimizer`` settings ``ZeroTrainer`` refuses, and why.
+_NOT_UNDER_TRAINER = {
+    "device_mesh": "Trainer shards the data over every process as one data-parallel group; build the "
+    "ZeroOptimizer over a mesh in your own loop (or with accelerate) for tensor or pipeline parallel",
+    "deterministic": "it needs a power of two of micro-batches a step and the loss divided by the world "
+    "in opt.backward(loss), while Trainer calls loss.backward() itself",
+}
 
 _PASSED_OPTIMIZER = (
     "ZeroTrainer builds its ZeroOptimizer from args (optimizer class, learning rate, weight decay and "
@@ -161,6 +176,11 @@ def _check_zero_kwargs(zero_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ConfigError(
             "zero_kwargs: ZeroTrainer applies no loss scale (Trainer calls loss.backward(), not "
             "opt.backward(loss)); train with fp32 or bf16 parameters, or bf16=True mixed precision"
+        )
+    refused = sorted(settings.keys() & _NOT_UNDER_TRAINER.keys())
+    if refused:
+        raise ConfigError(
+            f"zero_kwargs: ZeroTrainer does not take {refused[0]!r}: {_NOT_UNDER_TRAINER[refused[0]]}"
         )
     unknown = sorted(settings.keys() - ZERO_SETTINGS)
     if unknown:

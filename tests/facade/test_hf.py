@@ -231,10 +231,15 @@ def test_zero_trainer_refuses_what_cannot_work(hf, tmp_path):
         ({"optimizers": (torch.optim.SGD(model.parameters()), None)}, "ZeroTrainer builds its ZeroOptimizer"),
         ({"zero_kwargs": {"loss_scale": "dynamic"}}, "applies no loss scale"),
         ({"zero_kwargs": {"lr": 1.0}}, "not ZeroOptimizer settings"),
+        ({"zero_kwargs": {"deterministic": True}}, "does not take 'deterministic': it needs a power of two"),
+        ({"zero_kwargs": {"device_mesh": None}}, "does not take 'device_mesh': Trainer shards the data"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ConfigError, match=message):
             module.ZeroTrainer(model=model, args=args(tmp_path), **kwargs)
+    settings = {"ranks_per_node": 1, "layout": "auto", "reduce_dtype": "bf16", "gather_dtype": "bf16"}
+    settings |= {"wire_block": 64, "overlap_param_gather": False, "strict_memory": False}
+    module.ZeroTrainer(model=model, args=args(tmp_path), zero_kwargs=settings)  # passed on
     trainer = module.ZeroTrainer(
         model=model, args=args(tmp_path), optimizer_cls_and_kwargs=(torch.optim.AdamW, {"optimizer_dict": {}})
     )
