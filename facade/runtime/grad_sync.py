@@ -284,7 +284,9 @@ class GradSync:
             raise StepOrderError(
                 f"parameter {self._names[index]!r} received a second gradient after its reduction "
                 "in this step; call step() (or zero_grad()) between backward passes, or accumulate "
-                "inside `with optimizer.no_sync():`"
+                "inside `with optimizer.no_sync():`. Within one backward, a module used in two "
+                "reentrant activation checkpoints (torch.utils.checkpoint(use_reentrant=True), whose "
+                "segments run backward passes of their own) does this too: use use_reentrant=False"
             )
         self._ready[index] = True
         self._arrivals.append(index)
