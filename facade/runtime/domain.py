@@ -344,10 +344,20 @@ class DomainRuntime:
         self.registry = registry
         self.replan(zp)
 
-    def plan_group(self, param_group: dict[str, Any]) -> tuple[ParamRegistry, ZeroPlan, dict[str, Any]]:
-        """The registry, agreed plan and settings with ``param_group`` appended (collective, pure)."""
+    def plan_group(
+        self, param_group: dict[str, Any], listed: Sequence[tuple[torch.Tensor, str]], first_group: int
+    ) -> tuple[ParamRegistry, ZeroPlan, dict[str, Any]]:
+        """The registry, agreed plan and settings with ``param_group`` appended (collective, pure);
+        ``listed`` and ``first_group`` as :func:`replanning.add_param_group` takes them."""
         return replanning.add_param_group(
-            self.registry, self.settings, self.hyper(), self._defaults, param_group, self.world
+            self.registry,
+            self.settings,
+            self.hyper(),
+            self._defaults,
+            param_group,
+            self.world,
+            listed,
+            first_group,
         )
 
     def adopt_group(self, registry: ParamRegistry, zp: ZeroPlan, group: dict[str, Any]) -> None:

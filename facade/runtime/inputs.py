@@ -98,7 +98,11 @@ def _managed(where: str, tensor: torch.Tensor, tensor_mesh: Any) -> torch.Tensor
 
 
 def collect_params(
-    params: Any, start: int = 0, seen: Iterable[torch.Tensor] = (), tensor_mesh: Any = None
+    params: Any,
+    start: int = 0,
+    seen: Iterable[tuple[torch.Tensor, str]] = (),
+    tensor_mesh: Any = None,
+    first_group: int = 0,
 ) -> ParamList:
     """Validate ``params`` (what ``torch.optim`` accepts) and flatten it.
 
@@ -106,7 +110,10 @@ def collect_params(
         params: an iterable of tensors, of ``(name, tensor)`` pairs, or of
             param-group dicts.
         start: index of the first new parameter (for ``add_param_group``).
-        seen: parameters already managed (the user's tensors); listing one again is an error.
+        seen: parameters already listed (the user's tensors, of any domain) and where, e.g.
+            ``"param group 1, position 0"``; listing one again is an error.
+        first_group: the index the first group of ``params`` gets among the optimizer's
+            ``param_groups`` (for messages).
         tensor_mesh: the mesh DTensor parameters must be placed on (the optimizer mesh's ``tp``
             dimension); ``None``: DTensor parameters are refused.
 
@@ -120,8 +127,10 @@ def collect_params(
     user_params: list[torch.Tensor] = []
     names: list[str] = []
     groups: list[dict[str, Any]] = []
-    position = {id(p): f"an existing parameter group (index {i})" for i, p in enumerate(seen)}
-    for g, group in enumerate(_group_dicts(params)):
+    listed = list(seen)
+    position = {id(p): where for p, where in listed}
+    for local, group in enumerate(_group_dicts(params)):
+        g = first_group + local  # its index in param_groups, for messages
         members = group["params"]
         members = [members] if isinstance(members, torch.Tensor) else list(members)
         indices = []
@@ -153,12 +162,12 @@ def collect_params(
             position[id(tensor)] = f"param group {g}, position {i}"
             flat.append(managed)
             user_params.append(tensor)
-            names.append(name or f"group{g}.param{i}")
+            names.append(name or f"group{local}.param{i}")  # unnamed: as saved before (checkpoints)
             indices.append(index)
         if not indices:
             raise ConfigError(f"param group {g} has no parameters")
         groups.append({**group, "params": indices})
-    devices = {p.device for p in flat} | {p.device for p in seen}
+    devices = {p.device for p in flat} | {p.device for p, _ in listed}
     if len(devices) > 1:
         raise ConfigError(
             f"parameters live on several devices ({', '.join(sorted(map(str, devices)))}); "

@@ -382,19 +382,26 @@ class JointStep:
     ) -> None:
         """Plan ``param_group`` into its domain (agreed by every rank), ``register`` it as
         ``torch.optim`` does (it lands last in ``param_groups``), then the domain adopts it."""
-        domain, (registry, zp, group) = self.plan_group(param_group)
+        domain, (registry, zp, group) = self.plan_group(param_group, param_groups)
         new = registry.params[len(domain.registry.params) :]
         extra = {} if domain is self.data else {"process_group": domain.world}
         register({**group, **extra, "params": list(new)})
         domain.adopt_group(registry, zp, param_groups[-1])
 
     def plan_group(
-        self, param_group: Any
+        self, param_group: Any, param_groups: Sequence[dict[str, Any]]
     ) -> tuple[DomainRuntime, tuple[ParamRegistry, ZeroPlan, dict[str, Any]]]:
         """The domain a new param group joins (by its ``process_group``) and its plan with the group.
 
         Every rank agrees on the domain and on the plan, or every rank raises; nothing changes here.
+        A parameter of any domain (``param_groups``: the user's) listed again is refused inside the
+        domain's agreement, before torch's own check could raise on one rank alone.
         """
+        listed = [
+            (p, f"param group {g}, position {i}")
+            for g, group in enumerate(param_groups)
+            for i, p in enumerate(group["params"])
+        ]
         pg = param_group.get("process_group") if isinstance(param_group, dict) else None
         if pg is not None and isinstance(pg, dist.ProcessGroup) and same_ranks(pg, self.world):
             pg = None  # the world's ranks: the data-parallel domain, as at construction
@@ -412,7 +419,7 @@ class JointStep:
             param_group = {k: v for k, v in param_group.items() if k != "process_group"}
         planned, problem = None, None
         try:  # agreed over the domain's group; one verdict over the world then reaches every rank
-            planned = domain.plan_group(param_group)
+            planned = domain.plan_group(param_group, listed, len(param_groups))
         except Exception as exc:
             problem = exc
         verdicts(problem, self.world, failed="rejected the new param group", error=ConfigError)

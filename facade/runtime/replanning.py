@@ -77,8 +77,13 @@ def add_param_group(
     defaults: dict[str, Any],
     param_group: dict[str, Any],
     world: dist.ProcessGroup,
+    listed: Sequence[tuple[torch.Tensor, str]],
+    first_group: int,
 ) -> tuple[ParamRegistry, ZeroPlan, dict[str, Any]]:
     """The registry, agreed plan and new group's settings with ``param_group`` appended.
+
+    ``listed``: every parameter of the optimizer (of every domain) and where it is listed, which
+    the group may not list again; ``first_group``: the group's index in ``param_groups``.
 
     Raises:
         ConfigError: on every rank, if any rank's group is invalid.
@@ -89,8 +94,9 @@ def add_param_group(
         inputs = collect_params(
             [param_group],
             start=len(registry.params),
-            seen=registry.user_params,
+            seen=listed,
             tensor_mesh=registry.tensor_mesh,
+            first_group=first_group,
         )
         group = {**defaults, **inputs.groups[0]}
         check_hyperparameters(settings.optimizer_class, [group])

@@ -355,6 +355,14 @@ def one_rank_misuses_replanning(rank: int, world: int, case: str) -> str | None:
         elif case == "bad_state_dict":
             saved = opt.state_dict()
             opt.load_state_dict({"format": "something else"} if rank == 0 else saved)
+        elif case == "expert_param_again":  # rank 0 lists one of its experts in a new data group
+            experts = [q for g in opt.param_groups if "process_group" in g for q in g["params"]]
+            again = experts[0] if rank == 0 else torch.nn.Parameter(torch.zeros_like(experts[0]))
+            groups = len(opt.param_groups)
+            try:
+                opt.add_param_group({"params": [again]})
+            finally:
+                assert len(opt.param_groups) == groups  # nothing registered, on any rank
         elif case == "expert_group_only":  # a bad lr inside expert group {0, 2} only
             lr = "fast" if rank in (0, 2) else 0.1
             opt.add_param_group(

@@ -135,7 +135,14 @@ def test_refresh_trainable_and_add_param_group_with_expert_groups(pools, stage):
         assert r["groups"] == [("data", 1), ("experts", 2)] and r["lr"] == 0.5
 
 
-@pytest.mark.parametrize("case", ["unknown_group", "bad_state_dict", "expert_group_only"])
+@pytest.mark.parametrize(
+    "case", ["unknown_group", "bad_state_dict", "expert_group_only", "expert_param_again"]
+)
 def test_one_rank_misusing_replanning_or_loading_raises_everywhere(pools, case):
     errors = pools(4).run(scenarios_experts.one_rank_misuses_replanning, case)
     assert all(e is not None for e in errors), errors
+    if case == "expert_param_again":  # named where it is listed already, on rank 0; heard elsewhere
+        assert "param group 2, position 0: this parameter is already listed at param group 1" in errors[0]
+        assert all("rank 0 rejected" in e and "already listed at param group 1" in e for e in errors[1:]), [
+            e[:90] for e in errors
+        ]
