@@ -208,22 +208,35 @@ def build_inner(
     return Inner(optimizer=optimizer, tensors=tensors, specs=specs)
 
 
-def sync_hyperparameters(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
-    """Copy every setting but ``params`` from ``source`` groups to ``target`` groups (LR schedulers).
+def _is_number(value: Any) -> bool:
+    """An ``int`` or ``float`` setting (not a ``bool``)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    A setting one side holds as a tensor and the other as a number (torchao's
-    low-bit optimizers turn ``lr`` into a tensor and refuse a number in its
-    place) is written into the tensor in place, as torch's LR schedulers do; a
-    tensor never replaces the user's number, which stays what the user set.
+
+def _holds(tensor: torch.Tensor, number: float) -> bool:
+    """Whether ``tensor`` holds ``number`` already, as closely as its dtype can."""
+    return bool((tensor.detach() == number).all())
+
+
+def sync_hyperparameters(source: Sequence[dict[str, Any]], target: Sequence[dict[str, Any]]) -> None:
+    """Give the ``target`` groups every setting but ``params`` that the ``source`` groups hold.
+
+    Runs user -> inner groups before the inner step (the user's value wins), inner -> user after it
+    (what the step changed comes back), and loaded -> user groups on restore. A number meets a tensor
+    where torchao's low-bit optimizers turn ``lr`` into a tensor and refuse a number in its place, and
+    where a user holds ``lr=torch.tensor(...)`` (torch.compile's advice), which torch's LR schedulers
+    write into in place. So a number is written into a tensor in place, as those schedulers do; a
+    tensor replaces a number, as it replaces another tensor (torch.optim steps the tensor a user
+    assigns or loads), unless it holds that number already: the inner optimizer's own tensor of the
+    user's number, which must not come back. The inner thus steps the user's own tensor, and no
+    stale value goes back into it.
     """
     for src, dst in zip(source, target, strict=True):
         for key, value in hyperparameters(src).items():
             held = dst.get(key)
             if held is value:
                 continue
-            if torch.is_tensor(held) and not torch.is_tensor(value) and isinstance(value, (int, float)):
+            if torch.is_tensor(held) and _is_number(value):
                 held.fill_(value)
-            elif torch.is_tensor(value) and not torch.is_tensor(held) and isinstance(held, (int, float)):
-                continue  # the inner optimizer's own tensor of the user's number
-            else:
+            elif not (torch.is_tensor(value) and _is_number(held) and _holds(value, held)):
                 dst[key] = value
