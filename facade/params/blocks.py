@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from zeroplan.core import Block, StepOrderError, ZeroPlan
+from zeroplan.core import Block, ConfigError, Stage, StepOrderError, ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog, Pending
 from zeroplan.facade.mechanisms.dynamo import between_graphs
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces
@@ -38,6 +38,7 @@ __all__ = [
     "BlockState",
     "BlockTable",
     "Blocks",
+    "check_shardable",
     "TracedBlocks",
     "GathersOnUse",
     "ShardedParameter",
@@ -79,6 +80,36 @@ class GathersOnUse(Protocol):
 
     def write_param(self, param: torch.Tensor, source: torch.Tensor) -> None:
         """Write this rank's elements of ``param`` (and their masters) from ``source``."""
+
+
+_NOT_A_PARAMETER = (
+    "{name!r} (a {cls} of shape {shape}, {dtype}) is not an nn.Parameter: stage 3 frees every "
+    "parameter's values between uses and gathers them back around forward and backward only for "
+    "nn.Parameter objects (whose class it swaps while they are sharded), so a forward would read this "
+    "tensor's freed memory. Wrap it in torch.nn.Parameter (a module attribute, e.g. "
+    "self.temp = torch.nn.Parameter(...)), or use stage 1 or 2"
+)
+
+
+def check_shardable(zp: ZeroPlan, params: Sequence[torch.Tensor]) -> None:
+    """Refuse, at stage 3, a plain tensor among ``params`` (the plan's, in spec order).
+
+    Its block would free its storage between uses, but its class cannot follow the block (see
+    ``params.gather.swappable``), so nothing would gather it before a read. A DTensor's local tensor
+    (a placed spec) is fine: its DTensor's class follows. Pure: every rank, given the same model,
+    raises the same error before anything changes.
+
+    Raises:
+        ConfigError: naming the first such tensor.
+    """
+    if zp.stage is not Stage.PARAMETERS:
+        return
+    for spec, param in zip(zp.specs, params, strict=True):
+        if not spec.placement and not isinstance(param, torch.nn.Parameter):
+            cls = f"{type(param).__module__}.{type(param).__qualname__}"
+            raise ConfigError(
+                _NOT_A_PARAMETER.format(name=spec.name, cls=cls, shape=tuple(spec.shape), dtype=spec.dtype)
+            )
 
 
 #: Each stage-3 parameter's residency (held strongly, as the module hooks hold it).

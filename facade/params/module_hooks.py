@@ -157,7 +157,11 @@ class ForwardHooks:
         if self._saved is not None:
             self._saved.close()
             self._saved = None
-        if self.reshard_after_forward and self._may_free() and not in_backward():
+        # A forward that recorded no graph (under no_grad or inference_mode: evaluation) has no backward
+        # to keep its blocks for: they are freed, so that a write before the next pass (a
+        # ``load_state_dict``) goes into the shards and masters rather than blocks the next step drops.
+        keep = not self.reshard_after_forward and torch.is_grad_enabled()
+        if not keep and self._may_free() and not in_backward():
             self._blocks.shard_all()
         self._pinned = set()
 

@@ -25,7 +25,9 @@ where it gathers its block on the spot.
   module that has not run yet (tied weights) stays until it has;
 * the root's hooks open and close the forward: blocks still gathered at its
   end are freed (``True``) or kept for backward (``False``: stage-2 memory for
-  parameters, one gather per step instead of two), and while it runs,
+  parameters, one gather per step instead of two; a forward under ``no_grad``
+  or ``inference_mode`` has no backward and frees them, so a write after it
+  reaches the shards), and while it runs,
   ``saved_tensors_hooks`` mark the tensors autograd saves from a block's buffer.
   In backward, unpacking such a tensor gathers its block again if it was freed
   (and prefetches the block before it); so does the first gradient of a block
@@ -85,7 +87,7 @@ from functools import partial
 
 import torch
 
-from zeroplan.core import ParamSpec, ZeroPlan
+from zeroplan.core import ConfigError, ParamSpec, ZeroPlan
 from zeroplan.facade.mechanisms.collectives import CommLog
 from zeroplan.facade.mechanisms.flat_pieces import FlatPieces, flat_values
 from zeroplan.facade.params import saved_tensors
@@ -108,7 +110,22 @@ __all__ = ["Peers", "ShardedParams"]
 # retired), while their forward is open; the saved view remembers its owner,
 # whose ``bring_back`` gathers it in backward. Nothing is global: instances of
 # other optimizers, or retired ones whose storage addresses may be reused, are
-# never consulted.
+# never consulted. So two stage-3 optimizers cannot share a model: the
+# innermost one's pack would not know the other's blocks, which would be freed
+# under backward. ``attach`` refuses a model (or a module of it) that another
+# optimizer's instance hooks now (``_ATTACHED``, held weakly, only to ask that).
+
+
+#: Every ``ShardedParams`` whose hooks are on a model now, held weakly ([Note: several sharded domains]).
+_ATTACHED: weakref.WeakSet[ShardedParams] = weakref.WeakSet()
+
+_SHARED_MODEL = (
+    "another stage-3 ZeroOptimizer is attached to this model (or to one of its modules) already, and "
+    "stage-3 optimizers cannot share a model: autograd keeps only the last one's saved-tensor hooks, so "
+    "the other's parameters would be freed under backward. Give every parameter to one ZeroOptimizer "
+    "(a param group per setting, e.g. matrices and norms in two groups), or build one of the two at "
+    "stage 1 or 2 (which needs no attach)"
+)
 
 
 class Peers:
@@ -156,6 +173,7 @@ class ShardedParams:
             for index in sorted(managed)
         ]
         self._hold = 0  # gathered_params() blocks: nothing is freed until it exits
+        self._hooked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the attached model's modules
         self._backward_queued = False
         self._peers = Peers()
         self.join(peers if peers is not None else Peers())  # [Note: several sharded domains]
@@ -247,8 +265,20 @@ class ShardedParams:
 
     # ------------------------------------------------------------- attaching
     def attach(self, model: torch.nn.Module) -> None:
-        """Hook ``model``'s modules (see [Note: stage 3]); replaces an earlier attachment."""
+        """Hook ``model``'s modules (see [Note: stage 3]); replaces an earlier attachment.
+
+        Raises:
+            ConfigError: another optimizer's instance hooks ``model`` or one of its modules (nothing
+                changes; [Note: several sharded domains]).
+        """
+        modules = list(model.modules())
+        for other in list(_ATTACHED):
+            mine = other is self or other in self._peers.members  # this optimizer's (a re-attach, a domain)
+            if not mine and any(m in other._hooked for m in modules):
+                raise ConfigError(_SHARED_MODEL)
         self._hooks.attach(model)
+        self._hooked = weakref.WeakSet(modules)
+        _ATTACHED.add(self)
 
     def retire(self) -> None:
         """Let go of the parameters for good (re-planning installed another plan over them)."""
@@ -265,6 +295,8 @@ class ShardedParams:
     def detach(self) -> None:
         """Remove the hooks of :meth:`attach`."""
         self._hooks.detach()
+        self._hooked = weakref.WeakSet()
+        _ATTACHED.discard(self)
 
     @property
     def attached(self) -> bool:

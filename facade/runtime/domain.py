@@ -260,8 +260,8 @@ class DomainRuntime:
     # ------------------------------------------------------------ parameters
     def attach(self, model: torch.nn.Module) -> None:
         """Hook ``model`` so that its forward finds this domain's parameters (stage 3 gathers them)."""
+        self.installed.residency.attach(model)  # may refuse (nothing changes)
         self.attached = model
-        self.installed.residency.attach(model)
 
     def gathered(self, *, writeback: bool) -> contextlib.AbstractContextManager[None]:
         """Whole parameter values inside the block (see ``ZeroOptimizer.gathered_params``)."""

@@ -40,6 +40,7 @@ from zeroplan.core import (
 )
 from zeroplan.core.errors import ConfigTypeError
 from zeroplan.core.wire import WireCodec, WireFormat
+from zeroplan.facade.params.blocks import check_shardable
 from zeroplan.facade.runtime.inputs import ParamList, collect_params, describe_params
 from zeroplan.facade.state.inner import check_hyperparameters, check_keywords, host_kernel
 
@@ -180,7 +181,7 @@ class PlanSettings:
         optimizers = tuple(
             describe_optimizer(self.planned_name, g, strict=False, device=device) for g in groups
         )
-        return plan(
+        zp = plan(
             registry.specs(),
             self.topology,
             stage=self.stage,
@@ -188,6 +189,8 @@ class PlanSettings:
             options=self.options,
             **self.plan_options(),
         )
+        check_shardable(zp, registry.params)  # stage 3 shards nn.Parameter objects only
+        return zp
 
     def plan_options(self) -> dict[str, Any]:
         """The keywords of ``zeroplan.core.plan`` besides specs, topology, stage, optimizer and options."""

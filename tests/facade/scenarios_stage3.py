@@ -13,7 +13,7 @@ import torch.distributed as dist
 from factory import OPTIMIZERS, make_optimizer
 from models import DTYPES, Reference, batch, loss_of, make_model, rel_err
 
-from zeroplan.core import StepOrderError
+from zeroplan.core import ConfigError, StepOrderError
 from zeroplan.facade import ZeroOptimizer, checkpoint
 from zeroplan.facade.params.blocks import ShardedParameter
 
@@ -363,4 +363,103 @@ def shared_with_numpy(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, A
         "equal_to_stage_2": _equal_to_stage_2(models, opts),
         "kept_intact": all((a == b).all() for a, b in zip(kept, taken[::2], strict=True)),
         "sharded": all(type(p) is ShardedParameter for p in models[0].parameters() if p.requires_grad),
+    }
+
+
+def plain_tensor_refused(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A trainable plain tensor (no ``nn.Parameter``) at stage 3: refused at construction and by
+    ``add_param_group``, nothing changed; stage 2 takes it (its forward used to read freed memory)."""
+    model = _model({})
+    temp = torch.full((4,), 2.0, requires_grad=True)  # a learnable temperature kept as a tensor
+    before = _values(model)
+    errors: dict[str, str | None] = {}
+    try:
+        make_optimizer([*model.parameters(), temp], stage=3)
+        errors["construction"] = None
+    except ConfigError as exc:
+        errors["construction"] = str(exc)
+    unchanged = all(type(p) is torch.nn.Parameter for p in model.parameters()) and all(
+        torch.equal(a, b) for a, b in zip(before, _values(model), strict=True)
+    )
+    opt = make_optimizer(model, stage=3)
+    opt.attach(model)
+    try:
+        opt.add_param_group({"params": [temp]})
+        errors["add_param_group"] = None
+    except ConfigError as exc:
+        errors["add_param_group"] = str(exc)
+    _train(model, opt, rank, 0, {})  # the refused group changed nothing: training goes on
+    stage_2 = make_optimizer([*_model({}).parameters(), temp], stage=2)
+    return {
+        "errors": errors,
+        "unchanged": unchanged,
+        "groups_after": len(opt.param_groups),
+        "stage_2_params": sum(len(g["params"]) for g in stage_2.param_groups),
+        "params": len(before) + 1,
+    }
+
+
+def two_optimizers_refused(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Two stage-3 optimizers over one model (matrices in one, the rest in the other, as Muon with
+    AdamW): the second attach is refused, on the model or one of its modules; the first stays hooked."""
+    model = _model({})
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    first, second = make_optimizer(mats, stage=3), make_optimizer(rest, stage=3)
+    first.attach(model)
+    errors: dict[str, str | None] = {}
+    for name, target in (("model", model), ("submodule", model.blocks[0])):
+        try:
+            second.attach(target)
+            errors[name] = None
+        except ConfigError as exc:
+            errors[name] = str(exc)
+    first.attach(model)  # its own model again: an attach replaces its earlier one
+    refused_unchanged = not second.installed.residency.attached and second.domains[0].attached is None
+    torch.manual_seed(3)
+    extra = torch.nn.Linear(2, 2)
+    try:  # a re-plan settles the new residency on the attached model: none, for a refused attach
+        second.add_param_group({"params": list(extra.parameters())})
+        replan_error = None
+    except ConfigError as exc:
+        replan_error = str(exc)
+    return {
+        "errors": errors,
+        "first_attached": first.installed.residency.attached,
+        "second_unchanged": refused_unchanged,
+        "second_groups": len(second.param_groups),
+        "replan_error": replan_error,
+    }
+
+
+def eval_then_load(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation forward under ``no_grad`` between steps, then ``model.load_state_dict``: with
+    ``reshard_after_forward=False`` too, the loaded weights train on (its blocks used to stay gathered
+    after the forward and take the load, which the next step overwrote with the old masters)."""
+    models = [_model({}) for _ in range(3)]
+    settings = [{"stage": 3, "reshard_after_forward": False}, {"stage": 3}, {"stage": 2}]
+    opts = [make_optimizer(m, collectives="min_bytes", **s) for m, s in zip(models, settings, strict=True)]
+    for m, o in zip(models, opts, strict=True):
+        o.attach(m)
+    loaded = _model({}, seed=1).state_dict()
+    held_after_eval = []
+    for m, o in zip(models, opts, strict=True):
+        _train(m, o, rank, 0, {})
+        with torch.no_grad():
+            m.eval()
+            loss_of(m, *batch(5, rank))
+            m.train()
+        if o.plan.stage == 3:
+            held_after_eval.append(o.installed.residency.held_bytes())
+        m.load_state_dict(loaded)
+        _train(m, o, rank, 1, {})
+    with opts[0].gathered_params():
+        kept = _values(models[0])
+    with opts[1].gathered_params():
+        resharded = _values(models[1])
+    opts[2].wait_for_params()
+    return {
+        "held_after_eval": held_after_eval,
+        "equal_to_resharded": all(torch.equal(a, b) for a, b in zip(kept, resharded, strict=True)),
+        "equal_to_stage_2": all(torch.equal(a, b) for a, b in zip(kept, _values(models[2]), strict=True)),
     }

@@ -132,3 +132,35 @@ def test_parameters_shared_with_numpy_inside_gathered_params_are_released(pools)
         assert r["equal_to_stage_2"]
         assert r["kept_intact"]
         assert r["sharded"]
+
+
+def test_a_plain_tensor_is_refused_at_stage_3(pools):
+    """A trainable ``torch.Tensor`` that is no ``nn.Parameter`` is refused at stage 3 (construction and
+    ``add_param_group``), on every rank, naming it and what to do; its forward used to segfault."""
+    for r in pools(2).run(scenarios_stage3.plain_tensor_refused, {}):
+        for name, error in r["errors"].items():
+            assert error is not None and "'group0.param" in error, (name, error)
+            assert "not an nn.Parameter" in error and "torch.nn.Parameter" in error, (name, error)
+        assert "stage 1 or 2" in r["errors"]["construction"]
+        assert r["unchanged"]
+        assert r["groups_after"] == 1
+        assert r["stage_2_params"] == r["params"]  # stages 1-2 hold it whole: accepted there
+
+
+def test_a_second_stage_3_optimizer_cannot_attach_to_the_same_model(pools):
+    """Two stage-3 optimizers attached to one model used to segfault in backward (only one's
+    saved-tensor hooks are in force): the second attach is refused on every rank, and changes nothing."""
+    for r in pools(2).run(scenarios_stage3.two_optimizers_refused, {}):
+        for name, error in r["errors"].items():
+            assert error is not None and "one ZeroOptimizer" in error, (name, error)
+        assert r["first_attached"] and r["second_unchanged"]
+        assert r["replan_error"] is None and r["second_groups"] == 2  # its re-plan skips the refused model
+
+
+def test_an_evaluation_forward_leaves_nothing_gathered_to_overwrite_a_load(pools):
+    """``reshard_after_forward=False``: a forward under ``no_grad`` frees its blocks (no backward needs
+    them), so ``model.load_state_dict`` after it reaches the shards, as with ``True`` and at stage 2."""
+    for r in pools(2).run(scenarios_stage3.eval_then_load, {}):
+        assert r["held_after_eval"] == [0, 0]
+        assert r["equal_to_resharded"]
+        assert r["equal_to_stage_2"]
